@@ -1,0 +1,7 @@
+"""Resurgo's head-node side: decides what to do about faults and does it.
+
+The supervisor depends on ``agent`` for the checkpoint format and the wire
+protocol; ``agent`` never imports ``supervisor``.
+"""
+
+__version__ = "0.1.0"

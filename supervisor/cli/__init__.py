@@ -1,0 +1,1 @@
+"""The ``resurgo`` command line: one module per subcommand, each with ``register``."""
