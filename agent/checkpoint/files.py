@@ -1,0 +1,70 @@
+"""Disk primitives shared by the checkpoint writer and validator.
+
+Streaming checksums in bounded memory, durable small-file writes (temp file,
+fsync, rename, fsync of the directory) and directory fsync. Names and
+checksum spelling come from :mod:`agent.checkpoint.format`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from agent.checkpoint import format as fmt
+
+
+def iter_chunks(path: Path, chunk_bytes: int = fmt.CHUNK_BYTES) -> Iterator[bytes]:
+    """Yield the file's bytes in chunks of at most ``chunk_bytes``; memory stays bounded."""
+    with open(path, "rb", buffering=0) as handle:
+        while chunk := handle.read(chunk_bytes):
+            yield chunk
+
+
+def checksum_file(path: Path) -> tuple[int, str]:
+    """Return ``(byte count, checksum)`` of the file, reading it once, in chunks."""
+    hasher = fmt.new_hasher()
+    size = 0
+    for chunk in iter_chunks(path):
+        hasher.update(chunk)
+        size += len(chunk)
+    return size, fmt.format_checksum(hasher)
+
+
+def describe_file(directory: Path, relative: str) -> fmt.FileEntry:
+    """Manifest entry for ``directory / relative``."""
+    size, checksum = checksum_file(directory / fmt.check_relative_path(relative))
+    return fmt.FileEntry(path=relative, bytes=size, checksum=checksum)
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory so that entries created or renamed in it are durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that after a crash it is either whole or absent.
+
+    Writes a temporary sibling, fsyncs it, renames it over ``path`` and fsyncs
+    the directory.
+    """
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    fsync_dir(path.parent)
+
+
+def read_small(path: Path, limit_bytes: int = 64 << 20) -> bytes:
+    """Read a small file whole, refusing one larger than ``limit_bytes``."""
+    with open(path, "rb") as handle:
+        data = handle.read(limit_bytes + 1)
+    if len(data) > limit_bytes:
+        raise ValueError(f"{path} is larger than {limit_bytes} bytes")
+    return data
