@@ -156,7 +156,9 @@ def manifest_from_bytes(data: bytes) -> Manifest:
     """Parse manifest bytes strictly; raise :class:`CheckpointInvalid` naming the problem."""
     try:
         document = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    # ValueError covers JSONDecodeError and integers beyond Python's digit limit;
+    # RecursionError, nesting deeper than the parser's stack.
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise CheckpointInvalid(f"{MANIFEST_NAME} is not valid JSON: {error}") from error
     if not isinstance(document, dict):
         raise CheckpointInvalid(f"{MANIFEST_NAME} is not a JSON object")
@@ -206,7 +208,8 @@ def manifest_from_bytes(data: bytes) -> Manifest:
         )
     except CheckpointInvalid:
         raise
-    except (KeyError, TypeError, ValueError) as error:
+    # OverflowError: float() of an integer too large for a double.
+    except (KeyError, TypeError, ValueError, OverflowError) as error:
         raise CheckpointInvalid(f"{MANIFEST_NAME} is malformed: {error!r}") from error
 
 

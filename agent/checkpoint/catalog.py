@@ -1,0 +1,107 @@
+"""What checkpoints a directory holds, and which one to resume from.
+
+``list_checkpoints`` only looks (names, marker, sizes, save statistics from the
+manifest); it never validates. ``newest_valid`` walks the list newest first and
+validates until one passes, keeping the report of every newer one it rejected,
+so that the supervisor and ``resurgo ckpt newest`` can say why they fell back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.checkpoint import files
+from agent.checkpoint import format as fmt
+from agent.checkpoint.validate import Level, Report, validate
+from agent.errors import CheckpointInvalid
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One ``step-<N>`` directory as found on disk (not validated).
+
+    ``mtime_s`` is the latest modification time of the directory or any file
+    in it: the last sign of life of a save in progress. ``stats`` comes from the
+    manifest when one is present and parses.
+    """
+
+    step: int
+    path: str
+    committed: bool
+    has_manifest: bool
+    mtime_s: float
+    total_bytes: int
+    stats: fmt.SaveStats | None
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:
+    """Every ``step-<N>`` directory directly under ``root``, newest step first.
+
+    Other names are ignored. A missing ``root`` holds no checkpoints yet (the job
+    has not saved), so it gives an empty list.
+    """
+    root_path = Path(root)
+    if not root_path.is_dir():
+        return []
+    entries = []
+    for child in root_path.iterdir():
+        step = fmt.parse_step_dir_name(child.name)
+        if step is None or not child.is_dir():
+            continue
+        try:
+            entries.append(_describe(child, step))
+        except OSError as error:
+            # Deleted while we looked (retention, an operator): not a checkpoint now.
+            log.warning("skipping %s: %s", child, error)
+    entries.sort(key=lambda entry: entry.step, reverse=True)
+    return entries
+
+
+def newest_valid(
+    root: str | os.PathLike[str], level: Level = Level.FULL
+) -> tuple[Report | None, list[Report]]:
+    """The newest checkpoint under ``root`` that passes ``level``, and every newer rejection.
+
+    Returns ``(None, rejections)`` when no checkpoint is valid. Rejections are
+    ordered newest first; each report's ``reason`` says why it was passed over.
+    """
+    rejected: list[Report] = []
+    for entry in list_checkpoints(root):
+        report = validate(entry.path, level)
+        if report.valid:
+            return report, rejected
+        log.info("checkpoint %s rejected at %s: %s", entry.path, report.failed_level, report.reason)
+        rejected.append(report)
+    return None, rejected
+
+
+def _describe(directory: Path, step: int) -> Entry:
+    mtime_s = directory.stat().st_mtime
+    total_bytes = 0
+    for child in directory.iterdir():
+        # lstat: a symlink counts as itself, never as what it points to.
+        status = child.lstat()
+        total_bytes += status.st_size
+        mtime_s = max(mtime_s, status.st_mtime)
+    manifest_path = directory / fmt.MANIFEST_NAME
+    stats = None
+    has_manifest = manifest_path.is_file()
+    if has_manifest:
+        try:
+            stats = fmt.manifest_from_bytes(files.read_small(manifest_path)).stats
+        except (CheckpointInvalid, ValueError):
+            stats = None  # validation reports the broken manifest; listing just shows none
+    return Entry(
+        step=step,
+        path=str(directory),
+        committed=(directory / fmt.MARKER_NAME).is_file(),
+        has_manifest=has_manifest,
+        mtime_s=mtime_s,
+        total_bytes=total_bytes,
+        stats=stats,
+    )

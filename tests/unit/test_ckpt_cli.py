@@ -1,0 +1,174 @@
+"""`resurgo ckpt validate | newest | list`: output and exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.checkpoint import format as fmt
+from agent.checkpoint.validate import Level
+from supervisor.cli import ckpt
+from supervisor.cli.main import main
+from tests.ckpt_helpers import data_files, make_committed_checkpoint, save_plain_dcp, small_state
+
+RESURGO = Path(sys.executable).with_name("resurgo")
+STATS = fmt.SaveStats(
+    stall_s=0.25, write_s=2.0, total_bytes=8 << 20, filesystem="nfs", mode="async"
+)
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["ckpt", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Steps 1 and 2 committed and valid; step 3 committed with a truncated shard."""
+    make_committed_checkpoint(tmp_path, 1, stats=STATS)
+    make_committed_checkpoint(tmp_path, 2)
+    broken = make_committed_checkpoint(tmp_path, 3)
+    shard = data_files(broken)[0]
+    os.truncate(shard, shard.stat().st_size // 2)
+    return tmp_path
+
+
+def test_validate_valid_checkpoint_exits_0(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "validate", str(root / "step-2"), "--level", "load")
+    assert status == 0
+    assert out.startswith("valid: ") and "quick, full, load" in out
+
+
+def test_validate_invalid_checkpoint_exits_1_and_prints_the_reason(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = _run(capsys, "validate", str(root / "step-3"), "--level", "quick")
+    assert status == 1
+    assert out.startswith("invalid at quick: step-3: ")
+    assert "truncated" in out
+
+
+def test_validate_json_is_the_report(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "validate", str(root / "step-3"), "--json")
+    document = json.loads(out)
+    assert status == 1
+    assert document["valid"] is False and document["failed_level"] == "quick"
+    assert document["level"] == "full" and document["step"] == 3
+    assert set(document) == {
+        "path", "valid", "level", "checked", "failed_level", "reason", "step",
+        "has_manifest", "skipped",
+    }  # fmt: skip
+
+
+def test_validate_plain_dcp_prints_what_was_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = save_plain_dcp(tmp_path / "step-5", small_state(5))
+    status, out, _ = _run(capsys, "validate", str(directory))
+    assert status == 0
+    assert "note: no Resurgo manifest: checksums not checked" in out
+
+
+def test_validate_missing_directory_is_a_usage_error_saying_what_to_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = _run(capsys, "validate", str(tmp_path / "nope"))
+    assert status == 2 and out == ""
+    assert "does not exist: pass one checkpoint directory" in err
+    (tmp_path / "file").write_text("x")
+    status, _, err = _run(capsys, "validate", str(tmp_path / "file"))
+    assert status == 2 and "is not a directory" in err
+
+
+def test_newest_prints_the_path_and_each_newer_rejection(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = _run(capsys, "newest", str(root), "--level", "quick")
+    assert status == 0
+    assert out == f"{root / 'step-2'}\n"
+    assert err.startswith("rejected: invalid at quick: step-3: ")
+
+
+def test_newest_json_lists_rejections_newest_first(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (root / "step-2" / fmt.MARKER_NAME).unlink()
+    status, out, _ = _run(capsys, "newest", str(root), "--json")
+    document = json.loads(out)
+    assert status == 0
+    assert document["newest"]["step"] == 1
+    assert [report["step"] for report in document["rejected"]] == [3, 2]
+
+
+def test_newest_exits_1_when_nothing_is_valid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = _run(capsys, "newest", str(tmp_path))
+    assert status == 1 and out == ""
+    assert "no valid checkpoint" in err
+
+
+def test_list_shows_a_row_per_checkpoint_with_save_stats(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = _run(capsys, "list", str(root))
+    lines = out.splitlines()
+    assert status == 0
+    assert lines[0].split() == [
+        "STEP", "COMMITTED", "VALID(quick)", "SIZE", "AGE", "STALL", "WRITE", "THROUGHPUT",
+    ]  # fmt: skip
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["3", "yes", "NO"], ["2", "yes", "yes"], ["1", "yes", "yes"],
+    ]  # fmt: skip
+    assert lines[3].split()[-4:] == ["0.25s", "2.00s", "4.0", "MiB/s"]
+
+
+def test_list_json_rows_carry_throughput(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "list", str(root), "--json")
+    rows = json.loads(out)["checkpoints"]
+    assert status == 0
+    assert [row["step"] for row in rows] == [3, 2, 1]
+    assert rows[0]["valid_quick"] is False and rows[0]["quick_reason"]
+    assert rows[2]["stats"]["throughput_bytes_per_s"] == (8 << 20) / 2.0
+    assert rows[1]["stats"] is None
+
+
+def test_cli_level_names_are_the_validation_levels() -> None:
+    assert tuple(level.value for level in Level) == ckpt.LEVELS
+
+
+def test_resurgo_help_does_not_import_torch() -> None:
+    probe = "import sys; from supervisor.cli import main; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_ckpt_without_a_command_prints_help_and_exits_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, _, err = _run(capsys)
+    assert status == 2 and "validate" in err
+
+
+def test_installed_resurgo_validate_exit_codes(root: Path, tmp_path: Path) -> None:
+    def exit_code(path: Path) -> int:
+        return subprocess.run(
+            [str(RESURGO), "ckpt", "validate", "--level", "quick", str(path)],
+            capture_output=True,
+            check=False,
+            timeout=120,
+        ).returncode
+
+    assert [exit_code(root / "step-2"), exit_code(root / "step-3"), exit_code(root / "no")] == [
+        0,
+        1,
+        2,
+    ]
