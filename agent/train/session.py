@@ -1,0 +1,299 @@
+"""What a training script imports: save and restore every piece of deterministic state.
+
+A :class:`TrainingSession` wraps the model, optimizer, LR scheduler, GradScaler,
+the :class:`~agent.train.sampler.GlobalBatchSampler` and user extras, and
+checkpoints them through :class:`~agent.checkpoint.save.Checkpointer` on the
+schedule from :mod:`agent.train.schedule`. On every rank::
+
+    session = TrainingSession(root, model=model, optimizer=opt, sampler=sampler,
+                              lr_scheduler=sched)
+    session.restore()                  # all but the global RNGs; returns the step
+    batches = iter(loader)             # creating an iterator draws from the torch RNG,
+    session.restore_rng()              # so the RNGs are restored after it exists
+    while session.step < total_steps:
+        batch = next(batches)          # (new iterator at each epoch end)
+        ...forward, backward, optimizer.step(), scheduler.step()...
+        session.step_done()            # advances the sampler; saves when due
+    session.close()                    # waits for the last save to commit
+
+What is saved (DESIGN.md §5), under these top-level keys:
+
+- ``model``, ``optim``: from ``torch.distributed.checkpoint.state_dict`` so
+  FSDP2/DTensor shards are saved sharded and resharded on load;
+- ``lr_scheduler``, ``grad_scaler``, ``data`` (the sampler's global cursor),
+  ``extras``, ``step``: identical on every rank, so DCP's dedup keeps one copy;
+- ``per_rank.rank<r>``: this rank's Python, NumPy, torch CPU and CUDA RNG
+  states. Keyed by rank because DCP keeps one copy of identical keys.
+
+The resume source is ``RESURGO_RESUME_FROM`` (set by the supervisor: that
+exact checkpoint, re-validated; invalid is an error) or else the newest
+checkpoint under the root that passes the QUICK validation level. Rank 0
+decides and broadcasts, so every rank loads the same directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from agent.checkpoint import format as fmt
+from agent.checkpoint.catalog import newest_valid
+from agent.checkpoint.retention import RetentionPolicy, apply_retention
+from agent.checkpoint.save import Checkpointer, SaveResult, WhenBusy
+from agent.checkpoint.validate import Level, validate
+from agent.errors import CheckpointError, CheckpointInvalid, ConfigError
+from agent.train.rng import capture_rng_state, restore_rng_state
+from agent.train.sampler import GlobalBatchSampler
+from agent.train.schedule import CheckpointSchedule, IntervalSource, due_on_all_ranks
+
+log = logging.getLogger(__name__)
+
+ENV_RESUME_FROM = "RESURGO_RESUME_FROM"
+ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
+# Keep the last 3 committed checkpoints (a bug can take two saves to show).
+DEFAULT_RETENTION = RetentionPolicy()
+
+
+class TrainingSession:
+    """Checkpoint/restore of a training run's complete state; one per rank.
+
+    Construct after ``init_process_group`` (when distributed) and after the
+    model is wrapped (FSDP2/DDP) and the optimizer built. Every method is
+    called on every rank at the same point of the loop.
+    """
+
+    def __init__(
+        self,
+        root: Path | str | None = None,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+        grad_scaler: Any | None = None,
+        sampler: GlobalBatchSampler | None = None,
+        extras: Mapping[str, Any] | None = None,
+        interval: IntervalSource | None = None,
+        retention: RetentionPolicy | None = DEFAULT_RETENTION,
+        when_busy: WhenBusy = WhenBusy.WAIT,
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        if root is None:
+            if not env.get(ENV_CKPT_ROOT):
+                raise ConfigError(
+                    f"no checkpoint root: pass TrainingSession(root=...) or set {ENV_CKPT_ROOT}"
+                )
+            root = env[ENV_CKPT_ROOT]
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._model = model
+        self._optimizer = optimizer
+        self._lr_scheduler = lr_scheduler
+        self._grad_scaler = grad_scaler
+        self._sampler = sampler
+        self._extras = dict(extras or {})
+        self._env = env
+        self._clock = clock
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._distributed else 0
+        self.world_size = dist.get_world_size() if self._distributed else 1
+        self._retention = retention
+        self._checkpointer = Checkpointer(
+            self.root,
+            when_busy=when_busy,
+            after_commit=self._after_commit if retention is not None else None,
+        )
+        self._interval = interval if interval is not None else IntervalSource(dict(env))
+        self.step = 0
+        self._schedule = CheckpointSchedule(
+            self._interval.current(), start_step=0, start_s=self._clock()
+        )
+        self._pending_rng: dict[str, Any] | None = None
+        self.resumed_from: Path | None = None
+        self.last_save: SaveResult | None = None
+
+    # -- restore -------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the resume checkpoint, if any, except the global RNGs; return the step.
+
+        Returns 0 (and changes nothing) when there is no checkpoint to resume
+        from. Call :meth:`restore_rng` once the data iterator exists.
+        """
+        path = self._choose_resume_path()
+        if path is None:
+            log.info("no checkpoint under %s: starting from step 0", self.root)
+            return 0
+        state = self._state_for_load(path)
+        dcp.load(state, checkpoint_id=str(path))
+        if self._optimizer is not None:
+            set_state_dict(
+                self._model,
+                self._optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
+        else:
+            set_state_dict(self._model, (), model_state_dict=state["model"], optim_state_dict={})
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self._grad_scaler is not None:
+            self._grad_scaler.load_state_dict(state["grad_scaler"])
+        if self._sampler is not None:
+            self._sampler.load_state_dict(state["data"])
+        for name, value in state.get("extras", {}).items():
+            target = self._extras[name]
+            if hasattr(target, "load_state_dict"):
+                target.load_state_dict(value)
+            else:
+                self._extras[name] = value
+        self.step = int(state["step"])
+        self._pending_rng = state["per_rank"].get(f"rank{self.rank}")
+        if self._pending_rng is None:
+            log.warning(
+                "checkpoint %s has no RNG state for rank %d (it was saved by fewer ranks): "
+                "this rank continues with its current RNG state",
+                path,
+                self.rank,
+            )
+        self._schedule = CheckpointSchedule(
+            self._interval.current(), start_step=self.step, start_s=self._clock()
+        )
+        self.resumed_from = path
+        log.info("resumed from %s at step %d", path, self.step)
+        return self.step
+
+    def restore_rng(self) -> None:
+        """Restore this rank's RNG states from the checkpoint; no-op if none are pending.
+
+        Call after the data iterators exist (creating one draws from the global
+        torch RNG) and before the first training step after :meth:`restore`.
+        """
+        if self._pending_rng is not None:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    def _choose_resume_path(self) -> Path | None:
+        """Rank 0 picks the checkpoint (explicit or newest valid); every rank learns it."""
+        decision: list[Any] = [None]
+        if self.rank == 0:
+            decision[0] = self._decide_resume_path()
+        if self._distributed:
+            dist.broadcast_object_list(decision, src=0)
+        outcome = decision[0]
+        if isinstance(outcome, dict):
+            raise CheckpointInvalid(outcome["error"])
+        return None if outcome is None else Path(outcome)
+
+    def _decide_resume_path(self) -> str | dict[str, str] | None:
+        explicit = self._env.get(ENV_RESUME_FROM)
+        if explicit:
+            report = validate(explicit, Level.QUICK)
+            if not report.valid:
+                return {
+                    "error": f"{ENV_RESUME_FROM}={explicit} is not a valid checkpoint "
+                    f"({report.reason}); refusing to resume from it: pick another with "
+                    "`resurgo ckpt newest`"
+                }
+            return explicit
+        newest, rejected = newest_valid(self.root, Level.QUICK)
+        for bad in rejected:
+            log.warning("passing over checkpoint %s: %s", bad.path, bad.reason)
+        return None if newest is None else newest.path
+
+    def _state_for_load(self, path: Path) -> dict[str, Any]:
+        """A state dict shaped like the saved one, for ``dcp.load`` to fill in place."""
+        state = self._state_for_save()
+        # Only this rank's RNG entry, and only if the saving world had this rank.
+        # Other ranks' entries in the checkpoint are ignored by the load planner.
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        own = f"per_rank.rank{self.rank}"
+        has_own = any(key.startswith(own + ".") for key in metadata.state_dict_metadata)
+        state["per_rank"] = {f"rank{self.rank}": state["per_rank"][f"rank{self.rank}"]}
+        if not has_own:
+            state["per_rank"] = {}
+        return state
+
+    # -- save ----------------------------------------------------------------
+
+    def step_done(self) -> SaveResult | None:
+        """Record one completed optimizer step; save when the schedule says so.
+
+        Advances the sampler's global cursor (after the optimizer step, never in
+        the data pipeline, since DataLoader workers prefetch).
+        """
+        if self._pending_rng is not None:
+            raise CheckpointError(
+                "restored RNG state was never applied: call session.restore_rng() after "
+                "creating the data iterator and before the first training step"
+            )
+        self.step += 1
+        if self._sampler is not None:
+            self._sampler.advance()
+        self._schedule.set_interval(self._interval.current())
+        if not due_on_all_ranks(self._schedule, self.step, self._clock(), rank=self.rank):
+            return None
+        return self.save()
+
+    def save(self) -> SaveResult:
+        """Save the current state as ``step-<step>/`` now (every rank)."""
+        result = self._checkpointer.save(self.step, self._state_for_save(), self._contents())
+        self._schedule.record_save(self.step, self._clock())
+        self.last_save = result
+        return result
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed (raises if it failed)."""
+        self._checkpointer.wait()
+
+    def close(self) -> None:
+        """Wait for the last save to commit and release the checkpointer."""
+        self._checkpointer.close()
+
+    def _state_for_save(self) -> dict[str, Any]:
+        optimizers = () if self._optimizer is None else self._optimizer
+        model_state, optim_state = get_state_dict(self._model, optimizers)
+        state: dict[str, Any] = {
+            "model": model_state,
+            "optim": optim_state,
+            "step": self.step,
+            "per_rank": {f"rank{self.rank}": capture_rng_state()},
+        }
+        if self._lr_scheduler is not None:
+            state["lr_scheduler"] = self._lr_scheduler.state_dict()
+        if self._grad_scaler is not None:
+            state["grad_scaler"] = self._grad_scaler.state_dict()
+        if self._sampler is not None:
+            state["data"] = self._sampler.state_dict()
+        if self._extras:
+            state["extras"] = {
+                name: value.state_dict() if hasattr(value, "state_dict") else value
+                for name, value in self._extras.items()
+            }
+        return state
+
+    def _contents(self) -> list[fmt.StateKind]:
+        kinds = [fmt.StateKind.MODEL, fmt.StateKind.STEP, fmt.StateKind.RNG]
+        present = (
+            (self._optimizer, fmt.StateKind.OPTIMIZER),
+            (self._lr_scheduler, fmt.StateKind.LR_SCHEDULER),
+            (self._grad_scaler, fmt.StateKind.GRAD_SCALER),
+            (self._sampler, fmt.StateKind.DATA_POSITION),
+            (self._extras or None, fmt.StateKind.EXTRA),
+        )
+        kinds.extend(kind for value, kind in present if value is not None)
+        return kinds
+
+    def _after_commit(self, _step_dir: Path) -> None:
+        assert self._retention is not None
+        apply_retention(self.root, self._retention, now_s=time.time())
