@@ -45,7 +45,7 @@ def save_plain_dcp(directory: Path, state: dict[str, Any], thread_count: int = 2
 
 
 def write_manifest_and_marker(
-    directory: Path, step: int, stats: fmt.SaveStats | None = None
+    directory: Path, step: int, stats: fmt.SaveStats | None = None, world_size: int = 1
 ) -> fmt.Manifest:
     """Describe every DCP file of ``directory``, then write manifest and marker durably."""
     names = sorted(
@@ -55,7 +55,7 @@ def write_manifest_and_marker(
     )
     manifest = fmt.Manifest(
         step=step,
-        world_size=1,
+        world_size=world_size,
         contents=(fmt.StateKind.MODEL, fmt.StateKind.OPTIMIZER, fmt.StateKind.STEP),
         files=tuple(files.describe_file(directory, name) for name in names),
         created_unix_s=CREATED_UNIX_S,
@@ -72,12 +72,13 @@ def make_committed_checkpoint(
     step: int,
     state: dict[str, Any] | None = None,
     stats: fmt.SaveStats | None = None,
+    world_size: int = 1,
 ) -> Path:
     """A committed Resurgo checkpoint ``root/step-<step>/``; returns its path."""
     directory = save_plain_dcp(
         root / fmt.step_dir_name(step), small_state(step) if state is None else state
     )
-    write_manifest_and_marker(directory, step, stats)
+    write_manifest_and_marker(directory, step, stats, world_size)
     return directory
 
 

@@ -20,7 +20,9 @@ JSON output (``--json``; one document on stdout; keys are stable, enums by value
 
 - ``newest``: ``{"root": str, "newest": report|null, "rejected": [report...]}``,
   rejected newest first.
-- ``list``: ``{"root": str, "checkpoints": [row...]}``, each row::
+- ``list``: ``{"root": str, "filesystem": str, "warnings": [str...],
+  "checkpoints": [row...]}`` (``filesystem`` by statfs magic, e.g. "ext4",
+  "nfs", "lustre"; ``warnings`` e.g. many ranks writing shards to NFS), each row::
 
     {"step": int, "path": str, "committed": bool, "valid_quick": bool,
      "quick_reason": str|null, "total_bytes": int, "mtime_unix_s": float,
@@ -159,18 +161,43 @@ def _list(args: argparse.Namespace) -> int:
     if usage is not None:
         return usage
     from agent.checkpoint.catalog import list_checkpoints
+    from agent.checkpoint.storage import filesystem_of
     from agent.checkpoint.validate import Level, validate
 
     now_s = time.time()
-    rows = [
-        _row(entry, validate(entry.path, Level.QUICK), now_s)
-        for entry in list_checkpoints(args.root)
-    ]
+    reports = [(entry, validate(entry.path, Level.QUICK)) for entry in list_checkpoints(args.root)]
+    rows = [_row(entry, report, now_s) for entry, report in reports]
+    filesystem = filesystem_of(Path(args.root))
+    warnings = _storage_warnings(filesystem, reports)
     if args.json:
-        _print_json({"root": args.root, "checkpoints": rows})
+        _print_json(
+            {
+                "root": args.root,
+                "filesystem": filesystem.value,
+                "warnings": warnings,
+                "checkpoints": rows,
+            }
+        )
     else:
         print(_table(rows) if rows else f"no step-N checkpoints under {args.root}")
+        print(f"filesystem: {filesystem.value}")
+        for warning in warnings:
+            print(f"warning: {warning}")
     return EXIT_OK
+
+
+def _storage_warnings(filesystem: Any, reports: list[tuple[Entry, Report]]) -> list[str]:
+    """The storage warning for the newest checkpoint that recorded its save statistics."""
+    from agent.checkpoint.storage import storage_warning
+
+    for entry, report in reports:
+        if entry.stats is None or report.manifest is None:
+            continue
+        write_s = entry.stats.write_s
+        throughput = entry.stats.total_bytes / write_s if write_s > 0 else None
+        warning = storage_warning(filesystem, report.manifest.world_size, throughput)
+        return [] if warning is None else [warning]
+    return []
 
 
 def _report_line(report: Report) -> str:

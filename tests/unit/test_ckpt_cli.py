@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from agent.checkpoint import format as fmt
-from agent.checkpoint.validate import Level
+from agent.checkpoint.catalog import list_checkpoints
+from agent.checkpoint.storage import FsKind, filesystem_of
+from agent.checkpoint.validate import Level, validate
 from supervisor.cli import ckpt
 from supervisor.cli.main import main
 from tests.ckpt_helpers import data_files, make_committed_checkpoint, save_plain_dcp, small_state
@@ -123,10 +125,23 @@ def test_list_shows_a_row_per_checkpoint_with_save_stats(
     assert lines[0].split() == [
         "STEP", "COMMITTED", "VALID(quick)", "SIZE", "AGE", "STALL", "WRITE", "THROUGHPUT",
     ]  # fmt: skip
-    assert [line.split()[:3] for line in lines[1:]] == [
+    assert [line.split()[:3] for line in lines[1:4]] == [
         ["3", "yes", "NO"], ["2", "yes", "yes"], ["1", "yes", "yes"],
     ]  # fmt: skip
     assert lines[3].split()[-4:] == ["0.25s", "2.00s", "4.0", "MiB/s"]
+    assert lines[4] == f"filesystem: {filesystem_of(root).value}"
+    assert len(lines) == 5  # a local filesystem: no storage warning
+
+
+def test_list_warns_when_many_ranks_wrote_shards_to_nfs(tmp_path: Path) -> None:
+    stats = fmt.SaveStats(
+        stall_s=0.1, write_s=4.0, total_bytes=40_000_000, filesystem="nfs", mode="async"
+    )
+    make_committed_checkpoint(tmp_path, 5, stats=stats, world_size=16)
+    reports = [(entry, validate(entry.path, Level.QUICK)) for entry in list_checkpoints(tmp_path)]
+    [warning] = ckpt._storage_warnings(FsKind.NFS, reports)
+    assert "16 ranks" in warning and "10.0 MB/s" in warning and "Lustre" in warning
+    assert ckpt._storage_warnings(FsKind.LUSTRE, reports) == []
 
 
 def test_list_json_rows_carry_throughput(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
