@@ -14,6 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PURE_MODULES = (
     "agent/checkpoint/format.py",
+    "agent/protocol.py",
+    "agent/launch.py",
     "agent/checkpoint/interval.py",
     "agent/train/sampler.py",
 )

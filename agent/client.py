@@ -1,0 +1,600 @@
+"""The node agent's side of the wire: a spool-backed, retrying reporter to the supervisor.
+
+:class:`Reporter` is the only code in the agent that talks HTTP. Events go
+through an on-disk spool before anything is sent, so an agent crash or a
+supervisor outage loses nothing:
+
+1. :meth:`Reporter.emit` numbers the event, appends it to the spool (one JSON
+   line, flushed and fsynced) and wakes the sender;
+2. the sender task POSTs spooled events in order, in batches, to
+   ``/v1/events`` and retries every failure with jittered exponential
+   backoff (tenacity) until the supervisor answers;
+3. only events the supervisor lists in ``accepted_event_ids`` are dropped from
+   the spool, by advancing a durable cursor file;
+4. a Reporter started on the same spool directory after a crash sends the
+   earlier incarnation's unacknowledged events first, with their original
+   ids, so the supervisor records each exactly once.
+
+Heartbeats are best effort and never spooled: only the newest matters.
+The wire format and signing live in :mod:`agent.protocol`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import tenacity
+
+from agent import protocol
+from agent.checkpoint.files import fsync_dir, write_durably
+from agent.errors import ConfigError, ResurgoError
+from agent.protocol import Command, Event, EventKind, HeartbeatReport, Reply
+
+logger = logging.getLogger(__name__)
+
+SECRET_BYTES = 32
+DEFAULT_BACKOFF = tenacity.wait_random_exponential(multiplier=0.5, max=10.0)
+DEFAULT_HEARTBEAT_TIMEOUT_S = 2.0
+
+# A fully acknowledged spool segment larger than this is replaced by a fresh
+# one, so that a long job's spool does not grow without bound.
+ROTATE_BYTES = 1 << 20
+# Remembered command ids; a supervisor repeats a command for seconds, not for
+# thousands of commands.
+_SEEN_COMMANDS = 4096
+_SEGMENT_PREFIX = "events-"
+_SEGMENT_SUFFIX = ".jsonl"
+_CURSOR_NAME = "cursor.json"
+_LOCK_NAME = "lock"
+
+
+class SpoolLocked(ResurgoError):
+    """Another live Reporter holds the spool directory; two writers would interleave events."""
+
+
+class Rejected(ResurgoError):
+    """The supervisor answered with a status other than 200; ``reason`` is its body."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(f"supervisor answered {status}: {reason}")
+        self.status = status
+        self.reason = reason
+
+
+def new_secret() -> bytes:
+    """A fresh 256-bit per-job signing secret."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def parse_secret(text: str) -> bytes:
+    """The secret spelled as 64 hex digits (its form in files and the environment)."""
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError as error:
+        raise ConfigError("the job secret must be 64 hex digits") from error
+    if len(secret) != SECRET_BYTES:
+        raise ConfigError(f"the job secret must be {SECRET_BYTES * 2} hex digits")
+    return secret
+
+
+def write_secret(path: Path, secret: bytes) -> None:
+    """Store ``secret`` as hex in ``path`` with mode 0600 (durably, replacing any old file)."""
+    if len(secret) != SECRET_BYTES:
+        raise ConfigError(f"a job secret is {SECRET_BYTES} bytes, got {len(secret)}")
+    temporary = path.with_name(f".{path.name}.tmp")
+    # Created 0600 from the first byte, never briefly readable by others.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (secret.hex() + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    fsync_dir(path.parent)
+
+
+def load_secret(path: Path) -> bytes:
+    """Read a job secret written by :func:`write_secret`, refusing a file others can read."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read the job secret {path}: {error}") from error
+    if mode & 0o077:
+        raise ConfigError(
+            f"job secret {path} has mode {mode:04o}, readable by group or others: "
+            f"run `chmod 600 {path}`"
+        )
+    try:
+        return parse_secret(text)
+    except ConfigError as error:
+        raise ConfigError(f"job secret {path}: {error}") from error
+
+
+@dataclass(frozen=True)
+class _Spooled:
+    """An event waiting in the spool; ``position`` is the cursor once it is acknowledged."""
+
+    event: Event
+    encoded_bytes: int
+    position: tuple[int, int]  # (segment number, byte offset just past its line)
+
+
+class _Spool:
+    """Append-only JSON-lines segments plus a durable "acknowledged up to" cursor.
+
+    Layout of the directory: ``events-<n>.jsonl`` segments (each Reporter start
+    appends to a new one), ``cursor.json`` = ``{"segment": n, "offset": b}``
+    meaning every byte before ``b`` in segment ``n`` and every earlier segment
+    was accepted by the supervisor, and ``lock`` (flock) against a second
+    writer. Not thread-safe: one asyncio loop owns it.
+    """
+
+    def __init__(self, directory: Path, job_id: str, node: str) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock = open(directory / _LOCK_NAME, "a")  # noqa: SIM115 (held until close)
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as error:
+            self._lock.close()
+            raise SpoolLocked(
+                f"spool {directory} is in use by another agent process on this node: "
+                "stop it first, or give each agent its own spool directory"
+            ) from error
+        self.pending: collections.deque[_Spooled] = collections.deque()
+        self._cursor = self._read_cursor()
+        self._load(job_id, node)
+        self._segment = max(max(self._segments(), default=0), self._cursor[0]) + 1
+        self._file: IO[bytes] = open(self._path(self._segment), "ab")  # noqa: SIM115
+        self._offset = 0
+        fsync_dir(directory)
+        self._remove_acknowledged_segments()
+
+    def append(self, event: Event) -> None:
+        """Write ``event`` durably, then queue it for sending."""
+        line = protocol.encode_event(event) + b"\n"
+        self._file.write(line)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._offset += len(line)
+        self.pending.append(_Spooled(event, len(line), (self._segment, self._offset)))
+
+    def batch(self, max_events: int, max_bytes: int) -> list[Event]:
+        """The oldest pending events, at most ``max_events`` and about ``max_bytes`` encoded."""
+        events: list[Event] = []
+        size = 0
+        for spooled in self.pending:
+            if events and (len(events) >= max_events or size + spooled.encoded_bytes > max_bytes):
+                break
+            events.append(spooled.event)
+            size += spooled.encoded_bytes
+        return events
+
+    def acknowledge(self, count: int) -> None:
+        """Drop the ``count`` oldest pending events: advance the cursor past them, durably."""
+        last = None
+        for _ in range(count):
+            last = self.pending.popleft()
+        if last is None:
+            return
+        self._write_cursor(last.position, last.event.event_id)
+        self._remove_acknowledged_segments()
+        if not self.pending and self._offset > ROTATE_BYTES:
+            self._rotate()
+
+    def close(self) -> None:
+        """Close the segment and release the directory lock."""
+        self._file.close()
+        self._lock.close()
+
+    def _rotate(self) -> None:
+        old = self._segment
+        self._segment += 1
+        self._file.close()
+        self._file = open(self._path(self._segment), "ab")  # noqa: SIM115
+        self._offset = 0
+        fsync_dir(self.directory)
+        # The new, empty segment exists before the cursor names it, so a crash
+        # in between leaves a cursor that points at a real file.
+        self._write_cursor((self._segment, 0), None)
+        self._path(old).unlink(missing_ok=True)
+
+    def _path(self, segment: int) -> Path:
+        return self.directory / f"{_SEGMENT_PREFIX}{segment:08d}{_SEGMENT_SUFFIX}"
+
+    def _segments(self) -> list[int]:
+        numbers = []
+        for path in self.directory.glob(f"{_SEGMENT_PREFIX}*{_SEGMENT_SUFFIX}"):
+            digits = path.name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)]
+            if digits.isdigit():
+                numbers.append(int(digits))
+        return sorted(numbers)
+
+    def _read_cursor(self) -> tuple[int, int]:
+        path = self.directory / _CURSOR_NAME
+        if not path.exists():
+            return (0, 0)
+        try:
+            document = json.loads(path.read_bytes())
+            segment, offset = document["segment"], document["offset"]
+            if not (isinstance(segment, int) and isinstance(offset, int)):
+                raise ValueError("segment and offset must be integers")
+            return (segment, offset)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            # Written atomically, so this is damage from outside; replaying
+            # everything is safe because the supervisor dedups by event id.
+            logger.error("spool cursor %s unreadable (%s): replaying the whole spool", path, error)
+            return (0, 0)
+
+    def _write_cursor(self, position: tuple[int, int], event_id: str | None) -> None:
+        self._cursor = position
+        document = {"segment": position[0], "offset": position[1], "last_event_id": event_id}
+        write_durably(self.directory / _CURSOR_NAME, json.dumps(document).encode())
+
+    def _load(self, job_id: str, node: str) -> None:
+        for segment in self._segments():
+            if segment < self._cursor[0]:
+                continue
+            start = self._cursor[1] if segment == self._cursor[0] else 0
+            for event, end in self._read_segment(segment, start):
+                if (event.job_id, event.node) != (job_id, node):
+                    self._lock.close()
+                    raise ConfigError(
+                        f"spool {self.directory} holds undelivered events of job "
+                        f"{event.job_id} on node {event.node}, not {job_id} on {node}: "
+                        "give each job and node its own spool directory"
+                    )
+                encoded = len(protocol.encode_event(event)) + 1
+                self.pending.append(_Spooled(event, encoded, (segment, end)))
+        if self.pending:
+            logger.info(
+                "spool %s: %d undelivered events from earlier runs will be sent first",
+                self.directory,
+                len(self.pending),
+            )
+
+    def _read_segment(self, segment: int, start: int) -> Iterator[tuple[Event, int]]:
+        data = self._path(segment).read_bytes()
+        offset = start
+        while offset < len(data):
+            end = data.find(b"\n", offset)
+            if end < 0:
+                # The append that wrote this was never fsynced to completion, so
+                # emit() never returned it: nobody was told it was recorded.
+                logger.warning(
+                    "spool segment %s ends in a torn line (%d bytes): ignored",
+                    self._path(segment),
+                    len(data) - offset,
+                )
+                return
+            line = data[offset:end]
+            offset = end + 1
+            try:
+                yield protocol.decode_event(line), offset
+            except protocol.ProtocolError as error:
+                logger.error(
+                    "spool segment %s: skipping an undecodable line at byte %d (%s): %r",
+                    self._path(segment),
+                    end - len(line),
+                    error,
+                    line[:200],
+                )
+
+    def _remove_acknowledged_segments(self) -> None:
+        for segment in self._segments():
+            if segment < self._cursor[0]:
+                self._path(segment).unlink(missing_ok=True)
+
+
+class Reporter:
+    """Delivers the agent's events to the supervisor in order, exactly once, whatever happens.
+
+    Lifecycle: construct (takes the spool lock and loads undelivered events),
+    ``await start()`` (or ``async with``), ``await emit(...)`` as things
+    happen, ``await heartbeat(...)`` periodically, ``await close(...)``.
+    ``emit`` works before ``start``; the events wait in the spool.
+
+    Failures while sending are retried with ``backoff`` between attempts,
+    forever, until :meth:`close`; events are never dropped or reordered:
+
+    - supervisor unreachable (refused, timeout, 5xx): a warning per attempt;
+    - 401/403: logged as errors with the supervisor's reason. This is a
+      misconfiguration (wrong secret, clock outside the replay window, node
+      not in the job) that an operator can fix while the agent keeps
+      retrying; the events stay spooled meanwhile;
+    - 400: the supervisor found a batch malformed, which is a bug in one of
+      the two sides; logged as an error with the reason and retried (a fixed
+      supervisor accepts it), never dropped.
+
+    Commands found on any reply are passed to ``on_command`` once per
+    ``command_id`` within this process.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        job_id: str,
+        node: str,
+        secret: bytes,
+        spool_dir: Path,
+        *,
+        incarnation: str | None = None,
+        on_command: Callable[[Command], None] | None = None,
+        clock: Callable[[], float] = time.time,
+        max_batch: int = 100,
+        timeout_s: float = 5.0,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        backoff: tenacity.wait.wait_base = DEFAULT_BACKOFF,
+    ) -> None:
+        if len(secret) < 16:
+            raise ConfigError(f"job secret is {len(secret)} bytes; use new_secret() (32 bytes)")
+        if not 1 <= max_batch <= protocol.MAX_EVENTS_PER_BATCH:
+            raise ConfigError(f"max_batch must be 1..{protocol.MAX_EVENTS_PER_BATCH}")
+        self.job_id = protocol.check_name(job_id, "job_id")
+        self.node = protocol.check_name(node, "node")
+        self.incarnation = protocol.check_incarnation(incarnation or secrets.token_hex(8))
+        self._base_url = base_url.rstrip("/")
+        self._secret = secret
+        self._on_command = on_command
+        self._clock = clock
+        self._max_batch = max_batch
+        self._timeout_s = timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._backoff = backoff
+        self._spool = _Spool(Path(spool_dir), self.job_id, self.node)
+        self._seq = 0
+        self._seen_commands: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._session: aiohttp.ClientSession | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._closed = False
+        self._wake = asyncio.Event()
+        self._nudge = asyncio.Event()
+        self._idle = asyncio.Event()
+        self.heartbeats_sent = 0
+        self.heartbeat_failures = 0
+        self.events_delivered = 0
+
+    @property
+    def pending(self) -> int:
+        """Events spooled and not yet acknowledged by the supervisor."""
+        return len(self._spool.pending)
+
+    @property
+    def spool_dir(self) -> Path:
+        """The spool directory this Reporter holds."""
+        return self._spool.directory
+
+    async def start(self) -> None:
+        """Open the HTTP session and start the sender; spooled events go out at once."""
+        if self._closed:
+            raise RuntimeError("Reporter is closed")
+        if self._sender is not None:
+            return
+        self._session = aiohttp.ClientSession()
+        self._sender = asyncio.create_task(self._send_forever(), name="resurgo-reporter")
+        self._wake.set()
+
+    async def __aenter__(self) -> Reporter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def emit(self, kind: EventKind, payload: dict[str, Any]) -> Event:
+        """Record an event durably and queue it for delivery; returns it with its id.
+
+        Raises :class:`~agent.protocol.ProtocolError` (and spools nothing) when
+        ``payload`` does not fit ``kind``. Blocks the loop for one fsync.
+        """
+        if self._closed:
+            raise RuntimeError("Reporter is closed; the event was not recorded")
+        event = protocol.make_event(
+            kind,
+            self.job_id,
+            self.node,
+            self.incarnation,
+            self._seq + 1,
+            self._clock(),
+            payload,
+        )
+        self._spool.append(event)
+        self._seq += 1
+        self._idle.clear()
+        self._wake.set()
+        return event
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until every spooled event is acknowledged; False if ``timeout_s`` ran out."""
+        if not self._spool.pending:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def heartbeat(self, report: HeartbeatReport) -> bool:
+        """Send one heartbeat summary, one attempt; True if the supervisor took it.
+
+        Failures are counted in ``heartbeat_failures`` and logged at debug: the
+        next heartbeat supersedes this one, and events carry what must not be
+        lost. An invalid ``report`` raises :class:`~agent.protocol.ProtocolError`
+        (a bug in the caller, not a delivery failure).
+        """
+        body = protocol.encode_heartbeat(report)
+        try:
+            reply = await self._post(protocol.HEARTBEAT_PATH, body, self._heartbeat_timeout_s)
+        except (aiohttp.ClientError, TimeoutError, Rejected, protocol.ProtocolError) as error:
+            self.heartbeat_failures += 1
+            logger.debug("heartbeat not delivered: %s", _describe(error))
+            return False
+        self.heartbeats_sent += 1
+        self._dispatch(reply.commands)
+        return True
+
+    async def close(self, drain_timeout_s: float = 5.0) -> None:
+        """Deliver what is spooled within ``drain_timeout_s``, then stop; the rest stays spooled."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._sender is not None:
+                # Cut a backoff sleep short: one more attempt before giving up.
+                self._nudge.set()
+                if not await self.flush(drain_timeout_s):
+                    logger.warning(
+                        "closing with %d events undelivered; they stay in %s for the next start",
+                        self.pending,
+                        self.spool_dir,
+                    )
+                self._sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._sender
+        finally:
+            if self._session is not None:
+                await self._session.close()
+            self._spool.close()
+
+    async def _send_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._spool.pending:
+                await self._deliver_next_batch()
+            self._idle.set()
+
+    async def _deliver_next_batch(self) -> None:
+        retrying = tenacity.AsyncRetrying(
+            wait=self._backoff,
+            stop=tenacity.stop_never,
+            # Every failure, expected or a bug, is retried: the events are safe
+            # in the spool and the loop must outlive a bad tick. CancelledError
+            # is a BaseException and still stops it.
+            retry=tenacity.retry_if_exception_type(Exception),
+            sleep=self._interruptible_sleep,
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self._post_batch()
+
+    async def _post_batch(self) -> None:
+        events = self._spool.batch(self._max_batch, protocol.MAX_BODY_BYTES - 4096)
+        reply = await self._post(
+            protocol.EVENTS_PATH, protocol.encode_events(events), self._timeout_s
+        )
+        accepted = set(reply.accepted_event_ids)
+        # Only a prefix can leave the spool: the cursor is a position, and
+        # anything after a gap is resent (the supervisor dedups it).
+        count = 0
+        while count < len(events) and events[count].event_id in accepted:
+            count += 1
+        self._spool.acknowledge(count)
+        self.events_delivered += count
+        self._dispatch(reply.commands)
+        if count == 0:
+            raise Rejected(200, f"reply did not list {events[0].event_id}")
+
+    async def _post(self, path: str, body: bytes, timeout_s: float) -> Reply:
+        if self._session is None:
+            raise RuntimeError("Reporter.start() was not called")
+        url = self._base_url + path
+        headers = protocol.signed_headers(
+            self._secret,
+            protocol.METHOD,
+            urlsplit(url).path,
+            self.job_id,
+            int(self._clock()),
+            body,
+        )
+        headers["Content-Type"] = "application/json"
+        async with self._session.post(
+            url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            data = await response.read()
+            if response.status != 200:
+                reason = protocol.clip_text(data.decode("utf-8", "replace").strip(), 2000)
+                raise Rejected(response.status, reason)
+            return protocol.decode_reply(data)
+
+    def _dispatch(self, commands: tuple[Command, ...]) -> None:
+        for command in commands:
+            if command.command_id in self._seen_commands:
+                continue
+            self._seen_commands[command.command_id] = None
+            if len(self._seen_commands) > _SEEN_COMMANDS:
+                self._seen_commands.popitem(last=False)
+            logger.info(
+                "command %s from the supervisor: %s", command.command_id, command.kind.value
+            )
+            if self._on_command is None:
+                continue
+            try:
+                self._on_command(command)
+            except Exception:
+                # At most once: a handler that failed is not called again for
+                # this id; the supervisor sees the outcome through events.
+                logger.exception("handling command %s failed", command.command_id)
+
+    async def _interruptible_sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._nudge.wait(), seconds)
+        self._nudge.clear()
+
+    def _log_retry(self, state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        delay = state.next_action.sleep if state.next_action is not None else 0.0
+        where = (
+            f"{self.pending} events spooled in {self.spool_dir}, "
+            f"retry {state.attempt_number} in {delay:.1f} s"
+        )
+        if isinstance(error, Rejected) and error.status in (401, 403):
+            logger.error(
+                "supervisor refused the agent's credentials (%d): %s; %s. Check that the "
+                "agent has the job's secret and the node clock is right (NTP); the events "
+                "are kept and delivered once this is fixed",
+                error.status,
+                error.reason,
+                where,
+            )
+        elif isinstance(error, Rejected) and 400 <= error.status < 500:
+            logger.error(
+                "supervisor rejected a batch of events (%d): %s; %s. This is a bug in "
+                "Resurgo: please report it with this line; the events are kept",
+                error.status,
+                error.reason,
+                where,
+            )
+        elif isinstance(error, Rejected) and error.status == 200:
+            logger.warning(
+                "supervisor acknowledged none of the batch (%s); %s", error.reason, where
+            )
+        elif isinstance(error, aiohttp.ClientError | TimeoutError | Rejected):
+            logger.warning("supervisor unreachable (%s); %s", _describe(error), where)
+        else:
+            logger.error("sending events failed unexpectedly; %s", where, exc_info=error)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    return str(error) or type(error).__name__
