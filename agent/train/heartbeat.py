@@ -1,0 +1,361 @@
+"""Heartbeats from a training rank to its node agent, and the datagram format they use.
+
+A training script calls :func:`beat` (or :meth:`Heartbeat.beat`) once per
+step; the node agent turns the stream into hang and straggler verdicts
+(:mod:`agent.hang`). On every rank::
+
+    from agent.train.heartbeat import Heartbeat, Phase
+
+    hb = Heartbeat.from_env()                  # a no-op when no agent socket is set
+    hb.beat(0, Phase.INIT)                     # before the slow setup (grace applies)
+    for step in range(start, total):
+        ...train one step...
+        hb.beat(step + 1)                      # Phase.TRAIN
+        if save_due:
+            with hb.phase(Phase.CHECKPOINT):   # a beat on entry and one on exit
+                path = save(step + 1)
+            hb.checkpoint_committed(step + 1, path)
+
+Guarantees, because a supervisor must never be the thing that stops training:
+sending never blocks (a non-blocking socket; a full receive queue drops the
+datagram: the next beat carries newer news), never raises (every ``OSError``
+is swallowed; a missing or dead agent is retried at most every
+:data:`RECONNECT_PERIOD_S` seconds, so a restarted agent is found again), and
+costs a few microseconds (one ``struct.pack`` and one ``send`` on a connected
+socket; ``bench/agent.py`` measures it). A process that forks after creating a
+:class:`Heartbeat` should create its own: the pid is read once.
+
+Environment (set by the node agent, or by torchrun for the ranks):
+``RESURGO_AGENT_SOCKET`` (path of the agent's Unix datagram socket), ``RANK``,
+``LOCAL_RANK``.
+
+Datagram format, version 1 (this module is its one owner; the agent decodes
+with :func:`parse_datagram`). Little-endian, no padding between fields:
+
+====== ===== ===================================================================
+offset type  field
+====== ===== ===================================================================
+0      2s    magic ``b"Rh"``
+2      u8    version, 1
+3      u8    kind: 1 = beat, 2 = checkpoint committed
+4      u8    phase: 0 init, 1 train, 2 checkpoint, 3 eval
+5      u8    reserved, 0
+6      i32   global rank
+10     i32   local rank
+14     i32   pid of the sender
+18     i64   step
+26     f64   wall time of sending, seconds since the epoch (``time.time()``)
+====== ===== ===================================================================
+
+A beat is exactly those 34 bytes. A checkpoint note appends ``u16`` path
+length and that many bytes of the path (UTF-8, undecodable bytes kept via
+``surrogateescape``), at most :data:`MAX_PATH_BYTES`. The wall time is for
+reports and latency only: the agent measures progress with its own monotonic
+clock at receipt, so rank clock skew never fakes or hides a hang. A receiver
+that sees another magic, an unknown version or kind, or a wrong length drops
+the datagram; a version 2 may append fields after these.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+ENV_AGENT_SOCKET = "RESURGO_AGENT_SOCKET"
+ENV_RANK = "RANK"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+
+MAGIC = b"Rh"
+VERSION = 1
+# Linux PATH_MAX; a longer path cannot name a checkpoint directory anyway.
+MAX_PATH_BYTES = 4096
+# A dead agent costs one failed connect() per period, not one per step; short
+# enough that a restarted agent hears from every rank within seconds.
+RECONNECT_PERIOD_S = 2.0
+
+_HEADER = struct.Struct("<2sBBBxiiiqd")
+_PATH_LEN = struct.Struct("<H")
+BEAT_SIZE = _HEADER.size
+
+
+class Phase(enum.Enum):
+    """What a rank is doing; each phase has its own hang timeout in the agent."""
+
+    INIT = "init"
+    TRAIN = "train"
+    CHECKPOINT = "checkpoint"
+    EVAL = "eval"
+
+
+class Kind(enum.IntEnum):
+    """Message kinds on the wire (the ``kind`` byte)."""
+
+    BEAT = 1
+    CHECKPOINT = 2
+
+
+_PHASE_CODE: dict[Phase, int] = {
+    Phase.INIT: 0,
+    Phase.TRAIN: 1,
+    Phase.CHECKPOINT: 2,
+    Phase.EVAL: 3,
+}
+_CODE_PHASE: dict[int, Phase] = {code: phase for phase, code in _PHASE_CODE.items()}
+
+
+@dataclass(frozen=True)
+class RankBeat:
+    """One decoded beat: ``rank`` reached ``step`` in ``phase`` at ``wall_time_s``."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    step: int
+    phase: Phase
+    wall_time_s: float
+
+
+@dataclass(frozen=True)
+class CheckpointNote:
+    """One decoded checkpoint-committed message: ``rank`` saw ``path`` commit at ``step``."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    step: int
+    phase: Phase
+    wall_time_s: float
+    path: str
+
+
+def encode_beat(
+    *, rank: int, local_rank: int, pid: int, step: int, phase: Phase, wall_time_s: float
+) -> bytes:
+    """The datagram for one beat (the reference encoder; :class:`Heartbeat` inlines it)."""
+    return _HEADER.pack(
+        MAGIC, VERSION, Kind.BEAT, _PHASE_CODE[phase], rank, local_rank, pid, step, wall_time_s
+    )
+
+
+def encode_checkpoint(
+    *,
+    rank: int,
+    local_rank: int,
+    pid: int,
+    step: int,
+    phase: Phase,
+    wall_time_s: float,
+    path: str,
+) -> bytes:
+    """The datagram for a checkpoint note; ValueError when the path exceeds MAX_PATH_BYTES."""
+    raw = path.encode("utf-8", "surrogateescape")
+    if len(raw) > MAX_PATH_BYTES:
+        raise ValueError(f"checkpoint path is {len(raw)} bytes, more than {MAX_PATH_BYTES}")
+    header = _HEADER.pack(
+        MAGIC,
+        VERSION,
+        Kind.CHECKPOINT,
+        _PHASE_CODE[phase],
+        rank,
+        local_rank,
+        pid,
+        step,
+        wall_time_s,
+    )
+    return header + _PATH_LEN.pack(len(raw)) + raw
+
+
+def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | None:
+    """Decode one datagram; None for anything that is not a well-formed version-1 message.
+
+    Never raises: the agent's socket is writable by every local process, so
+    garbage must cost a dropped datagram, not a crashed watcher.
+    """
+    if len(data) < BEAT_SIZE or data[:2] != MAGIC or data[2] != VERSION:
+        return None
+    _, _, kind, phase_code, rank, local_rank, pid, step, wall = _HEADER.unpack_from(data)
+    phase = _CODE_PHASE.get(phase_code)
+    if phase is None:
+        return None
+    if kind == Kind.BEAT:
+        if len(data) != BEAT_SIZE:
+            return None
+        return RankBeat(rank, local_rank, pid, step, phase, wall)
+    if kind != Kind.CHECKPOINT or len(data) < BEAT_SIZE + _PATH_LEN.size:
+        return None
+    (length,) = _PATH_LEN.unpack_from(data, BEAT_SIZE)
+    raw = data[BEAT_SIZE + _PATH_LEN.size :]
+    if length > MAX_PATH_BYTES or len(raw) != length:
+        return None
+    return CheckpointNote(
+        rank, local_rank, pid, step, phase, wall, raw.decode("utf-8", "surrogateescape")
+    )
+
+
+class Heartbeat:
+    """Sends this rank's beats to the node agent; never blocks, never raises.
+
+    ``socket_path`` None or empty makes every method a cheap no-op (a script
+    run outside Resurgo). Not thread-safe: call it from the training loop's
+    thread.
+    """
+
+    def __init__(self, socket_path: str | None, *, rank: int = 0, local_rank: int = 0) -> None:
+        self._path = socket_path or None
+        self._rank = rank
+        self._local_rank = local_rank
+        self._pid = os.getpid()
+        self._sock: socket.socket | None = None
+        self._retry_at = 0.0
+        self._step = 0
+        self._phase = Phase.TRAIN
+        # Bound once: attribute lookups are a measurable share of a 2 µs call.
+        self._pack = _HEADER.pack
+        self._clock = time.time
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Heartbeat:
+        """From ``RESURGO_AGENT_SOCKET``, ``RANK`` and ``LOCAL_RANK`` (0 when unset or bad)."""
+        env = os.environ if environ is None else environ
+        return cls(
+            env.get(ENV_AGENT_SOCKET),
+            rank=_int_or_zero(env.get(ENV_RANK)),
+            local_rank=_int_or_zero(env.get(ENV_LOCAL_RANK)),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether an agent socket is configured (not whether the agent is listening)."""
+        return self._path is not None
+
+    @property
+    def connected(self) -> bool:
+        """Whether a socket to the agent is open now."""
+        return self._sock is not None
+
+    def beat(self, step: int, phase: Phase = Phase.TRAIN) -> None:
+        """Tell the agent this rank reached ``step`` in ``phase``; drops it if it cannot."""
+        self._step = step
+        self._phase = phase
+        if self._path is None:
+            return
+        sock = self._sock
+        if sock is None:
+            sock = self._reconnect()
+            if sock is None:
+                return
+        try:
+            sock.send(
+                self._pack(
+                    MAGIC,
+                    VERSION,
+                    1,  # Kind.BEAT; a literal saves an enum lookup on the hot path
+                    _PHASE_CODE[phase],
+                    self._rank,
+                    self._local_rank,
+                    self._pid,
+                    step,
+                    self._clock(),
+                )
+            )
+        except BlockingIOError:
+            # The agent's queue is full: drop this beat, keep the socket.
+            pass
+        except OSError:
+            self._disconnect()
+        except (struct.error, KeyError):
+            # A step outside int64 or a phase that is not a Phase: not worth a crash.
+            pass
+
+    @contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        """Beat ``phase`` at the last step on entry, and the previous phase again on exit."""
+        previous = self._phase
+        self.beat(self._step, phase)
+        try:
+            yield
+        finally:
+            self.beat(self._step, previous)
+
+    def checkpoint_committed(self, step: int, path: str | os.PathLike[str]) -> None:
+        """Tell the agent a checkpoint of ``step`` committed at ``path``; never raises."""
+        if self._path is None:
+            return
+        sock = self._sock if self._sock is not None else self._reconnect()
+        if sock is None:
+            return
+        try:
+            data = encode_checkpoint(
+                rank=self._rank,
+                local_rank=self._local_rank,
+                pid=self._pid,
+                step=step,
+                phase=self._phase,
+                wall_time_s=self._clock(),
+                path=os.fspath(path),
+            )
+            sock.send(data)
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._disconnect()
+        except (ValueError, struct.error, TypeError):
+            # Path too long or not a str path; the agent also finds commits on disk.
+            pass
+
+    def close(self) -> None:
+        """Close the socket; a later beat reconnects."""
+        self._disconnect()
+        self._retry_at = 0.0
+
+    def _reconnect(self) -> socket.socket | None:
+        now = time.monotonic()
+        if now < self._retry_at or self._path is None:
+            return None
+        self._retry_at = now + RECONNECT_PERIOD_S
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            return None
+        self._sock = sock
+        return sock
+
+    def _disconnect(self) -> None:
+        # The agent went away (ECONNREFUSED) or its path is gone; a restarted
+        # agent binds a new socket at the same path, so connect afresh later.
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._retry_at = time.monotonic() + RECONNECT_PERIOD_S
+
+
+def _int_or_zero(value: str | None) -> int:
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        return 0
+
+
+_default: Heartbeat | None = None
+
+
+def default_heartbeat() -> Heartbeat:
+    """The process-wide :class:`Heartbeat`, created from the environment on first use."""
+    global _default
+    if _default is None or _default._pid != os.getpid():
+        _default = Heartbeat.from_env()
+    return _default
+
+
+def beat(step: int, phase: Phase = Phase.TRAIN) -> None:
+    """Beat through :func:`default_heartbeat`; never blocks, never raises."""
+    default_heartbeat().beat(step, phase)

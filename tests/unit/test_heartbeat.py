@@ -1,0 +1,253 @@
+"""The rank -> agent datagram format, and a sender that never blocks and never raises."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.train import heartbeat as hbmod
+from agent.train.heartbeat import (
+    BEAT_SIZE,
+    MAX_PATH_BYTES,
+    CheckpointNote,
+    Heartbeat,
+    Phase,
+    RankBeat,
+    encode_beat,
+    encode_checkpoint,
+    parse_datagram,
+)
+
+
+@pytest.fixture
+def sock_path(tmp_path: Path) -> Path:
+    # AF_UNIX paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    short = Path(f"/tmp/resurgo-hb-{os.getpid()}-{tmp_path.name[-20:]}.sock")
+    yield short
+    short.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def receiver(sock_path: Path) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(2.0)
+    yield sock
+    sock.close()
+
+
+def receive_all(sock: socket.socket) -> list[bytes]:
+    sock.setblocking(False)
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(65536))
+        except BlockingIOError:
+            return out
+
+
+def test_beat_round_trips_through_the_format() -> None:
+    data = encode_beat(
+        rank=12, local_rank=3, pid=4242, step=2**40, phase=Phase.EVAL, wall_time_s=1.7e9
+    )
+    assert len(data) == BEAT_SIZE == 34
+    assert data[:3] == b"Rh\x01"
+    assert parse_datagram(data) == RankBeat(12, 3, 4242, 2**40, Phase.EVAL, 1.7e9)
+
+
+def test_checkpoint_note_round_trips_with_an_undecodable_path() -> None:
+    path = "/ckpt/step-100/\udcff"
+    data = encode_checkpoint(
+        rank=1, local_rank=1, pid=7, step=100, phase=Phase.CHECKPOINT, wall_time_s=5.0, path=path
+    )
+    assert parse_datagram(data) == CheckpointNote(1, 1, 7, 100, Phase.CHECKPOINT, 5.0, path)
+
+
+def test_checkpoint_path_longer_than_path_max_is_refused_by_the_encoder() -> None:
+    with pytest.raises(ValueError, match="bytes"):
+        encode_checkpoint(
+            rank=0,
+            local_rank=0,
+            pid=1,
+            step=1,
+            phase=Phase.TRAIN,
+            wall_time_s=0.0,
+            path="x" * (MAX_PATH_BYTES + 1),
+        )
+
+
+GOOD = encode_beat(rank=0, local_rank=0, pid=1, step=5, phase=Phase.TRAIN, wall_time_s=1.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("empty", b""),
+        ("short", GOOD[:-1]),
+        ("trailing byte", GOOD + b"\0"),
+        ("wrong magic", b"XX" + GOOD[2:]),
+        ("future version", GOOD[:2] + b"\x02" + GOOD[3:]),
+        ("unknown kind", GOOD[:3] + b"\x09" + GOOD[4:]),
+        ("unknown phase", GOOD[:4] + b"\x07" + GOOD[5:]),
+        ("checkpoint without length", GOOD[:3] + b"\x02" + GOOD[4:]),
+        (
+            "checkpoint length lies",
+            GOOD[:3] + b"\x02" + GOOD[4:] + struct.pack("<H", 10) + b"abc",
+        ),
+        ("json", b'{"step": 5, "phase": "train", "rank": 0, "pad": "xxxxxx"}'),
+    ],
+)
+def test_garbage_datagrams_parse_to_none(name: str, data: bytes) -> None:
+    assert parse_datagram(data) is None, name
+
+
+@given(st.binary(max_size=200))
+def test_parse_datagram_never_raises_on_arbitrary_bytes(data: bytes) -> None:
+    parse_datagram(data)
+
+
+@given(st.binary(min_size=0, max_size=64), st.integers(min_value=0, max_value=BEAT_SIZE))
+def test_parse_datagram_never_raises_on_mangled_valid_messages(tail: bytes, cut: int) -> None:
+    note = encode_checkpoint(
+        rank=0, local_rank=0, pid=1, step=1, phase=Phase.INIT, wall_time_s=0.0, path="/c"
+    )
+    parse_datagram(GOOD[:cut] + tail)
+    parse_datagram(note[:cut] + tail)
+
+
+def test_heartbeat_delivers_beats_phases_and_checkpoint_notes(
+    sock_path: Path, receiver: socket.socket
+) -> None:
+    hb = Heartbeat(str(sock_path), rank=5, local_rank=1)
+    hb.beat(0, Phase.INIT)
+    hb.beat(1)
+    with hb.phase(Phase.CHECKPOINT):
+        pass
+    hb.checkpoint_committed(1, sock_path.parent / "step-1")
+    got = [parse_datagram(d) for d in receive_all(receiver)]
+    assert [(m.step, m.phase) for m in got if isinstance(m, RankBeat)] == [
+        (0, Phase.INIT),
+        (1, Phase.TRAIN),
+        (1, Phase.CHECKPOINT),
+        (1, Phase.TRAIN),
+    ]
+    note = got[-1]
+    assert isinstance(note, CheckpointNote)
+    assert (note.rank, note.local_rank, note.pid, note.step) == (5, 1, os.getpid(), 1)
+    assert note.path == str(sock_path.parent / "step-1")
+    assert abs(note.wall_time_s - time.time()) < 60
+
+
+def test_heartbeat_reads_socket_and_ranks_from_the_environment(sock_path: Path) -> None:
+    hb = Heartbeat.from_env(
+        {"RESURGO_AGENT_SOCKET": str(sock_path), "RANK": "9", "LOCAL_RANK": "x"}
+    )
+    assert hb.enabled
+    assert (hb._rank, hb._local_rank) == (9, 0)
+
+
+def test_no_socket_configured_is_a_no_op() -> None:
+    hb = Heartbeat.from_env({})
+    assert not hb.enabled
+    hb.beat(1)
+    hb.checkpoint_committed(1, "/x")
+    with hb.phase(Phase.EVAL):
+        pass
+    assert not hb.connected
+
+
+def test_missing_socket_path_never_raises_and_is_retried_lazily(
+    sock_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts = []
+
+    class CountingSocket(socket.socket):
+        def connect(self, address: object) -> None:
+            attempts.append(address)
+            super().connect(address)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hbmod.socket, "socket", CountingSocket)
+    hb = Heartbeat(str(sock_path))
+    started = time.perf_counter()
+    for step in range(10_000):
+        hb.beat(step)
+    elapsed = time.perf_counter() - started
+    assert not hb.connected
+    # One connect() per RECONNECT_PERIOD_S, not one per beat.
+    assert attempts == [str(sock_path)]
+    assert elapsed < 1.0
+
+
+def test_agent_gone_mid_run_never_raises_and_a_restarted_agent_is_found_again(
+    sock_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hbmod, "RECONNECT_PERIOD_S", 0.0)
+    first = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    first.bind(str(sock_path))
+    hb = Heartbeat(str(sock_path))
+    hb.beat(1)
+    assert hb.connected
+    first.close()
+    sock_path.unlink()
+    hb.beat(2)  # ECONNREFUSED from the dead peer: swallowed
+    hb.beat(3)  # path missing: swallowed
+    assert not hb.connected
+    second = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    second.bind(str(sock_path))
+    try:
+        hb.beat(4)
+        hb.beat(5)
+        steps = [m.step for m in map(parse_datagram, receive_all(second)) if m is not None]
+        assert steps[-1] == 5
+    finally:
+        second.close()
+
+
+def test_full_receive_queue_drops_beats_without_blocking_or_raising(sock_path: Path) -> None:
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    receiver.bind(str(sock_path))
+    try:
+        hb = Heartbeat(str(sock_path))
+        slowest = 0.0
+        for step in range(5_000):
+            started = time.perf_counter()
+            hb.beat(step)
+            slowest = max(slowest, time.perf_counter() - started)
+        assert hb.connected, "a full queue must not drop the connection"
+        received = receive_all(receiver)
+        assert 0 < len(received) < 5_000
+        assert slowest < 0.05, f"a beat blocked for {slowest * 1e3:.1f} ms"
+        hb.beat(99_999)  # the queue has room again: delivery resumes
+        assert parse_datagram(receiver.recv(1024)) is not None
+    finally:
+        receiver.close()
+
+
+def test_bad_arguments_never_raise_into_training(sock_path: Path, receiver: socket.socket) -> None:
+    hb = Heartbeat(str(sock_path))
+    hb.beat(2**70)
+    hb.beat(1, "train")  # type: ignore[arg-type]
+    hb.checkpoint_committed(1, "x" * (MAX_PATH_BYTES + 1))
+    assert receive_all(receiver) == []
+
+
+def test_module_level_beat_uses_a_lazily_created_default(
+    sock_path: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RESURGO_AGENT_SOCKET", str(sock_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(hbmod, "_default", None)
+    hbmod.beat(7, Phase.EVAL)
+    assert hbmod.default_heartbeat() is hbmod.default_heartbeat()
+    (message,) = [parse_datagram(d) for d in receive_all(receiver)]
+    assert isinstance(message, RankBeat)
+    assert (message.rank, message.step, message.phase) == (3, 7, Phase.EVAL)
