@@ -1,28 +1,733 @@
-"""``resurgo-agent``: the per-node agent started by the job's batch script."""
+"""``resurgo-agent``: the per-node agent, started by the job's batch script through srun.
+
+One asyncio loop per node. It
+
+1. runs the node health check (when configured) and refuses to launch on an
+   unhealthy node;
+2. launches the node's share of the job (:mod:`agent.launch`) and finds every
+   rank process (:mod:`agent.procs`);
+3. receives the ranks' heartbeats on a Unix datagram socket
+   (:mod:`agent.train.heartbeat`) and samples the stacks of ranks that send
+   none (:mod:`agent.stacks`);
+4. decides hangs and stragglers with the pure functions of :mod:`agent.hang`,
+   collecting every local rank's stack before reporting a hang;
+5. reports events at once and heartbeat summaries periodically, through the
+   spooling :class:`agent.client.Reporter` (or only to the local events log
+   when no supervisor is configured), and obeys the commands that come back;
+6. on SIGTERM or a stop command, SIGTERMs the ranks, waits the grace period,
+   SIGKILLs what remains, and says what happened.
+
+Signal handlers only enqueue; every decision is made in the loop. A failing
+tick is logged with its traceback and the loop goes on.
+"""
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
 import sys
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent import protocol
+from agent.checkpoint import files
+from agent.client import Reporter, load_secret
+from agent.config import AgentConfig, build_parser, load_config
+from agent.errors import ResurgoError
+from agent.hang import (
+    RankProgress,
+    StackSample,
+    culprit_hints,
+    hang_verdicts,
+    local_stragglers,
+    observe,
+    stack_hang_verdict,
+)
+from agent.health import run_health_check
+from agent.launch import Allocation, LaunchPlan, LaunchSettings, plan_launch
+from agent.procs import RankExit, RankProcess, RankWatcher
+from agent.stacks import StackDump, dump_all, fingerprint, in_collective
+from agent.train.heartbeat import CheckpointNote, RankBeat, parse_datagram
+from agent.train.schedule import CheckpointInterval, format_override
+
+log = logging.getLogger(__name__)
+
+AGENT_VERSION = "0.1.0"
+# Socket receive buffer: heartbeats from every local rank must never be
+# dropped for want of space while the loop is busy for a moment.
+RCVBUF_BYTES = 4 << 20
+STACK_SAMPLES_KEPT = 32
+EXIT_STATUS_UNHEALTHY = 3
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the agent's argument parser."""
-    return argparse.ArgumentParser(
-        prog="resurgo-agent",
-        description=(
-            "Per-node agent: launches this node's share of the ranks, watches them, "
-            "detects death and hangs, and reports to the supervisor."
-        ),
-    )
+@dataclass(frozen=True)
+class Clocks:
+    """Monotonic time for timeouts, wall time for events; injectable for tests."""
+
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+
+
+class EventOut:
+    """Where events go: the supervisor's spooling reporter and/or a local JSON-lines log."""
+
+    def __init__(self, config: AgentConfig, run_dir: Path, on_command: Callable[[Any], None]):
+        self._config = config
+        self._log_path = Path(config.events_log) if config.events_log else None
+        self._reporter: Reporter | None = None
+        self._incarnation = secrets.token_hex(8)
+        self._seq = 0
+        if config.supervisor_url:
+            if not config.secret_file:
+                raise ResurgoError(
+                    "a supervisor URL needs the job's secret: pass --secret-file (0600)"
+                )
+            self._reporter = Reporter(
+                config.supervisor_url,
+                config.job_id,
+                config.node,
+                load_secret(Path(config.secret_file)),
+                run_dir / "spool",
+                on_command=on_command,
+            )
+            self._incarnation = self._reporter.incarnation
+
+    @property
+    def incarnation(self) -> str:
+        """This agent run's token: part of every event id."""
+        return self._incarnation
+
+    async def start(self) -> None:
+        if self._reporter is not None:
+            await self._reporter.start()
+
+    async def emit(self, kind: protocol.EventKind, payload: dict[str, Any]) -> None:
+        if self._reporter is not None:
+            event = await self._reporter.emit(kind, payload)
+        else:
+            self._seq += 1
+            event = protocol.make_event(
+                kind,
+                self._config.job_id,
+                self._config.node,
+                self._incarnation,
+                self._seq,
+                time.time(),
+                payload,
+            )
+        log.info("event %s %s", kind.value, _summary(payload))
+        if self._log_path is not None:
+            with open(self._log_path, "ab") as handle:
+                handle.write(protocol.encode_event(event) + b"\n")
+                handle.flush()
+
+    async def heartbeat(self, report: protocol.HeartbeatReport) -> None:
+        if self._reporter is not None:
+            await self._reporter.heartbeat(report)
+
+    async def close(self, drain_timeout_s: float) -> None:
+        if self._reporter is not None:
+            await self._reporter.close(drain_timeout_s)
+
+
+def _summary(payload: dict[str, Any]) -> str:
+    shown = {key: value for key, value in payload.items() if key not in ("stacks", "argv")}
+    return str(shown)[:300]
+
+
+class NodeAgent:
+    """Launches and watches this node's ranks; see the module docstring."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        command: Sequence[str],
+        *,
+        environ: dict[str, str] | None = None,
+        clocks: Clocks | None = None,
+    ) -> None:
+        self.config = config
+        self.command = list(command)
+        self._environ = dict(os.environ if environ is None else environ)
+        self._clocks = clocks or Clocks()
+        self.run_dir = Path(
+            config.run_dir
+            or f"/tmp/resurgo-agent-{config.job_id}-{config.node}-{config.launch_nonce}"
+        )
+        self._hang = config.hang_config()
+        self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self._progress: dict[int, RankProgress] = {}
+        self._stack_samples: dict[int, deque[StackSample]] = {}
+        self._last_stack_sample: dict[int, float] = {}
+        self._hang_reported: dict[int, float] = {}
+        self._straggling: set[int] = set()
+        self._process: asyncio.subprocess.Process | None = None
+        self._watcher: RankWatcher | None = None
+        self._plan: LaunchPlan | None = None
+        self._stopping = False
+        self._stop_task: asyncio.Task[None] | None = None
+        self._exits: dict[int, RankExit] = {}
+        self._socket: socket.socket | None = None
+        self.events = EventOut(config, self.run_dir, self._on_command)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Launch, watch until the launcher exits, report, clean up; return the exit status."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "exits").mkdir(exist_ok=True)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._queue.put_nowait, ("signal", {"signum": signum}))
+        await self.events.start()
+        try:
+            if not await self._healthy_before_launch():
+                await self.events.emit(
+                    protocol.EventKind.AGENT_STOPPED, {"reason": "health check failed"}
+                )
+                return EXIT_STATUS_UNHEALTHY
+            self._open_socket(loop)
+            status = await self._launch_and_watch()
+            await self.events.emit(
+                protocol.EventKind.AGENT_STOPPED, {"reason": f"launcher exited with {status}"}
+            )
+            return status
+        finally:
+            if self._socket is not None:
+                loop.remove_reader(self._socket.fileno())
+                self._socket.close()
+            with contextlib.suppress(FileNotFoundError):
+                (self.run_dir / "agent.sock").unlink()
+            await self.events.close(self.config.drain_timeout_s)
+
+    async def _launch_and_watch(self) -> int:
+        self._plan = self._build_plan()
+        self._process = await asyncio.create_subprocess_exec(
+            *self._plan.argv,
+            env=self._plan.env,
+            # Its own process group, so a stop reaches torchrun and not the agent.
+            start_new_session=True,
+        )
+        self._watcher = RankWatcher(
+            self._process.pid,
+            torchrun=self._plan.is_torchrun,
+            exit_dir=self.run_dir / "exits",
+            node_rank=self.config.node_rank,
+        )
+        await self.events.emit(
+            protocol.EventKind.AGENT_STARTED,
+            {
+                "agent_version": AGENT_VERSION,
+                "pid": os.getpid(),
+                "argv": [protocol.clip_text(arg, 4096) for arg in self._plan.argv][:1024],
+                "nnodes": self.config.nnodes,
+                "node_rank": self.config.node_rank,
+            },
+        )
+        ticks = [
+            self._every(self.config.watch_interval_s, self._watch_tick),
+            self._every(self.config.hang_check_s, self._hang_tick),
+            self._every(self.config.heartbeat_report_s, self._report_tick),
+        ]
+        if self.config.health_check:
+            ticks.append(self._every(self.config.health_check_interval_s, self._health_tick))
+        tasks = [asyncio.create_task(tick) for tick in ticks]
+        commands = asyncio.create_task(self._serve_queue())
+        try:
+            returncode = await self._process.wait()
+        finally:
+            commands.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(commands, *tasks, return_exceptions=True)
+        if self._stop_task is not None:
+            await self._stop_task
+        await self._final_exits(returncode)
+        await self.events.emit(
+            protocol.EventKind.LAUNCHER_EXITED,
+            {
+                "exit_code": returncode if returncode >= 0 else None,
+                "signal": -returncode if returncode < 0 else None,
+                "signal_name": _signal_name(-returncode) if returncode < 0 else None,
+                "pid": self._process.pid,
+            },
+        )
+        return returncode if returncode >= 0 else 128 - returncode
+
+    def _build_plan(self) -> LaunchPlan:
+        from torch.distributed.run import get_args_parser
+
+        config = self.config
+        allocation = Allocation(
+            job_id=config.job_id,
+            node=config.node,
+            nnodes=config.nnodes,
+            node_rank=config.node_rank,
+            master_addr=config.master_addr,
+            master_port=config.master_port,
+            restart_count=config.restart_count,
+            launch_nonce=config.launch_nonce,
+        )
+        settings = LaunchSettings(
+            agent_socket=str(self.run_dir / "agent.sock"),
+            exit_dir=str(self.run_dir / "exits"),
+            resume_from=config.resume_from or None,
+            ckpt_root=config.ckpt_root or None,
+            ckpt_interval_s=config.ckpt_interval_s or None,
+            ckpt_interval_file=str(self.run_dir / "checkpoint-interval.json"),
+        )
+        return plan_launch(
+            self.command, allocation, settings, self._environ, sys.executable, get_args_parser()
+        )
+
+    async def _every(self, period_s: float, tick: Callable[[], Awaitable[None]]) -> None:
+        """Run ``tick`` every ``period_s``; a failing tick is logged and the loop goes on."""
+        while True:
+            try:
+                await tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("agent tick %s failed; continuing", tick.__name__)
+            await asyncio.sleep(period_s)
+
+    async def _serve_queue(self) -> None:
+        while True:
+            what, args = await self._queue.get()
+            try:
+                if what == "signal":
+                    self._start_stop(f"agent received {_signal_name(args['signum'])}", None)
+                elif what == "stop":
+                    self._start_stop(args["reason"], args["command_id"], args["grace_s"])
+                elif what == "interval":
+                    self._write_interval(args)
+            except Exception:
+                log.exception("handling %s failed", what)
+
+    def _start_stop(
+        self, reason: str, command_id: str | None, grace_s: float | None = None
+    ) -> None:
+        """Run :meth:`stop` as its own task: the launcher's exit must not cut it short."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.create_task(self.stop(reason, command_id, grace_s))
+
+    def _on_command(self, command: protocol.Command) -> None:
+        """Reporter callback: commands are only queued here, acted on in the loop."""
+        if command.kind is protocol.CommandKind.STOP_RANKS:
+            self._queue.put_nowait(
+                (
+                    "stop",
+                    {
+                        "reason": command.args.get("reason") or "stop command from supervisor",
+                        "command_id": command.command_id,
+                        "grace_s": float(command.args["grace_s"]),
+                    },
+                )
+            )
+        elif command.kind is protocol.CommandKind.SET_CHECKPOINT_INTERVAL:
+            self._queue.put_nowait(("interval", dict(command.args)))
+
+    def _write_interval(self, args: dict[str, Any]) -> None:
+        interval = CheckpointInterval(seconds=args.get("interval_s"), steps=args.get("every_steps"))
+        path = self.run_dir / "checkpoint-interval.json"
+        files.write_durably(path, format_override(interval).encode())
+        log.info("checkpoint interval set to %s", interval)
+
+    # -- health ----------------------------------------------------------------
+
+    async def _healthy_before_launch(self) -> bool:
+        if not self.config.health_check:
+            return True
+        return await self._check_health()
+
+    async def _health_tick(self) -> None:
+        await self._check_health()
+
+    async def _check_health(self) -> bool:
+        result = await run_health_check(
+            self.config.health_check, self.config.health_check_timeout_s
+        )
+        if not result.healthy:
+            await self.events.emit(
+                protocol.EventKind.HEALTH_CHECK_FAILED,
+                {
+                    "command": [self.config.health_check],
+                    "exit_code": result.exit_code,
+                    "output_tail": protocol.clip_text(result.output_tail, 4096),
+                    "timed_out": result.exit_code is None and "timed out" in result.reason,
+                },
+            )
+        return result.healthy
+
+    # -- heartbeats ------------------------------------------------------------
+
+    def _open_socket(self, loop: asyncio.AbstractEventLoop) -> None:
+        path = self.run_dir / "agent.sock"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
+        sock.bind(str(path))
+        sock.setblocking(False)
+        self._socket = sock
+        loop.add_reader(sock.fileno(), self._drain_socket)
+
+    def _drain_socket(self) -> None:
+        assert self._socket is not None
+        while True:
+            try:
+                data = self._socket.recv(8192)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:
+                log.warning("heartbeat socket: %s", error)
+                return
+            message = parse_datagram(data)
+            if isinstance(message, RankBeat):
+                now = self._clocks.monotonic()
+                progress = observe(
+                    self._progress.get(message.rank), message, now, window=self._hang.window
+                )
+                self._progress[message.rank] = progress
+                reported = self._hang_reported.get(message.rank)
+                if reported is not None and progress.progress_s > reported:
+                    del self._hang_reported[message.rank]  # progress again: a new episode
+            elif isinstance(message, CheckpointNote):
+                asyncio.get_running_loop().create_task(
+                    self.events.emit(
+                        protocol.EventKind.CHECKPOINT_COMMITTED,
+                        {"step": message.step, "path": message.path, "global_rank": message.rank},
+                    )
+                )
+
+    # -- rank exits ------------------------------------------------------------
+
+    async def _watch_tick(self) -> None:
+        assert self._watcher is not None
+        self._watcher.discover()
+        for rank_exit in self._watcher.poll_exits(self._clocks.wall()):
+            await self._emit_exit(rank_exit)
+
+    async def _final_exits(self, returncode: int) -> None:
+        """After the launcher ended: every rank's exit, reported once, before the launcher's."""
+        assert self._watcher is not None
+        now = self._clocks.wall()
+        for rank_exit in self._watcher.launcher_exit(returncode, now):
+            await self._emit_exit(rank_exit)
+        deadline = self._clocks.monotonic() + 2.0
+        while self._watcher.live_ranks and self._clocks.monotonic() < deadline:
+            for rank_exit in self._watcher.poll_exits(self._clocks.wall()):
+                await self._emit_exit(rank_exit)
+            await asyncio.sleep(0.1)
+
+    async def _emit_exit(self, rank_exit: RankExit) -> None:
+        progress = self._progress.get(rank_exit.rank.global_rank)
+        await self.events.emit(
+            protocol.EventKind.RANK_EXITED,
+            {
+                "global_rank": rank_exit.rank.global_rank,
+                "local_rank": rank_exit.rank.local_rank,
+                "pid": rank_exit.rank.pid,
+                "exit_code": rank_exit.exit_code,
+                "signal": rank_exit.signal,
+                "signal_name": rank_exit.signal_name,
+                "last_step": None if progress is None else progress.step,
+                "phase": None if progress is None else progress.phase.value,
+            },
+        )
+        self._progress.pop(rank_exit.rank.global_rank, None)
+        self._exits[rank_exit.rank.global_rank] = rank_exit
+
+    # -- hangs and stragglers --------------------------------------------------
+
+    async def _hang_tick(self) -> None:
+        if self._watcher is None or self._stopping:
+            return
+        now = self._clocks.monotonic()
+        live = {rank.global_rank: rank for rank in self._watcher.live_ranks}
+        beating = {r: p for r, p in self._progress.items() if r in live}
+        hung = {
+            verdict.rank: (verdict, protocol.HangDetector.HEARTBEAT)
+            for verdict in hang_verdicts(beating, now, self._hang)
+        }
+        silent = [rank for key, rank in live.items() if key not in beating]
+        frozen_outside: list[int] = []
+        if silent:
+            await self._sample_stacks(silent, now)
+            for rank in silent:
+                samples = self._stack_samples.get(rank.global_rank, deque())
+                verdict = stack_hang_verdict(
+                    list(samples), now, self._hang.stack_timeout_s, rank=rank.global_rank
+                )
+                if verdict is not None:
+                    hung[rank.global_rank] = (verdict, protocol.HangDetector.STACK)
+                elif self._frozen_for(samples, now) > self._hang.stack_timeout_s:
+                    frozen_outside.append(rank.global_rank)
+        fresh = [rank for rank in hung if rank not in self._hang_reported]
+        if not fresh:
+            return
+        # Ranks frozen outside any collective while others wait in one are the
+        # likely culprits (a stopped or deadlocked rank): report them too.
+        for key in frozen_outside:
+            verdict = self._frozen_verdict(key, self._stack_samples[key], now)
+            hung.setdefault(key, (verdict, protocol.HangDetector.STACK))
+        await self._report_hang(hung, live, now)
+
+    async def _sample_stacks(self, ranks: list[RankProcess], now: float) -> None:
+        due = [
+            rank
+            for rank in ranks
+            if now - self._last_stack_sample.get(rank.global_rank, -1e9)
+            >= self.config.stack_sample_s
+        ]
+        if not due:
+            return
+        dumps = await asyncio.to_thread(dump_all, [rank.pid for rank in due], 15.0)
+        for rank in due:
+            self._last_stack_sample[rank.global_rank] = now
+            dump = dumps[rank.pid]
+            if not dump.ok:
+                log.debug("stack sample of rank %d failed: %s", rank.global_rank, dump.error)
+                continue
+            samples = self._stack_samples.setdefault(
+                rank.global_rank, deque(maxlen=STACK_SAMPLES_KEPT)
+            )
+            samples.append(StackSample(now, fingerprint(dump), in_collective(dump)))
+
+    @staticmethod
+    def _frozen_for(samples: deque[StackSample], now: float) -> float:
+        if len(samples) < 2:
+            return 0.0
+        newest = samples[-1].fingerprint
+        since = samples[-1].time_s
+        for sample in reversed(samples):
+            if sample.fingerprint != newest:
+                break
+            since = sample.time_s
+        return now - since
+
+    def _frozen_verdict(self, rank: int, samples: deque[StackSample], now: float) -> Any:
+        from agent.hang import HangReason, HangVerdict
+
+        return HangVerdict(
+            rank=rank,
+            last_step=None,
+            phase=None,
+            since_progress_s=self._frozen_for(samples, now),
+            timeout_s=self._hang.stack_timeout_s,
+            reason=HangReason.STACK_IN_COLLECTIVE,
+            detail="stack frozen outside any collective while other ranks wait in one",
+        )
+
+    async def _report_hang(
+        self, hung: dict[int, tuple[Any, protocol.HangDetector]], live: dict[int, RankProcess],
+        now: float,
+    ) -> None:  # fmt: skip
+        # Evidence before anything is killed: every local rank's stack, hung or not.
+        dumps: dict[int, StackDump] = await asyncio.to_thread(
+            dump_all, [rank.pid for rank in live.values()], 30.0
+        )
+        stacks = {
+            str(key): protocol.clip_text(
+                _stack_text(dumps[rank.pid]),
+                protocol.MAX_TEXT_CHARS,
+            )
+            for key, rank in live.items()
+        }  # fmt: skip
+        collective = {key: in_collective(dumps[rank.pid]) for key, rank in live.items()
+                      if dumps[rank.pid].ok}  # fmt: skip
+        hints = culprit_hints(self._progress, hung, collective)
+        culprits = [
+            {
+                "global_rank": hint.rank,
+                "last_step": hint.last_step,
+                "in_collective": hint.in_collective,
+                "reason": (
+                    f"{hint.steps_behind} step(s) behind, stopped "
+                    f"{hint.stopped_earlier_s:.1f} s before the last"
+                ),
+            }
+            for hint in hints
+        ]
+        if not culprits:
+            culprits = [
+                {"global_rank": key, "last_step": None, "in_collective": collective.get(key),
+                 "reason": "stack outside any collective" if collective.get(key) is False
+                 else "stack frozen in a collective"}
+                for key in sorted(hung, key=lambda k: (collective.get(k, True), k))
+            ]  # fmt: skip
+        payload = {
+            "hung": [
+                {
+                    "global_rank": key,
+                    "local_rank": live[key].local_rank,
+                    "pid": live[key].pid,
+                    "last_step": verdict.last_step,
+                    "phase": None if verdict.phase is None else verdict.phase.value,
+                    "seconds_since_progress": float(verdict.since_progress_s),
+                    "timeout_s": float(verdict.timeout_s),
+                    "detector": detector.value,
+                }
+                for key, (verdict, detector) in sorted(hung.items())
+                if key in live
+            ],
+            "stacks": stacks,
+            "culprits": culprits,
+        }
+        await self.events.emit(protocol.EventKind.HANG, payload)
+        for key in hung:
+            self._hang_reported[key] = now
+
+    async def _report_tick(self) -> None:
+        if self._watcher is None:
+            return
+        live = {rank.global_rank: rank for rank in self._watcher.live_ranks}
+        beating = {r: p for r, p in self._progress.items() if r in live}
+        stragglers = {verdict.rank: verdict for verdict in local_stragglers(beating, self._hang)}
+        for key, verdict in stragglers.items():
+            if key in self._straggling:
+                continue
+            self._straggling.add(key)
+            times = beating[key].step_times
+            await self.events.emit(
+                protocol.EventKind.STRAGGLER,
+                {
+                    "global_rank": key,
+                    "local_rank": beating[key].local_rank,
+                    "step_time_p50_s": float(times.p50 or 0.0),
+                    "step_time_p99_s": float(times.p99 or 0.0),
+                    "step_time_mean_s": float(times.mean or 0.0),
+                    "steps_observed": times.count,
+                    "node_median_step_time_s": float(verdict.reference_s),
+                },
+            )
+        self._straggling &= set(stragglers)
+        wall, mono = self._clocks.wall(), self._clocks.monotonic()
+        report = protocol.HeartbeatReport(
+            job_id=self.config.job_id,
+            node=self.config.node,
+            time_unix_s=wall,
+            agent_incarnation=self.events.incarnation,
+            ranks=tuple(
+                protocol.RankStatus(
+                    global_rank=key,
+                    local_rank=rank.local_rank,
+                    pid=rank.pid,
+                    step=None if key not in beating else beating[key].step,
+                    phase=None if key not in beating else beating[key].phase.value,
+                    last_progress_unix_s=(
+                        None if key not in beating else wall - (mono - beating[key].progress_s)
+                    ),
+                    step_time_p50_s=None if key not in beating else beating[key].step_times.p50,
+                    step_time_p99_s=None if key not in beating else beating[key].step_times.p99,
+                    step_time_mean_s=None if key not in beating else beating[key].step_times.mean,
+                    steps_observed=0 if key not in beating else beating[key].step_times.count,
+                )
+                for key, rank in sorted(live.items())
+            ),
+        )
+        await self.events.heartbeat(report)
+
+    # -- stopping --------------------------------------------------------------
+
+    async def stop(self, reason: str, command_id: str | None, grace_s: float | None = None) -> None:
+        """SIGTERM the ranks and the launcher, SIGKILL what is left after the grace period."""
+        if self._stopping or self._process is None or self._watcher is None:
+            return
+        self._stopping = True
+        grace = self.config.stop_grace_s if grace_s is None else grace_s
+        self._watcher.discover()
+        ranks = self._watcher.live_ranks
+        log.info("stopping %d rank(s): %s (grace %.0f s)", len(ranks), reason, grace)
+        targets = [rank.pid for rank in ranks] + [self._process.pid]
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = self._clocks.monotonic() + grace
+        while self._clocks.monotonic() < deadline and any(_alive(pid) for pid in targets):
+            await asyncio.sleep(0.1)
+        killed = set()
+        for rank in ranks:
+            for maybe_pid in (rank.pid, rank.shim_pid):
+                if maybe_pid is not None and _alive(maybe_pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(maybe_pid, signal.SIGKILL)
+                    killed.add(rank.global_rank)
+        if _alive(self._process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        for rank_exit in self._watcher.poll_exits(self._clocks.wall()):
+            await self._emit_exit(rank_exit)
+        statuses = self._exits
+        await self.events.emit(
+            protocol.EventKind.RANKS_STOPPED,
+            {
+                "reason": reason,
+                "command_id": command_id,
+                "grace_s": float(grace),
+                "ranks": [
+                    {
+                        "global_rank": rank.global_rank,
+                        "local_rank": rank.local_rank,
+                        "pid": rank.pid,
+                        "method": "sigkill" if rank.global_rank in killed else "sigterm",
+                        "exit_code": statuses[rank.global_rank].exit_code
+                        if rank.global_rank in statuses else None,
+                        "signal": statuses[rank.global_rank].signal
+                        if rank.global_rank in statuses else None,
+                    }
+                    for rank in ranks
+                ],
+            },
+        )  # fmt: skip
+
+
+def _stack_text(dump: StackDump) -> str:
+    return dump.text if dump.ok else f"(no stack: {dump.error})"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            # Field 3 is the state; Z is a zombie (dead, not yet reaped).
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``; the agent loop itself arrives with the node-agent issue."""
-    build_parser().parse_args(argv)
-    print("resurgo-agent: the agent is not implemented yet; see README.md", file=sys.stderr)
-    return 1
+    """Entry point of ``resurgo-agent``."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if not arguments or arguments[0] in ("-h", "--help"):
+        build_parser().print_help()
+        return 0
+    logging.basicConfig(
+        level=logging.INFO, format="resurgo-agent %(asctime)s %(levelname)s %(message)s"
+    )
+    try:
+        config, command = load_config(arguments, os.environ)
+        agent = NodeAgent(config, command)
+        return asyncio.run(agent.run())
+    except ResurgoError as error:
+        print(f"resurgo-agent: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

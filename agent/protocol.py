@@ -689,6 +689,20 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
             ),
         ),
         _Spec("stacks", _stacks),
+        # Most suspect first (agent.hang.culprit_hints): the rank behind, or
+        # one whose stack is outside the collective everyone else waits in.
+        _Spec(
+            "culprits",
+            _objects(
+                (
+                    _Spec("global_rank", _int),
+                    _Spec("last_step", _nullable(_int)),
+                    _Spec("in_collective", _nullable(_bool)),
+                    _Spec("reason", _str),
+                )
+            ),
+            required=False,
+        ),
     ),
     EventKind.STRAGGLER: (
         _Spec("global_rank", _int),

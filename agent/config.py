@@ -1,0 +1,159 @@
+"""The node agent's configuration: one frozen dataclass, from TOML, then environment, then flags.
+
+Every field can be set in a TOML file (``--config FILE``, keys as the field
+names), in the environment as ``RESURGO_AGENT_<FIELD>`` (upper case), or as a
+flag ``--<field-with-dashes>``; later sources win. Unknown TOML keys are an
+error naming the key. Durations carry their unit in the name.
+
+Slurm's own environment supplies the allocation when run under ``srun``:
+``SLURM_JOB_ID``, ``SLURMD_NODENAME``, ``SLURM_STEP_NUM_NODES`` (the step's,
+not the job's stale count after a resize), ``SLURM_NODEID`` and
+``SLURM_RESTART_COUNT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import socket
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ConfigError
+from agent.hang import HangConfig
+
+ENV_PREFIX = "RESURGO_AGENT_"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything ``resurgo-agent`` needs; see the module docstring for the sources."""
+
+    job_id: str = ""
+    node: str = ""
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    restart_count: int = 0
+    launch_nonce: str = "0"
+    run_dir: str = ""
+    supervisor_url: str = ""
+    secret_file: str = ""
+    events_log: str = ""
+    resume_from: str = ""
+    ckpt_root: str = ""
+    ckpt_interval_s: float = 0.0
+    heartbeat_report_s: float = 5.0
+    watch_interval_s: float = 0.25
+    hang_check_s: float = 1.0
+    hang_floor_s: float = 60.0
+    hang_k: float = 5.0
+    init_grace_s: float = 600.0
+    checkpoint_grace_s: float = 600.0
+    eval_grace_s: float = 900.0
+    stack_sample_s: float = 5.0
+    stack_timeout_s: float = 120.0
+    health_check: str = ""
+    health_check_interval_s: float = 300.0
+    health_check_timeout_s: float = 60.0
+    stop_grace_s: float = 30.0
+    drain_timeout_s: float = 10.0
+
+    def hang_config(self) -> HangConfig:
+        """The hang/straggler thresholds for :mod:`agent.hang`."""
+        return HangConfig(
+            floor_s=self.hang_floor_s,
+            k=self.hang_k,
+            init_grace_s=self.init_grace_s,
+            checkpoint_grace_s=self.checkpoint_grace_s,
+            eval_grace_s=self.eval_grace_s,
+            stack_timeout_s=self.stack_timeout_s,
+        )
+
+
+_FIELDS = {field.name: field for field in fields(AgentConfig)}
+
+
+def _convert(name: str, value: Any) -> Any:
+    kind = type(getattr(AgentConfig(), name))
+    try:
+        if kind is float and not isinstance(value, bool):
+            return float(value)
+        if kind is int and not isinstance(value, bool):
+            return int(value)
+        if kind is str:
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"agent setting {name} must be a {kind.__name__}, got {value!r}")
+
+
+def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
+    found: dict[str, Any] = {"node": environ.get("SLURMD_NODENAME") or socket.gethostname()}
+    sources = {
+        "job_id": "SLURM_JOB_ID",
+        "nnodes": "SLURM_STEP_NUM_NODES",
+        "node_rank": "SLURM_NODEID",
+        "restart_count": "SLURM_RESTART_COUNT",
+    }
+    for name, variable in sources.items():
+        if environ.get(variable):
+            found[name] = _convert(name, environ[variable])
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags for every field, plus ``--config`` and the command after ``--``."""
+    parser = argparse.ArgumentParser(
+        prog="resurgo-agent",
+        description=(
+            "Per-node agent: launches this node's share of the ranks (torchrun or any "
+            "command), watches them, detects death, hangs and stragglers, collects stack "
+            "dumps, and reports to the supervisor. Usage: resurgo-agent [options] -- "
+            "torchrun --nproc-per-node=8 train.py ..."
+        ),
+    )
+    parser.add_argument("--config", type=Path, help="TOML file with agent settings")
+    for name, field in _FIELDS.items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=None,
+            metavar=type(field.default).__name__.upper(),
+        )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    return parser
+
+
+def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[AgentConfig, list[str]]:
+    """Merge Slurm's environment, TOML, ``RESURGO_AGENT_*`` and flags; return (config, command)."""
+    args = build_parser().parse_args(list(argv))
+    values: dict[str, Any] = _slurm_defaults(environ)
+    if args.config is not None:
+        try:
+            document = tomllib.loads(args.config.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise ConfigError(f"cannot read agent config {args.config}: {error}") from error
+        for key, value in document.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"unknown agent setting {key!r} in {args.config}")
+            values[key] = _convert(key, value)
+    for name in _FIELDS:
+        variable = ENV_PREFIX + name.upper()
+        if variable in environ:
+            values[name] = _convert(name, environ[variable])
+    for name in _FIELDS:
+        flag = getattr(args, name)
+        if flag is not None:
+            values[name] = _convert(name, flag)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    config = dataclasses.replace(AgentConfig(), **values)
+    if not config.job_id:
+        raise ConfigError("no job id: run under srun (SLURM_JOB_ID) or pass --job-id")
+    return config, command

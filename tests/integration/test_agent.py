@@ -1,0 +1,282 @@
+"""Acceptance for resurgo-agent: real torchrun ranks (gloo, CPU) under a real agent process.
+
+Faults are injected into tests/workers/agent_worker.py; the agent's events are
+read from its local events log (and, where the HTTP path is the point, from
+tests/recording_server.py acting as the supervisor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent import protocol
+from agent.client import write_secret
+from agent.protocol import Command, CommandKind, Event, EventKind
+from tests.conftest import REPO, LiveCluster
+from tests.recording_server import RecordingServer
+
+WORKER = REPO / "tests" / "workers" / "agent_worker.py"
+AGENT = [sys.executable, "-m", "agent.node"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class RunningAgent:
+    """One resurgo-agent process on this machine, its output folder and its events log."""
+
+    def __init__(self, tmp_path: Path, agent_args: list[str], worker_args: list[str]):
+        self.out = tmp_path / "out"
+        self.out.mkdir()
+        self.log = tmp_path / "events.jsonl"
+        self.stderr = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
+        argv = [
+            *AGENT, "--job-id", "77", "--node", "node1", "--master-port", str(free_port()),
+            "--run-dir", str(tmp_path / "run"), "--events-log", str(self.log),
+            "--watch-interval-s", "0.2", *agent_args,
+            "--", "torchrun", "--nproc-per-node=2", str(WORKER), "--out", str(self.out),
+            *worker_args,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            argv, stdout=self.stderr, stderr=subprocess.STDOUT, cwd=REPO
+        )
+
+    def events(self) -> list[Event]:
+        if not self.log.exists():
+            return []
+        return [protocol.decode_event(line) for line in self.log.read_bytes().splitlines()]
+
+    def wait_event(self, kind: EventKind, timeout_s: float) -> Event:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for event in self.events():
+                if event.kind is kind:
+                    return event
+            assert self.process.poll() is None or kind in (
+                EventKind.LAUNCHER_EXITED, EventKind.AGENT_STOPPED, EventKind.RANK_EXITED,
+            ), self.tail()  # fmt: skip
+            time.sleep(0.05)
+        raise AssertionError(f"no {kind.value} event within {timeout_s} s\n{self.tail()}")
+
+    def wait_file(self, name: str, timeout_s: float = 60.0) -> str:
+        path = self.out / name
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text():
+                return path.read_text()
+            assert self.process.poll() is None, self.tail()
+            time.sleep(0.05)
+        raise AssertionError(f"{path} never appeared\n{self.tail()}")
+
+    def tail(self) -> str:
+        self.stderr.flush()
+        return (self.stderr.name and Path(self.stderr.name).read_text(errors="replace"))[-4000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for pid_file in self.out.glob("pid.*"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        self.stderr.close()
+
+
+@pytest.fixture
+def agent_factory(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    started: list[RunningAgent] = []
+
+    def start(agent_args: list[str], worker_args: list[str]) -> RunningAgent:
+        running = RunningAgent(tmp_path, agent_args, worker_args)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+def test_sigkilled_rank_is_reported_with_signal_9_within_2_s(agent_factory) -> None:  # type: ignore[no-untyped-def]
+    agent = agent_factory([], ["--instrumented"])
+    pid = int(agent.wait_file("pid.1"))
+    agent.wait_file("step.1")
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    event = agent.wait_event(EventKind.RANK_EXITED, 10)
+    assert event.payload["global_rank"] == 1 and event.payload["local_rank"] == 1
+    assert event.payload["pid"] == pid
+    assert event.payload["signal"] == 9 and event.payload["signal_name"] == "SIGKILL"
+    assert event.payload["last_step"] >= 1
+    assert event.time_unix_s - killed_at < 2.0
+    assert agent.wait_event(EventKind.LAUNCHER_EXITED, 30).payload["exit_code"] != 0
+
+
+def test_sigstopped_instrumented_rank_is_reported_hung_with_every_stack(agent_factory) -> None:  # type: ignore[no-untyped-def]
+    timeout_s = 5.0
+    agent = agent_factory(
+        ["--hang-floor-s", str(timeout_s), "--hang-check-s", "0.5"],
+        ["--instrumented", "--stop-rank", "1", "--stop-step", "30"],
+    )
+    agent.wait_file("stopped.1")
+    stopped_at = time.time()
+    event = agent.wait_event(EventKind.HANG, timeout_s + 5 + 10)
+    assert event.time_unix_s - stopped_at <= timeout_s + 5
+    hung = {entry["global_rank"]: entry for entry in event.payload["hung"]}
+    assert 1 in hung and hung[1]["last_step"] == 29 and hung[1]["detector"] == "heartbeat"
+    assert set(event.payload["stacks"]) == {"0", "1"}
+    assert "all_reduce" in event.payload["stacks"]["0"]
+    assert "agent_worker.py" in event.payload["stacks"]["1"]
+    # Rank 0 waits inside all_reduce; rank 1 is stopped outside it: rank 1 is the suspect.
+    assert event.payload["culprits"][0]["global_rank"] == 1
+    assert event.payload["culprits"][0]["in_collective"] is False
+
+
+def test_hang_in_an_uninstrumented_script_is_found_from_stacks(agent_factory) -> None:  # type: ignore[no-untyped-def]
+    timeout_s = 5.0
+    agent = agent_factory(
+        ["--stack-timeout-s", str(timeout_s), "--stack-sample-s", "1", "--hang-check-s", "0.5"],
+        ["--stop-rank", "1", "--stop-step", "30"],
+    )
+    agent.wait_file("stopped.1")
+    stopped_at = time.time()
+    event = agent.wait_event(EventKind.HANG, timeout_s + 15 + 10)
+    assert event.time_unix_s - stopped_at <= timeout_s + 15
+    hung = {entry["global_rank"]: entry for entry in event.payload["hung"]}
+    assert hung[0]["detector"] == "stack"  # rank 0 frozen inside all_reduce
+    assert set(event.payload["stacks"]) == {"0", "1"}
+    assert "all_reduce" in event.payload["stacks"]["0"]
+    assert event.payload["culprits"][0]["global_rank"] == 1
+
+
+@pytest.mark.slow
+def test_no_false_hang_during_a_slow_start_or_a_checkpoint_within_its_grace(agent_factory) -> None:  # type: ignore[no-untyped-def]
+    agent = agent_factory(
+        ["--hang-floor-s", "3", "--hang-check-s", "0.5", "--init-grace-s", "60",
+         "--checkpoint-grace-s", "60"],
+        ["--instrumented", "--init-sleep-s", "30", "--steps", "40", "--checkpoint-at", "20",
+         "--checkpoint-s", "10"],
+    )  # fmt: skip
+    assert agent.process.wait(timeout=120) == 0, agent.tail()
+    kinds = [event.kind for event in agent.events()]
+    assert EventKind.HANG not in kinds
+    assert kinds[-2:] == [EventKind.LAUNCHER_EXITED, EventKind.AGENT_STOPPED]
+
+
+def test_sigterm_stops_the_ranks_and_says_how(agent_factory) -> None:  # type: ignore[no-untyped-def]
+    agent = agent_factory(["--stop-grace-s", "5"], ["--instrumented"])
+    agent.wait_file("step.1")
+    agent.process.send_signal(signal.SIGTERM)
+    stopped = agent.wait_event(EventKind.RANKS_STOPPED, 30)
+    assert sorted(rank["global_rank"] for rank in stopped.payload["ranks"]) == [0, 1]
+    assert stopped.payload["reason"] == "agent received SIGTERM"
+    assert agent.process.wait(timeout=30) != 0
+    assert agent.events()[-1].kind is EventKind.AGENT_STOPPED
+
+
+def test_failed_health_check_refuses_to_launch(agent_factory) -> None:  # type: ignore[no-untyped-def]
+    agent = agent_factory(["--health-check", "sh -c 'echo gpu 3 is missing; exit 7'"], [])
+    assert agent.process.wait(timeout=60) == 3
+    failed = agent.wait_event(EventKind.HEALTH_CHECK_FAILED, 1)
+    assert failed.payload["exit_code"] == 7
+    assert "gpu 3 is missing" in failed.payload["output_tail"]
+    assert not list(agent.out.glob("pid.*"))
+
+
+def test_signed_reports_and_commands_round_trip_through_the_supervisor_api(
+    agent_factory, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    secret_file = tmp_path / "secret"
+    secret = bytes(range(32))
+    write_secret(secret_file, secret)
+    with RecordingServer({"77": secret}) as server:
+        agent = agent_factory(
+            ["--supervisor-url", server.url, "--secret-file", str(secret_file),
+             "--heartbeat-report-s", "0.5"],
+            ["--instrumented"],
+        )  # fmt: skip
+        agent.wait_file("step.1")
+        server.wait_for("a heartbeat with both ranks", lambda: any(
+            len(report.ranks) == 2 for report in server.heartbeats), 20)  # fmt: skip
+        server.queue_command(
+            Command(CommandKind.SET_CHECKPOINT_INTERVAL, "c1", {"interval_s": 900.0,
+                                                               "every_steps": None})
+        )  # fmt: skip
+        interval_file = tmp_path / "run" / "checkpoint-interval.json"
+        server.wait_for("the interval file", interval_file.exists, 20)
+        assert '"interval_s": 900.0' in interval_file.read_text()
+        server.queue_command(Command(CommandKind.STOP_RANKS, "c2", {"grace_s": 5.0}))
+        assert agent.process.wait(timeout=60) != 0
+        server.wait_for("agent_stopped", lambda: server.events[-1].kind is EventKind.AGENT_STOPPED,
+                        20)  # fmt: skip
+        kinds = [event.kind for event in server.events]
+        assert kinds[0] is EventKind.AGENT_STARTED
+        assert EventKind.RANKS_STOPPED in kinds
+        stopped = next(e for e in server.events if e.kind is EventKind.RANKS_STOPPED)
+        assert stopped.payload["command_id"] == "c2"
+        assert [event.seq for event in server.events] == list(range(1, len(kinds) + 1))
+        assert server.rejections == []
+
+
+@pytest.mark.slurm
+def test_agents_under_srun_report_a_killed_rank_on_the_right_node(
+    slurm_cluster: LiveCluster, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c '"
+        f"exec {sys.executable} -m agent.node --master-addr 127.0.0.1 "
+        f"--master-port {free_port()} --events-log {tmp_path}/events-$SLURMD_NODENAME.jsonl "
+        f"-- torchrun --nproc-per-node=2 {WORKER} --out {out} --instrumented'\n"
+    )
+    job_id = slurm_cluster.sbatch(
+        "--nodes=2", f"--output={tmp_path}/job.out", f"--chdir={REPO}", str(script)
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not all((out / f"step.{rank}").exists() for rank in range(4)):
+            assert time.monotonic() < deadline, (tmp_path / "job.out").read_text()
+            time.sleep(0.2)
+        victim = int((out / "pid.3").read_text())
+        os.kill(victim, signal.SIGKILL)
+        slurm_cluster.wait_job_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 90)
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)])
+    events = {
+        path.stem.split("-", 1)[1]: [
+            protocol.decode_event(line) for line in path.read_bytes().splitlines()
+        ]
+        for path in tmp_path.glob("events-*.jsonl")
+    }
+    assert len(events) == 2, (tmp_path / "job.out").read_text()
+    killed = [
+        (node, event)
+        for node, node_events in events.items()
+        for event in node_events
+        if event.kind is EventKind.RANK_EXITED and event.payload["signal"] == 9
+    ]
+    assert len(killed) == 1
+    node, event = killed[0]
+    assert event.payload["global_rank"] == 3 and event.payload["pid"] == victim
+    assert event.node == node and event.job_id == str(job_id)
+    started = next(e for e in events[node] if e.kind is EventKind.AGENT_STARTED)
+    assert started.payload["nnodes"] == 2
