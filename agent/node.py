@@ -27,12 +27,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,24 +38,15 @@ from typing import Any
 
 from agent import protocol
 from agent.checkpoint import files
-from agent.client import Reporter, load_secret
 from agent.config import AgentConfig, build_parser, load_config
 from agent.errors import ResurgoError
-from agent.hang import (
-    RankProgress,
-    StackSample,
-    culprit_hints,
-    hang_verdicts,
-    local_stragglers,
-    observe,
-    stack_hang_verdict,
-)
+from agent.events import EventOut
 from agent.health import run_health_check
 from agent.launch import Allocation, LaunchPlan, LaunchSettings, plan_launch
-from agent.procs import RankExit, RankProcess, RankWatcher
-from agent.stacks import StackDump, dump_all, fingerprint, in_collective
+from agent.procs import RankExit, RankWatcher
 from agent.train.heartbeat import CheckpointNote, RankBeat, parse_datagram
 from agent.train.schedule import CheckpointInterval, format_override
+from agent.watch import RankMonitor
 
 log = logging.getLogger(__name__)
 
@@ -75,73 +64,6 @@ class Clocks:
 
     monotonic: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
-
-
-class EventOut:
-    """Where events go: the supervisor's spooling reporter and/or a local JSON-lines log."""
-
-    def __init__(self, config: AgentConfig, run_dir: Path, on_command: Callable[[Any], None]):
-        self._config = config
-        self._log_path = Path(config.events_log) if config.events_log else None
-        self._reporter: Reporter | None = None
-        self._incarnation = secrets.token_hex(8)
-        self._seq = 0
-        if config.supervisor_url:
-            if not config.secret_file:
-                raise ResurgoError(
-                    "a supervisor URL needs the job's secret: pass --secret-file (0600)"
-                )
-            self._reporter = Reporter(
-                config.supervisor_url,
-                config.job_id,
-                config.node,
-                load_secret(Path(config.secret_file)),
-                run_dir / "spool",
-                on_command=on_command,
-            )
-            self._incarnation = self._reporter.incarnation
-
-    @property
-    def incarnation(self) -> str:
-        """This agent run's token: part of every event id."""
-        return self._incarnation
-
-    async def start(self) -> None:
-        if self._reporter is not None:
-            await self._reporter.start()
-
-    async def emit(self, kind: protocol.EventKind, payload: dict[str, Any]) -> None:
-        if self._reporter is not None:
-            event = await self._reporter.emit(kind, payload)
-        else:
-            self._seq += 1
-            event = protocol.make_event(
-                kind,
-                self._config.job_id,
-                self._config.node,
-                self._incarnation,
-                self._seq,
-                time.time(),
-                payload,
-            )
-        log.info("event %s %s", kind.value, _summary(payload))
-        if self._log_path is not None:
-            with open(self._log_path, "ab") as handle:
-                handle.write(protocol.encode_event(event) + b"\n")
-                handle.flush()
-
-    async def heartbeat(self, report: protocol.HeartbeatReport) -> None:
-        if self._reporter is not None:
-            await self._reporter.heartbeat(report)
-
-    async def close(self, drain_timeout_s: float) -> None:
-        if self._reporter is not None:
-            await self._reporter.close(drain_timeout_s)
-
-
-def _summary(payload: dict[str, Any]) -> str:
-    shown = {key: value for key, value in payload.items() if key not in ("stacks", "argv")}
-    return str(shown)[:300]
 
 
 class NodeAgent:
@@ -163,13 +85,7 @@ class NodeAgent:
             config.run_dir
             or f"/tmp/resurgo-agent-{config.job_id}-{config.node}-{config.launch_nonce}"
         )
-        self._hang = config.hang_config()
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-        self._progress: dict[int, RankProgress] = {}
-        self._stack_samples: dict[int, deque[StackSample]] = {}
-        self._last_stack_sample: dict[int, float] = {}
-        self._hang_reported: dict[int, float] = {}
-        self._straggling: set[int] = set()
         self._process: asyncio.subprocess.Process | None = None
         self._watcher: RankWatcher | None = None
         self._plan: LaunchPlan | None = None
@@ -178,6 +94,7 @@ class NodeAgent:
         self._exits: dict[int, RankExit] = {}
         self._socket: socket.socket | None = None
         self.events = EventOut(config, self.run_dir, self._on_command)
+        self.monitor = RankMonitor(config.hang_config(), config.stack_sample_s, self.events.emit)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -393,14 +310,7 @@ class NodeAgent:
                 return
             message = parse_datagram(data)
             if isinstance(message, RankBeat):
-                now = self._clocks.monotonic()
-                progress = observe(
-                    self._progress.get(message.rank), message, now, window=self._hang.window
-                )
-                self._progress[message.rank] = progress
-                reported = self._hang_reported.get(message.rank)
-                if reported is not None and progress.progress_s > reported:
-                    del self._hang_reported[message.rank]  # progress again: a new episode
+                self.monitor.on_beat(message, self._clocks.monotonic())
             elif isinstance(message, CheckpointNote):
                 asyncio.get_running_loop().create_task(
                     self.events.emit(
@@ -430,7 +340,7 @@ class NodeAgent:
             await asyncio.sleep(0.1)
 
     async def _emit_exit(self, rank_exit: RankExit) -> None:
-        progress = self._progress.get(rank_exit.rank.global_rank)
+        progress = self.monitor.forget(rank_exit.rank.global_rank)
         await self.events.emit(
             protocol.EventKind.RANK_EXITED,
             {
@@ -444,7 +354,6 @@ class NodeAgent:
                 "phase": None if progress is None else progress.phase.value,
             },
         )
-        self._progress.pop(rank_exit.rank.global_rank, None)
         self._exits[rank_exit.rank.global_rank] = rank_exit
 
     # -- hangs and stragglers --------------------------------------------------
@@ -452,188 +361,21 @@ class NodeAgent:
     async def _hang_tick(self) -> None:
         if self._watcher is None or self._stopping:
             return
-        now = self._clocks.monotonic()
         live = {rank.global_rank: rank for rank in self._watcher.live_ranks}
-        beating = {r: p for r, p in self._progress.items() if r in live}
-        hung = {
-            verdict.rank: (verdict, protocol.HangDetector.HEARTBEAT)
-            for verdict in hang_verdicts(beating, now, self._hang)
-        }
-        silent = [rank for key, rank in live.items() if key not in beating]
-        frozen_outside: list[int] = []
-        if silent:
-            await self._sample_stacks(silent, now)
-            for rank in silent:
-                samples = self._stack_samples.get(rank.global_rank, deque())
-                verdict = stack_hang_verdict(
-                    list(samples), now, self._hang.stack_timeout_s, rank=rank.global_rank
-                )
-                if verdict is not None:
-                    hung[rank.global_rank] = (verdict, protocol.HangDetector.STACK)
-                elif self._frozen_for(samples, now) > self._hang.stack_timeout_s:
-                    frozen_outside.append(rank.global_rank)
-        fresh = [rank for rank in hung if rank not in self._hang_reported]
-        if not fresh:
-            return
-        # Ranks frozen outside any collective while others wait in one are the
-        # likely culprits (a stopped or deadlocked rank): report them too.
-        for key in frozen_outside:
-            verdict = self._frozen_verdict(key, self._stack_samples[key], now)
-            hung.setdefault(key, (verdict, protocol.HangDetector.STACK))
-        await self._report_hang(hung, live, now)
-
-    async def _sample_stacks(self, ranks: list[RankProcess], now: float) -> None:
-        due = [
-            rank
-            for rank in ranks
-            if now - self._last_stack_sample.get(rank.global_rank, -1e9)
-            >= self.config.stack_sample_s
-        ]
-        if not due:
-            return
-        dumps = await asyncio.to_thread(dump_all, [rank.pid for rank in due], 15.0)
-        for rank in due:
-            self._last_stack_sample[rank.global_rank] = now
-            dump = dumps[rank.pid]
-            if not dump.ok:
-                log.debug("stack sample of rank %d failed: %s", rank.global_rank, dump.error)
-                continue
-            samples = self._stack_samples.setdefault(
-                rank.global_rank, deque(maxlen=STACK_SAMPLES_KEPT)
-            )
-            samples.append(StackSample(now, fingerprint(dump), in_collective(dump)))
-
-    @staticmethod
-    def _frozen_for(samples: deque[StackSample], now: float) -> float:
-        if len(samples) < 2:
-            return 0.0
-        newest = samples[-1].fingerprint
-        since = samples[-1].time_s
-        for sample in reversed(samples):
-            if sample.fingerprint != newest:
-                break
-            since = sample.time_s
-        return now - since
-
-    def _frozen_verdict(self, rank: int, samples: deque[StackSample], now: float) -> Any:
-        from agent.hang import HangReason, HangVerdict
-
-        return HangVerdict(
-            rank=rank,
-            last_step=None,
-            phase=None,
-            since_progress_s=self._frozen_for(samples, now),
-            timeout_s=self._hang.stack_timeout_s,
-            reason=HangReason.STACK_IN_COLLECTIVE,
-            detail="stack frozen outside any collective while other ranks wait in one",
-        )
-
-    async def _report_hang(
-        self, hung: dict[int, tuple[Any, protocol.HangDetector]], live: dict[int, RankProcess],
-        now: float,
-    ) -> None:  # fmt: skip
-        # Evidence before anything is killed: every local rank's stack, hung or not.
-        dumps: dict[int, StackDump] = await asyncio.to_thread(
-            dump_all, [rank.pid for rank in live.values()], 30.0
-        )
-        stacks = {
-            str(key): protocol.clip_text(
-                _stack_text(dumps[rank.pid]),
-                protocol.MAX_TEXT_CHARS,
-            )
-            for key, rank in live.items()
-        }  # fmt: skip
-        collective = {key: in_collective(dumps[rank.pid]) for key, rank in live.items()
-                      if dumps[rank.pid].ok}  # fmt: skip
-        hints = culprit_hints(self._progress, hung, collective)
-        culprits = [
-            {
-                "global_rank": hint.rank,
-                "last_step": hint.last_step,
-                "in_collective": hint.in_collective,
-                "reason": (
-                    f"{hint.steps_behind} step(s) behind, stopped "
-                    f"{hint.stopped_earlier_s:.1f} s before the last"
-                ),
-            }
-            for hint in hints
-        ]
-        if not culprits:
-            culprits = [
-                {"global_rank": key, "last_step": None, "in_collective": collective.get(key),
-                 "reason": "stack outside any collective" if collective.get(key) is False
-                 else "stack frozen in a collective"}
-                for key in sorted(hung, key=lambda k: (collective.get(k, True), k))
-            ]  # fmt: skip
-        payload = {
-            "hung": [
-                {
-                    "global_rank": key,
-                    "local_rank": live[key].local_rank,
-                    "pid": live[key].pid,
-                    "last_step": verdict.last_step,
-                    "phase": None if verdict.phase is None else verdict.phase.value,
-                    "seconds_since_progress": float(verdict.since_progress_s),
-                    "timeout_s": float(verdict.timeout_s),
-                    "detector": detector.value,
-                }
-                for key, (verdict, detector) in sorted(hung.items())
-                if key in live
-            ],
-            "stacks": stacks,
-            "culprits": culprits,
-        }
-        await self.events.emit(protocol.EventKind.HANG, payload)
-        for key in hung:
-            self._hang_reported[key] = now
+        await self.monitor.check_hangs(live, self._clocks.monotonic())
 
     async def _report_tick(self) -> None:
         if self._watcher is None:
             return
         live = {rank.global_rank: rank for rank in self._watcher.live_ranks}
-        beating = {r: p for r, p in self._progress.items() if r in live}
-        stragglers = {verdict.rank: verdict for verdict in local_stragglers(beating, self._hang)}
-        for key, verdict in stragglers.items():
-            if key in self._straggling:
-                continue
-            self._straggling.add(key)
-            times = beating[key].step_times
-            await self.events.emit(
-                protocol.EventKind.STRAGGLER,
-                {
-                    "global_rank": key,
-                    "local_rank": beating[key].local_rank,
-                    "step_time_p50_s": float(times.p50 or 0.0),
-                    "step_time_p99_s": float(times.p99 or 0.0),
-                    "step_time_mean_s": float(times.mean or 0.0),
-                    "steps_observed": times.count,
-                    "node_median_step_time_s": float(verdict.reference_s),
-                },
-            )
-        self._straggling &= set(stragglers)
-        wall, mono = self._clocks.wall(), self._clocks.monotonic()
+        await self.monitor.check_stragglers(live)
+        wall = self._clocks.wall()
         report = protocol.HeartbeatReport(
             job_id=self.config.job_id,
             node=self.config.node,
             time_unix_s=wall,
             agent_incarnation=self.events.incarnation,
-            ranks=tuple(
-                protocol.RankStatus(
-                    global_rank=key,
-                    local_rank=rank.local_rank,
-                    pid=rank.pid,
-                    step=None if key not in beating else beating[key].step,
-                    phase=None if key not in beating else beating[key].phase.value,
-                    last_progress_unix_s=(
-                        None if key not in beating else wall - (mono - beating[key].progress_s)
-                    ),
-                    step_time_p50_s=None if key not in beating else beating[key].step_times.p50,
-                    step_time_p99_s=None if key not in beating else beating[key].step_times.p99,
-                    step_time_mean_s=None if key not in beating else beating[key].step_times.mean,
-                    steps_observed=0 if key not in beating else beating[key].step_times.count,
-                )
-                for key, rank in sorted(live.items())
-            ),
+            ranks=self.monitor.rank_statuses(live, wall, self._clocks.monotonic()),
         )
         await self.events.heartbeat(report)
 
@@ -690,10 +432,6 @@ class NodeAgent:
                 ],
             },
         )  # fmt: skip
-
-
-def _stack_text(dump: StackDump) -> str:
-    return dump.text if dump.ok else f"(no stack: {dump.error})"
 
 
 def _alive(pid: int) -> bool:

@@ -15,6 +15,7 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -37,7 +38,7 @@ class RankProcess:
 
 @dataclass(frozen=True)
 class RankExit:
-    """How a rank ended: exit code or signal (both None when unknown)."""
+    """How a rank ended: exit code or signal (both None when unknown), and when."""
 
     rank: RankProcess
     exit_code: int | None
@@ -122,11 +123,19 @@ class RankWatcher:
                     continue
                 exits.append(RankExit(rank, None, None, now_unix_s))
             else:
+                ended = record.get("time_unix_s")
                 exits.append(
-                    RankExit(rank, record.get("exit_code"), record.get("signal"), now_unix_s)
+                    RankExit(
+                        rank,
+                        record.get("exit_code"),
+                        record.get("signal"),
+                        float(ended) if ended is not None else now_unix_s,
+                    )
                 )
             self._reported.add(key)
-        return exits
+        # Ranks that ended within one poll are reported in the order they ended:
+        # the first is usually the cause, the rest torchrun's tear-down.
+        return sorted(exits, key=lambda rank_exit: rank_exit.time_unix_s)
 
     def launcher_exit(self, returncode: int, now_unix_s: float) -> list[RankExit]:
         """For a non-torchrun command, its exit is its single rank's exit."""
@@ -164,10 +173,10 @@ class RankWatcher:
             shim_pid=process.pid,
         )
 
-    def _read_record(self, global_rank: int) -> dict[str, int | None] | None:
+    def _read_record(self, global_rank: int) -> dict[str, Any] | None:
         path = self._exit_dir / f"rank-{global_rank}.json"
         try:
-            record: dict[str, int | None] = json.loads(path.read_text())
+            record: dict[str, Any] = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as error:

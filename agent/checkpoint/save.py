@@ -3,13 +3,15 @@
 One :class:`Checkpointer` per training process; every rank calls the same
 methods in the same order (they run collectives). A save goes through:
 
-1. foreground, all ranks: agree that no save is in flight and whether host
-   memory can hold a staged copy; rank 0 prepares a FRESH ``step-<N>/``;
-2. foreground: ``dcp.async_save`` copies this rank's tensors into host memory
-   (the only part the training loop waits for) and hands them to a DCP thread;
-3. background, all ranks: DCP writes and fsyncs ``__{rank}_*.distcp``, rank 0
-   writes ``.metadata``; each rank checksums the files it wrote and the
-   entries are gathered to rank 0;
+1. foreground, all ranks, one collective round: agree that no save is in
+   flight and whether host memory can hold a staged copy; rank 0 prepares a
+   FRESH ``step-<N>/`` just before voting and its vote carries the outcome;
+2. foreground: this rank's tensors are copied into host buffers kept between
+   saves (the only part the training loop waits for);
+3. background, all ranks, on the Checkpointer's one thread: ``dcp.save`` of
+   the staged copy writes and fsyncs ``__{rank}_*.distcp``, rank 0 writes
+   ``.metadata``; each rank checksums the files it wrote and the entries are
+   gathered to rank 0;
 4. background, rank 0: manifest, then commit marker (both durable), then
    ``after_commit`` (retention); the outcome is shared with every rank so
    that ``wait()`` raises, or not, everywhere alike.
@@ -24,6 +26,7 @@ import enum
 import json
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -38,7 +41,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -54,6 +56,11 @@ DEFAULT_MEMORY_HEADROOM = 1.25
 # The background thread's collectives wait this long for a slow or dead peer
 # before failing the save (a gloo timeout, not a hang).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+# Votes, outcomes and file lists are a few hundred bytes: each rank sends a
+# fixed-size frame (length + inline payload), so one all_gather suffices; only
+# a longer document costs a second, exact-size round.
+_GATHER_INLINE_BYTES = 4096
+_GATHER_LENGTH = struct.Struct("<q")
 
 
 class WhenBusy(enum.Enum):
@@ -92,7 +99,7 @@ class CommittedCheckpoint:
 
 @dataclass(frozen=True)
 class _Pending:
-    """A save whose DCP write was started; the background thread commits it."""
+    """A save the background thread writes (when ``staged`` is set) and commits."""
 
     step: int
     path: Path
@@ -101,8 +108,8 @@ class _Pending:
     mode: SaveMode
     stall_s: float
     write_started: float
-    dcp_future: Future[Any]
-    stager: DefaultStager | None = field(default=None)
+    staged: dict[str, Any] | None = field(default=None)  # None: already written (SYNC)
+    stager: _HostStager | None = field(default=None)
 
 
 def _available_host_memory() -> int:
@@ -162,27 +169,28 @@ class Checkpointer:
         if self._distributed:
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             timeout = timedelta(seconds=collective_timeout_s)
-            # Two private gloo groups. DCP's thread executor runs its collectives
-            # (plan reduce-scatter, write all-reduce) from a background thread on
-            # the group it is given; on the training group they would interleave
-            # with the loop's own collectives in a different order on each rank
-            # and deadlock or mismatch. So the background thread owns _io_pg
-            # (DCP plus our checksum gather), the foreground owns _control_pg
-            # (busy vote, directory decision), and neither is ever used from the
-            # other thread. gloo because DCP and our gathers move CPU tensors,
-            # which NCCL cannot.
+            # Two private gloo groups. The background write runs DCP's collectives
+            # (plan gather, write all-reduce) from the commit thread; on the
+            # training group they would interleave with the loop's own
+            # collectives in a different order on each rank and deadlock or
+            # mismatch. So the background thread owns _io_pg (DCP plus our
+            # checksum gather), the foreground owns _control_pg (the vote that
+            # carries the directory decision), and neither is used from the
+            # other thread while a save is in flight. gloo because DCP and our
+            # gathers move CPU tensors, which NCCL cannot.
             self._control_pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
             self._io_pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
             self._rank = dist.get_rank(self._io_pg)
             self._world_size = dist.get_world_size(self._io_pg)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resurgo-ckpt")
-        self._stager: DefaultStager | None = _new_stager() if keep_staging_buffers else None
+        self._stager: _HostStager | None = _HostStager() if keep_staging_buffers else None
         self._staged_bytes = 0
         self._inflight: Future[None] | None = None
         self._inflight_step: int | None = None
         self._lock = threading.Lock()
         self._last_committed: CommittedCheckpoint | None = None
         self._stats: fmt.SaveStats | None = None
+        self._storage_magic: int | None = None
         self._filesystem: str | None = None
         self._storage_warned = False
 
@@ -243,16 +251,24 @@ class Checkpointer:
         # Kept staging buffers already hold the bytes of the last save; only
         # growth needs new memory.
         needed = max(0, local_bytes - self._staged_bytes)
+        busy = self.busy
+        # Rank 0 prepares the directory BEFORE the vote, so that one collective
+        # round (not a vote, then a directory round) decides the save; the
+        # directory is fresh and empty, so undoing it on a skip is an rmdir.
+        prepared = self._prepare(path) if self._rank == 0 and not busy else None
         votes = self._all_gather_json(
             self._control_pg,
             {
-                "busy": self.busy,
+                "busy": busy,
                 "fits": storage.can_stage(needed, self._available_memory(), self._headroom),
                 "needed": needed,
+                "prepared": prepared,
             },
         )
         busy_ranks = [rank for rank, vote in enumerate(votes) if vote["busy"]]
         if busy_ranks:
+            if prepared is not None and prepared["error"] is None:
+                _discard_fresh_dir(path)
             why = (
                 f"step {self._inflight_step} is still being written on rank(s) {busy_ranks} "
                 "and when_busy=skip; save less often or use when_busy=wait"
@@ -260,13 +276,21 @@ class Checkpointer:
             self._log_rank0(logging.WARNING, "checkpoint step %d skipped: %s", step, why)
             return SaveResult(step, path, SaveMode.SKIPPED, self._clock() - started, why)
         self.wait()  # nothing in flight anywhere now; surfaces a failed previous save
-        self._prepare_everywhere(path)
+        decided = votes[0]["prepared"]
+        if decided is None:
+            raise CheckpointError(
+                f"rank 0 did not prepare {path}: its previous save failed; "
+                "see rank 0's log, then save again"
+            )
+        if decided["error"] is not None:
+            raise CheckpointError(decided["error"])
         mode = SaveMode.ASYNC if all(vote["fits"] for vote in votes) else SaveMode.SYNC
         reason = None
         stager = None
+        staged = None
         if mode is SaveMode.ASYNC:
-            stager = self._stager if self._keep_staging_buffers else _new_stager()
-            dcp_future = self._start_async(step, path, plain, stager)
+            stager = self._stager if self._stager is not None else _HostStager()
+            staged = self._stage(step, plain, stager)
             self._staged_bytes = local_bytes if self._keep_staging_buffers else 0
             write_started = self._clock()
         else:
@@ -278,16 +302,20 @@ class Checkpointer:
             self._log_rank0(logging.WARNING, "checkpoint step %d: %s", step, reason)
             self._release_staging_buffers()
             write_started = self._clock()
-            dcp_future = self._run_sync(step, path, plain)
+            self._run_sync(step, path, plain)
         stall_s = self._clock() - started
         pending = _Pending(
-            step, path, kinds, user_doc, mode, stall_s, write_started, dcp_future, stager
+            step, path, kinds, user_doc, mode, stall_s, write_started, staged, stager
         )
         self._inflight_step = step
         self._inflight = self._executor.submit(self._finish, pending)
         self._log_rank0(
-            logging.INFO, "checkpoint step %d: %s, stall %.3f s, writing %s",
-            step, mode.value, stall_s, path,
+            logging.INFO,
+            "checkpoint step %d: %s, stall %.3f s, writing %s",
+            step,
+            mode.value,
+            stall_s,
+            path,
         )
         return SaveResult(step, path, mode, stall_s, reason)
 
@@ -320,64 +348,61 @@ class Checkpointer:
             self._executor.shutdown(wait=True)
             self._release_staging_buffers(reusable=False)
 
-    def _start_async(
-        self, step: int, path: Path, plain: dict[str, Any], stager: DefaultStager | None
-    ) -> Future[Any]:
-        """Stage this rank's tensors (blocking) and start DCP's background write."""
+    def _stage(self, step: int, plain: dict[str, Any], stager: _HostStager) -> dict[str, Any]:
+        """Copy this rank's tensors into the stager's host buffers (the stall)."""
+        # dcp.async_save would stage, then start a new thread pool that runs
+        # dcp.save; we run that dcp.save on our commit thread instead, which
+        # keeps the pool's start-up (and its new thread taking the GIL from
+        # the training thread) out of the stall.
         try:
-            response = dcp.async_save(
-                plain,
-                storage_writer=_writer(path),
-                process_group=self._io_pg,
-                async_stager=stager,
-                no_dist=not self._distributed,
-            )
+            return stager.stage(plain)
         except Exception as error:
             raise CheckpointError(
                 f"staging checkpoint step {step} failed on rank {self._rank}: {error!r}; "
                 "training state was not saved, retry the save or check host memory"
             ) from error
-        # Our stager stages synchronously, so async_save hands back the upload
-        # future itself; the AsyncSaveResponse form is for async staging.
-        if isinstance(response, AsyncSaveResponse):
-            return response.upload_completion
-        return response
 
-    def _run_sync(self, step: int, path: Path, plain: dict[str, Any]) -> Future[Any]:
-        """Write with ``dcp.save`` now; return a completed future for the commit thread."""
+    def _write(self, path: Path, state: dict[str, Any]) -> None:
+        """``dcp.save`` of ``state`` into the fresh ``path``; collectives on ``_io_pg``."""
+        dcp.save(
+            state,
+            storage_writer=_writer(path),
+            process_group=self._io_pg,
+            no_dist=not self._distributed,
+        )
+
+    def _run_sync(self, step: int, path: Path, plain: dict[str, Any]) -> None:
+        """Write with ``dcp.save`` now, in the foreground (nothing is in flight)."""
         try:
-            dcp.save(
-                plain,
-                storage_writer=_writer(path),
-                process_group=self._io_pg,
-                no_dist=not self._distributed,
-            )
+            self._write(path, plain)
         except Exception as error:
             raise CheckpointError(
                 f"synchronous save of step {step} failed on rank {self._rank}: {error!r}"
             ) from error
-        done: Future[Any] = Future()
-        done.set_result(None)
-        return done
 
-    def _prepare_everywhere(self, path: Path) -> None:
-        """Rank 0 makes ``path`` fresh; every rank learns the outcome, so all raise alike."""
-        outcome: dict[str, Any] = {}
-        if self._rank == 0:
-            try:
-                prepare_step_dir(path, self._wall_clock())
-                self._check_storage()
-                outcome = {"error": None}
-            except (OSError, CheckpointError) as error:
-                outcome = {"error": str(error)}
-        decided = self._all_gather_json(self._control_pg, outcome)[0]
-        if decided["error"] is not None:
-            raise CheckpointError(decided["error"])
+    def _prepare(self, path: Path) -> dict[str, Any] | None:
+        """Rank 0: make ``path`` fresh; the outcome rides on rank 0's vote.
+
+        None when the previous save failed: ``wait()`` raises that failure on
+        every rank right after the vote, and no directory should be left for it.
+        """
+        previous = self._inflight
+        if previous is not None and previous.done() and previous.exception() is not None:
+            return None
+        try:
+            prepare_step_dir(path, self._wall_clock())
+            self._check_storage()
+        except (OSError, CheckpointError) as error:
+            return {"error": str(error)}
+        return {"error": None}
 
     def _check_storage(self) -> None:
         """Rank 0: learn the filesystem once and warn once if it cannot take sharded writes."""
-        magic = storage.statfs_magic(self._root)
-        self._filesystem = storage.describe_magic(magic)
+        if self._storage_magic is None:
+            # statfs through ctypes loads libc each call: milliseconds of stall.
+            self._storage_magic = storage.statfs_magic(self._root)
+            self._filesystem = storage.describe_magic(self._storage_magic)
+        magic = self._storage_magic
         if self._storage_warned:
             return
         stats = self._stats
@@ -397,7 +422,8 @@ class Checkpointer:
         local_error = None
         entries: list[dict[str, Any]] = []
         try:
-            pending.dcp_future.result()
+            if pending.staged is not None:
+                self._write(pending.path, pending.staged)
             prefix = f"__{self._rank}_"  # FileSystemWriter names data files by group rank
             entries = [
                 asdict(files.describe_file(pending.path, name))
@@ -453,6 +479,10 @@ class Checkpointer:
                 user=pending.user,
             )
             data = fmt.manifest_to_bytes(manifest)
+            # The step directory's entry in root (prepare_step_dir leaves it
+            # unsynced, so the training loop never waits on a journal commit)
+            # must be durable before the marker can commit what is inside.
+            files.fsync_dir(pending.path.parent)
             # The manifest's durable write also fsyncs the directory, which makes
             # DCP's own .metadata rename durable: DCP renames without a dir fsync.
             files.write_durably(pending.path / fmt.MANIFEST_NAME, data)
@@ -463,14 +493,19 @@ class Checkpointer:
             return {"error": f"committing step {pending.step} failed: {error!r}"}
         logger.info(
             "checkpoint step %d committed: %d bytes, stall %.3f s, write %.3f s, %s",
-            pending.step, stats.total_bytes, stats.stall_s, stats.write_s, pending.path,
+            pending.step,
+            stats.total_bytes,
+            stats.stall_s,
+            stats.write_s,
+            pending.path,
         )
         if self._after_commit is not None:
             try:
                 self._after_commit(pending.path)
             except Exception:
-                logger.exception("after_commit failed for %s; the checkpoint stays committed",
-                                 pending.path)
+                logger.exception(
+                    "after_commit failed for %s; the checkpoint stays committed", pending.path
+                )
         return {"error": None, "stats": asdict(stats)}
 
     def _all_gather_json(
@@ -484,24 +519,31 @@ class Checkpointer:
         if not self._distributed:
             return [document]
         payload = json.dumps(document).encode()
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
-        dist.all_gather(sizes, size, group=group)
-        longest = max(int(s.item()) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._world_size)]
-        dist.all_gather(gathered, padded, group=group)
-        return [
-            json.loads(tensor[: int(n.item())].numpy().tobytes())
-            for tensor, n in zip(gathered, sizes, strict=True)
-        ]
+        frame = bytearray(_GATHER_LENGTH.size + _GATHER_INLINE_BYTES)
+        _GATHER_LENGTH.pack_into(frame, 0, len(payload))
+        inline = payload[:_GATHER_INLINE_BYTES]
+        frame[_GATHER_LENGTH.size : _GATHER_LENGTH.size + len(inline)] = inline
+        frames = self._all_gather_bytes(group, frame)
+        lengths = [_GATHER_LENGTH.unpack_from(received)[0] for received in frames]
+        longest = max(lengths)
+        if longest <= _GATHER_INLINE_BYTES:
+            bodies = [received[_GATHER_LENGTH.size :] for received in frames]
+        else:
+            bodies = self._all_gather_bytes(group, bytearray(payload.ljust(longest, b"\0")))
+        return [json.loads(body[:n]) for body, n in zip(bodies, lengths, strict=True)]
+
+    def _all_gather_bytes(self, group: dist.ProcessGroup | None, data: bytearray) -> list[bytes]:
+        """Every rank's ``data`` (the same length on every rank), in rank order."""
+        local = torch.frombuffer(data, dtype=torch.uint8)
+        gathered = [torch.empty_like(local) for _ in range(self._world_size)]
+        dist.all_gather(gathered, local, group=group)
+        return [tensor.numpy().tobytes() for tensor in gathered]
 
     def _release_staging_buffers(self, *, reusable: bool = True) -> None:
         """Free the kept host copy (before a sync fallback, or for good on close)."""
         if self._stager is not None:
             self._stager.close()
-            self._stager = _new_stager() if reusable and self._keep_staging_buffers else None
+            self._stager = _HostStager() if reusable and self._keep_staging_buffers else None
         self._staged_bytes = 0
 
     def _log_rank0(self, level: int, message: str, *args: Any) -> None:
@@ -517,6 +559,9 @@ def prepare_step_dir(path: Path, now_unix_s: float) -> Path:
     ``step-<N>.aborted-<unix>``, a name retention and restore do not take for a
     checkpoint: DCP writing into it would keep its stale ``.metadata`` until
     the new one lands, so a crash could leave old metadata beside new shards.
+
+    The new entry is not fsynced here: nothing in the directory counts until
+    the commit, which fsyncs ``path.parent`` before it writes the marker.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
@@ -533,8 +578,15 @@ def prepare_step_dir(path: Path, now_unix_s: float) -> Path:
         path.rename(aside)
         logger.warning("uncommitted leftover %s renamed to %s before saving", path, aside.name)
     path.mkdir()
-    files.fsync_dir(path.parent)
     return path
+
+
+def _discard_fresh_dir(path: Path) -> None:
+    """Rank 0: remove the empty directory prepared for a save that was skipped."""
+    try:
+        path.rmdir()
+    except OSError as error:  # left as an uncommitted leftover, renamed aside next time
+        logger.warning("could not remove unused %s: %s", path, error)
 
 
 def is_committed(path: Path) -> bool:
@@ -556,12 +608,116 @@ def _writer(path: Path) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(path, sync_files=True, overwrite=False)
 
 
-def _new_stager() -> DefaultStager:
-    # Passed to async_save explicitly: without one, async_save stages through
-    # the FileSystemWriter itself (a BlockingAsyncStager), which allocates a
-    # fresh CPU copy on every save; DefaultStager caches its copies per source
-    # storage, so a repeated save is a memcpy into warm pages (measured on
-    # 256 MiB: 0.3-0.5 s fresh vs 0.02 s reused).
+class _HostStager:
+    """Copies a state dict's tensors into host buffers that the next save reuses.
+
+    Plain CPU tensors and DTensors with CPU shards (the CPU training this
+    module is measured on) take the lean path: each distinct storage is
+    copied whole, as 8-byte words, into a kept buffer of the same size, and
+    the staged tree holds views of the buffers with the sources' offsets,
+    sizes and strides. DCP's DefaultStager does the same through a deepcopy
+    of the tree and byte-wise storage copies, which measured 10-20 ms slower
+    per 300 MB rank with 4 ranks on 2 cores. A tree holding anything else
+    (device tensors, other subclasses, objects that are not plain data) goes
+    through DefaultStager, which pins memory and deep-copies objects.
+    Reusing a buffer of the right size is what matters, not which source it
+    held before: its pages are already faulted in.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._fallback: DefaultStager | None = None
+
+    def stage(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``tree`` whose tensors share no memory with the live ones."""
+        if not _lean_stageable(tree):
+            self._buffers = {}
+            if self._fallback is None:
+                self._fallback = _new_default_stager()
+            fallback = self._fallback.stage(tree)
+            if not isinstance(fallback, dict):  # a Future would mean asynchronous staging
+                raise TypeError(f"DefaultStager returned {type(fallback).__name__}")
+            return fallback
+        if self._fallback is not None:
+            self._fallback.close()
+            self._fallback = None
+        spare: dict[int, list[torch.Tensor]] = {}
+        for buffer in self._buffers.values():
+            spare.setdefault(buffer.numel(), []).append(buffer)
+        self._buffers = {}
+        staged: dict[str, Any] = self._copy_tree(tree, spare)
+        return staged
+
+    def close(self) -> None:
+        """Drop the kept buffers."""
+        self._buffers = {}
+        if self._fallback is not None:
+            self._fallback.close()
+            self._fallback = None
+
+    def _copy_tree(self, item: Any, spare: dict[int, list[torch.Tensor]]) -> Any:
+        if isinstance(item, DTensor):
+            local = self._copy_tensor(item.to_local(), spare)
+            # run_check=False with shape and stride given: no collective.
+            return DTensor.from_local(
+                local, item.device_mesh, item.placements, run_check=False,
+                shape=item.size(), stride=item.stride(),
+            )
+        if isinstance(item, torch.Tensor):
+            return self._copy_tensor(item, spare)
+        if isinstance(item, dict):
+            return {key: self._copy_tree(value, spare) for key, value in item.items()}
+        if isinstance(item, list):
+            return [self._copy_tree(value, spare) for value in item]
+        if isinstance(item, tuple):
+            return tuple(self._copy_tree(value, spare) for value in item)
+        return item  # immutable: _lean_stageable admitted only atoms
+
+    def _copy_tensor(self, tensor: torch.Tensor, spare: dict[int, list[torch.Tensor]]) -> Any:
+        source = tensor.untyped_storage()
+        key = (source.data_ptr(), source.nbytes())
+        buffer = self._buffers.get(key)
+        if buffer is None:  # first tensor of this storage in this save
+            same_size = spare.get(source.nbytes())
+            buffer = same_size.pop() if same_size else torch.empty(
+                source.nbytes(), dtype=torch.uint8
+            )
+            _as_words(buffer.untyped_storage()).copy_(_as_words(source))
+            self._buffers[key] = buffer
+        return torch.empty(0, dtype=tensor.dtype).set_(
+            buffer.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
+        )
+
+
+def _lean_stageable(item: Any) -> bool:
+    """True when ``item`` is containers, atoms and CPU tensors that _HostStager copies itself."""
+    if isinstance(item, DTensor):
+        item = item.to_local()
+    if isinstance(item, torch.Tensor):
+        return (
+            type(item) in (torch.Tensor, torch.nn.Parameter)
+            and item.device.type == "cpu"
+            and item.layout is torch.strided
+            and not (item.is_quantized or item.is_conj() or item.is_neg())
+        )
+    if isinstance(item, dict):
+        return all(_lean_stageable(value) for value in item.values())
+    if isinstance(item, list | tuple):
+        return all(_lean_stageable(value) for value in item)
+    return item is None or type(item) in (bool, int, float, str, bytes)
+
+
+def _as_words(storage: torch.UntypedStorage) -> torch.Tensor:
+    # A byte-wise copy measured ~12% slower than an 8-byte-word copy of the
+    # same memory; storages are allocated 64-byte aligned.
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return flat.view(torch.int64) if storage.nbytes() % 8 == 0 else flat
+
+
+def _new_default_stager() -> DefaultStager:
+    # DefaultStager caches its copies per source storage, so a repeated save
+    # is a memcpy into warm pages (measured on 256 MiB: 0.3-0.5 s fresh vs
+    # 0.02 s reused), like _HostStager's lean path.
     # Synchronous staging (the copy must finish before save() returns, or the
     # caller's next optimizer.step would race it); pinned memory only helps
     # device-to-host copies and needs CUDA; shared memory only matters for the

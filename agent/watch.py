@@ -1,0 +1,262 @@
+"""The node agent's view of its ranks' progress: heartbeats, stack samples, verdicts, reports.
+
+:class:`RankMonitor` holds what the agent knows about each live rank (the
+:class:`~agent.hang.RankProgress` from heartbeats, the stack samples of ranks
+that send none) and turns it into events: a hang (with every local rank's
+stack, collected before anything is killed, and the ranks ordered most
+suspect first), a straggler, and the periodic heartbeat report. The decisions
+themselves are the pure functions of :mod:`agent.hang`; this module gathers
+their inputs (py-spy through :mod:`agent.stacks`) and reports each episode once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from agent import protocol
+from agent.hang import (
+    HangConfig,
+    HangReason,
+    HangVerdict,
+    RankProgress,
+    StackSample,
+    culprit_hints,
+    hang_verdicts,
+    local_stragglers,
+    observe,
+    stack_hang_verdict,
+)
+from agent.procs import RankProcess
+from agent.stacks import StackDump, dump_all, fingerprint, in_collective
+from agent.train.heartbeat import RankBeat
+
+log = logging.getLogger(__name__)
+
+STACK_SAMPLES_KEPT = 32
+SAMPLE_DEADLINE_S = 15.0
+EVIDENCE_DEADLINE_S = 30.0
+
+Emit = Callable[[protocol.EventKind, dict[str, Any]], Awaitable[None]]
+Hung = dict[int, tuple[HangVerdict, protocol.HangDetector]]
+
+
+class RankMonitor:
+    """Per-rank progress and stack history; reports hangs and stragglers once per episode."""
+
+    def __init__(self, config: HangConfig, stack_sample_s: float, emit: Emit) -> None:
+        self._config = config
+        self._stack_sample_s = stack_sample_s
+        self._emit = emit
+        self.progress: dict[int, RankProgress] = {}
+        self._samples: dict[int, deque[StackSample]] = {}
+        self._last_sample: dict[int, float] = {}
+        self._hang_reported: dict[int, float] = {}
+        self._straggling: set[int] = set()
+
+    def on_beat(self, beat: RankBeat, now_s: float) -> None:
+        """Fold one heartbeat in; progress after a reported hang starts a new episode."""
+        progress = observe(self.progress.get(beat.rank), beat, now_s, window=self._config.window)
+        self.progress[beat.rank] = progress
+        reported = self._hang_reported.get(beat.rank)
+        if reported is not None and progress.progress_s > reported:
+            del self._hang_reported[beat.rank]
+
+    def forget(self, global_rank: int) -> RankProgress | None:
+        """Drop an exited rank; return what was known of it."""
+        self._samples.pop(global_rank, None)
+        return self.progress.pop(global_rank, None)
+
+    async def check_hangs(self, live: Mapping[int, RankProcess], now_s: float) -> None:
+        """Decide hangs among ``live`` ranks; report a new one with every local stack."""
+        beating = {r: p for r, p in self.progress.items() if r in live}
+        hung: Hung = {
+            verdict.rank: (verdict, protocol.HangDetector.HEARTBEAT)
+            for verdict in hang_verdicts(beating, now_s, self._config)
+        }
+        silent = [rank for key, rank in live.items() if key not in beating]
+        frozen_outside: list[int] = []
+        if silent:
+            await self._sample_stacks(silent, now_s)
+            for rank in silent:
+                samples = self._samples.get(rank.global_rank, deque())
+                verdict = stack_hang_verdict(
+                    list(samples), now_s, self._config.stack_timeout_s, rank=rank.global_rank
+                )
+                if verdict is not None:
+                    hung[rank.global_rank] = (verdict, protocol.HangDetector.STACK)
+                elif _frozen_for(samples, now_s) > self._config.stack_timeout_s:
+                    frozen_outside.append(rank.global_rank)
+        if not any(rank not in self._hang_reported for rank in hung):
+            return
+        # A rank frozen outside any collective while others wait in one is the
+        # likely culprit (stopped or deadlocked): it belongs in the report.
+        for key in frozen_outside:
+            hung.setdefault(key, (self._frozen_verdict(key, now_s), protocol.HangDetector.STACK))
+        await self._report_hang(hung, live)
+        for key in hung:
+            self._hang_reported[key] = now_s
+
+    async def check_stragglers(self, live: Mapping[int, RankProcess]) -> None:
+        """Report ranks whose step time is a local outlier, once until they recover."""
+        beating = {r: p for r, p in self.progress.items() if r in live}
+        stragglers = {v.rank: v for v in local_stragglers(beating, self._config)}
+        for key, verdict in stragglers.items():
+            if key in self._straggling:
+                continue
+            self._straggling.add(key)
+            times = beating[key].step_times
+            await self._emit(
+                protocol.EventKind.STRAGGLER,
+                {
+                    "global_rank": key,
+                    "local_rank": beating[key].local_rank,
+                    "step_time_p50_s": float(times.p50 or 0.0),
+                    "step_time_p99_s": float(times.p99 or 0.0),
+                    "step_time_mean_s": float(times.mean or 0.0),
+                    "steps_observed": times.count,
+                    "node_median_step_time_s": float(verdict.reference_s),
+                },
+            )
+        self._straggling &= set(stragglers)
+
+    def rank_statuses(
+        self, live: Mapping[int, RankProcess], wall_s: float, now_s: float
+    ) -> tuple[protocol.RankStatus, ...]:
+        """What the heartbeat report says of each live rank (wall times for the supervisor)."""
+        statuses = []
+        for key, rank in sorted(live.items()):
+            progress = self.progress.get(key)
+            if progress is None:
+                statuses.append(
+                    protocol.RankStatus(
+                        key, rank.local_rank, rank.pid, None, None, None, None, None, None, 0
+                    )
+                )
+                continue
+            times = progress.step_times
+            statuses.append(
+                protocol.RankStatus(
+                    global_rank=key,
+                    local_rank=rank.local_rank,
+                    pid=rank.pid,
+                    step=progress.step,
+                    phase=progress.phase.value,
+                    last_progress_unix_s=wall_s - (now_s - progress.progress_s),
+                    step_time_p50_s=times.p50,
+                    step_time_p99_s=times.p99,
+                    step_time_mean_s=times.mean,
+                    steps_observed=times.count,
+                )
+            )
+        return tuple(statuses)
+
+    async def _sample_stacks(self, ranks: list[RankProcess], now_s: float) -> None:
+        due = [
+            rank
+            for rank in ranks
+            if now_s - self._last_sample.get(rank.global_rank, -1e9) >= self._stack_sample_s
+        ]
+        if not due:
+            return
+        dumps = await asyncio.to_thread(dump_all, [rank.pid for rank in due], SAMPLE_DEADLINE_S)
+        for rank in due:
+            self._last_sample[rank.global_rank] = now_s
+            dump = dumps[rank.pid]
+            if not dump.ok:
+                log.debug("stack sample of rank %d failed: %s", rank.global_rank, dump.error)
+                continue
+            samples = self._samples.setdefault(rank.global_rank, deque(maxlen=STACK_SAMPLES_KEPT))
+            samples.append(StackSample(now_s, fingerprint(dump), in_collective(dump)))
+
+    def _frozen_verdict(self, rank: int, now_s: float) -> HangVerdict:
+        return HangVerdict(
+            rank=rank,
+            last_step=None,
+            phase=None,
+            since_progress_s=_frozen_for(self._samples[rank], now_s),
+            timeout_s=self._config.stack_timeout_s,
+            reason=HangReason.STACK_IN_COLLECTIVE,
+            detail="stack frozen outside any collective while other ranks wait in one",
+        )
+
+    async def _report_hang(self, hung: Hung, live: Mapping[int, RankProcess]) -> None:
+        # Evidence before anything is killed: every local rank's stack, hung or not.
+        dumps: dict[int, StackDump] = await asyncio.to_thread(
+            dump_all, [rank.pid for rank in live.values()], EVIDENCE_DEADLINE_S
+        )
+        stacks = {
+            str(key): protocol.clip_text(_stack_text(dumps[rank.pid]), protocol.MAX_TEXT_CHARS)
+            for key, rank in live.items()
+        }
+        collective = {
+            key: in_collective(dumps[rank.pid]) for key, rank in live.items() if dumps[rank.pid].ok
+        }
+        await self._emit(
+            protocol.EventKind.HANG,
+            {
+                "hung": [
+                    {
+                        "global_rank": key,
+                        "local_rank": live[key].local_rank,
+                        "pid": live[key].pid,
+                        "last_step": verdict.last_step,
+                        "phase": None if verdict.phase is None else verdict.phase.value,
+                        "seconds_since_progress": float(verdict.since_progress_s),
+                        "timeout_s": float(verdict.timeout_s),
+                        "detector": detector.value,
+                    }
+                    for key, (verdict, detector) in sorted(hung.items())
+                    if key in live
+                ],
+                "stacks": stacks,
+                "culprits": self._culprits(hung, collective),
+            },
+        )
+
+    def _culprits(self, hung: Hung, collective: Mapping[int, bool]) -> list[dict[str, Any]]:
+        """Hung ranks most suspect first: behind, outside the collective, stopped first."""
+        hints = culprit_hints(self.progress, hung, collective)
+        if hints:
+            return [
+                {
+                    "global_rank": hint.rank,
+                    "last_step": hint.last_step,
+                    "in_collective": hint.in_collective,
+                    "reason": f"{hint.steps_behind} step(s) behind, stopped "
+                    f"{hint.stopped_earlier_s:.1f} s before the last",
+                }
+                for hint in hints
+            ]
+        # No heartbeats (uninstrumented): the stack is the only evidence.
+        return [
+            {
+                "global_rank": key,
+                "last_step": None,
+                "in_collective": collective.get(key),
+                "reason": "stack frozen outside any collective"
+                if collective.get(key) is False
+                else "stack frozen in a collective",
+            }
+            for key in sorted(hung, key=lambda k: (collective.get(k, True), k))
+        ]
+
+
+def _frozen_for(samples: deque[StackSample], now_s: float) -> float:
+    """How long the newest stack fingerprint has been unchanged (0 with under two samples)."""
+    if len(samples) < 2:
+        return 0.0
+    newest = samples[-1].fingerprint
+    since = samples[-1].time_s
+    for sample in reversed(samples):
+        if sample.fingerprint != newest:
+            break
+        since = sample.time_s
+    return now_s - since
+
+
+def _stack_text(dump: StackDump) -> str:
+    return dump.text if dump.ok else f"(no stack: {dump.error})"
