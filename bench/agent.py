@@ -12,7 +12,7 @@ and one :func:`hang_verdicts` pass over ``--ranks`` ranks (the agent runs it
 about once a second). From those: the share of one core the agent spends per
 1,000 beats/s, and per rank watched at ``--steps-per-s`` steps a second.
 
-    python bench/agent.py
+    python -m bench.agent
 
 The last line printed is one JSON object.
 """
@@ -30,10 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path, and "agent" would
-# import this file (bench/agent.py) instead of the package.
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+# Run as `python bench/agent.py`, this folder would come first on sys.path and
+# "agent" would import this file instead of the package: run it as a module.
+if not __package__:
+    sys.exit("run the benchmarks from the repository root as modules: python -m bench.agent")
 
 from agent.hang import HangConfig, RankProgress, hang_verdicts, observe
 from agent.train.heartbeat import (

@@ -15,7 +15,7 @@ validates the last Resurgo checkpoint at each level and compares with a raw
 sequential read of the same files, dropping the page cache before every timed
 read when it can (root with a writable /proc/sys/vm/drop_caches).
 
-    python bench/checkpoint.py --gib 1 --ranks 4
+    python -m bench.checkpoint --gib 1 --ranks 4
 
 The last line printed is one JSON object.
 """
@@ -28,6 +28,7 @@ import os
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -41,6 +42,11 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
+
+if not __package__:
+    # As a script, bench/ comes first on sys.path and bench/agent.py hides the
+    # agent package.
+    sys.exit("run the benchmarks from the repository root as modules: python -m bench.checkpoint")
 
 from agent.checkpoint import format as fmt
 from agent.checkpoint.files import iter_chunks

@@ -616,8 +616,8 @@ class _HostStager:
     copied whole, as 8-byte words, into a kept buffer of the same size, and
     the staged tree holds views of the buffers with the sources' offsets,
     sizes and strides. DCP's DefaultStager does the same through a deepcopy
-    of the tree and byte-wise storage copies, which measured 10-20 ms slower
-    per 300 MB rank with 4 ranks on 2 cores. A tree holding anything else
+    of the tree and byte-wise storage copies, which measured 7-10 ms (~10%)
+    slower per 300 MB rank with 4 ranks on 2 cores. A tree holding anything else
     (device tensors, other subclasses, objects that are not plain data) goes
     through DefaultStager, which pins memory and deep-copies objects.
     Reusing a buffer of the right size is what matters, not which source it
