@@ -34,9 +34,12 @@ from agent.stacks import (
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stacks"
 
-needs_py_spy = pytest.mark.skipif(
-    find_py_spy() is None, reason="py-spy not installed (pip install py-spy)"
-)
+@pytest.fixture
+def py_spy() -> str:
+    """py-spy is a dependency of the agent: its absence is a failure, never a skip."""
+    exe = find_py_spy()
+    assert exe is not None, "py-spy is missing: run deploy/setup (pip install py-spy)"
+    return exe
 
 # Rank 2 stops itself after three good all_reduces; rank 0 then blocks in a
 # synchronous all_reduce, rank 1 in Work.wait() of an async one.
@@ -120,7 +123,7 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
-@needs_py_spy
+@pytest.mark.usefixtures("py_spy")
 def test_a_sleeping_process_dumps_with_a_stable_fingerprint(
     sleeper: subprocess.Popen[bytes],
 ) -> None:
@@ -132,7 +135,7 @@ def test_a_sleeping_process_dumps_with_a_stable_fingerprint(
     assert not in_collective(first)
 
 
-@needs_py_spy
+@pytest.mark.usefixtures("py_spy")
 def test_a_dead_pid_is_an_error_value_that_says_the_process_is_gone() -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -154,7 +157,7 @@ def test_no_py_spy_anywhere_says_install_it(monkeypatch: pytest.MonkeyPatch) -> 
     assert dump.error is not None and "pip install py-spy" in dump.error
 
 
-@needs_py_spy
+@pytest.mark.usefixtures("py_spy")
 def test_dump_all_returns_one_result_per_pid_within_the_deadline(
     sleeper: subprocess.Popen[bytes],
 ) -> None:
@@ -208,7 +211,7 @@ def wait_until_collective(pid: int, native: bool = False, timeout_s: float = 20.
         time.sleep(0.2)
 
 
-@needs_py_spy
+@pytest.mark.usefixtures("py_spy")
 def test_real_gloo_hang_blocked_ranks_are_in_a_collective_and_the_stopped_one_is_not(
     gloo_job: list[subprocess.Popen[str]],
 ) -> None:
