@@ -139,6 +139,7 @@ class NodeAgent:
             torchrun=self._plan.is_torchrun,
             exit_dir=self.run_dir / "exits",
             node_rank=self.config.node_rank,
+            expected=self._plan.local_ranks,
         )
         await self.events.emit(
             protocol.EventKind.AGENT_STARTED,

@@ -66,8 +66,19 @@ def _alive(pid: int) -> bool:
 class RankWatcher:
     """Discovers the ranks under the launcher and reports each rank's exit once."""
 
-    def __init__(self, launcher_pid: int, *, torchrun: bool, exit_dir: Path, node_rank: int):
+    def __init__(
+        self,
+        launcher_pid: int,
+        *,
+        torchrun: bool,
+        exit_dir: Path,
+        node_rank: int,
+        expected: int | None = None,
+    ):
         self._launcher_pid = launcher_pid
+        # Once every expected rank is known, discovery stops walking the
+        # process tree (the agent's biggest recurring cost otherwise).
+        self._expected = expected
         self._torchrun = torchrun
         self._exit_dir = exit_dir
         self._node_rank = node_rank
@@ -87,7 +98,9 @@ class RankWatcher:
 
     def discover(self) -> list[RankProcess]:
         """Find ranks not seen before; return them."""
-        found = []
+        found: list[RankProcess] = []
+        if self._expected is not None and len(self._ranks) >= self._expected:
+            return found
         if not self._torchrun:
             if not self._ranks and _alive(self._launcher_pid):
                 rank = RankProcess(self._node_rank, 0, self._launcher_pid)

@@ -11,6 +11,8 @@ Agent side, per datagram: ``recv`` + :func:`parse_datagram` + :func:`observe`,
 and one :func:`hang_verdicts` pass over ``--ranks`` ranks (the agent runs it
 about once a second). From those: the share of one core the agent spends per
 1,000 beats/s, and per rank watched at ``--steps-per-s`` steps a second.
+Then a real ``resurgo-agent`` watching ``--real-ranks`` torchrun ranks, with
+heartbeats and without (stack sampling by py-spy): its measured CPU per rank.
 
     python -m bench.agent
 
@@ -165,6 +167,52 @@ def agent_side(ranks: int, beats: int) -> dict[str, float]:
     }
 
 
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "workers" / "agent_worker.py"
+
+
+def real_agent(ranks: int, seconds: float, instrumented: bool, workdir: Path) -> float:
+    """CPU of a real resurgo-agent watching ``ranks`` torchrun ranks, % of a core per rank.
+
+    Counts the agent's own CPU and its waited children's (the py-spy runs that
+    sample stacks of ranks sending no heartbeats), over ``seconds`` once every
+    rank is stepping (0.05 s steps, gloo all-reduce each step).
+    """
+    import psutil
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = workdir / ("instrumented" if instrumented else "plain")
+    out.mkdir()
+    argv = [
+        sys.executable, "-m", "agent.node", "--job-id", "bench", "--node", "n1",
+        "--master-port", str(port), "--run-dir", str(out / "run"), "--stack-sample-s", "5",
+        "--", "torchrun", f"--nproc-per-node={ranks}", str(WORKER), "--out", str(out),
+        "--step-s", "0.05", *(["--instrumented"] if instrumented else []),
+    ]  # fmt: skip
+    agent = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((out / f"step.{r}").exists() for r in range(ranks)):
+            if time.monotonic() > deadline or agent.poll() is not None:
+                raise RuntimeError("the ranks under the benchmark agent never started stepping")
+            time.sleep(0.2)
+        process = psutil.Process(agent.pid)
+
+        def cpu() -> float:
+            times = process.cpu_times()
+            return times.user + times.system + times.children_user + times.children_system
+
+        before = cpu()
+        time.sleep(seconds)
+        used = cpu() - before
+    finally:
+        agent.terminate()
+        agent.wait(timeout=60)
+    return 100.0 * used / seconds / ranks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200_000, help="beats timed per case")
@@ -176,10 +224,16 @@ def main() -> None:
         default=10.0,
         help="beats per rank per second, for the estimate",
     )
+    parser.add_argument(
+        "--real-seconds", type=float, default=30.0, help="window for the real-agent CPU figure"
+    )
+    parser.add_argument("--real-ranks", type=int, default=4, help="ranks under the real agent")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="resurgo-bench-", dir="/tmp") as tmp:
         rank = rank_side(args.calls, Path(tmp))
+        real_beats = real_agent(args.real_ranks, args.real_seconds, True, Path(tmp))
+        real_stacks = real_agent(args.real_ranks, args.real_seconds, False, Path(tmp))
     agent = agent_side(args.ranks, args.beats)
     # Per rank watched: its beats, plus one hang_verdicts share per second.
     per_rank_us_per_s = (
@@ -196,6 +250,10 @@ def main() -> None:
         f"agent CPU per rank watched at {args.steps_per_s:g} steps/s: "
         f"{per_rank_us_per_s:.1f} us/s ({per_rank_us_per_s / 1e4:.4f} % of a core)"
     )
+    print(
+        f"real agent, {args.real_ranks} ranks at 20 steps/s: {real_beats:.2f} % of a core per "
+        f"rank (heartbeats), {real_stacks:.2f} % (no heartbeats: py-spy every 5 s)"
+    )
     result = {
         "heartbeat_send_us_p50": round(rank["live"]["p50"], 3),
         "heartbeat_send_us_p99": round(rank["live"]["p99"], 3),
@@ -210,6 +268,9 @@ def main() -> None:
         **{k: round(v, 4) for k, v in agent.items()},
         "agent_cpu_us_per_s_per_rank": round(per_rank_us_per_s, 2),
         "steps_per_s_assumed": args.steps_per_s,
+        "real_agent_core_percent_per_rank_heartbeats": round(real_beats, 3),
+        "real_agent_core_percent_per_rank_stack_sampling": round(real_stacks, 3),
+        "real_agent_ranks": args.real_ranks,
         "calls": args.calls,
     }
     print(json.dumps(result))
