@@ -179,6 +179,21 @@ def test_no_false_hang_during_a_slow_start_or_a_checkpoint_within_its_grace(agen
     assert kinds[-2:] == [EventKind.LAUNCHER_EXITED, EventKind.AGENT_STOPPED]
 
 
+def test_a_rank_stepping_slower_than_its_peers_is_reported_as_a_straggler(agent_factory) -> None:  # type: ignore[no-untyped-def]
+    agent = agent_factory(
+        ["--heartbeat-report-s", "1"],
+        ["--instrumented", "--no-sync", "--step-s", "0.05", "--slow-rank", "1",
+         "--slow-step-s", "0.2"],
+    )  # fmt: skip
+    event = agent.wait_event(EventKind.STRAGGLER, 30)
+    assert event.payload["global_rank"] == 1
+    assert event.payload["steps_observed"] >= 10
+    assert event.payload["step_time_p50_s"] > 1.5 * event.payload["node_median_step_time_s"]
+    time.sleep(3)  # three more reports while it is still slow
+    stragglers = [e for e in agent.events() if e.kind is EventKind.STRAGGLER]
+    assert len(stragglers) == 1  # reported once per episode, not in every report
+
+
 def test_sigterm_stops_the_ranks_and_says_how(agent_factory) -> None:  # type: ignore[no-untyped-def]
     agent = agent_factory(["--stop-grace-s", "5"], ["--instrumented"])
     agent.wait_file("step.1")

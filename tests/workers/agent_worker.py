@@ -6,7 +6,9 @@ step all-reduces over gloo, so one stopped rank blocks the others inside the
 collective, as in a real data-parallel job. Faults: ``--stop-rank R
 --stop-step S`` SIGSTOPs rank R at step S; ``--init-sleep-s`` sleeps before
 the first step; ``--checkpoint-at S --checkpoint-s T`` spends T seconds in the
-checkpoint phase at step S. Each rank writes its pid to ``OUT/pid.<rank>``.
+checkpoint phase at step S; ``--slow-rank R --slow-step-s T`` makes rank R's
+steps take T seconds (with ``--no-sync``, so the others do not wait for it).
+Each rank writes its pid to ``OUT/pid.<rank>``.
 """
 
 import argparse
@@ -30,6 +32,9 @@ def main() -> None:
     parser.add_argument("--stop-step", type=int, default=-1)
     parser.add_argument("--checkpoint-at", type=int, default=-1)
     parser.add_argument("--checkpoint-s", type=float, default=0.0)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-step-s", type=float, default=0.0)
+    parser.add_argument("--no-sync", action="store_true", help="no all-reduce per step")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -47,9 +52,10 @@ def main() -> None:
         if rank == args.stop_rank and step == args.stop_step:
             Path(args.out, f"stopped.{rank}").write_text(str(step))
             os.kill(os.getpid(), signal.SIGSTOP)
-        dist.all_reduce(value)
-        value.fill_(1.0)
-        time.sleep(args.step_s)
+        if not args.no_sync:
+            dist.all_reduce(value)
+            value.fill_(1.0)
+        time.sleep(args.slow_step_s if rank == args.slow_rank else args.step_s)
         if heartbeat is not None:
             heartbeat.beat(step)
             if step == args.checkpoint_at:
