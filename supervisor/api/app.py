@@ -1,0 +1,354 @@
+"""The aiohttp application: routes, request authentication, answers, and serving.
+
+Checks run in this order, cheapest and least revealing first, and the first
+failure answers (statuses in :class:`~supervisor.api.refusals.Cause`):
+
+1. signing headers present and well formed, job known (401) — before any of
+   the body is read, so an unauthenticated client cannot make the server
+   read 8 MiB;
+2. body size: ``Content-Length`` over the limit is refused unread, and the
+   body is read with aiohttp's ``client_max_size`` cap (413);
+3. timestamp inside the replay window and HMAC over method, raw path, job,
+   timestamp and body hash (401);
+4. ``X-Resurgo-Protocol`` (400), then strict decoding (400, protocol's reason);
+5. every event or heartbeat names the header's job (403) and a node of the
+   job's *current* allocation (403).
+
+Replays. A captured request can be replayed only inside the window (±300 s
+by default), and a replay changes nothing: events are idempotent by
+``event_id`` in the directory, and a heartbeat older than a node's newest is
+ignored. There is deliberately no cache of seen signatures answering exact
+replays from memory: the HMAC must be checked over the whole body anyway, so
+such a cache would save only JSON decoding, while it would have to keep whole
+replies (memory growing with traffic) and would hand out stale commands.
+
+A per-job secret cannot tell one node of a job from another: a job's ranks
+can forge reports about *their own* job's nodes, never about other jobs' or
+nodes outside their allocation, which is what protects other users.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+
+from agent import protocol
+from agent.protocol import AuthError, Command, ProtocolError, Reply
+from supervisor.api.directory import JobDirectory
+from supervisor.api.refusals import Cause, RefusalLog
+from supervisor.errors import RequestRefused
+
+logger = logging.getLogger(__name__)
+
+HEALTH_PATH = "/healthz"
+JOB_STATUS_PATH = "/v1/jobs/{job_id}"
+
+# ASCII digits only: int() would also take spaces, underscores and other
+# scripts' digits, letting two header spellings share one canonical string.
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_REFUSALS = web.AppKey("refusals", RefusalLog)
+
+
+def build_app(
+    directory: JobDirectory,
+    *,
+    clock: Callable[[], float] = time.time,
+    window_s: int = protocol.REPLAY_WINDOW_S,
+    max_body_bytes: int = protocol.MAX_BODY_BYTES,
+    refusal_log_per_minute: int = 20,
+) -> web.Application:
+    """The supervisor's HTTP API over ``directory``.
+
+    Routes: ``POST /v1/events``, ``POST /v1/heartbeat`` (agents),
+    ``GET /v1/jobs/{job_id}`` (the CLI; signed like the rest) and
+    ``GET /healthz`` (unauthenticated). ``clock`` gives Unix seconds for the
+    replay window and the refusal log's rate limit.
+    """
+    api = _Api(
+        directory,
+        clock,
+        window_s,
+        max_body_bytes,
+        RefusalLog(logger, clock, per_window=refusal_log_per_minute),
+    )
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[api.guard])
+    app[_REFUSALS] = api.refusals
+    app.router.add_post(protocol.EVENTS_PATH, api.events)
+    app.router.add_post(protocol.HEARTBEAT_PATH, api.heartbeat)
+    app.router.add_get(JOB_STATUS_PATH, api.job_status)
+    app.router.add_get(HEALTH_PATH, api.health)
+    return app
+
+
+async def serve(
+    app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 10.0
+) -> web.AppRunner:
+    """Listen on ``host:port`` (port 0: any free one, see :func:`bound_port`) and return the runner.
+
+    Stop with :func:`shutdown`. Signals are left to the daemon (its handlers
+    only enqueue), and there is no access log: one line per heartbeat of
+    thousands of agents would drown everything else.
+    """
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout_s,
+        logger=_ServerLog(app[_REFUSALS]),
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    logger.info("API listening on %s", ", ".join(str(address) for address in runner.addresses))
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    """The TCP port the runner listens on (the one picked when :func:`serve` was given 0)."""
+    return int(runner.addresses[0][1])
+
+
+async def shutdown(runner: web.AppRunner) -> None:
+    """Stop accepting, let in-flight requests finish (up to the shutdown timeout), close."""
+    await runner.cleanup()
+
+
+def _error(status: int, cause: str, reason: str) -> web.Response:
+    """An error answer: JSON with the cause code and a reason for humans (agents only log it)."""
+    return web.json_response({"error": cause, "reason": reason}, status=status)
+
+
+class _ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server-level log, where a request that is not valid HTTP would be an ERROR.
+
+    aiohttp logs every request its parser refuses (answered 400) with a
+    traceback: a flood of garbage would fill the disk. Those go to the
+    rate-limited refusal log instead; anything else stays an ERROR.
+    """
+
+    def __init__(self, refusals: RefusalLog) -> None:
+        super().__init__(logging.getLogger(f"{__name__}.http"), {})
+        self._refusals = refusals
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        """Log like :meth:`logging.Logger.exception`, unless the client sent invalid HTTP."""
+        error = sys.exc_info()[1] if exc_info is True else exc_info
+        if isinstance(error, BadHttpMessage):
+            self._refusals.record(400, Cause.BAD_HTTP.value, error.message, None)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+class _Api:
+    """The handlers, sharing the directory, the clock and the refusal log."""
+
+    def __init__(
+        self,
+        directory: JobDirectory,
+        clock: Callable[[], float],
+        window_s: int,
+        max_body_bytes: int,
+        refusals: RefusalLog,
+    ) -> None:
+        self._directory = directory
+        self._clock = clock
+        self._window_s = window_s
+        self._max_body_bytes = max_body_bytes
+        self.refusals = refusals
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Turn refusals into JSON answers and anything unexpected into a logged 500."""
+        job = request.headers.get(protocol.HEADER_JOB)
+        try:
+            return await handler(request)
+        except RequestRefused as refused:
+            self.refusals.record(refused.status, refused.cause, refused.reason, job)
+            return _error(refused.status, refused.cause, refused.reason)
+        except web.HTTPException as http:
+            # The router's own 404/405 (and any other aiohttp refusal).
+            if http.status < 400:
+                raise
+            cause = {404: Cause.NOT_FOUND.value, 405: Cause.METHOD_NOT_ALLOWED.value}.get(
+                http.status, f"http_{http.status}"
+            )
+            self.refusals.record(http.status, cause, http.reason, job)
+            answer = _error(http.status, cause, http.reason)
+            if "Allow" in http.headers:
+                answer.headers["Allow"] = http.headers["Allow"]
+            return answer
+        except Exception:
+            # A bug here or in the directory: the traceback goes to the log,
+            # never to the client, and the server keeps serving.
+            logger.exception(
+                "unexpected error answering %s %r (job %r)",
+                request.method,
+                request.path[:200],
+                None if job is None else job[:64],
+            )
+            return _error(500, "internal", "internal error; the supervisor's log has details")
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``GET /healthz``: the server answers; refusal counts by cause, no job data."""
+        return web.json_response(
+            {
+                "status": "ok",
+                "protocol": protocol.PROTOCOL_VERSION,
+                "refused": self.refusals.totals,
+            }
+        )
+
+    async def events(self, request: web.Request) -> web.Response:
+        """``POST /v1/events``: record a batch; acknowledge its ids and return pending commands."""
+        job_id, body = await self._authenticate(request)
+        try:
+            events = protocol.decode_events(body)
+        except ProtocolError as error:
+            raise Cause.MALFORMED.refuse(str(error)) from None
+        for event in events:
+            if event.job_id != job_id:
+                raise Cause.CROSS_JOB.refuse(
+                    f"event {event.event_id[:200]!r} is about job {event.job_id!r}, but the "
+                    f"request is signed for job {job_id!r}: a job reports only about itself"
+                )
+        self._check_nodes(job_id, [event.node for event in events])
+        accepted = self._directory.accept_events(job_id, events)
+        senders = {event.node for event in events}
+        # Commands are for one node's agent: a batch mixing nodes (which the
+        # Reporter never sends) gets none rather than another node's.
+        commands = self._directory.commands_for(job_id, senders.pop()) if len(senders) == 1 else ()
+        return _reply(accepted, commands)
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        """``POST /v1/heartbeat``: take a node's heartbeat; return its pending commands."""
+        job_id, body = await self._authenticate(request)
+        try:
+            report = protocol.decode_heartbeat(body)
+        except ProtocolError as error:
+            raise Cause.MALFORMED.refuse(str(error)) from None
+        if report.job_id != job_id:
+            raise Cause.CROSS_JOB.refuse(
+                f"heartbeat is about job {report.job_id!r}, but the request is signed for job "
+                f"{job_id!r}: a job reports only about itself"
+            )
+        self._check_nodes(job_id, [report.node])
+        self._directory.accept_heartbeat(job_id, report)
+        return _reply((), self._directory.commands_for(job_id, report.node))
+
+    async def job_status(self, request: web.Request) -> web.Response:
+        """``GET /v1/jobs/{job_id}``: the directory's summary of the job, signed with its secret."""
+        job_id, _ = await self._authenticate(request)
+        wanted = request.match_info["job_id"]
+        if wanted != job_id:
+            raise Cause.CROSS_JOB.refuse(
+                f"the request is signed for job {job_id!r} and cannot read job {wanted[:64]!r}"
+            )
+        status = self._directory.status(job_id)
+        if status is None:
+            raise Cause.UNKNOWN_JOB.refuse(f"job {job_id!r} is not known to this supervisor")
+        return web.json_response(
+            {
+                "protocol": protocol.PROTOCOL_VERSION,
+                "type": "job_status",
+                "job_id": job_id,
+                "status": status,
+            }
+        )
+
+    async def _authenticate(self, request: web.Request) -> tuple[str, bytes]:
+        """The request's job id and body once the signature checks out; else raise a refusal."""
+        headers = request.headers
+        job_id = headers.get(protocol.HEADER_JOB)
+        timestamp = headers.get(protocol.HEADER_TIMESTAMP)
+        signature = headers.get(protocol.HEADER_SIGNATURE)
+        if job_id is None or timestamp is None or signature is None:
+            raise Cause.MISSING_AUTH.refuse(
+                f"sign the request: {protocol.HEADER_JOB}, {protocol.HEADER_TIMESTAMP} and "
+                f"{protocol.HEADER_SIGNATURE} are required (docs/protocol.md, Signing)"
+            )
+        try:
+            protocol.check_name(job_id, "job_id")
+        except ProtocolError:
+            raise Cause.MALFORMED_AUTH.refuse(f"{protocol.HEADER_JOB} is not a job id") from None
+        if not _TIMESTAMP.fullmatch(timestamp):
+            raise Cause.MALFORMED_AUTH.refuse(
+                f"{protocol.HEADER_TIMESTAMP} must be integer Unix seconds"
+            )
+        secret = self._directory.secret(job_id)
+        if secret is None:
+            raise Cause.UNKNOWN_JOB.refuse(f"job {job_id!r} is not known to this supervisor")
+        body = await self._read_body(request)
+        now_s = int(self._clock())
+        try:
+            protocol.verify(
+                secret,
+                request.method,
+                request.rel_url.raw_path,
+                job_id,
+                int(timestamp),
+                body,
+                signature,
+                now_s=now_s,
+                window_s=self._window_s,
+            )
+        except AuthError as error:
+            stale = abs(int(timestamp) - now_s) > self._window_s
+            cause = Cause.STALE_TIMESTAMP if stale else Cause.BAD_SIGNATURE
+            raise cause.refuse(str(error)) from None
+        version = headers.get(protocol.HEADER_PROTOCOL)
+        if version != str(protocol.PROTOCOL_VERSION):
+            raise Cause.UNSUPPORTED_PROTOCOL.refuse(
+                f"{protocol.HEADER_PROTOCOL} is {(version or '')[:16]!r}; this supervisor speaks "
+                f"{protocol.PROTOCOL_VERSION}: run one Resurgo version on agents and supervisor"
+            )
+        return job_id, body
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body, refusing (413) one over the limit without buffering more than the limit."""
+        length = request.content_length
+        if length is not None and length > self._max_body_bytes:
+            raise Cause.TOO_LARGE.refuse(self._too_large(length))
+        try:
+            # client_max_size stops reading a chunked or lying body at the cap.
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise Cause.TOO_LARGE.refuse(self._too_large(None)) from None
+
+    def _too_large(self, length: int | None) -> str:
+        size = "the body" if length is None else f"the body ({length} bytes)"
+        return f"{size} is over the limit of {self._max_body_bytes} bytes: send smaller batches"
+
+    def _check_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
+        """Refuse (403) reports about a node outside the job's current allocation."""
+        allocation = self._directory.allocation(job_id) or frozenset()
+        for node in nodes:
+            if node not in allocation:
+                raise Cause.FOREIGN_NODE.refuse(
+                    f"node {node!r} is not in job {job_id!r}'s current allocation: an agent "
+                    "reports only about the node it runs on, while that node is in the job"
+                )
+
+
+def _reply(accepted: Sequence[str], commands: Sequence[Command]) -> web.Response:
+    """A 200 with a protocol Reply; commands beyond the protocol's limit wait for the next one."""
+    if len(commands) > protocol.MAX_COMMANDS:
+        logger.warning(
+            "directory offered %d commands; sending the first %d",
+            len(commands),
+            protocol.MAX_COMMANDS,
+        )
+    reply = Reply(
+        commands=tuple(commands[: protocol.MAX_COMMANDS]), accepted_event_ids=tuple(accepted)
+    )
+    return web.Response(body=protocol.encode_reply(reply), content_type="application/json")

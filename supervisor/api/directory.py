@@ -1,0 +1,159 @@
+"""What the API needs to know about jobs, as a Protocol, and an in-memory implementation.
+
+The HTTP layer owns no state: it asks a :class:`JobDirectory` for a job's
+secret and current node set, and hands it the events and heartbeats it
+accepted. The daemon implements the Protocol over the SQLite store; tests and
+early wiring use :class:`MemoryDirectory`.
+
+The methods are synchronous and are called on the server's event loop, so an
+implementation must answer quickly (an indexed SQLite lookup, not a Slurm
+call).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent import protocol
+from agent.protocol import Command, Event, HeartbeatReport
+
+
+class JobDirectory(Protocol):
+    """The jobs the API serves: secrets, allocations, and where accepted reports go."""
+
+    def secret(self, job_id: str) -> bytes | None:
+        """The job's signing secret; None when the job is unknown."""
+        ...
+
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        """The job's current node set; None when the job is unknown."""
+        ...
+
+    def accept_events(self, job_id: str, events: Sequence[Event]) -> Sequence[str]:
+        """Record ``events`` (in order) durably, once per ``event_id``; return the accepted ids.
+
+        Idempotent: an id recorded before is accepted again and not recorded
+        twice. Every event has passed schema, job and allocation checks.
+        """
+        ...
+
+    def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
+        """Take a node's heartbeat; one older than that node's newest may be ignored."""
+        ...
+
+    def commands_for(self, job_id: str, node: str) -> Sequence[Command]:
+        """Commands to piggyback on the reply to ``node`` (at most ``protocol.MAX_COMMANDS``).
+
+        Delivery is at least once: an implementation may repeat a command
+        until it sees its effect; the agent applies each ``command_id`` once.
+        """
+        ...
+
+    def status(self, job_id: str) -> dict[str, Any] | None:
+        """A small JSON-shaped summary of the job for the CLI; None when unknown."""
+        ...
+
+
+@dataclass
+class _Job:
+    """Everything :class:`MemoryDirectory` keeps about one job."""
+
+    secret: bytes
+    nodes: frozenset[str]
+    events: list[Event] = field(default_factory=list)
+    event_ids: set[str] = field(default_factory=set)
+    heartbeats: dict[str, HeartbeatReport] = field(default_factory=dict)
+    commands: dict[str, list[Command]] = field(default_factory=dict)
+
+
+class MemoryDirectory:
+    """A :class:`JobDirectory` in memory: for tests and for the daemon before the store exists.
+
+    Commands are handed out once (popped on delivery). Thread-safe, so a test
+    thread can add jobs and queue commands while the server runs in another.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+
+    def add_job(self, job_id: str, secret: bytes, nodes: Iterable[str]) -> None:
+        """Register (or replace) a job with its secret and current nodes."""
+        with self._lock:
+            self._jobs[job_id] = _Job(secret=secret, nodes=frozenset(nodes))
+
+    def set_allocation(self, job_id: str, nodes: Iterable[str]) -> None:
+        """Change a known job's current node set (a shrink or a relaunch elsewhere)."""
+        with self._lock:
+            self._jobs[job_id].nodes = frozenset(nodes)
+
+    def queue_command(self, job_id: str, node: str, command: Command) -> None:
+        """Deliver ``command`` on the next reply to ``node`` of ``job_id``."""
+        with self._lock:
+            self._jobs[job_id].commands.setdefault(node, []).append(command)
+
+    def events(self, job_id: str) -> list[Event]:
+        """The job's distinct events in the order they were first accepted."""
+        with self._lock:
+            return list(self._jobs[job_id].events)
+
+    def heartbeats(self, job_id: str) -> dict[str, HeartbeatReport]:
+        """The newest heartbeat of each node of the job."""
+        with self._lock:
+            return dict(self._jobs[job_id].heartbeats)
+
+    def secret(self, job_id: str) -> bytes | None:
+        """See :meth:`JobDirectory.secret`."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return None if job is None else job.secret
+
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        """See :meth:`JobDirectory.allocation`."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return None if job is None else job.nodes
+
+    def accept_events(self, job_id: str, events: Sequence[Event]) -> Sequence[str]:
+        """See :meth:`JobDirectory.accept_events`."""
+        with self._lock:
+            job = self._jobs[job_id]
+            for event in events:
+                if event.event_id not in job.event_ids:
+                    job.event_ids.add(event.event_id)
+                    job.events.append(event)
+            return [event.event_id for event in events]
+
+    def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
+        """See :meth:`JobDirectory.accept_heartbeat`; one older than the newest is ignored."""
+        with self._lock:
+            heartbeats = self._jobs[job_id].heartbeats
+            newest = heartbeats.get(report.node)
+            # A replay inside the window must not roll a node's view back.
+            if newest is None or report.time_unix_s >= newest.time_unix_s:
+                heartbeats[report.node] = report
+
+    def commands_for(self, job_id: str, node: str) -> Sequence[Command]:
+        """See :meth:`JobDirectory.commands_for`; each command is handed out once."""
+        with self._lock:
+            pending = self._jobs[job_id].commands.get(node, [])
+            taken = pending[: protocol.MAX_COMMANDS]
+            del pending[: protocol.MAX_COMMANDS]
+            return taken
+
+    def status(self, job_id: str) -> dict[str, Any] | None:
+        """See :meth:`JobDirectory.status`: nodes, event count, newest heartbeat per node."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return None
+            return {
+                "nodes": sorted(job.nodes),
+                "events": len(job.events),
+                "heartbeats": {
+                    node: report.time_unix_s for node, report in sorted(job.heartbeats.items())
+                },
+            }

@@ -1,0 +1,576 @@
+"""The supervisor's HTTP API on 127.0.0.1: every answer it can give, and a real agent round trip.
+
+Each test starts the real server (``serve`` on a free loopback port) over a
+:class:`MemoryDirectory` and talks HTTP to it with aiohttp's client; the clock
+is fixed at ``NOW`` so the replay window is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import tenacity
+
+from agent import protocol
+from agent.client import Reporter, new_secret
+from agent.protocol import (
+    Command,
+    CommandKind,
+    Event,
+    EventKind,
+    HeartbeatReport,
+    RankStatus,
+)
+from supervisor.api import (
+    MemoryDirectory,
+    RefusalLog,
+    bound_port,
+    build_app,
+    serve,
+    shutdown,
+)
+
+NOW = 1_760_000_000
+JOB = "4711"
+OTHER_JOB = "4712"
+NODES = ("node1", "node2")
+SECRET = new_secret()
+OTHER_SECRET = new_secret()
+INCARNATION = "9f2c1ab04d7e3310"
+
+
+def make_directory() -> MemoryDirectory:
+    directory = MemoryDirectory()
+    directory.add_job(JOB, SECRET, NODES)
+    directory.add_job(OTHER_JOB, OTHER_SECRET, ("node7",))
+    return directory
+
+
+def event(seq: int, *, job: str = JOB, node: str = "node1") -> Event:
+    return protocol.make_event(
+        EventKind.CHECKPOINT_COMMITTED,
+        job,
+        node,
+        INCARNATION,
+        seq,
+        NOW,
+        {"step": seq, "path": "/c"},
+    )
+
+
+def heartbeat(*, job: str = JOB, node: str = "node1", time_unix_s: float = NOW) -> bytes:
+    rank = RankStatus(0, 0, 4242, 10, "train", NOW - 1.0, 0.5, 0.9, 0.55, 10)
+    return protocol.encode_heartbeat(HeartbeatReport(job, node, time_unix_s, (rank,), INCARNATION))
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+    headers: dict[str, str]
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True)
+class Api:
+    url: str
+    session: aiohttp.ClientSession
+    directory: MemoryDirectory
+
+    async def send(
+        self,
+        path: str,
+        body: bytes = b"",
+        *,
+        method: str = "POST",
+        job: str = JOB,
+        secret: bytes = SECRET,
+        timestamp: int = NOW,
+        signed_path: str | None = None,
+        signed_body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        drop: Sequence[str] = (),
+    ) -> Answer:
+        """Send a request signed like an agent would, with the given alterations."""
+        signed = protocol.signed_headers(
+            secret,
+            method,
+            signed_path or path,
+            job,
+            timestamp,
+            body if signed_body is None else signed_body,
+        )
+        for name in drop:
+            signed.pop(name)
+        signed.update(headers or {})
+        async with self.session.request(
+            method, self.url + path, data=body, headers=signed
+        ) as response:
+            return Answer(response.status, await response.read(), dict(response.headers))
+
+
+def run(scenario: Callable[[], Awaitable[None]], timeout_s: float = 30.0) -> None:
+    async def bounded() -> None:
+        await asyncio.wait_for(scenario(), timeout_s)
+
+    asyncio.run(bounded())
+
+
+@contextlib.asynccontextmanager
+async def running(directory: MemoryDirectory | None = None, **settings: Any) -> AsyncIterator[Api]:
+    directory = make_directory() if directory is None else directory
+    runner = await serve(build_app(directory, clock=lambda: NOW, **settings), "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield Api(f"http://127.0.0.1:{bound_port(runner)}", session, directory)
+    finally:
+        await shutdown(runner)
+
+
+def scenario(
+    test: Callable[[Api], Awaitable[None]], **settings: Any
+) -> Callable[[], Awaitable[None]]:
+    async def wrapped() -> None:
+        async with running(**settings) as api:
+            await test(api)
+
+    return wrapped
+
+
+def assert_refused(answer: Answer, status: int, cause: str) -> dict[str, Any]:
+    assert answer.status == status, answer.body
+    document = answer.json()
+    assert document["error"] == cause
+    assert document["reason"]
+    assert SECRET.hex() not in answer.body.decode()
+    assert "Traceback" not in answer.body.decode()
+    return document
+
+
+# -- 200 ---------------------------------------------------------------------
+
+
+def test_healthz_answers_without_credentials() -> None:
+    async def test(api: Api) -> None:
+        async with api.session.get(api.url + "/healthz") as response:
+            assert response.status == 200
+            document = await response.json()
+        assert document["status"] == "ok"
+        assert SECRET.hex() not in json.dumps(document)
+
+    run(scenario(test))
+
+
+def test_signed_events_are_recorded_once_and_acknowledged() -> None:
+    async def test(api: Api) -> None:
+        events = [event(1), event(2)]
+        answer = await api.send(protocol.EVENTS_PATH, protocol.encode_events(events))
+        assert answer.status == 200
+        reply = protocol.decode_reply(answer.body)
+        assert reply.accepted_event_ids == tuple(e.event_id for e in events)
+        assert api.directory.events(JOB) == events
+
+    run(scenario(test))
+
+
+def test_replay_inside_the_window_is_acknowledged_again_and_recorded_once() -> None:
+    async def test(api: Api) -> None:
+        body = protocol.encode_events([event(1)])
+        first = await api.send(protocol.EVENTS_PATH, body)
+        again = await api.send(protocol.EVENTS_PATH, body)
+        assert first.status == again.status == 200
+        assert first.body == again.body
+        assert api.directory.events(JOB) == [event(1)]
+
+    run(scenario(test))
+
+
+def test_heartbeat_is_taken_and_an_older_one_does_not_replace_it() -> None:
+    async def test(api: Api) -> None:
+        newer = await api.send(protocol.HEARTBEAT_PATH, heartbeat(time_unix_s=NOW))
+        older = await api.send(protocol.HEARTBEAT_PATH, heartbeat(time_unix_s=NOW - 5))
+        assert newer.status == older.status == 200
+        assert protocol.decode_reply(newer.body).accepted_event_ids == ()
+        assert api.directory.heartbeats(JOB)["node1"].time_unix_s == NOW
+
+    run(scenario(test))
+
+
+def test_commands_ride_on_the_reply_to_their_node_once() -> None:
+    async def test(api: Api) -> None:
+        stop = Command(CommandKind.STOP_RANKS, "c-1", {"grace_s": 30.0})
+        api.directory.queue_command(JOB, "node2", stop)
+        other_node = await api.send(protocol.HEARTBEAT_PATH, heartbeat(node="node1"))
+        assert protocol.decode_reply(other_node.body).commands == ()
+        first = await api.send(
+            protocol.EVENTS_PATH, protocol.encode_events([event(1, node="node2")])
+        )
+        second = await api.send(protocol.HEARTBEAT_PATH, heartbeat(node="node2"))
+        assert protocol.decode_reply(first.body).commands == (stop,)
+        assert protocol.decode_reply(second.body).commands == ()
+
+    run(scenario(test))
+
+
+def test_a_batch_mixing_nodes_gets_no_commands() -> None:
+    async def test(api: Api) -> None:
+        api.directory.queue_command(
+            JOB, "node1", Command(CommandKind.STOP_RANKS, "c-1", {"grace_s": 1.0})
+        )
+        body = protocol.encode_events([event(1, node="node1"), event(1, node="node2")])
+        answer = await api.send(protocol.EVENTS_PATH, body)
+        assert answer.status == 200
+        assert protocol.decode_reply(answer.body).commands == ()
+
+    run(scenario(test))
+
+
+def test_job_status_is_signed_with_the_jobs_secret() -> None:
+    async def test(api: Api) -> None:
+        await api.send(protocol.EVENTS_PATH, protocol.encode_events([event(1)]))
+        answer = await api.send(f"/v1/jobs/{JOB}", method="GET")
+        assert answer.status == 200
+        document = answer.json()
+        assert document["job_id"] == JOB
+        assert document["status"]["nodes"] == list(NODES)
+        assert document["status"]["events"] == 1
+        unsigned = await api.send(f"/v1/jobs/{JOB}", method="GET", drop=[protocol.HEADER_SIGNATURE])
+        assert_refused(unsigned, 401, "missing_auth")
+
+    run(scenario(test))
+
+
+# -- 401 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header", [protocol.HEADER_JOB, protocol.HEADER_TIMESTAMP, protocol.HEADER_SIGNATURE]
+)
+def test_unauthenticated_request_is_refused_401(header: str) -> None:
+    async def test(api: Api) -> None:
+        answer = await api.send(
+            protocol.EVENTS_PATH, protocol.encode_events([event(1)]), drop=[header]
+        )
+        assert_refused(answer, 401, "missing_auth")
+        assert api.directory.events(JOB) == []
+
+    run(scenario(test))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        # Fullwidth digits: int() would take them.
+        {protocol.HEADER_TIMESTAMP: "\uff11\uff17\uff16\uff10"},
+        {protocol.HEADER_TIMESTAMP: "1_760_000_000"},
+        {protocol.HEADER_TIMESTAMP: "-1"},
+        {protocol.HEADER_TIMESTAMP: "9" * 5000},
+        {protocol.HEADER_JOB: "../4711"},
+    ],
+)
+def test_malformed_signing_headers_are_refused_401(headers: dict[str, str]) -> None:
+    async def test(api: Api) -> None:
+        answer = await api.send(
+            protocol.EVENTS_PATH, protocol.encode_events([event(1)]), headers=headers
+        )
+        assert_refused(answer, 401, "malformed_auth")
+
+    run(scenario(test))
+
+
+def test_request_for_an_unknown_job_is_refused_401() -> None:
+    async def test(api: Api) -> None:
+        answer = await api.send(
+            protocol.EVENTS_PATH, protocol.encode_events([event(1, job="9999")]), job="9999"
+        )
+        assert_refused(answer, 401, "unknown_job")
+
+    run(scenario(test))
+
+
+def test_wrongly_signed_request_is_refused_401() -> None:
+    async def test(api: Api) -> None:
+        body = protocol.encode_events([event(1)])
+        wrong_secret = await api.send(protocol.EVENTS_PATH, body, secret=OTHER_SECRET)
+        altered_body = await api.send(protocol.EVENTS_PATH, body, signed_body=body + b" ")
+        other_path = await api.send(protocol.EVENTS_PATH, body, signed_path=protocol.HEARTBEAT_PATH)
+        for answer in (wrong_secret, altered_body, other_path):
+            assert_refused(answer, 401, "bad_signature")
+        assert api.directory.events(JOB) == []
+
+    run(scenario(test))
+
+
+@pytest.mark.parametrize("skew_s", [-301, 301, -(10**9)])
+def test_request_outside_the_replay_window_is_refused_401(skew_s: int) -> None:
+    async def test(api: Api) -> None:
+        answer = await api.send(
+            protocol.EVENTS_PATH, protocol.encode_events([event(1)]), timestamp=max(0, NOW + skew_s)
+        )
+        document = assert_refused(answer, 401, "stale_timestamp")
+        assert "NTP" in document["reason"]
+
+    run(scenario(test))
+
+
+def test_request_at_the_edge_of_the_window_is_accepted() -> None:
+    async def test(api: Api) -> None:
+        answer = await api.send(
+            protocol.EVENTS_PATH, protocol.encode_events([event(1)]), timestamp=NOW - 300
+        )
+        assert answer.status == 200
+
+    run(scenario(test))
+
+
+# -- 403 ---------------------------------------------------------------------
+
+
+def test_events_about_another_job_are_refused_403() -> None:
+    async def test(api: Api) -> None:
+        body = protocol.encode_events([event(1), event(1, job=OTHER_JOB, node="node7")])
+        assert_refused(await api.send(protocol.EVENTS_PATH, body), 403, "cross_job")
+        assert api.directory.events(JOB) == []
+        assert api.directory.events(OTHER_JOB) == []
+
+    run(scenario(test))
+
+
+def test_heartbeat_about_another_job_is_refused_403() -> None:
+    async def test(api: Api) -> None:
+        body = heartbeat(job=OTHER_JOB, node="node7")
+        assert_refused(await api.send(protocol.HEARTBEAT_PATH, body), 403, "cross_job")
+        assert api.directory.heartbeats(OTHER_JOB) == {}
+
+    run(scenario(test))
+
+
+def test_job_status_of_another_job_is_refused_403() -> None:
+    async def test(api: Api) -> None:
+        answer = await api.send(f"/v1/jobs/{OTHER_JOB}", method="GET")
+        assert_refused(answer, 403, "cross_job")
+
+    run(scenario(test))
+
+
+def test_event_about_a_node_outside_the_allocation_is_refused_403() -> None:
+    async def test(api: Api) -> None:
+        body = protocol.encode_events([event(1), event(1, node="node7")])
+        assert_refused(await api.send(protocol.EVENTS_PATH, body), 403, "foreign_node")
+        assert api.directory.events(JOB) == []
+
+    run(scenario(test))
+
+
+def test_a_node_shrunk_out_of_the_job_is_refused_403() -> None:
+    async def test(api: Api) -> None:
+        assert (await api.send(protocol.HEARTBEAT_PATH, heartbeat(node="node2"))).status == 200
+        api.directory.set_allocation(JOB, ["node1"])
+        answer = await api.send(protocol.HEARTBEAT_PATH, heartbeat(node="node2"))
+        assert_refused(answer, 403, "foreign_node")
+
+    run(scenario(test))
+
+
+# -- 400, 405, 413 -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "in_reason"),
+    [
+        (b"{not json", "not valid UTF-8 JSON"),
+        (b"\xff\xfe", "not valid UTF-8 JSON"),
+        (b'{"protocol": 1, "type": "events", "events": []}', "events.events has 0 items"),
+        (b'{"protocol": 2, "type": "events", "events": []}', "protocol version 2"),
+        (b'{"protocol": 1, "type": "heartbeat"}', "expected 'events'"),
+    ],
+)
+def test_malformed_body_is_refused_400_with_protocols_reason(body: bytes, in_reason: str) -> None:
+    async def test(api: Api) -> None:
+        document = assert_refused(await api.send(protocol.EVENTS_PATH, body), 400, "malformed")
+        assert in_reason in document["reason"]
+
+    run(scenario(test))
+
+
+def test_wrong_protocol_header_is_refused_400() -> None:
+    async def test(api: Api) -> None:
+        answer = await api.send(
+            protocol.EVENTS_PATH,
+            protocol.encode_events([event(1)]),
+            headers={protocol.HEADER_PROTOCOL: "2"},
+        )
+        assert_refused(answer, 400, "unsupported_protocol")
+
+    run(scenario(test))
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", protocol.EVENTS_PATH), ("PUT", protocol.HEARTBEAT_PATH), ("POST", "/healthz")],
+)
+def test_wrong_method_is_refused_405(method: str, path: str) -> None:
+    async def test(api: Api) -> None:
+        answer = await api.send(path, method=method)
+        assert_refused(answer, 405, "method_not_allowed")
+        assert answer.headers["Allow"]
+
+    run(scenario(test))
+
+
+def test_oversized_body_is_refused_413() -> None:
+    async def test(api: Api) -> None:
+        body = protocol.encode_events([event(seq) for seq in range(1, 40)])
+        assert len(body) > 1024
+        answer = await api.send(protocol.EVENTS_PATH, body)
+        assert_refused(answer, 413, "too_large")
+
+    run(scenario(test, max_body_bytes=1024))
+
+
+def test_oversized_chunked_body_without_length_is_refused_413() -> None:
+    async def test(api: Api) -> None:
+        body = protocol.encode_events([event(seq) for seq in range(1, 40)])
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for start in range(0, len(body), 100):
+                yield body[start : start + 100]
+
+        headers = protocol.signed_headers(SECRET, "POST", protocol.EVENTS_PATH, JOB, NOW, body)
+        async with api.session.post(
+            api.url + protocol.EVENTS_PATH, data=chunks(), headers=headers
+        ) as response:
+            assert response.status == 413
+            assert (await response.json())["error"] == "too_large"
+
+    run(scenario(test, max_body_bytes=1024))
+
+
+# -- 500 ---------------------------------------------------------------------
+
+
+class BrokenDirectory(MemoryDirectory):
+    def accept_events(self, job_id: str, events: Sequence[Event]) -> Sequence[str]:
+        raise RuntimeError(f"store exploded; secret {SECRET.hex()}")
+
+
+def test_a_bug_behind_a_handler_is_a_logged_500_without_details(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    directory = BrokenDirectory()
+    directory.add_job(JOB, SECRET, NODES)
+
+    async def test(api: Api) -> None:
+        answer = await api.send(protocol.EVENTS_PATH, protocol.encode_events([event(1)]))
+        assert_refused(answer, 500, "internal")
+        assert "exploded" not in answer.body.decode()
+        health = await api.session.get(api.url + "/healthz")
+        assert health.status == 200
+
+    with caplog.at_level(logging.ERROR, logger="supervisor.api"):
+        run(scenario(test, directory=directory))
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert record.exc_info is not None
+
+
+# -- logging -----------------------------------------------------------------
+
+
+def test_refusals_are_logged_at_most_n_per_window_then_summarised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    log = RefusalLog(logging.getLogger("test.refusals"), lambda: now[0], per_window=3, window_s=60)
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for _ in range(1000):
+            log.record(401, "bad_signature", "bad\nsignature", "4711\nforged line")
+        log.record(403, "cross_job", "other job", "4711")
+        now[0] = 61.0
+        log.record(401, "bad_signature", "again", None)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 3 + 1 + 1 + 1
+    assert "refused 997 more requests with cause=bad_signature" in messages[4]
+    assert all("\n" not in message for message in messages)
+    assert log.totals == {"bad_signature": 1001, "cross_job": 1}
+
+
+def test_refused_requests_are_logged_with_job_status_and_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def test(api: Api) -> None:
+        await api.send(
+            protocol.EVENTS_PATH, protocol.encode_events([event(1)]), secret=OTHER_SECRET
+        )
+
+    with caplog.at_level(logging.WARNING, logger="supervisor.api"):
+        run(scenario(test))
+    [message] = [r.getMessage() for r in caplog.records if r.name.startswith("supervisor.api")]
+    assert "job='4711'" in message and "status=401" in message and "cause=bad_signature" in message
+
+
+# -- lifecycle and the real agent --------------------------------------------
+
+
+def test_shutdown_stops_listening() -> None:
+    async def test() -> None:
+        runner = await serve(build_app(make_directory()), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{bound_port(runner)}/healthz"
+        async with aiohttp.ClientSession() as session:
+            assert (await session.get(url)).status == 200
+            await shutdown(runner)
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await session.get(url)
+
+    run(test)
+
+
+def test_reporter_delivers_events_once_in_order_and_gets_each_command_once(
+    tmp_path: Path,
+) -> None:
+    received: list[Command] = []
+    stop = Command(CommandKind.STOP_RANKS, "c-9", {"grace_s": 5.0})
+    directory = make_directory()
+
+    async def test(api: Api) -> None:
+        reporter = Reporter(
+            api.url,
+            JOB,
+            "node2",
+            SECRET,
+            tmp_path / "spool",
+            on_command=received.append,
+            clock=lambda: NOW,
+            max_batch=7,
+            backoff=tenacity.wait_fixed(0.05),
+        )
+        async with reporter:
+            sent = [
+                await reporter.emit(EventKind.CHECKPOINT_COMMITTED, {"step": step, "path": "/c"})
+                for step in range(1, 31)
+            ]
+            assert await reporter.flush(10.0)
+            directory.queue_command(JOB, "node2", stop)
+            report = HeartbeatReport(JOB, "node2", NOW, (), reporter.incarnation)
+            assert await reporter.heartbeat(report)
+            assert await reporter.heartbeat(report)
+            await reporter.emit(EventKind.AGENT_STOPPED, {"reason": "done"})
+        recorded = directory.events(JOB)
+        assert [e.event_id for e in recorded] == [e.event_id for e in sent] + [
+            recorded[-1].event_id
+        ]
+        assert [e.payload.get("step") for e in recorded[:30]] == list(range(1, 31))
+        assert received == [stop]
+        assert reporter.pending == 0
+
+    run(scenario(test, directory=directory))
