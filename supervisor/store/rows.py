@@ -1,0 +1,235 @@
+"""What the store returns: frozen rows, the enums the store owns, JSON column helpers.
+
+States, causes and kinds owned by other modules (the decision core's job state,
+an observation kind) are stored by their enum value and returned as that text;
+the owner converts back. The enums here are the store's own vocabulary.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from agent.protocol import Event, EventKind
+
+
+class ActionState(enum.Enum):
+    """Where an action is in the exactly-once protocol.
+
+    ``PLANNED`` -> ``STARTED`` -> ``DONE`` | ``FAILED``. A ``STARTED`` action
+    may have been carried out or not (the supervisor can die in between): it
+    is reconciled against Slurm before it is run again. ``FAILED`` with
+    ``retryable`` may be started again; ``DONE`` and non-retryable ``FAILED``
+    are final.
+    """
+
+    PLANNED = "planned"
+    STARTED = "started"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class EventSource(enum.Enum):
+    """Who observed an event."""
+
+    AGENT = "agent"  # a node agent reported it over the wire protocol
+    SUPERVISOR = "supervisor"  # the supervisor saw it (Slurm state, lease expiry)
+
+
+class Actor(enum.Enum):
+    """Who drained or resumed a node."""
+
+    SUPERVISOR = "supervisor"
+    OPERATOR = "operator"
+
+
+# Anything stored "by value": an enum member or its text.
+Label = str | enum.Enum
+
+
+def label(value: Label) -> str:
+    """The text stored for ``value``: an enum's value, or the string itself."""
+    if isinstance(value, enum.Enum):
+        if not isinstance(value.value, str):
+            raise ValueError(f"{value!r}: only enums with text values can be stored")
+        return value.value
+    return value
+
+
+def dumps(document: Any, what: str) -> str:
+    """``document`` as canonical JSON (sorted keys, finite numbers) for a JSON column."""
+    try:
+        return json.dumps(document, sort_keys=True, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{what} cannot be stored as JSON ({error}): pass JSON types "
+            "(enums by .value, lists not sets, finite numbers)"
+        ) from error
+
+
+def loads(text: str | None) -> Any:
+    """The document of a JSON column; None stays None."""
+    return None if text is None else json.loads(text)
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One training job as the supervisor tracks it.
+
+    ``state`` is the decision core's job-state value, stored as given;
+    ``record`` is the core's full job record (a JSON document) whose layout
+    version is ``record_version``.
+    """
+
+    job_id: str
+    name: str
+    state: str
+    original_nodes: int
+    world_size: int
+    min_nodes: int
+    record: dict[str, Any]
+    record_version: int
+    secret_path: str | None
+    created_s: float
+    updated_s: float
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    """One (re)launch of a job: where it ran, what it resumed from, how it ended."""
+
+    job_id: str
+    attempt: int
+    nodes: tuple[str, ...]
+    resumed_from: str | None
+    started_s: float
+    ended_s: float | None
+    end_cause: str | None
+
+
+@dataclass(frozen=True)
+class EventRow:
+    """One stored event; ``seq`` is the arrival order across the whole store.
+
+    ``agent_seq`` is the agent's own per-incarnation counter (None for
+    supervisor observations); ``time_s`` is when it happened by the
+    observer's clock, ``received_s`` when the supervisor stored it.
+    """
+
+    seq: int
+    event_id: str
+    job_id: str
+    node: str | None
+    kind: str
+    source: EventSource
+    agent_seq: int | None
+    time_s: float
+    received_s: float
+    payload: dict[str, Any]
+
+    def agent_event(self) -> Event:
+        """The wire :class:`Event` this row stores; only for rows from an agent."""
+        if self.source is not EventSource.AGENT or self.node is None or self.agent_seq is None:
+            raise ValueError(f"event {self.event_id} is a supervisor observation, not an agent's")
+        return Event(
+            kind=EventKind(self.kind),
+            job_id=self.job_id,
+            node=self.node,
+            event_id=self.event_id,
+            seq=self.agent_seq,
+            time_unix_s=self.time_s,
+            payload=self.payload,
+        )
+
+
+@dataclass(frozen=True)
+class DecisionRow:
+    """What the decision core decided for a job, on which event, and why."""
+
+    decision_id: int
+    job_id: str
+    event_id: str | None
+    from_state: str
+    to_state: str
+    cause: str
+    detail: dict[str, Any]
+    decided_s: float
+
+
+@dataclass(frozen=True)
+class ActionRow:
+    """One intent of the executor and its outcome; ``seq`` is the plan order.
+
+    ``starts`` counts how often it was started (more than one means it was
+    reconciled after a restart, or retried after a retryable failure).
+    """
+
+    seq: int
+    action_id: str
+    job_id: str
+    kind: str
+    args: dict[str, Any]
+    state: ActionState
+    starts: int
+    planned_s: float
+    started_s: float | None
+    finished_s: float | None
+    result: dict[str, Any] | None
+    error: str | None
+    retryable: bool | None
+
+
+@dataclass(frozen=True)
+class DrainRow:
+    """One drain of a node (the audit trail); open while ``undrained_s`` is None."""
+
+    drain_id: int
+    node: str
+    cause: str
+    job_id: str | None
+    reason: str
+    drained_by: Actor
+    drained_s: float
+    undrained_s: float | None
+    undrained_by: Actor | None
+    action_id: str | None
+
+
+@dataclass(frozen=True)
+class Lemon:
+    """A node the supervisor drained at least a threshold of times within a window."""
+
+    node: str
+    drains: int
+    last_drained_s: float
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    """The newest sign of life of one job's agent on one node."""
+
+    job_id: str
+    node: str
+    incarnation: str
+    last_seen_s: float
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    """A checkpoint a job committed (raw data for goodput accounting)."""
+
+    job_id: str
+    step: int
+    path: str
+    committed_s: float
+
+
+@dataclass(frozen=True)
+class ProgressRow:
+    """A job reached ``step`` at ``time_s`` (raw data for goodput accounting)."""
+
+    job_id: str
+    step: int
+    time_s: float

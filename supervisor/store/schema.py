@@ -1,0 +1,292 @@
+"""The store's schema, its migrations, and the checks that run before a store is trusted.
+
+``MIGRATIONS[i]`` turns schema version ``i`` into ``i + 1`` (``MIGRATIONS[0]``
+creates version 1 in an empty file), so the current version is
+``len(MIGRATIONS)``. Migrations only ever append; a released one is never
+edited. Each runs in one transaction together with the version bump, so a
+crash mid-migration leaves the old version intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+
+from supervisor.errors import StoreCorrupt, StoreSchemaError
+
+logger = logging.getLogger(__name__)
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+_HEADER_BYTES = 100
+
+_V1 = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+INSERT INTO schema_version (version) VALUES (0);
+
+CREATE TABLE jobs (
+    job_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    original_nodes INTEGER NOT NULL CHECK (original_nodes >= 1),
+    world_size INTEGER NOT NULL CHECK (world_size >= 0),
+    min_nodes INTEGER NOT NULL CHECK (min_nodes >= 1),
+    record TEXT NOT NULL,
+    record_version INTEGER NOT NULL,
+    secret_path TEXT,
+    created_s REAL NOT NULL,
+    updated_s REAL NOT NULL
+);
+CREATE INDEX jobs_by_state ON jobs (state);
+
+CREATE TABLE attempts (
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    attempt INTEGER NOT NULL CHECK (attempt >= 0),
+    nodes TEXT NOT NULL,
+    resumed_from TEXT,
+    started_s REAL NOT NULL,
+    ended_s REAL,
+    end_cause TEXT,
+    PRIMARY KEY (job_id, attempt)
+);
+
+-- seq is the arrival order; AUTOINCREMENT so that a seq is never reused and a
+-- consumer's "since_seq" cursor never skips an event.
+CREATE TABLE events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    node TEXT,
+    kind TEXT NOT NULL,
+    source TEXT NOT NULL,
+    agent_seq INTEGER,
+    time_s REAL NOT NULL,
+    received_s REAL NOT NULL,
+    payload TEXT NOT NULL
+);
+CREATE INDEX events_by_job ON events (job_id, seq);
+
+CREATE TABLE decisions (
+    decision_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    event_id TEXT REFERENCES events (event_id),
+    from_state TEXT NOT NULL,
+    to_state TEXT NOT NULL,
+    cause TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    decided_s REAL NOT NULL
+);
+CREATE INDEX decisions_by_job ON decisions (job_id, decision_id);
+
+CREATE TABLE actions (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    action_id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    kind TEXT NOT NULL,
+    args TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('planned', 'started', 'done', 'failed')),
+    starts INTEGER NOT NULL DEFAULT 0,
+    planned_s REAL NOT NULL,
+    started_s REAL,
+    finished_s REAL,
+    result TEXT,
+    error TEXT,
+    retryable INTEGER
+);
+CREATE INDEX actions_by_job ON actions (job_id, seq);
+CREATE INDEX actions_unfinished ON actions (seq) WHERE state IN ('planned', 'started');
+
+CREATE TABLE drains (
+    drain_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    node TEXT NOT NULL,
+    cause TEXT NOT NULL,
+    job_id TEXT REFERENCES jobs (job_id),
+    reason TEXT NOT NULL,
+    drained_by TEXT NOT NULL,
+    drained_s REAL NOT NULL,
+    undrained_s REAL,
+    undrained_by TEXT,
+    action_id TEXT UNIQUE
+);
+CREATE INDEX drains_by_node ON drains (node, drained_s);
+CREATE INDEX drains_by_time ON drains (drained_s);
+
+CREATE TABLE commands (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    command_id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    node TEXT,
+    kind TEXT NOT NULL,
+    args TEXT NOT NULL,
+    queued_s REAL NOT NULL
+);
+CREATE INDEX commands_by_job ON commands (job_id, seq);
+
+CREATE TABLE command_acks (
+    command_id TEXT NOT NULL REFERENCES commands (command_id),
+    node TEXT NOT NULL,
+    acked_s REAL NOT NULL,
+    PRIMARY KEY (command_id, node)
+) WITHOUT ROWID;
+
+CREATE TABLE leases (
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    node TEXT NOT NULL,
+    incarnation TEXT NOT NULL,
+    last_seen_s REAL NOT NULL,
+    PRIMARY KEY (job_id, node)
+) WITHOUT ROWID;
+
+CREATE TABLE checkpoints (
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    path TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    committed_s REAL NOT NULL,
+    PRIMARY KEY (job_id, path)
+);
+
+CREATE TABLE progress (
+    id INTEGER PRIMARY KEY,
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    step INTEGER NOT NULL,
+    time_s REAL NOT NULL
+);
+CREATE INDEX progress_by_job ON progress (job_id, id);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1,)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+_RESTORE_HINT = (
+    "stop every resurgo-supervisor using it, move the file aside (keep it for "
+    "inspection) and restore the newest backup (made by Store.backup) in its place"
+)
+
+
+def check_header(path: Path) -> None:
+    """Raise :class:`StoreCorrupt` unless ``path`` starts like an SQLite database.
+
+    An empty or short file is refused too: it may be a store truncated by a
+    disk problem, and treating it as new would silently drop every record.
+    """
+    with path.open("rb") as file:
+        header = file.read(_HEADER_BYTES)
+    if len(header) == 0:
+        raise StoreCorrupt(
+            f"store {path} is an empty file, not an SQLite database; if it is a store "
+            f"that lost its contents, {_RESTORE_HINT}; if no store existed yet, delete "
+            "the empty file and start again"
+        )
+    if not header.startswith(SQLITE_MAGIC):
+        raise StoreCorrupt(
+            f"store {path} is not an SQLite database (it starts with {header[:16]!r}); "
+            f"check the configured path, or {_RESTORE_HINT}"
+        )
+    if len(header) < _HEADER_BYTES:
+        raise StoreCorrupt(
+            f"store {path} is truncated ({len(header)} bytes, shorter than an SQLite "
+            f"header); {_RESTORE_HINT}"
+        )
+
+
+def check_integrity(db: sqlite3.Connection, path: Path) -> None:
+    """Run ``PRAGMA quick_check`` and raise :class:`StoreCorrupt` naming what it found.
+
+    It reads every page (O(size), but only at start-up) and writes nothing, so
+    a damaged file is left exactly as it was for inspection.
+    """
+    try:
+        problems = [row[0] for row in db.execute("PRAGMA quick_check(20)")]
+    except sqlite3.OperationalError:
+        raise  # busy or locked, not damage: the caller reports it as such
+    except sqlite3.DatabaseError as error:
+        raise StoreCorrupt(f"store {path} is damaged ({error}); {_RESTORE_HINT}") from error
+    if problems != ["ok"]:
+        shown = "; ".join(str(problem) for problem in problems[:5])
+        raise StoreCorrupt(
+            f"store {path} failed its integrity check ({len(problems)} problems, first: "
+            f"{shown}); {_RESTORE_HINT}"
+        )
+
+
+def stored_version(db: sqlite3.Connection, path: Path) -> int | None:
+    """The schema version in ``db``; None for a file without tables (a new store)."""
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    if not tables:
+        return None
+    if "schema_version" not in tables:
+        raise StoreSchemaError(
+            f"{path} is an SQLite database but not a Resurgo store (tables: "
+            f"{', '.join(sorted(tables)[:10])}); point the supervisor at its own store file"
+        )
+    rows = db.execute("SELECT version FROM schema_version").fetchall()
+    if len(rows) != 1 or not isinstance(rows[0][0], int):
+        raise StoreCorrupt(
+            f"store {path}: schema_version holds {rows[:3]!r}, expected one integer; "
+            f"{_RESTORE_HINT}"
+        )
+    version: int = rows[0][0]
+    return version
+
+
+def migrate(db: sqlite3.Connection, path: Path, migrations: Sequence[str] = MIGRATIONS) -> int:
+    """Bring ``db`` to ``len(migrations)``, backing an existing store up first; return it.
+
+    A store newer than ``migrations`` raises :class:`StoreSchemaError`: this
+    Resurgo cannot know what the newer tables mean, and must not write to them.
+    """
+    latest = len(migrations)
+    version = stored_version(db, path)
+    if version is not None and version > latest:
+        raise StoreSchemaError(
+            f"store {path} has schema version {version}, newer than this Resurgo's "
+            f"{latest}: run the Resurgo version that wrote it, or restore a backup made "
+            "by this version"
+        )
+    if version == latest:
+        return latest
+    if version is not None:
+        backup = path.with_name(f"{path.name}.schema-v{version}.bak")
+        copy_database(db, backup)
+        logger.info(
+            "store %s: migrating schema %d -> %d (backup at %s)", path, version, latest, backup
+        )
+    for step in range(version or 0, latest):
+        # executescript would COMMIT a pending transaction first, so the BEGIN
+        # lives inside the script; the version bump commits with the DDL.
+        script = (
+            f"BEGIN IMMEDIATE;\n{migrations[step]}\n"
+            f"UPDATE schema_version SET version = {step + 1};\nCOMMIT;"
+        )
+        try:
+            db.executescript(script)
+        except sqlite3.Error:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+    return latest
+
+
+def copy_database(db: sqlite3.Connection, dest: Path) -> None:
+    """Write a consistent copy of ``db`` to ``dest`` (online backup API), atomically.
+
+    The copy goes to a temporary file that is fsynced and renamed over
+    ``dest``, so ``dest`` is always either the old file or a complete copy.
+    """
+    tmp = dest.with_name(f"{dest.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    target = sqlite3.connect(tmp)
+    try:
+        db.backup(target)
+    finally:
+        target.close()
+    with tmp.open("rb") as file:
+        os.fsync(file.fileno())
+    os.replace(tmp, dest)
+    directory = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

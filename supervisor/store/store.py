@@ -1,0 +1,436 @@
+"""The supervisor's SQLite store: every job, attempt, event, decision, action and drain.
+
+Exactly-once protocol for actions (what the executor does with this store):
+
+1. In one :meth:`Store.transaction`, record the decision, ``plan_action`` each
+   action under a deterministic id (``f"{job}/{attempt}/drain/{node}"``) and
+   update the job record. Planning an id twice returns the first row, so a
+   decision replayed after a crash plans nothing new.
+2. ``mark_started`` is committed (fsynced) BEFORE the side effect runs.
+3. Run the side effect (scontrol, a command to agents).
+4. ``mark_done`` or ``mark_failed`` records the outcome.
+
+After a restart, :meth:`Store.unfinished_actions` lists what was planned or
+started but not finished, in plan order. A ``planned`` action never ran and
+can be started. A ``started`` one may or may not have taken effect (the
+supervisor died between 2 and 4): the executor reconciles it against Slurm
+(is the node already drained? the job already requeued?) and then either
+marks it done or starts it again; it is never blindly re-run.
+
+Events are consumed by cursor: agents' events are stored idempotently by
+``event_id`` and numbered in arrival order (``seq``); the daemon keeps the
+last ``seq`` it decided on in the job record, updated in the same transaction
+as the decision, and reads ``events_for(job, since_seq=cursor)``.
+
+Durability: WAL with ``synchronous=NORMAL`` for high-volume writes (events,
+observations, progress, checkpoints, lease flushes): a commit survives the
+supervisor being SIGKILLed (it is in the WAL, in the OS page cache) but the
+last commits can vanish if the head node loses power. Everything that drives
+or records a side effect (jobs, attempts, decisions, actions, drains,
+commands, and every :meth:`Store.transaction`) commits with
+``synchronous=FULL``, which fsyncs the WAL: after a power loss the store never
+forgets that a drain or a requeue already happened. Agents' events are
+re-observable (Slurm and the agents report the state again), drains are not.
+
+Heartbeat leases live in memory (a dict update per heartbeat, no SQL) and are
+written out by :meth:`Store.flush_leases`, which the daemon calls every few
+seconds and :meth:`Store.close` calls last; after a restart the flushed
+times are up to one flush interval old, so grant a grace before trusting
+``expired_leases``.
+
+Threads: the daemon uses the store from its asyncio thread. Every public
+method and :meth:`Store.transaction` holds one re-entrant lock, so calling
+from a worker thread (``asyncio.to_thread``) is safe too; a transaction
+blocks other threads until it ends. The store never reads the clock: every
+time is an argument.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from agent.protocol import Command, CommandKind
+from supervisor.errors import ActionStateError, StoreError
+from supervisor.store.core import locked, rowid
+from supervisor.store.history import History
+from supervisor.store.rows import (
+    ActionRow,
+    ActionState,
+    Actor,
+    CheckpointRow,
+    DrainRow,
+    Label,
+    Lemon,
+    ProgressRow,
+    dumps,
+    label,
+    loads,
+)
+
+logger = logging.getLogger(__name__)
+
+_PLANNED, _STARTED = ActionState.PLANNED.value, ActionState.STARTED.value
+_DONE, _FAILED = ActionState.DONE.value, ActionState.FAILED.value
+
+
+class Store(History):
+    """The supervisor's store; open it with :meth:`Store.open`. See the module docstring."""
+
+    # ------------------------------------------------------------------
+    # Actions: the exactly-once backbone.
+
+    @locked
+    def plan_action(
+        self, action_id: str, job_id: str, kind: Label, args: dict[str, Any], now_s: float
+    ) -> ActionRow:
+        """Record the intent ``action_id``; planning an existing id returns the stored row.
+
+        The first plan wins: a re-plan's ``kind`` and ``args`` are ignored
+        (logged when they differ), so make ids deterministic from what the
+        action is and does.
+        """
+        args_text = dumps(args, f"action {action_id} args")
+        with self._tx(durable=True), self._job_must_exist(job_id):
+            self._db.execute(
+                "INSERT INTO actions (action_id, job_id, kind, args, state, planned_s)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (action_id) DO NOTHING",
+                (action_id, job_id, label(kind), args_text, _PLANNED, now_s),
+            )
+        row = self._action(action_id)
+        if (row.job_id, row.kind, row.args) != (job_id, label(kind), loads(args_text)):
+            logger.warning(
+                "action %s was planned before as %s %s for job %s; keeping the first plan",
+                action_id, row.kind, row.args, row.job_id,
+            )  # fmt: skip
+        return row
+
+    @locked
+    def mark_started(self, action_id: str, now_s: float) -> ActionRow:
+        """Record that the side effect is about to run; commit this BEFORE running it.
+
+        Allowed from planned, from started (re-running after reconciliation
+        found it had not taken effect) and from a retryable failure.
+        """
+        return self._transition(
+            action_id,
+            "state = ?, starts = starts + 1, started_s = ?, finished_s = NULL, error = NULL,"
+            " retryable = NULL",
+            (_STARTED, now_s),
+            f"state IN ('{_PLANNED}', '{_STARTED}') OR (state = '{_FAILED}' AND retryable = 1)",
+            "start",
+        )
+
+    @locked
+    def mark_done(self, action_id: str, result: dict[str, Any], now_s: float) -> ActionRow:
+        """Record that a started action took effect, with what it returned."""
+        return self._transition(
+            action_id,
+            "state = ?, finished_s = ?, result = ?",
+            (_DONE, now_s, dumps(result, f"action {action_id} result")),
+            f"state = '{_STARTED}'",
+            "finish",
+        )
+
+    @locked
+    def mark_failed(
+        self, action_id: str, error: str, now_s: float, *, retryable: bool
+    ) -> ActionRow:
+        """Record that a planned or started action failed; ``retryable`` lets it start again."""
+        return self._transition(
+            action_id,
+            "state = ?, finished_s = ?, error = ?, retryable = ?",
+            (_FAILED, now_s, error, int(retryable)),
+            f"state IN ('{_PLANNED}', '{_STARTED}')",
+            "fail",
+        )
+
+    @locked
+    def get_action(self, action_id: str) -> ActionRow | None:
+        """The action's row, or None if it was never planned."""
+        row = self._db.execute(
+            f"SELECT {_ACTION_COLUMNS} FROM actions WHERE action_id = ?", (action_id,)
+        ).fetchone()
+        return None if row is None else _action(row)
+
+    @locked
+    def unfinished_actions(self, job_id: str | None = None) -> list[ActionRow]:
+        """Planned or started actions (of one job, or all) in plan order: reconcile these."""
+        return self.list_actions(job_id, states=(ActionState.PLANNED, ActionState.STARTED))
+
+    @locked
+    def list_actions(
+        self, job_id: str | None = None, *, states: Iterable[ActionState] | None = None
+    ) -> list[ActionRow]:
+        """Actions (of one job, or all; in ``states``, or any) in plan order."""
+        clauses, params = [], []
+        if job_id is not None:
+            clauses.append("job_id = ?")
+            params.append(job_id)
+        if states is not None:
+            values = [state.value for state in states]
+            clauses.append(f"state IN ({', '.join('?' * len(values))})" if values else "0")
+            params.extend(values)
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        rows = self._db.execute(
+            f"SELECT {_ACTION_COLUMNS} FROM actions {where} ORDER BY seq", params
+        )
+        return [_action(row) for row in rows]
+
+    def _transition(
+        self, action_id: str, assignments: str, params: tuple[Any, ...], allowed: str, verb: str
+    ) -> ActionRow:
+        with self._tx(durable=True):
+            cursor = self._db.execute(
+                f"UPDATE actions SET {assignments} WHERE action_id = ? AND ({allowed})",
+                (*params, action_id),
+            )
+        row = self._action(action_id)
+        if cursor.rowcount != 1:
+            raise ActionStateError(
+                f"cannot {verb} action {action_id}: it is {row.state.value}"
+                + (" (not retryable)" if row.state is ActionState.FAILED else "")
+                + "; a finished action is never run again: plan a new action id instead"
+            )
+        return row
+
+    def _action(self, action_id: str) -> ActionRow:
+        row = self.get_action(action_id)
+        if row is None:
+            raise StoreError(f"no action {action_id} in the store; plan_action() it first")
+        return row
+
+    # ------------------------------------------------------------------
+    # Drains: the audit trail, the rate limit and the lemon list.
+
+    @locked
+    def record_drain(
+        self,
+        node: str,
+        *,
+        cause: Label,
+        job_id: str | None,
+        reason: str,
+        now_s: float,
+        by: Actor = Actor.SUPERVISOR,
+        action_id: str | None = None,
+    ) -> DrainRow:
+        """Audit a drain of ``node``; with ``action_id``, recording it again returns the first."""
+        with self._tx(durable=True), self._job_must_exist(job_id or ""):
+            cursor = self._db.execute(
+                "INSERT INTO drains (node, cause, job_id, reason, drained_by, drained_s,"
+                " action_id) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (action_id) DO NOTHING",
+                (node, label(cause), job_id, reason, by.value, now_s, action_id),
+            )
+            if cursor.rowcount == 1:
+                row = self._db.execute(
+                    f"SELECT {_DRAIN_COLUMNS} FROM drains WHERE drain_id = ?", (rowid(cursor),)
+                )
+            else:
+                row = self._db.execute(
+                    f"SELECT {_DRAIN_COLUMNS} FROM drains WHERE action_id = ?", (action_id,)
+                )
+        return _drain(row.fetchone())
+
+    @locked
+    def record_undrain(self, node: str, *, now_s: float, by: Actor = Actor.SUPERVISOR) -> int:
+        """Close every open drain of ``node`` (it was resumed); return how many were open."""
+        with self._tx(durable=True):
+            cursor = self._db.execute(
+                "UPDATE drains SET undrained_s = ?, undrained_by = ?"
+                " WHERE node = ? AND undrained_s IS NULL",
+                (now_s, by.value, node),
+            )
+        return cursor.rowcount
+
+    @locked
+    def open_drains(self) -> list[DrainRow]:
+        """Drains not yet undone (the nodes Resurgo or an operator keeps out), oldest first."""
+        return self._drains("WHERE undrained_s IS NULL", ())
+
+    @locked
+    def drains_since(self, since_s: float, *, by: Actor | None = None) -> list[DrainRow]:
+        """Drains at or after ``since_s`` (by one actor, or any), oldest first: the rate limit."""
+        if by is None:
+            return self._drains("WHERE drained_s >= ?", (since_s,))
+        return self._drains("WHERE drained_s >= ? AND drained_by = ?", (since_s, by.value))
+
+    @locked
+    def blame_history(self, node: str) -> list[DrainRow]:
+        """Every drain of ``node`` across all jobs, oldest first."""
+        return self._drains("WHERE node = ?", (node,))
+
+    @locked
+    def lemons(self, threshold: int, window_s: float, now_s: float) -> list[Lemon]:
+        """Nodes the supervisor drained at least ``threshold`` times in the last ``window_s``.
+
+        Operator drains (maintenance) are not blame and do not count.
+        """
+        rows = self._db.execute(
+            "SELECT node, COUNT(*), MAX(drained_s) FROM drains"
+            " WHERE drained_by = ? AND drained_s > ? GROUP BY node HAVING COUNT(*) >= ?"
+            " ORDER BY COUNT(*) DESC, node",
+            (Actor.SUPERVISOR.value, now_s - window_s, threshold),
+        )
+        return [Lemon(*row) for row in rows]
+
+    def _drains(self, where: str, params: tuple[Any, ...]) -> list[DrainRow]:
+        rows = self._db.execute(
+            f"SELECT {_DRAIN_COLUMNS} FROM drains {where} ORDER BY drained_s, drain_id", params
+        )
+        return [_drain(row) for row in rows]
+
+    # ------------------------------------------------------------------
+    # Commands to agents.
+
+    @locked
+    def queue_command(self, job_id: str, node: str | None, command: Command, now_s: float) -> bool:
+        """Queue ``command`` for one node (or every node of the job, ``node=None``).
+
+        Idempotent by ``command_id``; returns whether it was new.
+        """
+        with self._tx(durable=True), self._job_must_exist(job_id):
+            cursor = self._db.execute(
+                "INSERT INTO commands (command_id, job_id, node, kind, args, queued_s)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (command_id) DO NOTHING",
+                (
+                    command.command_id, job_id, node, command.kind.value,
+                    dumps(command.args, f"command {command.command_id} args"), now_s,
+                ),
+            )  # fmt: skip
+        return cursor.rowcount == 1
+
+    @locked
+    def pending_commands(self, job_id: str, node: str) -> list[Command]:
+        """Commands for ``node`` of the job that ``node`` has not acknowledged, oldest first."""
+        rows = self._db.execute(
+            "SELECT kind, command_id, args FROM commands AS c"
+            " WHERE job_id = ? AND (node IS NULL OR node = ?) AND NOT EXISTS"
+            " (SELECT 1 FROM command_acks AS a WHERE a.command_id = c.command_id"
+            " AND a.node = ?) ORDER BY seq",
+            (job_id, node, node),
+        )
+        return [
+            Command(CommandKind(kind), command_id, loads(args)) for kind, command_id, args in rows
+        ]
+
+    @locked
+    def ack_command(self, command_id: str, node: str, now_s: float) -> bool:
+        """Record that ``node`` received the command; return False if unknown or acked before.
+
+        A command for every node is pending on each node until that node acks it.
+        """
+        with self._tx(durable=False):
+            cursor = self._db.execute(
+                "INSERT INTO command_acks (command_id, node, acked_s)"
+                " SELECT command_id, ?, ? FROM commands WHERE command_id = ?"
+                " AND (node IS NULL OR node = ?) ON CONFLICT DO NOTHING",
+                (node, now_s, command_id, node),
+            )
+        return cursor.rowcount == 1
+
+    # ------------------------------------------------------------------
+    # Raw data for goodput accounting.
+
+    @locked
+    def record_checkpoint(self, job_id: str, step: int, path: str, now_s: float) -> CheckpointRow:
+        """Record a committed checkpoint; the same path again keeps its first commit time."""
+        with self._tx(durable=False), self._job_must_exist(job_id):
+            self._db.execute(
+                "INSERT INTO checkpoints (job_id, path, step, committed_s) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (job_id, path) DO NOTHING",
+                (job_id, path, step, now_s),
+            )
+        row = self._db.execute(
+            "SELECT job_id, step, path, committed_s FROM checkpoints WHERE job_id = ? AND path = ?",
+            (job_id, path),
+        ).fetchone()
+        return CheckpointRow(*row)
+
+    @locked
+    def checkpoints_for(self, job_id: str) -> list[CheckpointRow]:
+        """The job's committed checkpoints in commit order."""
+        rows = self._db.execute(
+            "SELECT job_id, step, path, committed_s FROM checkpoints WHERE job_id = ?"
+            " ORDER BY committed_s, step",
+            (job_id,),
+        )
+        return [CheckpointRow(*row) for row in rows]
+
+    @locked
+    def record_progress(self, job_id: str, step: int, now_s: float) -> bool:
+        """Record that the job is at ``step``; return whether a row was written.
+
+        Compact: a row only when the step differs from the job's last
+        recorded one (a rollback after a restart is a difference too), so
+        heartbeats repeating the same step cost no write. Pass one job-level
+        step (e.g. the slowest rank's), not every rank's.
+        """
+        if job_id not in self._last_step:
+            found = self._db.execute(
+                "SELECT step FROM progress WHERE job_id = ? ORDER BY id DESC LIMIT 1", (job_id,)
+            ).fetchone()
+            self._last_step[job_id] = None if found is None else found[0]
+        if self._last_step[job_id] == step:
+            return False
+        with self._tx(durable=False), self._job_must_exist(job_id):
+            self._db.execute(
+                "INSERT INTO progress (job_id, step, time_s) VALUES (?, ?, ?)",
+                (job_id, step, now_s),
+            )
+            self._last_step[job_id] = step
+        return True
+
+    @locked
+    def progress_for(self, job_id: str, since_s: float | None = None) -> list[ProgressRow]:
+        """The job's progress samples (at or after ``since_s``) in the order they came."""
+        rows = self._db.execute(
+            "SELECT job_id, step, time_s FROM progress WHERE job_id = ? AND time_s >= ?"
+            " ORDER BY id",
+            (job_id, float("-inf") if since_s is None else since_s),
+        )
+        return [ProgressRow(*row) for row in rows]
+
+
+_ACTION_COLUMNS = (
+    "seq, action_id, job_id, kind, args, state, starts, planned_s, started_s, finished_s,"
+    " result, error, retryable"
+)
+_DRAIN_COLUMNS = (
+    "drain_id, node, cause, job_id, reason, drained_by, drained_s, undrained_s,"
+    " undrained_by, action_id"
+)
+
+
+def _action(row: tuple[Any, ...]) -> ActionRow:
+    return ActionRow(
+        seq=row[0],
+        action_id=row[1],
+        job_id=row[2],
+        kind=row[3],
+        args=loads(row[4]),
+        state=ActionState(row[5]),
+        starts=row[6],
+        planned_s=row[7],
+        started_s=row[8],
+        finished_s=row[9],
+        result=loads(row[10]),
+        error=row[11],
+        retryable=None if row[12] is None else bool(row[12]),
+    )
+
+
+def _drain(row: tuple[Any, ...]) -> DrainRow:
+    return DrainRow(
+        drain_id=row[0],
+        node=row[1],
+        cause=row[2],
+        job_id=row[3],
+        reason=row[4],
+        drained_by=Actor(row[5]),
+        drained_s=row[6],
+        undrained_s=row[7],
+        undrained_by=None if row[8] is None else Actor(row[8]),
+        action_id=row[9],
+    )
