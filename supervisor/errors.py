@@ -60,9 +60,8 @@ class SlurmCommandFailed(SlurmError):
         self.argv = list(argv)
         self.returncode = returncode
         self.stderr = stderr
-        super().__init__(
-            f"`{' '.join(argv)}` failed with exit code {returncode}: {stderr.strip() or '(no stderr)'}"
-        )
+        detail = stderr.strip() or "(no stderr)"
+        super().__init__(f"`{' '.join(argv)}` failed with exit code {returncode}: {detail}")
 
 
 class SlurmParseError(SlurmError):

@@ -16,6 +16,7 @@ PURE_MODULES = (
     "agent/checkpoint/format.py",
     "agent/protocol.py",
     "agent/launch.py",
+    "supervisor/slurm/parse.py",
     "agent/checkpoint/interval.py",
     "agent/train/sampler.py",
 )

@@ -1,0 +1,234 @@
+"""The one place that runs Slurm commands.
+
+Every call is an argv list built by `parse.py` (never a shell), runs under a
+timeout, and ends in a value or a typed error: `SlurmUnavailable` when Slurm
+could not be asked (binary missing, timeout, controller unreachable),
+`SlurmCommandFailed` when it answered no. A failed query means "unknown",
+never "the job is gone".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
+
+from supervisor.errors import (
+    SlurmCommandFailed,
+    SlurmError,
+    SlurmRequeueFailed,
+    SlurmUnavailable,
+)
+from supervisor.slurm import parse
+from supervisor.slurm.parse import JobState, SlurmJob, SlurmNode
+
+log = logging.getLogger(__name__)
+
+Runner = Callable[[Sequence[str], float], Awaitable[tuple[int, str, str]]]
+"""Runs argv with a timeout; returns (returncode, stdout, stderr); raises TimeoutError/OSError."""
+
+Sleep = Callable[[float], Awaitable[None]]
+
+# Slurm clients exit 1 both for "no" and for "could not ask"; these stderr
+# fragments mean the controller was never reached, so the answer is unknown.
+_UNREACHABLE = (
+    "unable to contact slurm controller",
+    "socket timed out",
+    "connection refused",
+    "could not establish a configuration source",
+    "slurm_load_jobs error: slurm backup controller in standby mode",
+)
+
+
+async def subprocess_runner(
+    argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None
+) -> tuple[int, str, str]:
+    """Run ``argv`` without a shell; kill it and raise TimeoutError past ``timeout_s``."""
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=None if env is None else dict(env),
+    )
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
+    assert process.returncode is not None  # communicate() waited for the exit
+    return process.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")
+
+
+class SlurmClient:
+    """Async Slurm CLI adapter: queries (retried) and admin commands (logged, not retried)."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 15.0,
+        runner: Runner | None = None,
+        read_attempts: int = 3,
+        retry_wait_s: float = 0.5,
+        requeue_settle_s: float = 60.0,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        """``env`` is added to os.environ (e.g. SLURM_CONF); ``runner`` replaces subprocesses."""
+        self._env = {**os.environ, **env} if env is not None else None
+        self._timeout_s = timeout_s
+        self._runner = runner
+        self._read_attempts = read_attempts
+        self._retry_wait_s = retry_wait_s
+        self._requeue_settle_s = requeue_settle_s
+        self._sleep = sleep
+        self._hostnames: dict[str, tuple[str, ...]] = {}
+
+    # --- the choke point ---------------------------------------------------------
+
+    async def _run(self, argv: list[str]) -> str:
+        """Run one command; return stdout or raise SlurmUnavailable / SlurmCommandFailed."""
+        try:
+            if self._runner is not None:
+                code, out, err = await self._runner(argv, self._timeout_s)
+            else:
+                code, out, err = await subprocess_runner(argv, self._timeout_s, self._env)
+        except TimeoutError as error:
+            raise SlurmUnavailable(
+                f"`{' '.join(argv)}` gave no answer in {self._timeout_s} s: is slurmctld up?"
+            ) from error
+        except OSError as error:
+            raise SlurmUnavailable(
+                f"cannot run `{argv[0]}` ({error}): are the Slurm client tools on PATH?"
+            ) from error
+        if code != 0:
+            if any(fragment in err.lower() for fragment in _UNREACHABLE):
+                raise SlurmUnavailable(
+                    f"`{' '.join(argv)}` could not reach the controller: {err.strip()}"
+                )
+            raise SlurmCommandFailed(argv, code, err)
+        return out
+
+    async def _query(self, argv: list[str]) -> str:
+        """A read: retried a few times when Slurm was unreachable, never when it said no."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._read_attempts),
+            wait=wait_fixed(self._retry_wait_s),
+            retry=retry_if_exception_type(SlurmUnavailable),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._run(argv)
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    async def _mutate(self, argv: list[str]) -> None:
+        """An admin command: logged at INFO, run once (a retry could act twice)."""
+        log.info("slurm: %s", " ".join(argv))
+        await self._run(argv)
+
+    # --- queries -------------------------------------------------------------------
+
+    async def jobs(self) -> dict[int, SlurmJob]:
+        """Every job Slurm knows, by id."""
+        text = await self._query(parse.squeue_argv())
+        return parse.parse_squeue_json(text)
+
+    async def job(self, job_id: int) -> SlurmJob | None:
+        """The job, or None when Slurm answered and does not list it.
+
+        A failed query raises SlurmUnavailable: unknown is not gone.
+        """
+        return (await self.jobs()).get(job_id)
+
+    async def nodes(self) -> dict[str, SlurmNode]:
+        """Every node, by name."""
+        return parse.parse_sinfo_json(await self._query(parse.sinfo_argv()))
+
+    async def hostnames(self, node_list: str) -> tuple[str, ...]:
+        """Slurm's own expansion of a hostlist, cached per distinct list."""
+        if node_list not in self._hostnames:
+            text = await self._query(parse.hostnames_argv(node_list))
+            self._hostnames[node_list] = tuple(text.split())
+        return self._hostnames[node_list]
+
+    # --- admin ------------------------------------------------------------------------
+
+    async def drain(self, node: str, reason: str) -> None:
+        """Drain ``node`` with ``reason`` (see `parse.drain_reason`)."""
+        await self._mutate(parse.drain_argv(node, reason))
+
+    async def resume(self, node: str) -> None:
+        """Return ``node`` to service."""
+        await self._mutate(parse.resume_argv(node))
+
+    async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
+        """Shrink a running job to ``keep_nodes``; its steps on the other nodes are killed."""
+        await self._mutate(parse.shrink_argv(job_id, keep_nodes))
+
+    async def cancel(self, job_id: int, signal: str | None = None) -> None:
+        """Cancel the job, or send it ``signal``."""
+        await self._mutate(parse.cancel_argv(job_id, signal))
+
+    async def requeue_smaller(
+        self, job_id: int, n_nodes: int, n_tasks: int, exclude_nodes: Sequence[str] = ()
+    ) -> None:
+        """Requeue the job under the same id with ``n_nodes`` nodes, avoiding ``exclude_nodes``.
+
+        requeuehold -> wait until PENDING -> update size -> StartTime=now ->
+        release (DESIGN §4). Safe to call again after a crash part-way: a job
+        already pending is not requeued twice. A failure raises
+        SlurmRequeueFailed naming the step, chained to the Slurm error.
+        """
+        size_argv = parse.update_size_argv(job_id, n_nodes, n_tasks, exclude_nodes)
+        step = "query"
+        try:
+            job = await self._require(job_id)
+            if job.state in (JobState.RUNNING, JobState.SUSPENDED):
+                step = "requeuehold"
+                await self._mutate(parse.requeue_hold_argv(job_id))
+            step = "wait for pending"
+            # requeuehold returns at once but the job is COMPLETING until its
+            # epilog ends; an update made before the requeue lands is overwritten
+            # by it (22.05 kept the old NumNodes and a 120 s begin time).
+            await self._wait_pending(job_id)
+            step = "update size"
+            await self._mutate(size_argv)
+            step = "start now"
+            await self._mutate(parse.start_now_argv(job_id))
+            step = "release"
+            await self._mutate(parse.release_argv(job_id))
+        except SlurmError as error:
+            raise SlurmRequeueFailed(job_id, step, error) from error
+
+    async def _require(self, job_id: int) -> SlurmJob:
+        job = await self.job(job_id)
+        if job is None:
+            raise SlurmCommandFailed(parse.squeue_argv(), 0, f"job {job_id} is not listed")
+        return job
+
+    async def _wait_pending(self, job_id: int) -> None:
+        attempts = max(1, int(self._requeue_settle_s / self._retry_wait_s))
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(attempts),
+            wait=wait_fixed(self._retry_wait_s),
+            retry=retry_if_exception_type(_NotYet),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                job = await self._require(job_id)
+                if job.state is not JobState.PENDING:
+                    raise _NotYet(f"job {job_id} is {job.state_raw}, not PENDING yet")
+
+
+class _NotYet(SlurmError):
+    """Internal: the job has not reached the state a step waits for."""
+
+
+__all__ = ["Runner", "SlurmClient", "subprocess_runner"]
