@@ -1,0 +1,214 @@
+"""Attribution: which node is at fault for an observation, with evidence and a confidence.
+
+Pure (STYLE.md §2): observations and the job record in, a :class:`Blame` out.
+The policy drains a node only when the confidence reaches its threshold, so
+the numbers here are the core's whole opinion of how sure it is:
+
+- a rank killed by SIGKILL/SIGSEGV/SIGBUS/SIGILL points at the node (memory,
+  hardware, the OOM killer): high; other signals (SIGABRT is how NCCL and c10
+  errors die) are weak;
+- a Python exception is never a node fault (DESIGN §3);
+- a failed health check or a lost node: high;
+- a collective hang: the rank that is behind (lowest last step) is strong
+  evidence, one outside the collective everybody else waits in is good
+  evidence, having stopped first is weak evidence (beats jitter);
+- a straggler: the node is slow, which is a fact, not a fault, until persistent.
+"""
+
+from __future__ import annotations
+
+import signal as signals
+from dataclasses import dataclass
+
+from agent.protocol import EventKind
+from supervisor.model import Cause, ClusterView, JobRecord, Suspect
+from supervisor.observations import AgentEvent, LeaseExpired, Observation, SlurmNodeSeen
+
+# Deaths that come from the machine, not from Python: bad memory, a bus error,
+# an illegal instruction on a broken CPU, the kernel's OOM killer or a
+# watchdog's SIGKILL.
+NODE_SIGNALS = frozenset(
+    {signals.SIGKILL.value, signals.SIGSEGV.value, signals.SIGBUS.value, signals.SIGILL.value}
+)
+# How a rank ends when someone stops it on purpose (torchrun tearing down the
+# other ranks after one failed, our own StopRanks, scancel): not a fault.
+STOP_SIGNALS = frozenset({signals.SIGTERM.value, signals.SIGINT.value, signals.SIGHUP.value})
+
+CONFIDENCE_NODE_SIGNAL = 0.8
+CONFIDENCE_OTHER_SIGNAL = 0.4
+CONFIDENCE_HEALTH_CHECK = 0.9
+CONFIDENCE_NODE_LOST = 1.0
+CONFIDENCE_HANG_BEHIND = 0.8
+CONFIDENCE_HANG_OUTSIDE_COLLECTIVE = 0.6
+CONFIDENCE_HANG_FIRST_STOPPED = 0.4
+CONFIDENCE_HANG_ALONE = 0.3
+CONFIDENCE_STRAGGLER = 0.5
+# A node already on the cluster's lemon list is more likely the culprit again.
+LEMON_BONUS = 0.1
+
+
+@dataclass(frozen=True)
+class Blame:
+    """The verdict: ``node`` (None: no node is at fault), why, how sure, and what shows it."""
+
+    node: str | None
+    cause: Cause
+    confidence: float
+    evidence: tuple[str, ...]
+
+
+def suspects_of(event: AgentEvent) -> tuple[Suspect, ...]:
+    """A HANG event's culprits as :class:`Suspect` values with an absolute stop time."""
+    return tuple(
+        Suspect(
+            node=event.node,
+            global_rank=c.global_rank,
+            last_step=c.last_step,
+            in_collective=c.in_collective,
+            stopped_at_s=event.time_s - (c.seconds_since_progress or 0.0),
+            reason=c.reason,
+        )
+        for c in event.culprits
+    )
+
+
+def _suspicion(s: Suspect) -> tuple[bool, int, bool, float, str, int]:
+    # Behind first (unknown steps last), then outside the collective, then stopped first.
+    return (
+        s.last_step is None,
+        s.last_step or 0,
+        s.in_collective is not False,
+        s.stopped_at_s,
+        s.node,
+        s.global_rank,
+    )
+
+
+def blame_hang(suspects: tuple[Suspect, ...], lemons: frozenset[str] = frozenset()) -> Blame:
+    """Compare the hung ranks of every node that reported and blame the most suspect one."""
+    if not suspects:
+        return Blame(None, Cause.HANG, 0.0, ("no hung rank was reported with evidence",))
+    ranked = sorted(suspects, key=_suspicion)
+    top, others = ranked[0], ranked[1:]
+    where = f"rank {top.global_rank} on {top.node}"
+    if not others:
+        confidence, why = CONFIDENCE_HANG_ALONE, f"{where} is the only hung rank reported"
+    elif top.last_step is not None and all(
+        o.last_step is not None and o.last_step > top.last_step for o in others
+    ):
+        behind = min(o.last_step for o in others if o.last_step is not None) - top.last_step
+        confidence = CONFIDENCE_HANG_BEHIND
+        why = f"{where} is {behind} step(s) behind every other hung rank (step {top.last_step})"
+    elif top.in_collective is False and all(o.in_collective for o in others):
+        confidence = CONFIDENCE_HANG_OUTSIDE_COLLECTIVE
+        why = f"{where} is outside the collective the others wait in"
+    elif all(o.stopped_at_s > top.stopped_at_s for o in others):
+        stopped_earlier = min(o.stopped_at_s for o in others) - top.stopped_at_s
+        confidence = CONFIDENCE_HANG_FIRST_STOPPED
+        why = f"{where} stopped {stopped_earlier:.1f}s before the others"
+    else:
+        return Blame(None, Cause.HANG, 0.0, (f"no hung rank stands out among {len(ranked)}",))
+    if top.node in lemons:
+        confidence = min(1.0, confidence + LEMON_BONUS)
+    evidence = (why, *(f"{s.node} rank {s.global_rank}: {s.reason}" for s in ranked if s.reason))
+    return Blame(top.node, Cause.HANG, confidence, evidence)
+
+
+def _rank_exit(event: AgentEvent, record: JobRecord) -> Blame:
+    node = event.node or record.node_of_rank(event.global_rank or 0)
+    rank = f"rank {event.global_rank} on {node}"
+    if event.signal is not None:
+        name = _signal_name(event.signal)
+        if event.signal in STOP_SIGNALS:
+            return Blame(None, Cause.RANK_SIGNAL, 0.0, (f"{rank} was stopped by {name}",))
+        confidence = (
+            CONFIDENCE_NODE_SIGNAL if event.signal in NODE_SIGNALS else CONFIDENCE_OTHER_SIGNAL
+        )
+        return Blame(node, Cause.RANK_SIGNAL, confidence, (f"{rank} died by {name}",))
+    return Blame(
+        None,
+        Cause.USER_EXCEPTION,
+        0.0,
+        (f"{rank} exited with code {event.exit_code} at step {event.step}: the user's code",),
+    )
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signals.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def blame(
+    observation: Observation,
+    record: JobRecord,
+    cluster: ClusterView | None = None,
+) -> Blame:
+    """Attribute ``observation`` to a node, or to none.
+
+    For a HANG event the suspects already collected in ``record.recovery`` from
+    other nodes are compared with this event's. ``cluster.lemons`` (the
+    repeat offenders) raise the confidence against a node already on it.
+    """
+    lemons = cluster.lemons if cluster is not None else frozenset()
+    result = _blame(observation, record)
+    if result.node is not None and result.node in lemons and result.cause is not Cause.HANG:
+        return Blame(
+            result.node,
+            result.cause,
+            min(1.0, result.confidence + LEMON_BONUS),
+            (*result.evidence, f"{result.node} is on the lemon list"),
+        )
+    if result.cause is Cause.HANG and isinstance(observation, AgentEvent):
+        earlier = record.recovery.suspects if record.recovery else ()
+        return blame_hang((*earlier, *suspects_of(observation)), lemons)
+    return result
+
+
+def _blame(observation: Observation, record: JobRecord) -> Blame:
+    if isinstance(observation, LeaseExpired):
+        return Blame(
+            observation.node,
+            Cause.NODE_LOST,
+            CONFIDENCE_NODE_LOST,
+            (f"the agent on {observation.node} stopped calling in (lease expired)",),
+        )
+    if isinstance(observation, SlurmNodeSeen):
+        states = [
+            name
+            for name, flag in (
+                ("DOWN", observation.down),
+                ("NOT_RESPONDING", observation.not_responding),
+            )
+            if flag
+        ]
+        if not states:
+            return Blame(None, Cause.NODE_LOST, 0.0, (f"Slurm sees {observation.node} up",))
+        return Blame(
+            observation.node,
+            Cause.NODE_LOST,
+            CONFIDENCE_NODE_LOST,
+            (f"Slurm reports {observation.node} {'+'.join(states)}",),
+        )
+    if not isinstance(observation, AgentEvent):
+        return Blame(None, Cause.OPERATOR, 0.0, ("not a fault observation",))
+    if observation.kind is EventKind.RANK_EXITED:
+        return _rank_exit(observation, record)
+    if observation.kind is EventKind.HANG:
+        return Blame(None, Cause.HANG, 0.0, ())
+    if observation.kind is EventKind.HEALTH_CHECK_FAILED:
+        return Blame(
+            observation.node,
+            Cause.HEALTH_CHECK,
+            CONFIDENCE_HEALTH_CHECK,
+            (f"health check failed on {observation.node}: {observation.detail}".strip(),),
+        )
+    if observation.kind is EventKind.STRAGGLER:
+        return Blame(
+            observation.node,
+            Cause.STRAGGLER,
+            CONFIDENCE_STRAGGLER,
+            (f"straggler on {observation.node}: {observation.detail}".strip(),),
+        )
+    return Blame(None, Cause.OPERATOR, 0.0, (f"{observation.kind.value} is not a fault",))

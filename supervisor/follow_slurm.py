@@ -1,0 +1,130 @@
+"""Following Slurm's view of a job: its starts, its own requeues, its ends; pure.
+
+:func:`on_job_seen` is :func:`supervisor.policy.decide` for a
+:class:`~supervisor.observations.SlurmJobSeen`. The rule (DESIGN §4): Slurm
+reacts to some faults by itself (a node's slurmd died under a ``--requeue``
+job: Slurm requeues it); the supervisor adopts such a reaction and never
+requeues on top of it. Preemption and the time limit end the allocation
+through no fault of the job: requeue without blame or budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from supervisor import recovery
+from supervisor.blame import Blame
+from supervisor.model import Cause, ClusterView, JobRecord, JobState
+from supervisor.observations import SlurmJobSeen
+from supervisor.recovery import LIVE as _LIVE
+from supervisor.recovery import decision
+
+if TYPE_CHECKING:
+    from supervisor.policy import Decision, Policy
+
+# Slurm job states that mean the job ended and will not come back by itself.
+_SLURM_FAILED = frozenset({"FAILED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+_SLURM_QUEUED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+
+
+def _nothing(record: JobRecord, why: str) -> Decision:
+    return decision(record, (), None, why)
+
+
+def on_job_seen(
+    record: JobRecord, seen: SlurmJobSeen, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    """The next record for a ``squeue`` sighting of the job (see the module docstring)."""
+    state = seen.state.upper()
+    requeued_by_slurm = seen.restart_count > record.slurm_restart_count
+    record = replace(
+        record, slurm_restart_count=max(seen.restart_count, record.slurm_restart_count)
+    )
+    if state == "RUNNING":
+        if record.state in (JobState.SUBMITTED, JobState.REQUEUED):
+            started = replace(recovery.to_state(record, JobState.STARTING, now_s), nodes=seen.nodes)
+            return _nothing(started, f"Slurm runs it on {len(seen.nodes)} node(s)")
+        return _nothing(record, "running")
+    pending = record.recovery
+    if record.state is JobState.REQUEUED and pending is not None and not pending.requeue_seen:
+        if state not in _SLURM_QUEUED and not requeued_by_slurm:
+            # Our requeue may not have reached Slurm yet: an ended state from before it is stale.
+            return _nothing(record, f"Slurm shows {state} from before the requeue took effect")
+        record = replace(record, recovery=replace(pending, requeue_seen=True))
+    if state in _SLURM_QUEUED:
+        if requeued_by_slurm and record.state not in (JobState.SUBMITTED, JobState.REQUEUED):
+            return _adopt(record, seen, now_s, policy, cluster)
+        return _nothing(record, "pending in Slurm's queue")
+    if state in ("PREEMPTED", "TIMEOUT") and record.state is not JobState.SUBMITTED:
+        cause = Cause.PREEMPTED if state == "PREEMPTED" else Cause.TIME_LIMIT
+        verdict = Blame(None, cause, 0.0, (f"Slurm: {state} {seen.reason}".strip(),))
+        return _restart_requeued(record, verdict, now_s, policy, cluster)
+    if state == "NODE_FAIL":
+        verdict = Blame(None, Cause.NODE_LOST, 0.0, (f"Slurm: NODE_FAIL {seen.reason}",))
+        return _restart_requeued(record, verdict, now_s, policy, cluster)
+    if state == "COMPLETED":
+        done = replace(recovery.to_state(record, JobState.COMPLETED, now_s), recovery=None)
+        return decision(done, (), Cause.SLURM_ENDED, "Slurm reports the job completed")
+    if state == "CANCELLED":
+        ended = replace(recovery.to_state(record, JobState.CANCELLED, now_s), recovery=None)
+        reason = f"cancelled in Slurm {seen.reason}".strip()
+        return decision(replace(ended, final_reason=reason), (), Cause.OPERATOR, reason)
+    if state in _SLURM_FAILED:
+        reason = f"Slurm ended the job: {state} {seen.reason}".strip()
+        failed = replace(recovery.to_state(record, JobState.FAILED, now_s), recovery=None)
+        return decision(replace(failed, final_reason=reason), (), Cause.SLURM_ENDED, reason)
+    return _nothing(record, f"Slurm state {state} needs no action")
+
+
+def _restart_requeued(
+    record: JobRecord, verdict: Blame, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    """Slurm ended the allocation: recover through the requeue path."""
+    if record.state not in _LIVE and record.state is not JobState.RECOVERING:
+        return _nothing(record, f"{verdict.cause.value} while {record.state.value}: nothing runs")
+    if record.state is JobState.RECOVERING and record.recovery is not None:
+        return recovery.add_fault(
+            record, policy, cluster, verdict, requeue=True, slurm_took_it=True
+        )
+    return recovery.start(record, now_s, policy, cluster, verdict, requeue=True)
+
+
+def _adopt(
+    record: JobRecord, seen: SlurmJobSeen, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    """Slurm requeued the job itself: follow it into REQUEUED; never requeue on top of it."""
+    preempted = "preempt" in seen.reason.lower()
+    cause = Cause.PREEMPTED if preempted else Cause.SLURM_REQUEUE
+    pending = record.recovery
+    if (
+        record.state in (JobState.RECOVERING, JobState.RELAUNCHING)
+        and pending is not None
+        and pending.evidence_until_s is None
+    ):
+        # Our own recovery of the same fault is under way: Slurm's requeue replaces
+        # its relaunch, and the restart was already counted against the budget.
+        adopted = replace(
+            recovery.to_state(record, JobState.REQUEUED, now_s),
+            nodes=(),
+            not_before_s=None,
+            recovery=replace(pending, requeue=True, requeue_seen=True),
+        )
+        return decision(
+            adopted, (), cause, f"Slurm requeued the job during recovery: {seen.reason}"
+        )
+    verdict = Blame(None, cause, 0.0, (f"Slurm requeued the job ({seen.reason})",))
+    started = recovery.start(
+        record, now_s, policy, cluster, verdict, requeue=True, stop_ranks=False
+    )
+    if started.record.state is not JobState.RECOVERING:
+        return started  # the budget ran out: the job stops
+    assert started.record.recovery is not None
+    adopted = replace(
+        recovery.to_state(started.record, JobState.REQUEUED, now_s),
+        nodes=(),
+        not_before_s=None,
+        # Slurm relaunches it; we only choose where it resumes from.
+        recovery=replace(started.record.recovery, requeue=True, requeue_seen=True),
+    )
+    return decision(adopted, started.intents, cause, f"adopted Slurm's requeue: {seen.reason}")

@@ -1,0 +1,272 @@
+"""Goodput accounting, MTBF, the recommended interval and resume verification; pure.
+
+Goodput is the share of wall time spent on training steps that survive into
+the run's continuation. Everything else is badput, by cause:
+
+- ``LOST_WORK``: steps computed after the checkpoint a recovery resumed from,
+  up to the fault (they are recomputed: the first run's copy is waste);
+- ``DETECTION``: fault -> the supervisor noticing it;
+- ``RECOVERY``: detection -> the first step after the relaunch (drain,
+  validation, backoff, srun, checkpoint load) less any queue wait inside it;
+- ``CHECKPOINT_STALL``: training blocked on a save (outside lost work);
+- ``STARTUP``: the allocation starting -> the first step of the first run;
+- ``QUEUE_WAIT``: pending in Slurm's queue (first submission and requeues).
+
+The daemon builds the timeline from its store; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from agent.checkpoint.interval import recommended_interval_s
+from supervisor.intents import PushInterval
+
+
+class FactKind(enum.Enum):
+    """What one timeline fact records; ``value`` is the step or a duration as noted."""
+
+    QUEUED = "queued"  # the job entered Slurm's queue
+    ALLOCATED = "allocated"  # Slurm started it (an allocation exists)
+    STEP = "step"  # progress sample: ``value`` = the step reached
+    CHECKPOINT = "checkpoint"  # ``value`` = the committed step
+    SAVE_STALL = "save_stall"  # ``value`` = seconds training blocked on a save
+    FAULT = "fault"  # a fault happened (best estimate: last progress); ``cause``
+    DETECTED = "detected"  # the supervisor saw the fault; ``cause``
+    RESUMED = "resumed"  # relaunched from ``value`` = the checkpoint's step
+    ENDED = "ended"  # the job ended
+
+
+class Badput(enum.Enum):
+    """Where non-productive time went (see the module docstring)."""
+
+    LOST_WORK = "lost_work"
+    DETECTION = "detection"
+    RECOVERY = "recovery"
+    CHECKPOINT_STALL = "checkpoint_stall"
+    STARTUP = "startup"
+    QUEUE_WAIT = "queue_wait"
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One timestamped fact of a job's timeline."""
+
+    time_s: float
+    kind: FactKind
+    value: float | None = None
+    cause: str | None = None
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The accounting of one timeline: seconds productive and lost, by cause."""
+
+    wall_s: float
+    productive_s: float
+    badput_s: Mapping[Badput, float]
+    by_fault_cause_s: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """Productive share of wall time; 0 for an empty timeline."""
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class _Walk:
+    """Mutable state of one pass over a timeline (local to :func:`account`)."""
+
+    badput: dict[Badput, float]
+    by_cause: dict[str, float]
+    phase: str = "idle"  # idle, queue, startup, running, detecting, recovering
+    since: float = 0.0
+    fault_s: float | None = None
+    cause: str = "unknown"
+    steps: list[tuple[float, float]] = field(default_factory=list)  # (time, step) this run
+    stalls: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds) this run
+
+    def charge(self, kind: Badput, seconds: float, fault: bool = False) -> None:
+        seconds = max(0.0, seconds)
+        self.badput[kind] += seconds
+        if fault:
+            self.by_cause[self.cause] = self.by_cause.get(self.cause, 0.0) + seconds
+
+
+def _lost_work(walk: _Walk, resume_step: float) -> float:
+    """Seconds between reaching ``resume_step`` in the failed run and the fault, less stalls."""
+    fault_s = walk.fault_s if walk.fault_s is not None else walk.since
+    reached = [t for t, step in walk.steps if step >= resume_step]
+    start = reached[0] if reached else (walk.steps[0][0] if walk.steps else fault_s)
+    stalled = sum(d for t, d in walk.stalls if start <= t <= fault_s)
+    return max(0.0, fault_s - start - stalled)
+
+
+def account(timeline: Sequence[Fact]) -> Goodput:
+    """Goodput and badput of a timeline (sorted by time here; ties keep their order)."""
+    facts = sorted(timeline, key=lambda f: f.time_s)
+    if not facts:
+        return Goodput(0.0, 0.0, {kind: 0.0 for kind in Badput})
+    walk = _Walk(badput={kind: 0.0 for kind in Badput}, by_cause={}, since=facts[0].time_s)
+    for fact in facts:
+        t = fact.time_s
+        if fact.kind is FactKind.QUEUED:
+            if walk.phase == "recovering":
+                walk.charge(Badput.RECOVERY, t - walk.since, fault=True)
+                walk.phase = "recovering-queue"
+            else:
+                walk.phase = "queue"
+            walk.since = t
+        elif fact.kind is FactKind.ALLOCATED:
+            if walk.phase in ("queue", "recovering-queue"):
+                walk.charge(Badput.QUEUE_WAIT, t - walk.since)
+            walk.phase = "recovering" if walk.phase == "recovering-queue" else "startup"
+            walk.since = t
+        elif fact.kind is FactKind.STEP:
+            if walk.phase == "startup":
+                walk.charge(Badput.STARTUP, t - walk.since)
+            elif walk.phase == "recovering":
+                walk.charge(Badput.RECOVERY, t - walk.since, fault=True)
+            if walk.phase in ("startup", "recovering", "idle"):
+                walk.phase, walk.since = "running", t
+            walk.steps.append((t, fact.value or 0.0))
+        elif fact.kind is FactKind.SAVE_STALL:
+            walk.stalls.append((t, fact.value or 0.0))
+        elif fact.kind is FactKind.FAULT and walk.phase == "running":
+            walk.phase, walk.fault_s, walk.cause = "detecting", t, fact.cause or "unknown"
+        elif fact.kind is FactKind.DETECTED and walk.phase in ("running", "detecting"):
+            if walk.phase == "running":  # no separate fault time: detected at once
+                walk.fault_s, walk.cause = t, fact.cause or "unknown"
+            walk.charge(Badput.DETECTION, t - (walk.fault_s or t), fault=True)
+            walk.phase, walk.since = "recovering", t
+        elif fact.kind is FactKind.RESUMED:
+            walk.charge(Badput.LOST_WORK, _lost_work(walk, fact.value or 0.0), fault=True)
+            walk.stalls, walk.steps, walk.fault_s = [], [], None
+        elif fact.kind is FactKind.ENDED:
+            if walk.phase in ("queue", "recovering-queue"):
+                walk.charge(Badput.QUEUE_WAIT, t - walk.since)
+            elif walk.phase == "startup":
+                walk.charge(Badput.STARTUP, t - walk.since)
+            elif walk.phase in ("recovering", "detecting"):
+                walk.charge(Badput.RECOVERY, t - walk.since, fault=True)
+            walk.phase = "idle"
+    # Every stall is checkpoint badput; lost work left the stalls inside it out.
+    walk.badput[Badput.CHECKPOINT_STALL] = sum(
+        f.value or 0.0 for f in facts if f.kind is FactKind.SAVE_STALL
+    )
+    wall = facts[-1].time_s - facts[0].time_s
+    productive = max(0.0, wall - sum(walk.badput.values()))
+    return Goodput(wall, productive, dict(walk.badput), dict(walk.by_cause))
+
+
+def mtbf_estimate(
+    fault_times_s: Sequence[float], observed_span_s: float, n_nodes: int
+) -> float | None:
+    """Per-node MTBF in seconds: node-seconds observed per fault; None with no fault yet.
+
+    A job on ``k`` nodes then fails every ``mtbf / k`` seconds on average (faults
+    independent per node, the usual first-order model).
+    """
+    if observed_span_s <= 0 or n_nodes < 1:
+        raise ValueError("observed span must be positive and n_nodes >= 1")
+    faults = [t for t in fault_times_s if math.isfinite(t)]
+    if not faults:
+        return None
+    return observed_span_s * n_nodes / len(faults)
+
+
+def recommended_interval(save_stall_s: float, write_s: float, mtbf_s: float) -> float:
+    """The checkpoint interval to push, from :mod:`agent.checkpoint.interval` (Daly).
+
+    ``mtbf_s`` is the job's MTBF: the per-node estimate divided by its nodes.
+    """
+    return recommended_interval_s(save_stall_s, write_s, mtbf_s)
+
+
+# Pushing a new interval for every small change in the estimate would only churn
+# the agents; a change under this share keeps the current interval.
+INTERVAL_CHANGE_SHARE = 0.1
+
+
+def interval_push(
+    job_id: str,
+    attempt: int,
+    current_interval_s: float | None,
+    node_mtbf_s: float | None,
+    n_nodes: int,
+    save_stall_s: float,
+    write_s: float,
+) -> PushInterval | None:
+    """A PushInterval when the recommended interval differs enough from the current one."""
+    if node_mtbf_s is None or n_nodes < 1:
+        return None  # no fault seen yet: the MTBF is unknown, keep the user's interval
+    target = recommended_interval(save_stall_s, write_s, node_mtbf_s / n_nodes)
+    if current_interval_s and abs(target - current_interval_s) < (
+        INTERVAL_CHANGE_SHARE * current_interval_s
+    ):
+        return None
+    return PushInterval(job_id, attempt, target)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Whether a resume reproduced the run; ``first_diverging_step`` names where it did not."""
+
+    verified: bool
+    first_diverging_step: int | None
+    compared: int
+    reason: str
+
+
+def _same(a: float, b: float, tolerance: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b if tolerance == 0 else abs(a - b) <= tolerance
+
+
+def verify_resume(
+    losses_before: Mapping[int, float], losses_after: Mapping[int, float], tolerance: float = 0.0
+) -> VerifyResult:
+    """Compare replayed losses with those reported before the fault, step by step.
+
+    Only steps in both are compared; none in common means nothing is verified
+    (the fault hit right after the checkpoint, or the reports were lost).
+    """
+    if tolerance < 0 or not math.isfinite(tolerance):
+        raise ValueError(f"tolerance must be finite and >= 0, got {tolerance!r}")
+    common = sorted(set(losses_before) & set(losses_after))
+    if not common:
+        return VerifyResult(False, None, 0, "no step was both reported before and replayed")
+    for step in common:
+        if not _same(losses_before[step], losses_after[step], tolerance):
+            return VerifyResult(
+                False,
+                step,
+                len(common),
+                f"step {step}: loss {losses_before[step]!r} before, {losses_after[step]!r} "
+                "after the resume: nondeterministic resume",
+            )
+    return VerifyResult(True, None, len(common), f"{len(common)} replayed step(s) match")
+
+
+def verify_cursor(
+    checkpoint_cursor: int, first_sample_after_resume: int, step: int
+) -> VerifyResult:
+    """For a resized resume: the first global sample must be the checkpoint's cursor.
+
+    ``checkpoint_cursor`` is the global consumed-sample count saved with the
+    checkpoint of ``step``; the resumed run's first global sample index must
+    equal it (skipping or repeating samples shows up as a difference).
+    """
+    if first_sample_after_resume == checkpoint_cursor:
+        return VerifyResult(True, None, 1, f"resumed at global sample {checkpoint_cursor}")
+    return VerifyResult(
+        False,
+        step,
+        1,
+        f"resumed at global sample {first_sample_after_resume}, checkpoint cursor "
+        f"{checkpoint_cursor}: {first_sample_after_resume - checkpoint_cursor:+d} samples",
+    )

@@ -1,0 +1,373 @@
+"""The decision core's vocabulary: job states and their transitions, causes, the job record.
+
+What the core consumes (observations) and emits (intents) lives in
+:mod:`supervisor.observations` and :mod:`supervisor.intents`; the pure function
+that joins them is :func:`supervisor.policy.decide`. The store persists a
+:class:`JobRecord` as the JSON document :func:`record_to_json` writes.
+
+This module is pure: no clock, no OS (STYLE.md §2).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from supervisor.errors import SupervisorError
+
+RECORD_VERSION = 1
+
+# Older signatures cannot match a new crash once the job moved past them; the
+# store document stays small however long the job runs.
+MAX_SIGNATURES = 32
+
+
+class IllegalTransition(SupervisorError):
+    """The core tried a transition that :data:`TRANSITIONS` forbids: a bug in the core."""
+
+
+class RecordFormatError(SupervisorError):
+    """A stored job record cannot be read; the message names the field."""
+
+
+class JobState(enum.Enum):
+    """Where a job is in its life; this table is the specification of the lifecycle.
+
+    ============  ==============================================================
+    SUBMITTED     sbatch accepted it; waiting in Slurm's queue the first time.
+    STARTING      Slurm runs it (first time, after a requeue, or a relaunched
+                  step): agents start, ranks load; no training step seen yet.
+    RUNNING       ranks make progress (a step or a checkpoint commit was seen).
+    RECOVERING    a fault was seen: evidence is collected, the blamed node
+                  drained, checkpoints validated, and the backoff waited out.
+                  The job's :class:`Recovery` says how far it got.
+    RELAUNCHING   a new srun step was ordered inside the current allocation
+                  (the fast path); waiting for the driver to report it started.
+    REQUEUED      the job waits in Slurm's queue again: requeued by us with a
+                  new size, by Slurm itself (node failure), or after a
+                  preemption or time limit.
+    COMPLETED     the job ended successfully (terminal).
+    FAILED        stopped for good: crash loop, restart budget exhausted, no
+                  valid checkpoint, fewer usable nodes than the minimum, or
+                  Slurm failed it (terminal). ``final_reason`` says which.
+    CANCELLED     an operator or the user cancelled it (terminal).
+    ============  ==============================================================
+
+    Staying in a state is not a transition; every change goes through
+    :func:`check_transition`.
+    """
+
+    SUBMITTED = "submitted"
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    RELAUNCHING = "relaunching"
+    REQUEUED = "requeued"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """True for the states a job never leaves."""
+        return not TRANSITIONS[self]
+
+
+_ENDINGS = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    # A short job may start and finish between two polls: SUBMITTED can see its end.
+    JobState.SUBMITTED: frozenset({JobState.STARTING, JobState.RUNNING, *_ENDINGS}),
+    JobState.STARTING: frozenset(
+        {JobState.RUNNING, JobState.RECOVERING, JobState.REQUEUED, *_ENDINGS}
+    ),
+    JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.REQUEUED, *_ENDINGS}),
+    # RECOVERING never goes straight to RUNNING: a relaunch has to happen first.
+    JobState.RECOVERING: frozenset({JobState.RELAUNCHING, JobState.REQUEUED, *_ENDINGS}),
+    JobState.RELAUNCHING: frozenset(
+        {JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.REQUEUED, *_ENDINGS}
+    ),
+    JobState.REQUEUED: frozenset({JobState.STARTING, JobState.RUNNING, *_ENDINGS}),
+    JobState.COMPLETED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+def check_transition(source: JobState, target: JobState) -> None:
+    """Raise :class:`IllegalTransition` unless ``source -> target`` is in :data:`TRANSITIONS`."""
+    if source is not target and target not in TRANSITIONS[source]:
+        raise IllegalTransition(f"job state {source.value} -> {target.value} is not allowed")
+
+
+class Cause(enum.Enum):
+    """Why a recovery (or a stop) happened; metrics count restarts by these values."""
+
+    RANK_SIGNAL = "rank_signal"  # a rank died by a signal that points at the node
+    USER_EXCEPTION = "user_exception"  # a rank exited non-zero: the user's code raised
+    CRASH_LOOP = "crash_loop"  # the same failure at the same step again
+    HANG = "hang"  # ranks stopped making progress
+    NODE_LOST = "node_lost"  # agent lease expired, or Slurm says DOWN/NOT_RESPONDING
+    HEALTH_CHECK = "health_check"  # the node health-check command failed
+    STRAGGLER = "straggler"  # a persistently slow rank
+    PREEMPTED = "preempted"  # Slurm preempted the job
+    TIME_LIMIT = "time_limit"  # the job reached its time limit
+    SLURM_REQUEUE = "slurm_requeue"  # Slurm requeued the job by itself
+    RELAUNCH_FAILED = "relaunch_failed"  # the fast-path srun step could not start
+    BUDGET_EXHAUSTED = "budget_exhausted"  # too many restarts without progress
+    NO_CHECKPOINT = "no_checkpoint"  # checkpoints existed, none passed validation
+    BELOW_MIN_NODES = "below_min_nodes"  # fewer usable nodes than the job's minimum
+    SLURM_ENDED = "slurm_ended"  # Slurm reports the job ended (completed, failed)
+    OPERATOR = "operator"  # cancelled by a person
+
+
+# Causes that are the cluster's doing, not the job's: they never spend budget.
+NO_BUDGET_CAUSES = frozenset({Cause.PREEMPTED, Cause.TIME_LIMIT})
+
+
+@dataclass(frozen=True)
+class CrashSignature:
+    """What identifies "the same failure": the error's digest and the step it hit.
+
+    ``digest`` is the agent's hash of exception type and message when it sent
+    one, else ``exit:<code>``.
+    """
+
+    digest: str
+    step: int | None
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """One hung rank a node agent reported, kept until blame compares nodes."""
+
+    node: str
+    global_rank: int
+    last_step: int | None
+    in_collective: bool | None
+    stopped_at_s: float  # event time minus seconds since progress: when it stopped
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """How far the current recovery got; None on the record when none is under way.
+
+    - ``evidence_until_s``: hang reports from other nodes are collected until
+      then, so blame can compare nodes (None: evidence complete).
+    - ``exclude``: nodes the relaunch must not use (blamed, lost, lemons).
+    - ``requeue``: the allocation cannot be reused (batch host died, Slurm
+      ended the allocation, the fast path failed).
+    - ``validated``: a checkpoint was chosen (``resume_from``/``resume_step``;
+      both None when the job never committed one and starts from scratch).
+    - ``rejected``: checkpoint paths that failed validation in this recovery.
+    - ``requeue_seen``: Slurm showed the job queued again after the requeue
+      (until then an ended state from Slurm predates the requeue).
+    """
+
+    cause: Cause
+    started_s: float
+    evidence_until_s: float | None = None
+    suspects: tuple[Suspect, ...] = ()
+    exclude: tuple[str, ...] = ()
+    requeue: bool = False
+    validated: bool = False
+    resume_from: str | None = None
+    resume_step: int | None = None
+    rejected: tuple[str, ...] = ()
+    requeue_seen: bool = False
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """Everything the core knows about one job; the store keeps it as a JSON document.
+
+    Sizes: ``original_nodes`` as submitted, ``min_nodes`` the floor, ``unit`` the
+    multiple the parallelism needs; ``nodes`` the current allocation, first node
+    the batch host. ``procs_per_node`` maps a global rank to its node.
+    ``attempt`` counts launches (1 = the first). ``restarts`` counts restarts by
+    cause. Budget: ``restarts_without_progress`` counts consecutive restarts with
+    no committed step newer than ``step_at_last_restart``. ``not_before_s``
+    holds the next relaunch back (backoff). Times are the supervisor's clock.
+    """
+
+    job_id: str
+    state: JobState
+    original_nodes: int
+    min_nodes: int
+    unit: int
+    nodes: tuple[str, ...]
+    submitted_s: float
+    state_since_s: float
+    procs_per_node: int = 1
+    attempt: int = 1
+    restarts: tuple[tuple[Cause, int], ...] = ()
+    last_step: int | None = None
+    last_checkpoint_path: str | None = None
+    step_at_last_restart: int | None = None
+    restarts_without_progress: int = 0
+    user_retries_without_progress: int = 0
+    signatures: tuple[CrashSignature, ...] = ()
+    blamed_nodes: tuple[str, ...] = ()
+    straggler_reports: tuple[tuple[str, int], ...] = ()
+    slurm_restart_count: int = 0
+    not_before_s: float | None = None
+    recovery: Recovery | None = None
+    final_reason: str = ""
+
+    def restarts_for(self, cause: Cause) -> int:
+        """How many restarts ``cause`` has caused so far."""
+        return dict(self.restarts).get(cause, 0)
+
+    def with_restart(self, cause: Cause) -> JobRecord:
+        """This record with one more restart counted for ``cause``."""
+        counts = dict(self.restarts)
+        counts[cause] = counts.get(cause, 0) + 1
+        return replace(self, restarts=tuple(sorted(counts.items(), key=lambda kv: kv[0].value)))
+
+    def node_of_rank(self, global_rank: int) -> str | None:
+        """The node a global rank runs on (torchrun places ranks node by node)."""
+        index = global_rank // self.procs_per_node
+        return self.nodes[index] if 0 <= index < len(self.nodes) else None
+
+    @property
+    def batch_host(self) -> str | None:
+        """The node running the batch script; losing it loses the allocation."""
+        return self.nodes[0] if self.nodes else None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the core may know about the cluster beyond the job, as the daemon last saw it.
+
+    ``usable``: nodes up and not drained; ``drained`` and ``down`` as Slurm
+    says; ``drains_last_hour``: Resurgo's drains in the last hour across all
+    jobs (from the store's audit), for the rate limit; ``lemons``: repeat
+    offenders that no relaunch uses.
+    """
+
+    usable: frozenset[str] = frozenset()
+    drained: frozenset[str] = frozenset()
+    down: frozenset[str] = frozenset()
+    drains_last_hour: int = 0
+    lemons: frozenset[str] = frozenset()
+
+    @property
+    def size(self) -> int:
+        """Every node the cluster has, whatever its state."""
+        return len(self.usable | self.drained | self.down)
+
+
+def new_record(
+    job_id: str,
+    nodes: int,
+    now_s: float,
+    *,
+    min_nodes: int | None = None,
+    unit: int = 1,
+    procs_per_node: int = 1,
+) -> JobRecord:
+    """The record of a job sbatch just accepted."""
+    return JobRecord(
+        job_id=job_id,
+        state=JobState.SUBMITTED,
+        original_nodes=nodes,
+        min_nodes=nodes if min_nodes is None else min_nodes,
+        unit=unit,
+        nodes=(),
+        submitted_s=now_s,
+        state_since_s=now_s,
+        procs_per_node=procs_per_node,
+    )
+
+
+# ---------------------------------------------------------------------------
+# JSON: enums by value, tuples as lists; the version guards the shape.
+
+
+def _to_doc(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple | list):
+        return [_to_doc(item) for item in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _to_doc(getattr(value, f.name)) for f in fields(value)}
+    return value
+
+
+def record_to_json(record: JobRecord) -> str:
+    """The record as a JSON document with a ``version`` field; keys sorted, so stable."""
+    return json.dumps({"version": RECORD_VERSION, **_to_doc(record)}, sort_keys=True)
+
+
+def _get(doc: Mapping[str, Any], name: str) -> Any:
+    if name not in doc:
+        raise RecordFormatError(f"job record: missing field {name!r}")
+    return doc[name]
+
+
+def _suspect(doc: Mapping[str, Any]) -> Suspect:
+    return Suspect(**{f.name: _get(doc, f.name) for f in fields(Suspect)})
+
+
+def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
+    if doc is None:
+        return None
+    values = {f.name: _get(doc, f.name) for f in fields(Recovery)}
+    values["cause"] = Cause(values["cause"])
+    values["suspects"] = tuple(_suspect(s) for s in values["suspects"])
+    values["exclude"] = tuple(values["exclude"])
+    values["rejected"] = tuple(values["rejected"])
+    return Recovery(**values)
+
+
+def record_from_json(text: str) -> JobRecord:
+    """Read a document :func:`record_to_json` wrote; raises :class:`RecordFormatError`."""
+    try:
+        doc = json.loads(text)
+    except ValueError as error:
+        raise RecordFormatError(f"job record is not JSON: {error}") from error
+    if not isinstance(doc, dict) or doc.get("version") != RECORD_VERSION:
+        found = doc.get("version") if isinstance(doc, dict) else None
+        raise RecordFormatError(
+            f"job record version {found!r} is not {RECORD_VERSION}: "
+            "migrate the store with the Resurgo version that wrote it"
+        )
+    values = {f.name: _get(doc, f.name) for f in fields(JobRecord)}
+    try:
+        values["state"] = JobState(values["state"])
+        values["nodes"] = tuple(values["nodes"])
+        values["restarts"] = tuple((Cause(c), int(n)) for c, n in values["restarts"])
+        values["signatures"] = tuple(
+            CrashSignature(_get(s, "digest"), _get(s, "step")) for s in values["signatures"]
+        )
+        values["blamed_nodes"] = tuple(values["blamed_nodes"])
+        values["straggler_reports"] = tuple((n, int(c)) for n, c in values["straggler_reports"])
+        values["recovery"] = _recovery(values["recovery"])
+    except (TypeError, ValueError, AttributeError) as error:
+        raise RecordFormatError(f"job record is malformed: {error}") from error
+    return JobRecord(**values)
+
+
+__all__ = [
+    "MAX_SIGNATURES",
+    "NO_BUDGET_CAUSES",
+    "RECORD_VERSION",
+    "TRANSITIONS",
+    "Cause",
+    "ClusterView",
+    "CrashSignature",
+    "IllegalTransition",
+    "JobRecord",
+    "JobState",
+    "RecordFormatError",
+    "Recovery",
+    "Suspect",
+    "check_transition",
+    "new_record",
+    "record_from_json",
+    "record_to_json",
+]

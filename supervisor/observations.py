@@ -1,0 +1,183 @@
+"""What the decision core consumes: observations, each a frozen value.
+
+The daemon turns what it hears into these: agent events (:func:`from_event`),
+Slurm polls, lease expiries, the executor's reports (a checkpoint validated, a
+relaunch started) and a periodic :class:`Tick` that releases waits (hang
+evidence window, restart backoff). Pure: no clock, no OS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agent.protocol import Event, EventKind
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """One hung rank from a HANG event's ``culprits`` (most suspect first on its node)."""
+
+    global_rank: int
+    last_step: int | None
+    in_collective: bool | None
+    seconds_since_progress: float | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """An :class:`agent.protocol.Event` reduced to the fields the core decides on.
+
+    ``step`` is the rank's last step (RANK_EXITED), the committed step
+    (CHECKPOINT_COMMITTED) or None. ``error_digest`` is a hash of the exception
+    type and message when the agent sent one (payload ``error_digest``).
+    ``detail`` is human text for explanations (health-check output tail,
+    straggler numbers).
+    """
+
+    kind: EventKind
+    node: str
+    event_id: str
+    time_s: float
+    global_rank: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    step: int | None = None
+    path: str | None = None
+    culprits: tuple[Culprit, ...] = ()
+    error_digest: str | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseExpired:
+    """The node's agent stopped calling in for longer than its lease."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class SlurmJobSeen:
+    """The job as ``squeue --json`` showed it (a failed poll is no observation at all).
+
+    ``state`` is Slurm's job state name (RUNNING, PENDING, PREEMPTED, TIMEOUT,
+    NODE_FAIL, COMPLETED, FAILED, CANCELLED, ...); ``reason`` Slurm's reason text.
+    """
+
+    state: str
+    nodes: tuple[str, ...]
+    restart_count: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SlurmNodeSeen:
+    """One node as ``sinfo --json`` showed it."""
+
+    node: str
+    down: bool = False
+    not_responding: bool = False
+    drained: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointValidated:
+    """The executor validated one candidate, newest first; ``path`` None: none left."""
+
+    step: int | None
+    path: str | None
+    valid: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RelaunchFinished:
+    """The executor's report on a :class:`~supervisor.intents.RelaunchStep` of ``attempt``."""
+
+    attempt: int
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """Heartbeats show the job made a training step (``step``)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class CancelRequested:
+    """An operator or the user asked to cancel the job."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; releases the hang evidence window and the restart backoff."""
+
+
+Observation = (
+    AgentEvent
+    | LeaseExpired
+    | SlurmJobSeen
+    | SlurmNodeSeen
+    | CheckpointValidated
+    | RelaunchFinished
+    | StepProgress
+    | CancelRequested
+    | Tick
+)
+
+
+def _opt_int(payload: dict[str, Any], key: str) -> int | None:
+    value = payload.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _culprits(payload: dict[str, Any]) -> tuple[Culprit, ...]:
+    # Seconds since progress sit in ``hung``, the order in ``culprits``; join them by rank.
+    since = {h["global_rank"]: float(h["seconds_since_progress"]) for h in payload.get("hung", [])}
+    return tuple(
+        Culprit(
+            global_rank=c["global_rank"],
+            last_step=c.get("last_step"),
+            in_collective=c.get("in_collective"),
+            seconds_since_progress=since.get(c["global_rank"]),
+            reason=c.get("reason", ""),
+        )
+        for c in payload.get("culprits", [])
+    )
+
+
+def from_event(event: Event) -> AgentEvent:
+    """The observation for a decoded, valid agent event."""
+    payload = event.payload
+    detail = ""
+    if event.kind is EventKind.HEALTH_CHECK_FAILED:
+        detail = str(payload.get("output_tail", ""))[-500:]
+    elif event.kind is EventKind.STRAGGLER:
+        detail = (
+            f"rank {payload.get('global_rank')} p50 {payload.get('step_time_p50_s')}s vs "
+            f"node median {payload.get('node_median_step_time_s')}s"
+        )
+    step = _opt_int(payload, "last_step")
+    if event.kind is EventKind.CHECKPOINT_COMMITTED:
+        step = _opt_int(payload, "step")
+    digest = payload.get("error_digest")
+    return AgentEvent(
+        kind=event.kind,
+        node=event.node,
+        event_id=event.event_id,
+        time_s=event.time_unix_s,
+        global_rank=_opt_int(payload, "global_rank"),
+        exit_code=_opt_int(payload, "exit_code"),
+        signal=_opt_int(payload, "signal"),
+        step=step,
+        path=payload.get("path") if isinstance(payload.get("path"), str) else None,
+        culprits=_culprits(payload) if event.kind is EventKind.HANG else (),
+        error_digest=digest if isinstance(digest, str) else None,
+        detail=detail,
+    )

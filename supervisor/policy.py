@@ -1,0 +1,402 @@
+"""The decision core: ``decide(record, observation, now, policy, cluster) -> Decision``.
+
+One pure function (DESIGN §3): the daemon feeds it every observation about a
+job, stores the new record, and hands the intents to the executor. Nothing
+here reads a clock or touches the OS; ``now_s`` is an argument.
+
+Per cause (issue 5, items 3-4):
+
+- rank killed by a node signal -> blame its node, drain (within the hourly
+  share, else alert), stop ranks, validate checkpoints, relaunch smaller;
+- Python exception -> no drain, ``user_exception_retries`` retries; the same
+  failure at the same step again -> CRASH_LOOP, stop the job;
+- hang -> collect the other nodes' reports for ``hang_evidence_window_s``,
+  blame the rank behind / outside the collective / stopped first;
+- node lost (lease expired, Slurm DOWN/NOT_RESPONDING) -> exclude it (drain
+  it unless Slurm already did), requeue if it was the batch host;
+- health check failed -> drain, relaunch without it;
+- straggler -> alert; drain only when persistent and ``straggler_drain``;
+- preemption, time limit -> requeue without blame, no budget spent;
+- Slurm's own requeue -> adopt it (REQUEUED), never requeue on top of it.
+
+Every restart spends budget only without progress (no committed step newer
+than at the previous restart); ``max_restarts_without_progress`` of them in a
+row stop the job. Between restarts the relaunch waits ``not_before_s``
+(exponential backoff); a :class:`~supervisor.observations.Tick` releases it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+from agent.errors import ConfigError
+from agent.protocol import EventKind
+from supervisor import follow_slurm, recovery
+from supervisor.blame import STOP_SIGNALS, Blame, blame, blame_hang, suspects_of
+from supervisor.intents import Alert, Intent, Severity, ValidateCheckpoints, ValidationLevel
+from supervisor.model import Cause, ClusterView, CrashSignature, JobRecord, JobState, Recovery
+from supervisor.observations import (
+    AgentEvent,
+    CancelRequested,
+    CheckpointValidated,
+    LeaseExpired,
+    Observation,
+    RelaunchFinished,
+    SlurmJobSeen,
+    SlurmNodeSeen,
+    StepProgress,
+)
+
+__all__ = ["ClusterView", "Decision", "Policy", "decide"]
+
+_LIVE = recovery.LIVE
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The supervisor's recovery settings; durations in seconds (``_s``).
+
+    - ``max_drain_share_per_hour``: at most this share of the cluster's nodes
+      drained per hour (rounded down); beyond it, alert instead.
+    - ``drain_confidence``: the least blame confidence that drains a node.
+    - ``straggler_drain`` / ``straggler_reports_to_drain``: drain a straggler's
+      node after that many reports (off by default: slow is not broken).
+    - ``max_restarts_without_progress``: consecutive restarts with no newer
+      committed checkpoint before the job is stopped as FAILED.
+    - ``backoff_base_s`` / ``backoff_max_s``: the wait before a relaunch,
+      doubled per restart without progress.
+    - ``user_exception_retries``: relaunches after a Python exception.
+    - ``stop_grace_s``: SIGTERM to SIGKILL when stopping ranks.
+    - ``validation_level``: how deep a checkpoint is validated before resuming.
+    - ``hang_evidence_window_s``: how long other nodes' hang reports are
+      awaited before blaming.
+    - ``resume_loss_tolerance``: replayed losses may differ by this much
+      (absolute) and the resume still counts as verified (0: exact).
+    - ``probation_s``: a node drained once for a transient fault returns to
+      service this long after its drain, once its health check passes.
+    - ``lemon_blames`` / ``lemon_window_s``: a node blamed that often within
+      the window (across jobs) is a lemon: it stays out and no job uses it.
+
+    Job sizes (original, minimum, unit) are the job's, on its record.
+    """
+
+    max_drain_share_per_hour: float = 0.1
+    drain_confidence: float = 0.6
+    straggler_drain: bool = False
+    straggler_reports_to_drain: int = 3
+    max_restarts_without_progress: int = 3
+    backoff_base_s: float = 10.0
+    backoff_max_s: float = 600.0
+    user_exception_retries: int = 1
+    stop_grace_s: float = 30.0
+    validation_level: ValidationLevel = ValidationLevel.FULL
+    hang_evidence_window_s: float = 30.0
+    resume_loss_tolerance: float = 0.0
+    probation_s: float = 1800.0
+    lemon_blames: int = 2
+    lemon_window_s: float = 7 * 86400.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("straggler_drain", "validation_level"):
+                expected = bool if f.name == "straggler_drain" else ValidationLevel
+                if not isinstance(value, expected):
+                    raise ConfigError(f"policy: {f.name} must be a {expected.__name__}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"policy: {f.name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"policy: {f.name} must be finite and >= 0, got {value!r}")
+        if self.max_drain_share_per_hour > 1:
+            raise ConfigError("policy: max_drain_share_per_hour is a share, at most 1")
+        if self.drain_confidence > 1:
+            raise ConfigError("policy: drain_confidence is at most 1")
+        for name in ("straggler_reports_to_drain", "lemon_blames"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"policy: {name} must be >= 1")
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ConfigError("policy: backoff_max_s must be >= backoff_base_s")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`decide` concluded: the new record, intents in order, the cause, why."""
+
+    record: JobRecord
+    intents: tuple[Intent, ...]
+    cause: Cause | None
+    explanation: str
+
+
+def decide(
+    record: JobRecord,
+    observation: Observation,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
+) -> Decision:
+    """The next record and intents for ``observation`` (see the module docstring).
+
+    Raises :class:`~supervisor.model.IllegalTransition` only on a bug in the core.
+    """
+    if record.state.terminal:
+        return _nothing(record, f"job already {record.state.value}")
+    if isinstance(observation, AgentEvent):
+        return _on_agent_event(record, observation, now_s, policy, cluster)
+    if isinstance(observation, LeaseExpired | SlurmNodeSeen):
+        return _on_node(record, observation, now_s, policy, cluster)
+    if isinstance(observation, SlurmJobSeen):
+        return follow_slurm.on_job_seen(record, observation, now_s, policy, cluster)
+    if isinstance(observation, CheckpointValidated):
+        return _on_checkpoint(record, observation, now_s, policy, cluster)
+    if isinstance(observation, RelaunchFinished):
+        return _on_relaunch(record, observation, now_s, cluster)
+    if isinstance(observation, StepProgress):
+        return _on_progress(record, now_s)
+    if isinstance(observation, CancelRequested):
+        reason = observation.reason or "cancelled on request"
+        return recovery.stop(record, now_s, JobState.CANCELLED, Cause.OPERATOR, reason)
+    return _on_tick(record, now_s, policy, cluster)
+
+
+def _nothing(record: JobRecord, why: str) -> Decision:
+    return Decision(record, (), None, why)
+
+
+def _on_progress(record: JobRecord, now_s: float) -> Decision:
+    if record.state in (JobState.STARTING, JobState.RELAUNCHING, JobState.REQUEUED):
+        running = replace(recovery.to_state(record, JobState.RUNNING, now_s), recovery=None)
+        return _nothing(running, "training steps again")
+    return _nothing(record, "progress noted")
+
+
+def _on_agent_event(
+    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    kind = event.kind
+    if kind is EventKind.CHECKPOINT_COMMITTED:
+        return _on_commit(record, event, now_s)
+    if kind is EventKind.RANK_EXITED and record.state in _LIVE:
+        verdict = blame(event, record, cluster)
+        if event.signal is None and event.exit_code == 0:
+            return _nothing(record, f"rank {event.global_rank} finished")
+        if verdict.cause is Cause.USER_EXCEPTION:
+            return _on_exception(record, event, now_s, policy, cluster, verdict)
+        if event.signal in STOP_SIGNALS:
+            return _nothing(record, "; ".join(verdict.evidence))
+        return recovery.start(record, now_s, policy, cluster, verdict)
+    if kind is EventKind.HANG:
+        return _on_hang(record, event, now_s, policy, cluster)
+    if kind is EventKind.HEALTH_CHECK_FAILED and event.node in record.nodes:
+        return _on_node_fault(record, blame(event, record, cluster), now_s, policy, cluster)
+    if kind is EventKind.STRAGGLER and record.state is JobState.RUNNING:
+        return _on_straggler(record, event, now_s, policy, cluster)
+    return _nothing(record, f"{kind.value} from {event.node} needs no action now")
+
+
+def _on_commit(record: JobRecord, event: AgentEvent, now_s: float) -> Decision:
+    if event.step is None or (record.last_step is not None and event.step <= record.last_step):
+        return _nothing(record, "checkpoint already known")
+    record = replace(record, last_step=event.step, last_checkpoint_path=event.path)
+    if record.state in (JobState.STARTING, JobState.RELAUNCHING):
+        record = replace(recovery.to_state(record, JobState.RUNNING, now_s), recovery=None)
+    return _nothing(record, f"checkpoint committed at step {event.step}")
+
+
+def _on_exception(
+    record: JobRecord,
+    event: AgentEvent,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
+    verdict: Blame,
+) -> Decision:
+    signature = CrashSignature(event.error_digest or f"exit:{event.exit_code}", event.step)
+    if signature in record.signatures:
+        reason = (
+            f"crash loop: {signature.digest} at step {signature.step} again "
+            f"(rank {event.global_rank} on {event.node}); not a node fault, no drain"
+        )
+        return recovery.stop(record, now_s, JobState.FAILED, Cause.CRASH_LOOP, reason)
+    retries = 0 if recovery.made_progress(record) else record.user_retries_without_progress
+    if retries >= policy.user_exception_retries:
+        reason = (
+            f"user exception ({signature.digest} at step {signature.step}) after "
+            f"{retries} retr{'y' if retries == 1 else 'ies'} without progress"
+        )
+        return recovery.stop(record, now_s, JobState.FAILED, Cause.USER_EXCEPTION, reason)
+    record = replace(recovery.remember(record, signature), user_retries_without_progress=retries)
+    started = recovery.start(record, now_s, policy, cluster, verdict)
+    if started.record.state is JobState.RECOVERING:
+        started = replace(
+            started, record=replace(started.record, user_retries_without_progress=retries + 1)
+        )
+    return started
+
+
+def _on_hang(
+    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    collecting = record.recovery is not None and record.recovery.evidence_until_s is not None
+    if record.state in _LIVE:
+        record = replace(
+            recovery.to_state(record, JobState.RECOVERING, now_s),
+            recovery=Recovery(
+                cause=Cause.HANG,
+                started_s=now_s,
+                evidence_until_s=now_s + policy.hang_evidence_window_s,
+                suspects=suspects_of(event),
+            ),
+        )
+    elif collecting and record.recovery is not None:
+        known = record.recovery.suspects
+        record = replace(
+            record, recovery=replace(record.recovery, suspects=(*known, *suspects_of(event)))
+        )
+    else:
+        return _nothing(record, f"hang report from {event.node} during recovery: evidence only")
+    if policy.hang_evidence_window_s == 0:
+        return _blame_hang(record, now_s, policy, cluster)
+    return Decision(record, (), Cause.HANG, f"hang on {event.node}: collecting evidence")
+
+
+def _blame_hang(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:
+    assert record.recovery is not None
+    verdict = blame_hang(record.recovery.suspects, cluster.lemons)
+    return recovery.start(record, now_s, policy, cluster, verdict)
+
+
+def _on_straggler(
+    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    counts = dict(record.straggler_reports)
+    counts[event.node] = counts.get(event.node, 0) + 1
+    record = replace(record, straggler_reports=tuple(sorted(counts.items())))
+    message = f"job {record.job_id}: straggler on {event.node} ({counts[event.node]}x): "
+    alert = Alert(record.job_id, record.attempt, Severity.WARNING, message + event.detail)
+    if not policy.straggler_drain or counts[event.node] < policy.straggler_reports_to_drain:
+        return Decision(record, (alert,), Cause.STRAGGLER, "straggler reported, not drained")
+    verdict = blame(event, record, cluster)
+    # Persistent and configured: treat as a fault of the node, whatever the score.
+    verdict = replace(verdict, confidence=max(verdict.confidence, policy.drain_confidence))
+    started = recovery.start(record, now_s, policy, cluster, verdict)
+    return replace(started, intents=(alert, *started.intents))
+
+
+def _on_node(
+    record: JobRecord,
+    observation: LeaseExpired | SlurmNodeSeen,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
+) -> Decision:
+    verdict = blame(observation, record, cluster)
+    if verdict.node is None or verdict.node not in record.nodes:
+        return _nothing(record, "; ".join(verdict.evidence) or "node not in this job")
+    return _on_node_fault(
+        record,
+        verdict,
+        now_s,
+        policy,
+        cluster,
+        # Slurm marks a DOWN node unusable by itself: draining it too adds nothing.
+        slurm_took_it=isinstance(observation, SlurmNodeSeen),
+    )
+
+
+def _on_node_fault(
+    record: JobRecord,
+    verdict: Blame,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
+    slurm_took_it: bool = False,
+) -> Decision:
+    lost_batch_host = verdict.cause is Cause.NODE_LOST and verdict.node == record.batch_host
+    if record.state in _LIVE:
+        return recovery.start(
+            record,
+            now_s,
+            policy,
+            cluster,
+            verdict,
+            requeue=lost_batch_host,
+            slurm_took_it=slurm_took_it,
+        )
+    if record.state is JobState.RECOVERING and record.recovery is not None:
+        return recovery.add_fault(
+            record, policy, cluster, verdict, requeue=lost_batch_host, slurm_took_it=slurm_took_it
+        )
+    return _nothing(record, f"{verdict.cause.value} on {verdict.node} while {record.state.value}")
+
+
+def _on_checkpoint(
+    record: JobRecord,
+    seen: CheckpointValidated,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
+) -> Decision:
+    pending = record.recovery
+    # While hang evidence is collected no validation was asked for: a report is stale.
+    if (
+        pending is None
+        or pending.validated
+        or pending.evidence_until_s is not None
+        or record.state
+        not in (
+            JobState.RECOVERING,
+            JobState.REQUEUED,
+        )
+    ):
+        return _nothing(record, "no checkpoint choice pending")
+    if seen.path is not None and not seen.valid:
+        rejected = (*pending.rejected, seen.path)
+        record = replace(record, recovery=replace(pending, rejected=rejected))
+        retry = ValidateCheckpoints(
+            record.job_id, record.attempt, policy.validation_level, rejected
+        )
+        return Decision(record, (retry,), pending.cause, f"{seen.path} invalid: {seen.reason}")
+    if seen.path is None and record.last_step is not None:
+        reason = (
+            f"no checkpoint passed {policy.validation_level.value} validation "
+            f"(rejected: {', '.join(pending.rejected) or 'none found'})"
+        )
+        return recovery.stop(record, now_s, JobState.FAILED, Cause.NO_CHECKPOINT, reason)
+    chosen = replace(pending, validated=True, resume_from=seen.path, resume_step=seen.step)
+    record = replace(record, recovery=chosen)
+    if record.state is JobState.REQUEUED:
+        return Decision(record, (), pending.cause, f"the requeued job resumes from {seen.path}")
+    return recovery.relaunch(record, now_s, cluster)
+
+
+def _on_relaunch(
+    record: JobRecord, seen: RelaunchFinished, now_s: float, cluster: ClusterView
+) -> Decision:
+    if record.state is not JobState.RELAUNCHING or seen.attempt != record.attempt:
+        return _nothing(record, f"report on attempt {seen.attempt} is stale")
+    if seen.ok:
+        return _nothing(recovery.to_state(record, JobState.STARTING, now_s), "new step started")
+    assert record.recovery is not None
+    # The fast path failed: fall back to the requeue path with the same checkpoint.
+    failing = replace(
+        recovery.to_state(record, JobState.RECOVERING, now_s),
+        recovery=replace(record.recovery, requeue=True),
+    )
+    relaunched = recovery.relaunch(failing, now_s, cluster)
+    return replace(relaunched, cause=Cause.RELAUNCH_FAILED)
+
+
+def _on_tick(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:
+    pending = record.recovery
+    if record.state is not JobState.RECOVERING or pending is None:
+        return _nothing(record, "nothing waits")
+    if pending.evidence_until_s is not None:
+        if now_s < pending.evidence_until_s:
+            return _nothing(record, "collecting hang evidence")
+        return _blame_hang(record, now_s, policy, cluster)
+    if pending.validated:
+        return recovery.relaunch(record, now_s, cluster)
+    return _nothing(record, "waiting for checkpoint validation")

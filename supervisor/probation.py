@@ -1,0 +1,54 @@
+"""Probation and the lemon list: when a drained node may come back, and when never; pure.
+
+A node drained once for a transient cause (a hang, a killed rank, a lost
+agent) is often fine after a reboot or a cleanup: it returns to service after
+``probation_s`` once its health check passes. A node blamed ``lemon_blames``
+times within ``lemon_window_s``, across jobs, is a repeat offender: it stays
+drained, and every relaunch avoids it (``ClusterView.lemons``). DESIGN §3
+step 4; the store keeps the blame history and calls these on its schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.intents import ResumeNode
+from supervisor.policy import Policy
+
+
+@dataclass(frozen=True)
+class NodeHistory:
+    """What the store knows about one node's blames (all jobs) and its current drain.
+
+    ``blames`` are the times Resurgo blamed the node; ``drained_at_s`` is when
+    Resurgo drained it (None: not drained by Resurgo, never ours to resume);
+    ``drain_job_id``/``drain_attempt`` name the drain's job and attempt.
+    """
+
+    node: str
+    blames_s: tuple[float, ...]
+    drained_at_s: float | None = None
+    drain_job_id: str = ""
+    drain_attempt: int = 0
+
+
+def is_lemon(history: NodeHistory, now_s: float, policy: Policy) -> bool:
+    """True when the node was blamed ``lemon_blames`` times within the window."""
+    recent = [t for t in history.blames_s if now_s - t <= policy.lemon_window_s]
+    return len(recent) >= policy.lemon_blames
+
+
+def lemons(histories: tuple[NodeHistory, ...], now_s: float, policy: Policy) -> frozenset[str]:
+    """The lemon list for a :class:`~supervisor.model.ClusterView`."""
+    return frozenset(h.node for h in histories if is_lemon(h, now_s, policy))
+
+
+def release(
+    history: NodeHistory, health_check_passed: bool, now_s: float, policy: Policy
+) -> ResumeNode | None:
+    """A ResumeNode when a node on probation may return to service, else None."""
+    if history.drained_at_s is None or not health_check_passed:
+        return None
+    if is_lemon(history, now_s, policy) or now_s - history.drained_at_s < policy.probation_s:
+        return None
+    return ResumeNode(history.drain_job_id, history.drain_attempt, history.node)

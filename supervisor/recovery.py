@@ -1,0 +1,246 @@
+"""The steps of one recovery, in DESIGN §3's order, as pure functions over the job record.
+
+:func:`supervisor.policy.decide` calls these; each returns a
+:class:`~supervisor.policy.Decision`. The order: account the restart against
+the budget, drain the blamed node (rate-limited), stop the ranks, validate
+checkpoints newest first, wait out the backoff, then relaunch inside the
+allocation (fast path) or requeue with the new size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from supervisor.blame import Blame
+from supervisor.intents import (
+    Alert,
+    DrainNode,
+    Intent,
+    RelaunchStep,
+    RequeueSmaller,
+    Severity,
+    ShrinkAllocation,
+    StopJob,
+    StopRanks,
+    ValidateCheckpoints,
+)
+from supervisor.model import (
+    MAX_SIGNATURES,
+    NO_BUDGET_CAUSES,
+    Cause,
+    ClusterView,
+    CrashSignature,
+    JobRecord,
+    JobState,
+    Recovery,
+    check_transition,
+)
+
+if TYPE_CHECKING:
+    from supervisor.policy import Decision, Policy
+
+# States in which ranks run (or are being started): a fault there starts a recovery.
+LIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RELAUNCHING})
+
+
+def to_state(record: JobRecord, state: JobState, now_s: float) -> JobRecord:
+    """``record`` in ``state``; raises IllegalTransition for a change TRANSITIONS forbids."""
+    check_transition(record.state, state)
+    if record.state is state:
+        return record
+    return replace(record, state=state, state_since_s=now_s)
+
+
+def decision(
+    record: JobRecord, intents: tuple[Intent, ...], cause: Cause | None, explanation: str
+) -> Decision:
+    """A :class:`~supervisor.policy.Decision` (imported late: policy imports this module)."""
+    from supervisor.policy import Decision
+
+    return Decision(record, intents, cause, explanation)
+
+
+def world_size(available: int, record: JobRecord) -> int | None:
+    """The largest size <= ``available`` and <= the original, a multiple of the unit,
+    >= the minimum; None when there is none."""
+    size = min(available, record.original_nodes)
+    size -= size % record.unit
+    return size if size >= record.min_nodes and size > 0 else None
+
+
+def drains_allowed(policy: Policy, cluster: ClusterView) -> int:
+    """How many more drains the hourly share allows now (never negative)."""
+    # Floor: a share of 10% of 4 nodes allows no drain, not one; the limit is a promise.
+    limit = math.floor(policy.max_drain_share_per_hour * cluster.size + 1e-9)
+    return max(0, limit - cluster.drains_last_hour)
+
+
+def made_progress(record: JobRecord) -> bool:
+    """A checkpoint newer than the one at the previous restart was committed."""
+    if record.last_step is None:
+        return False
+    return record.step_at_last_restart is None or record.last_step > record.step_at_last_restart
+
+
+def stop(record: JobRecord, now_s: float, status: JobState, cause: Cause, reason: str) -> Decision:
+    """End the job for good with ``reason`` (StopJob; the store keeps the reason)."""
+    ended = replace(to_state(record, status, now_s), final_reason=reason, recovery=None)
+    return decision(ended, (StopJob(record.job_id, record.attempt, status, reason),), cause, reason)
+
+
+def _drain(
+    record: JobRecord,
+    blame: Blame,
+    policy: Policy,
+    cluster: ClusterView,
+    slurm_took_it: bool,
+) -> tuple[JobRecord, tuple[Intent, ...], str]:
+    """Exclude and (rate limit permitting) drain the blamed node; what was done, in words."""
+    node = blame.node
+    if node is None or blame.confidence < policy.drain_confidence:
+        return record, (), f"no node blamed with enough confidence ({blame.confidence:.2f})"
+    recovery = record.recovery
+    assert recovery is not None  # a drain belongs to a recovery
+    excluded = replace(
+        record,
+        recovery=replace(recovery, exclude=tuple(sorted({*recovery.exclude, node}))),
+        blamed_nodes=tuple(sorted({*record.blamed_nodes, node})),
+    )
+    evidence = "; ".join(blame.evidence)
+    if slurm_took_it or node in cluster.drained or node in cluster.down:
+        return excluded, (), f"{node} excluded; Slurm already took it out of service"
+    if drains_allowed(policy, cluster) < 1:
+        message = (
+            f"job {record.job_id}: would drain {node} ({blame.cause.value}: {evidence}) but "
+            f"{cluster.drains_last_hour} drains in the last hour reach the share "
+            f"{policy.max_drain_share_per_hour:g}: a person should look at {node}"
+        )
+        alert = Alert(record.job_id, record.attempt, Severity.CRITICAL, message)
+        return excluded, (alert,), f"{node} excluded, not drained: hourly drain share reached"
+    drain = DrainNode(record.job_id, record.attempt, node, blame.cause, evidence[:200])
+    return excluded, (drain,), f"drain {node} ({blame.confidence:.2f}: {evidence})"
+
+
+def start(
+    record: JobRecord,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
+    blame: Blame,
+    *,
+    requeue: bool = False,
+    slurm_took_it: bool = False,
+    stop_ranks: bool = True,
+) -> Decision:
+    """Begin a recovery for ``blame.cause``: budget, drain, stop ranks, validate checkpoints."""
+    cause = blame.cause
+    progress = made_progress(record)
+    if cause in NO_BUDGET_CAUSES:
+        not_before = None
+        without_progress = record.restarts_without_progress
+    else:
+        without_progress = 0 if progress else record.restarts_without_progress + 1
+        if without_progress > policy.max_restarts_without_progress:
+            reason = (
+                f"restart budget exhausted: {without_progress} restarts without a newer "
+                f"checkpoint than step {record.step_at_last_restart} (last: {cause.value})"
+            )
+            return stop(record, now_s, JobState.FAILED, Cause.BUDGET_EXHAUSTED, reason)
+        backoff = policy.backoff_base_s * 2 ** max(0, without_progress - 1)
+        not_before = now_s + min(policy.backoff_max_s, backoff)
+    earlier = record.recovery
+    record = replace(
+        to_state(record, JobState.RECOVERING, now_s).with_restart(cause),
+        attempt=record.attempt + 1,
+        restarts_without_progress=without_progress,
+        step_at_last_restart=record.last_step,
+        user_retries_without_progress=(0 if progress else record.user_retries_without_progress),
+        not_before_s=not_before,
+        recovery=Recovery(
+            cause=cause,
+            started_s=earlier.started_s if earlier else now_s,
+            suspects=earlier.suspects if earlier else (),
+            exclude=earlier.exclude if earlier else (),
+            requeue=requeue or (earlier.requeue if earlier else False),
+        ),
+    )
+    record, drain_intents, drained = _drain(record, blame, policy, cluster, slurm_took_it)
+    intents: list[Intent] = list(drain_intents)
+    if stop_ranks and not requeue:
+        intents.append(StopRanks(record.job_id, record.attempt, policy.stop_grace_s))
+    intents.append(ValidateCheckpoints(record.job_id, record.attempt, policy.validation_level))
+    return decision(record, tuple(intents), cause, f"{cause.value}: {drained}")
+
+
+def add_fault(
+    record: JobRecord,
+    policy: Policy,
+    cluster: ClusterView,
+    blame: Blame,
+    *,
+    requeue: bool,
+    slurm_took_it: bool,
+) -> Decision:
+    """A further node fault during a recovery: exclude (and drain) it too; nothing restarts."""
+    record, intents, drained = _drain(record, blame, policy, cluster, slurm_took_it)
+    assert record.recovery is not None
+    if requeue:
+        record = replace(record, recovery=replace(record.recovery, requeue=True))
+    return decision(record, intents, blame.cause, f"during recovery: {drained}")
+
+
+def remember(record: JobRecord, signature: CrashSignature) -> JobRecord:
+    """``record`` with ``signature`` kept for crash-loop detection (the newest few)."""
+    return replace(record, signatures=(*record.signatures, signature)[-MAX_SIGNATURES:])
+
+
+def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
+    """Relaunch once a checkpoint is chosen and the backoff passed, else wait.
+
+    Fast path: the allocation's healthy nodes, batch host first, shrunk to the
+    new world size. Requeue path (batch host lost, allocation gone, or too few
+    healthy nodes inside it): as many usable nodes as the cluster has, up to
+    the original size, so a requeue goes back to full size when it can.
+    """
+    recovery = record.recovery
+    assert recovery is not None and recovery.validated
+    cause = recovery.cause
+    if record.not_before_s is not None and now_s < record.not_before_s:
+        return decision(record, (), cause, f"backing off until {record.not_before_s:.0f}")
+    exclude = {*recovery.exclude, *cluster.lemons, *cluster.down, *cluster.drained}
+    healthy = tuple(n for n in record.nodes if n not in exclude)
+    size = world_size(len(healthy), record)
+    ready = replace(record, not_before_s=None)
+    if not recovery.requeue and size is not None and record.batch_host in healthy:
+        keep = healthy[:size]
+        intents: list[Intent] = []
+        if keep != record.nodes:
+            intents.append(ShrinkAllocation(record.job_id, record.attempt, keep))
+        intents.append(RelaunchStep(record.job_id, record.attempt, keep, recovery.resume_from))
+        launched = replace(to_state(ready, JobState.RELAUNCHING, now_s), nodes=keep)
+        return decision(
+            launched,
+            tuple(intents),
+            cause,
+            f"relaunch on {len(keep)} node(s) from {recovery.resume_from or 'scratch'}",
+        )
+    usable = (cluster.usable - exclude) | set(healthy)
+    size = world_size(len(usable), record)
+    if size is None:
+        reason = (
+            f"only {len(usable)} usable node(s); the job needs at least {record.min_nodes} "
+            f"in multiples of {record.unit}"
+        )
+        return stop(record, now_s, JobState.FAILED, Cause.BELOW_MIN_NODES, reason)
+    blocked = tuple(sorted({*recovery.exclude, *cluster.lemons}))
+    requeue = RequeueSmaller(record.job_id, record.attempt, size, blocked, recovery.resume_from)
+    queued = replace(to_state(ready, JobState.REQUEUED, now_s), nodes=())
+    return decision(
+        queued,
+        (requeue,),
+        cause,
+        f"requeue with {size} node(s) excluding {list(blocked)} from "
+        f"{recovery.resume_from or 'scratch'}",
+    )

@@ -1,0 +1,273 @@
+"""The job lifecycle table, the record's JSON, intents' ids and the decision core's purity."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.protocol import EventKind, make_event
+from supervisor.intents import (
+    Alert,
+    DrainNode,
+    RelaunchStep,
+    RequeueSmaller,
+    Severity,
+    StopJob,
+    ValidateCheckpoints,
+    ValidationLevel,
+)
+from supervisor.model import (
+    TRANSITIONS,
+    Cause,
+    CrashSignature,
+    IllegalTransition,
+    JobState,
+    RecordFormatError,
+    Recovery,
+    Suspect,
+    check_transition,
+    new_record,
+    record_from_json,
+    record_to_json,
+)
+from supervisor.observations import from_event
+
+NOW = 1_000_000.0
+REPO = Path(__file__).resolve().parents[2]
+DECISION_CORE = (
+    "supervisor/model.py",
+    "supervisor/observations.py",
+    "supervisor/intents.py",
+    "supervisor/blame.py",
+    "supervisor/recovery.py",
+    "supervisor/policy.py",
+    "supervisor/follow_slurm.py",
+    "supervisor/goodput.py",
+    "supervisor/probation.py",
+)
+FORBIDDEN = {
+    "subprocess",
+    "socket",
+    "sqlite3",
+    "psutil",
+    "time",
+    "os",
+    "shutil",
+    "aiohttp",
+    "datetime",
+    "pathlib",
+    "random",
+    "threading",
+    "asyncio",
+    "torch",
+}
+
+
+def imported_roots(source: str) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("module", DECISION_CORE)
+def test_the_decision_core_imports_nothing_that_touches_the_os_clock_or_database(module):
+    roots = imported_roots((REPO / module).read_text())
+    assert not roots & FORBIDDEN, f"{module} imports {sorted(roots & FORBIDDEN)}"
+
+
+@pytest.mark.parametrize("module", DECISION_CORE)
+def test_the_decision_core_imports_only_pure_project_modules(module):
+    # agent.checkpoint.validate reads files and imports torch: the core must not reach it.
+    tree = ast.parse((REPO / module).read_text())
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            # ``from supervisor import recovery`` imports the module supervisor.recovery.
+            bare = node.module in ("agent", "supervisor")
+            modules |= {f"{node.module}.{a.name}" for a in node.names} if bare else {node.module}
+    allowed = {"agent.protocol", "agent.errors", "agent.checkpoint.interval"}
+    project = {m for m in modules if m.split(".")[0] in ("agent", "supervisor")}
+    assert {m for m in project if m.startswith("agent")} <= allowed
+    assert {m for m in project if m.startswith("supervisor")} <= {
+        "supervisor.errors",
+        *(p[:-3].replace("/", ".") for p in DECISION_CORE),
+    }
+
+
+def test_the_purity_check_sees_a_forbidden_import():
+    assert "time" in imported_roots("import time\n")
+    assert "os" in imported_roots("from os import path\n")
+
+
+def test_terminal_states_have_no_way_out_and_every_state_is_in_the_table():
+    assert set(TRANSITIONS) == set(JobState)
+    assert {s for s in JobState if s.terminal} == {
+        JobState.COMPLETED,
+        JobState.FAILED,
+        JobState.CANCELLED,
+    }
+    for source, targets in TRANSITIONS.items():
+        assert source not in targets, "staying is not a transition"
+        if not source.terminal:
+            assert JobState.CANCELLED in targets and JobState.FAILED in targets
+
+
+@pytest.mark.parametrize("source", list(JobState))
+@pytest.mark.parametrize("target", list(JobState))
+def test_check_transition_follows_the_table(source, target):
+    if source is target or target in TRANSITIONS[source]:
+        check_transition(source, target)
+    else:
+        with pytest.raises(IllegalTransition, match=f"{source.value} -> {target.value}"):
+            check_transition(source, target)
+
+
+def test_recovering_cannot_skip_the_relaunch():
+    with pytest.raises(IllegalTransition):
+        check_transition(JobState.RECOVERING, JobState.RUNNING)
+
+
+def full_record():
+    record = new_record("42", 4, NOW, min_nodes=2, unit=2, procs_per_node=8)
+    return replace(
+        record.with_restart(Cause.HANG).with_restart(Cause.HANG).with_restart(Cause.RANK_SIGNAL),
+        state=JobState.RECOVERING,
+        nodes=("n1", "n2"),
+        attempt=3,
+        last_step=100,
+        last_checkpoint_path="/c/100",
+        signatures=(CrashSignature("ValueError:ab", 12), CrashSignature("exit:1", None)),
+        blamed_nodes=("n3",),
+        straggler_reports=(("n2", 2),),
+        not_before_s=NOW + 5,
+        recovery=Recovery(
+            Cause.HANG,
+            NOW,
+            NOW + 30,
+            (Suspect("n1", 0, 9, False, NOW, "x"),),
+            ("n3",),
+            True,
+            True,
+            "/c/100",
+            100,
+            ("/c/200",),
+        ),
+    )
+
+
+def test_record_json_round_trips_with_a_version():
+    record = full_record()
+    text = record_to_json(record)
+    assert '"version": 1' in text and '"state": "recovering"' in text
+    assert record_from_json(text) == record
+    assert record.restarts_for(Cause.HANG) == 2 and record.restarts_for(Cause.STRAGGLER) == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nope", "not JSON"),
+        ('{"version": 99}', "version 99"),
+        ('{"version": 1}', "missing"),
+        (record_to_json(new_record("1", 1, NOW)).replace('"submitted"', '"bogus"'), "malformed"),
+    ],
+)
+def test_unreadable_records_name_the_problem(text, message):
+    with pytest.raises(RecordFormatError, match=message):
+        record_from_json(text)
+
+
+@given(
+    st.integers(0, 10**6),
+    st.integers(1, 64),
+    st.sampled_from(list(JobState)),
+    st.lists(st.sampled_from(list(Cause)), max_size=6),
+)
+def test_any_record_round_trips(step, nodes, state, causes):
+    record = replace(new_record("j1", nodes, NOW), state=state, last_step=step)
+    for cause in causes:
+        record = record.with_restart(cause)
+    assert record_from_json(record_to_json(record)) == record
+
+
+def test_action_ids_are_deterministic_and_name_job_attempt_kind_and_target():
+    drain = DrainNode("42", 3, "n3", Cause.HANG, "stuck")
+    assert drain.action_id == DrainNode("42", 3, "n3", Cause.HANG, "other words").action_id
+    assert drain.action_id == "42/3/drain/n3"
+    assert drain.slurm_reason == "resurgo: hang job=42 stuck"
+    ids = {
+        drain.action_id,
+        RelaunchStep("42", 3, ("n1",), None).action_id,
+        RequeueSmaller("42", 3, 1, ("n3",), None).action_id,
+        StopJob("42", 3, JobState.FAILED, "x").action_id,
+        ValidateCheckpoints("42", 3, ValidationLevel.FULL).action_id,
+        ValidateCheckpoints("42", 3, ValidationLevel.FULL, ("/c",)).action_id,
+        Alert("42", 3, Severity.WARNING, "a").action_id,
+        Alert("42", 3, Severity.WARNING, "b").action_id,
+    }
+    assert len(ids) == 8
+
+
+def test_validation_level_matches_the_agents_ladder_by_value():
+    from agent.checkpoint.validate import Level
+
+    assert {level.value for level in ValidationLevel} == {level.value for level in Level}
+
+
+def test_agent_events_become_observations():
+    hang = make_event(
+        EventKind.HANG,
+        "42",
+        "n2",
+        "abcdef01",
+        3,
+        NOW,
+        {
+            "hung": [
+                {
+                    "global_rank": 5,
+                    "local_rank": 1,
+                    "pid": 99,
+                    "last_step": 7,
+                    "phase": "train",
+                    "seconds_since_progress": 80.0,
+                    "timeout_s": 60.0,
+                    "detector": "heartbeat",
+                }
+            ],
+            "stacks": {},
+            "culprits": [
+                {"global_rank": 5, "last_step": 7, "in_collective": False, "reason": "behind"}
+            ],
+        },
+    )
+    observed = from_event(hang)
+    assert observed.node == "n2" and observed.culprits[0].seconds_since_progress == 80.0
+    exited = make_event(
+        EventKind.RANK_EXITED,
+        "42",
+        "n2",
+        "abcdef01",
+        4,
+        NOW,
+        {
+            "global_rank": 5,
+            "local_rank": 1,
+            "pid": 99,
+            "exit_code": None,
+            "signal": 9,
+            "signal_name": "SIGKILL",
+            "last_step": 7,
+            "phase": "train",
+        },
+    )
+    assert (from_event(exited).signal, from_event(exited).step) == (9, 7)

@@ -1,0 +1,571 @@
+"""Table tests of the decision core: every cause, with a fixed NOW and no OS."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.errors import ConfigError
+from agent.protocol import EventKind
+from supervisor.intents import (
+    Alert,
+    DrainNode,
+    RelaunchStep,
+    RequeueSmaller,
+    ShrinkAllocation,
+    StopJob,
+    StopRanks,
+    ValidateCheckpoints,
+    ValidationLevel,
+)
+from supervisor.model import TRANSITIONS, Cause, ClusterView, JobRecord, JobState, new_record
+from supervisor.observations import (
+    AgentEvent,
+    CancelRequested,
+    CheckpointValidated,
+    Culprit,
+    LeaseExpired,
+    Observation,
+    RelaunchFinished,
+    SlurmJobSeen,
+    SlurmNodeSeen,
+    StepProgress,
+    Tick,
+)
+from supervisor.policy import Decision, Policy, decide
+
+NOW = 1_000_000.0
+NODES = ("node1", "node2", "node3", "node4")
+CLUSTER = ClusterView(usable=frozenset(f"node{i}" for i in range(1, 21)))
+POLICY = Policy(backoff_base_s=0.0, backoff_max_s=0.0, hang_evidence_window_s=0.0)
+CKPT = "/ckpt/step-100"
+
+
+def running(**changes: object) -> JobRecord:
+    record = replace(
+        new_record("42", 4, NOW - 3600, min_nodes=2),
+        state=JobState.RUNNING,
+        nodes=NODES,
+        last_step=100,
+        last_checkpoint_path=CKPT,
+    )
+    return replace(record, **changes)  # type: ignore[arg-type]
+
+
+def rank_exit(
+    node: str = "node3",
+    *,
+    sig: int | None = None,
+    code: int | None = None,
+    step: int = 150,
+    digest: str | None = None,
+) -> AgentEvent:
+    return AgentEvent(
+        EventKind.RANK_EXITED,
+        node,
+        f"42/{node}/abcdef01/1",
+        NOW - 1,
+        global_rank=int(node[-1]) - 1,
+        exit_code=code,
+        signal=sig,
+        step=step,
+        error_digest=digest,
+    )
+
+
+def run(
+    record: JobRecord,
+    *observations: Observation,
+    policy: Policy = POLICY,
+    cluster: ClusterView = CLUSTER,
+    now: float = NOW,
+) -> list[Decision]:
+    """Feed observations in order, checking each transition against TRANSITIONS."""
+    decisions = []
+    for observation in observations:
+        decision = decide(record, observation, now, policy, cluster)
+        after = decision.record.state
+        assert after is record.state or after in TRANSITIONS[record.state]
+        record = decision.record
+        decisions.append(decision)
+    return decisions
+
+
+def kinds(decision: Decision) -> list[type]:
+    return [type(intent) for intent in decision.intents]
+
+
+def test_rank_killed_by_sigkill_drains_its_node_and_relaunches_three_nodes_from_the_newest_valid():
+    crash, validated = run(
+        running(), rank_exit(sig=signal.SIGKILL.value), CheckpointValidated(100, CKPT, True)
+    )
+    assert crash.record.state is JobState.RECOVERING
+    assert crash.cause is Cause.RANK_SIGNAL
+    assert kinds(crash) == [DrainNode, StopRanks, ValidateCheckpoints]
+    drain = crash.intents[0]
+    assert isinstance(drain, DrainNode) and drain.node == "node3"
+    assert drain.slurm_reason.startswith("resurgo: rank_signal job=42")
+    assert drain.action_id == "42/2/drain/node3"
+    assert validated.record.state is JobState.RELAUNCHING
+    assert validated.intents == (
+        ShrinkAllocation("42", 2, ("node1", "node2", "node4")),
+        RelaunchStep("42", 2, ("node1", "node2", "node4"), CKPT),
+    )
+
+
+def test_world_size_is_the_largest_healthy_multiple_of_the_unit():
+    record = running(nodes=("n1", "n2", "n3", "n4", "n5", "n6"), original_nodes=6, unit=2)
+    _crash, validated = run(
+        record, rank_exit("n3", sig=signal.SIGSEGV.value), CheckpointValidated(100, CKPT, True)
+    )
+    (_shrink, relaunch) = validated.intents
+    assert isinstance(relaunch, RelaunchStep)
+    assert relaunch.nodes == ("n1", "n2", "n4", "n5")
+
+
+@pytest.mark.parametrize(
+    ("available", "original", "minimum", "unit", "expected"),
+    [
+        (3, 4, 2, 1, 3),
+        (3, 4, 2, 2, 2),
+        (7, 4, 1, 1, 4),
+        (1, 4, 2, 1, None),
+        (5, 8, 4, 4, 4),
+        (3, 8, 4, 4, None),
+    ],
+)
+def test_world_size_table(available, original, minimum, unit, expected):
+    from supervisor.recovery import world_size
+
+    record = running(original_nodes=original, min_nodes=minimum, unit=unit)
+    assert world_size(available, record) == expected
+
+
+def test_same_exception_at_same_step_twice_stops_the_job_as_a_crash_loop_without_drain():
+    policy = replace(POLICY, user_exception_retries=5)
+    first, chosen, _relaunched, _started, second = run(
+        running(),
+        rank_exit(code=1, digest="ValueError:abc"),
+        CheckpointValidated(100, CKPT, True),
+        RelaunchFinished(2, True),
+        StepProgress(101),
+        rank_exit(code=1, digest="ValueError:abc"),
+        policy=policy,
+    )
+    assert first.cause is Cause.USER_EXCEPTION
+    assert DrainNode not in kinds(first)
+    assert chosen.intents == (RelaunchStep("42", 2, NODES, CKPT),)
+    assert second.record.state is JobState.FAILED
+    assert second.cause is Cause.CRASH_LOOP
+    assert kinds(second) == [StopJob]
+    assert "crash loop: ValueError:abc at step 150" in second.record.final_reason
+
+
+def test_python_exception_gets_one_retry_then_a_different_one_without_progress_stops():
+    first, _, _, second = run(
+        running(),
+        rank_exit(code=1, step=150, digest="a"),
+        CheckpointValidated(100, CKPT, True),
+        RelaunchFinished(2, True),
+        rank_exit(code=1, step=120, digest="b"),
+    )
+    assert first.record.state is JobState.RECOVERING
+    assert second.record.state is JobState.FAILED and second.cause is Cause.USER_EXCEPTION
+
+
+def test_exception_retries_again_after_a_newer_checkpoint():
+    _, _, _, commit, second = run(
+        running(),
+        rank_exit(code=1, step=150, digest="a"),
+        CheckpointValidated(100, CKPT, True),
+        RelaunchFinished(2, True),
+        AgentEvent(EventKind.CHECKPOINT_COMMITTED, "node1", "e", NOW, step=200, path="/c/200"),
+        rank_exit(code=1, step=250, digest="b"),
+    )
+    assert commit.record.state is JobState.RUNNING
+    assert second.record.state is JobState.RECOVERING
+
+
+def test_drain_beyond_the_hourly_share_alerts_instead():
+    cluster = replace(CLUSTER, drains_last_hour=2)  # 10% of 20 nodes: 2 per hour
+    (crash,) = run(running(), rank_exit(sig=signal.SIGBUS.value), cluster=cluster)
+    assert DrainNode not in kinds(crash)
+    assert kinds(crash)[0] is Alert
+    assert crash.record.recovery is not None and "node3" in crash.record.recovery.exclude
+
+
+def test_sigterm_of_a_rank_is_a_stop_not_a_fault():
+    (seen,) = run(running(), rank_exit(sig=signal.SIGTERM.value))
+    assert seen.record.state is JobState.RUNNING and seen.intents == ()
+
+
+def test_sigabrt_is_too_weak_to_drain_but_still_restarts():
+    (crash,) = run(running(), rank_exit(sig=signal.SIGABRT.value))
+    assert crash.record.state is JobState.RECOVERING
+    assert DrainNode not in kinds(crash)
+
+
+def hang(node: str, rank: int, step: int, in_collective: bool, since: float) -> AgentEvent:
+    culprit = Culprit(rank, step, in_collective, since, "behind")
+    return AgentEvent(EventKind.HANG, node, f"42/{node}/abcdef01/7", NOW, culprits=(culprit,))
+
+
+def test_hang_blames_the_rank_behind_across_nodes_after_the_evidence_window():
+    policy = replace(POLICY, hang_evidence_window_s=30.0)
+    first, second, early = run(
+        running(),
+        hang("node1", 0, 500, True, 100.0),
+        hang("node4", 3, 499, True, 120.0),
+        Tick(),
+        policy=policy,
+    )
+    assert first.record.state is JobState.RECOVERING and first.intents == ()
+    assert early.intents == ()  # the window is still open at NOW
+    (late,) = run(second.record, Tick(), policy=policy, now=NOW + 31)
+    assert kinds(late) == [DrainNode, StopRanks, ValidateCheckpoints]
+    drain = late.intents[0]
+    assert isinstance(drain, DrainNode) and drain.node == "node4" and drain.cause is Cause.HANG
+
+
+def test_hang_without_a_standout_rank_restarts_without_drain():
+    (decision,) = run(running(), hang("node1", 0, 500, True, 100.0))
+    assert decision.record.state is JobState.RECOVERING
+    assert kinds(decision) == [StopRanks, ValidateCheckpoints]
+
+
+def test_lease_expiry_drains_the_node_and_relaunches_without_it():
+    crash, chosen = run(running(), LeaseExpired("node2"), CheckpointValidated(100, CKPT, True))
+    assert crash.cause is Cause.NODE_LOST
+    assert isinstance(crash.intents[0], DrainNode) and crash.intents[0].node == "node2"
+    relaunch = chosen.intents[-1]
+    assert isinstance(relaunch, RelaunchStep) and relaunch.nodes == ("node1", "node3", "node4")
+
+
+def test_slurm_down_node_is_excluded_without_a_drain_and_batch_host_loss_requeues():
+    crash, chosen = run(
+        running(), SlurmNodeSeen("node1", down=True), CheckpointValidated(100, CKPT, True)
+    )
+    assert DrainNode not in kinds(crash) and StopRanks not in kinds(crash)
+    (requeue,) = chosen.intents
+    assert isinstance(requeue, RequeueSmaller)
+    assert requeue.exclude == ("node1",) and requeue.n_nodes == 4 and requeue.resume_from == CKPT
+    assert chosen.record.state is JobState.REQUEUED
+
+
+def test_health_check_failure_drains_and_relaunches_without_the_node():
+    event = AgentEvent(EventKind.HEALTH_CHECK_FAILED, "node4", "e", NOW, detail="ECC errors")
+    crash, chosen = run(running(), event, CheckpointValidated(100, CKPT, True))
+    assert crash.cause is Cause.HEALTH_CHECK and isinstance(crash.intents[0], DrainNode)
+    assert chosen.intents == (
+        ShrinkAllocation("42", 2, ("node1", "node2", "node3")),
+        RelaunchStep("42", 2, ("node1", "node2", "node3"), CKPT),
+    )
+
+
+def straggler(node: str = "node2") -> AgentEvent:
+    return AgentEvent(EventKind.STRAGGLER, node, "e", NOW, global_rank=1, detail="2x median")
+
+
+def test_straggler_is_reported_and_never_drained_by_default():
+    decisions = run(running(), *[straggler()] * 5)
+    assert all(kinds(d) == [Alert] for d in decisions)
+    assert decisions[-1].record.state is JobState.RUNNING
+
+
+def test_persistent_straggler_is_drained_when_configured():
+    policy = replace(POLICY, straggler_drain=True, straggler_reports_to_drain=3)
+    decisions = run(running(), *[straggler()] * 3, policy=policy)
+    assert decisions[1].record.state is JobState.RUNNING
+    assert DrainNode in kinds(decisions[2])
+
+
+@pytest.mark.parametrize(
+    ("slurm_state", "cause"), [("PREEMPTED", Cause.PREEMPTED), ("TIMEOUT", Cause.TIME_LIMIT)]
+)
+def test_preemption_spends_no_budget(slurm_state, cause):
+    record = running(restarts_without_progress=3, step_at_last_restart=100)
+    seen, chosen = run(
+        record, SlurmJobSeen(slurm_state, NODES, 0), CheckpointValidated(100, CKPT, True)
+    )
+    assert seen.cause is cause and DrainNode not in kinds(seen)
+    assert seen.record.restarts_without_progress == 3
+    (requeue,) = chosen.intents
+    assert isinstance(requeue, RequeueSmaller) and requeue.n_nodes == 4 and requeue.exclude == ()
+
+
+def test_slurm_requeue_is_adopted_not_fought():
+    seen, chosen, back = run(
+        running(),
+        SlurmJobSeen("PENDING", (), 1, "NodeFail"),
+        CheckpointValidated(100, CKPT, True),
+        SlurmJobSeen("RUNNING", ("node1", "node2", "node4"), 1),
+    )
+    assert seen.record.state is JobState.REQUEUED and seen.cause is Cause.SLURM_REQUEUE
+    assert not any(isinstance(i, RequeueSmaller | StopRanks) for i in seen.intents)
+    assert chosen.intents == () and chosen.record.recovery is not None
+    assert chosen.record.recovery.resume_from == CKPT
+    assert back.record.state is JobState.STARTING and back.record.nodes == (
+        "node1",
+        "node2",
+        "node4",
+    )
+
+
+def test_restart_without_progress_consumes_budget_and_exhaustion_stops_the_job():
+    policy = replace(POLICY, max_restarts_without_progress=2)
+    record = running(step_at_last_restart=100, restarts_without_progress=1)
+    (crash,) = run(record, rank_exit(sig=signal.SIGKILL.value), policy=policy)
+    assert crash.record.restarts_without_progress == 2
+    exhausted = replace(crash.record, state=JobState.RUNNING, recovery=None)
+    (stop,) = run(exhausted, rank_exit("node2", sig=signal.SIGKILL.value), policy=policy)
+    assert stop.record.state is JobState.FAILED and stop.cause is Cause.BUDGET_EXHAUSTED
+    assert kinds(stop) == [StopJob]
+
+
+def test_restart_after_progress_resets_the_budget():
+    record = running(step_at_last_restart=50, restarts_without_progress=3)
+    (crash,) = run(record, rank_exit(sig=signal.SIGKILL.value))
+    assert crash.record.restarts_without_progress == 0
+    assert crash.record.step_at_last_restart == 100
+
+
+def test_backoff_holds_the_relaunch_until_a_tick_after_not_before():
+    policy = replace(POLICY, backoff_base_s=10.0, backoff_max_s=100.0)
+    _crash, chosen = run(
+        running(),
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(100, CKPT, True),
+        policy=policy,
+    )
+    assert chosen.intents == () and chosen.record.not_before_s == NOW + 10.0
+    (early,) = run(chosen.record, Tick(), policy=policy, now=NOW + 5)
+    (late,) = run(chosen.record, Tick(), policy=policy, now=NOW + 10)
+    assert early.intents == ()
+    assert RelaunchStep in kinds(late) and late.record.not_before_s is None
+
+
+def test_invalid_newest_checkpoint_falls_back_to_the_previous_one():
+    _crash, bad, good = run(
+        running(last_step=200, last_checkpoint_path="/c/200"),
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(200, "/c/200", False, "checksum mismatch"),
+        CheckpointValidated(100, "/c/100", True),
+    )
+    assert bad.intents == (ValidateCheckpoints("42", 2, ValidationLevel.FULL, ("/c/200",)),)
+    assert isinstance(good.intents[-1], RelaunchStep) and good.intents[-1].resume_from == "/c/100"
+
+
+def test_no_valid_checkpoint_stops_the_job():
+    _, none_left = run(
+        running(), rank_exit(sig=signal.SIGKILL.value), CheckpointValidated(None, None, False)
+    )
+    assert none_left.record.state is JobState.FAILED and none_left.cause is Cause.NO_CHECKPOINT
+
+
+def test_a_job_that_never_committed_restarts_from_scratch():
+    _, chosen = run(
+        running(last_step=None, last_checkpoint_path=None),
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(None, None, False),
+    )
+    assert isinstance(chosen.intents[-1], RelaunchStep) and chosen.intents[-1].resume_from is None
+
+
+def test_below_min_nodes_fails_the_job():
+    record = running(min_nodes=4)
+    cluster = ClusterView(usable=frozenset(NODES))
+    _, chosen = run(
+        record,
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(100, CKPT, True),
+        cluster=cluster,
+    )
+    assert chosen.record.state is JobState.FAILED and chosen.cause is Cause.BELOW_MIN_NODES
+
+
+def test_failed_fast_path_falls_back_to_requeue():
+    _, _, failed = run(
+        running(),
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(100, CKPT, True),
+        RelaunchFinished(2, False, "srun"),
+    )
+    assert failed.record.state is JobState.REQUEUED and kinds(failed) == [RequeueSmaller]
+
+
+def test_lemons_are_never_used_again():
+    cluster = replace(CLUSTER, lemons=frozenset({"node2"}))
+    _, chosen = run(
+        running(),
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(100, CKPT, True),
+        cluster=cluster,
+    )
+    assert chosen.intents[-1] == RelaunchStep("42", 2, ("node1", "node4"), CKPT)
+
+
+@pytest.mark.parametrize(
+    ("slurm_state", "expected"),
+    [
+        ("COMPLETED", JobState.COMPLETED),
+        ("CANCELLED", JobState.CANCELLED),
+        ("FAILED", JobState.FAILED),
+    ],
+)
+def test_slurm_end_states_end_the_job(slurm_state, expected):
+    (seen,) = run(running(), SlurmJobSeen(slurm_state, (), 0))
+    assert seen.record.state is expected
+
+
+def test_cancel_request_stops_the_job():
+    (seen,) = run(running(), CancelRequested("user asked"))
+    assert seen.record.state is JobState.CANCELLED and kinds(seen) == [StopJob]
+
+
+def test_a_terminal_job_ignores_everything():
+    record = running(state=JobState.FAILED)
+    assert decide(record, rank_exit(sig=9), NOW, POLICY, CLUSTER).intents == ()
+
+
+def test_submitted_job_starts_then_runs():
+    record = new_record("42", 4, NOW)
+    started, ran = run(record, SlurmJobSeen("RUNNING", NODES, 0), StepProgress(1))
+    assert started.record.state is JobState.STARTING and ran.record.state is JobState.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_drain_share_per_hour", 1.5),
+        ("backoff_base_s", -1.0),
+        ("straggler_drain", 1),
+        ("drain_confidence", float("nan")),
+        ("validation_level", "full"),
+    ],
+)
+def test_bad_policy_is_a_config_error_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        Policy(**{field: value})
+
+
+# ---------------------------------------------------------------------------
+# Properties: any observation sequence keeps to TRANSITIONS and to the drain share.
+
+_nodes = st.sampled_from((*NODES, "node9"))
+_observations = st.one_of(
+    st.builds(
+        rank_exit,
+        _nodes,
+        sig=st.sampled_from([None, 6, 9, 11, 15]),
+        code=st.sampled_from([None, 0, 1]),
+        step=st.integers(100, 103),
+        digest=st.sampled_from([None, "x"]),
+    ),
+    st.builds(LeaseExpired, _nodes),
+    st.builds(SlurmNodeSeen, _nodes, down=st.booleans()),
+    st.builds(
+        SlurmJobSeen,
+        st.sampled_from(
+            ["RUNNING", "PENDING", "PREEMPTED", "TIMEOUT", "NODE_FAIL", "COMPLETED", "FAILED"]
+        ),
+        st.just(NODES),
+        st.integers(0, 3),
+        st.sampled_from(["", "Preempted"]),
+    ),
+    st.builds(
+        CheckpointValidated,
+        st.sampled_from([None, 100]),
+        st.sampled_from([None, CKPT, "/c/old"]),
+        st.booleans(),
+    ),
+    st.builds(RelaunchFinished, st.integers(1, 4), st.booleans()),
+    st.builds(StepProgress, st.integers(0, 500)),
+    st.builds(
+        hang, _nodes, st.integers(0, 3), st.integers(90, 110), st.booleans(), st.floats(0, 100)
+    ),
+    st.just(straggler()),
+    st.just(AgentEvent(EventKind.HEALTH_CHECK_FAILED, "node2", "e", NOW)),
+    st.builds(
+        lambda s: AgentEvent(
+            EventKind.CHECKPOINT_COMMITTED, "node1", "e", NOW, step=s, path=f"/c/{s}"
+        ),
+        st.integers(90, 200),
+    ),
+    st.just(Tick()),
+    # Replies that fit the record (resolved in the test): the executor's usual answers.
+    *[st.sampled_from(["relaunch_ok", "relaunch_failed", "valid", "running_again"])] * 4,
+)
+
+
+def _answer(token: Observation | str, record: JobRecord) -> Observation:
+    if not isinstance(token, str):
+        return token
+    if token == "valid":
+        return CheckpointValidated(100, CKPT, True)
+    if token == "running_again":
+        return SlurmJobSeen("RUNNING", NODES[:3], record.slurm_restart_count)
+    return RelaunchFinished(record.attempt, token == "relaunch_ok")
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(_observations, st.floats(0, 120)), max_size=25),
+    st.integers(4, 40),
+    st.sampled_from([0.0, 0.1, 0.25]),
+)
+def test_random_observations_never_break_transitions_or_the_drain_share(steps, size, share):
+    policy = replace(
+        POLICY,
+        max_drain_share_per_hour=share,
+        straggler_drain=True,
+        backoff_base_s=5.0,
+        backoff_max_s=60.0,
+        hang_evidence_window_s=10.0,
+    )
+    cluster = ClusterView(usable=frozenset(f"node{i}" for i in range(1, size + 1)))
+    record, now, drained = running(), NOW, 0
+    for token, elapsed in steps:
+        now += elapsed
+        observation = _answer(token, record)
+        decision = decide(
+            record, observation, now, policy, replace(cluster, drains_last_hour=drained)
+        )
+        after = decision.record.state
+        assert after is record.state or after in TRANSITIONS[record.state]
+        drained += sum(isinstance(i, DrainNode) for i in decision.intents)
+        assert drained <= int(share * size + 1e-9)
+        assert len({i.action_id for i in decision.intents}) == len(decision.intents)
+        record = decision.record
+
+
+def test_slurm_requeue_during_our_recovery_is_adopted_without_spending_budget_twice():
+    crash, adopted, chosen = run(
+        running(),
+        LeaseExpired("node2"),
+        SlurmJobSeen("PENDING", (), 1, "NodeFail"),
+        CheckpointValidated(100, CKPT, True),
+    )
+    assert adopted.record.state is JobState.REQUEUED and adopted.intents == ()
+    assert adopted.record.restarts_without_progress == crash.record.restarts_without_progress
+    assert adopted.record.attempt == crash.record.attempt
+    assert chosen.intents == () and chosen.record.recovery.resume_from == CKPT
+
+
+def test_an_ended_state_seen_before_our_requeue_took_effect_is_stale_but_not_after():
+    record = run(
+        running(), SlurmNodeSeen("node1", down=True), CheckpointValidated(100, CKPT, True)
+    )[-1].record
+    assert record.state is JobState.REQUEUED
+    stale, queued, cancelled = run(
+        record,
+        SlurmJobSeen("NODE_FAIL", ("node1",), 0),
+        SlurmJobSeen("PENDING", (), 1),
+        SlurmJobSeen("CANCELLED", (), 1),
+    )
+    assert stale.record.state is JobState.REQUEUED and stale.intents == ()
+    assert queued.record.state is JobState.REQUEUED
+    assert cancelled.record.state is JobState.CANCELLED
