@@ -1,10 +1,8 @@
-"""The job lifecycle table, the record's JSON, intents' ids and the decision core's purity."""
+"""The job lifecycle table, the record's JSON and intents' ids (purity: test_purity.py)."""
 
 from __future__ import annotations
 
-import ast
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -38,76 +36,6 @@ from supervisor.model import (
 from supervisor.observations import from_event
 
 NOW = 1_000_000.0
-REPO = Path(__file__).resolve().parents[2]
-DECISION_CORE = (
-    "supervisor/model.py",
-    "supervisor/observations.py",
-    "supervisor/intents.py",
-    "supervisor/blame.py",
-    "supervisor/recovery.py",
-    "supervisor/policy.py",
-    "supervisor/follow_slurm.py",
-    "supervisor/goodput.py",
-    "supervisor/probation.py",
-)
-FORBIDDEN = {
-    "subprocess",
-    "socket",
-    "sqlite3",
-    "psutil",
-    "time",
-    "os",
-    "shutil",
-    "aiohttp",
-    "datetime",
-    "pathlib",
-    "random",
-    "threading",
-    "asyncio",
-    "torch",
-}
-
-
-def imported_roots(source: str) -> set[str]:
-    roots = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
-
-
-@pytest.mark.parametrize("module", DECISION_CORE)
-def test_the_decision_core_imports_nothing_that_touches_the_os_clock_or_database(module):
-    roots = imported_roots((REPO / module).read_text())
-    assert not roots & FORBIDDEN, f"{module} imports {sorted(roots & FORBIDDEN)}"
-
-
-@pytest.mark.parametrize("module", DECISION_CORE)
-def test_the_decision_core_imports_only_pure_project_modules(module):
-    # agent.checkpoint.validate reads files and imports torch: the core must not reach it.
-    tree = ast.parse((REPO / module).read_text())
-    modules = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            # ``from supervisor import recovery`` imports the module supervisor.recovery.
-            bare = node.module in ("agent", "supervisor")
-            modules |= {f"{node.module}.{a.name}" for a in node.names} if bare else {node.module}
-    allowed = {"agent.protocol", "agent.errors", "agent.checkpoint.interval"}
-    project = {m for m in modules if m.split(".")[0] in ("agent", "supervisor")}
-    assert {m for m in project if m.startswith("agent")} <= allowed
-    assert {m for m in project if m.startswith("supervisor")} <= {
-        "supervisor.errors",
-        *(p[:-3].replace("/", ".") for p in DECISION_CORE),
-    }
-
-
-def test_the_purity_check_sees_a_forbidden_import():
-    assert "time" in imported_roots("import time\n")
-    assert "os" in imported_roots("from os import path\n")
-
-
 def test_terminal_states_have_no_way_out_and_every_state_is_in_the_table():
     assert set(TRANSITIONS) == set(JobState)
     assert {s for s in JobState if s.terminal} == {
