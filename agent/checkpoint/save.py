@@ -347,6 +347,16 @@ class Checkpointer:
         finally:
             self._executor.shutdown(wait=True)
             self._release_staging_buffers(reusable=False)
+            self._destroy_groups()
+
+    def _destroy_groups(self) -> None:
+        # Left to interpreter exit, the private gloo groups are torn down in no
+        # particular order after the default group; under load that aborted a
+        # rank at exit ("terminate called without an active exception").
+        for group in (self._control_pg, self._io_pg):
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._control_pg = self._io_pg = None
 
     def _stage(self, step: int, plain: dict[str, Any], stager: _HostStager) -> dict[str, Any]:
         """Copy this rank's tensors into the stager's host buffers (the stall)."""

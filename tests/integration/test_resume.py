@@ -42,7 +42,12 @@ def train(root: Path, out: Path, ranks: int, *extra: str, expect_killed: bool = 
         assert done.returncode != 0, "the run was meant to be killed after step 20"
         assert "Signals.SIGKILL" in done.stderr or "-9" in done.stderr, done.stderr[-3000:]
     else:
-        assert done.returncode == 0, done.stderr[-5000:]
+        progress = {
+            path.name: path.read_text().splitlines()[-1][:40]
+            for path in sorted(out.glob("steps.rank*.jsonl"))
+            if path.read_text()
+        }
+        assert done.returncode == 0, f"last steps {progress}\n{done.stderr[-5000:]}"
 
 
 def steps(out: Path) -> dict[int, dict[str, Any]]:
