@@ -1,0 +1,414 @@
+"""The executor: carries the decision core's intents out, each exactly once (DESIGN §3).
+
+Protocol per intent (see ``supervisor/store/store.py``): the daemon plans every
+intent in the same store transaction as the decision (:meth:`Executor.plan`);
+:meth:`Executor.execute` then, in order, commits ``mark_started``, runs the
+side effect and commits ``mark_done`` (with the drain audit row, in one
+transaction) or ``mark_failed`` (retryable when Slurm was unreachable).
+A done action is never run again: executing the same intents twice replays
+the recorded observations and calls Slurm for nothing.
+
+A failed prerequisite (stop ranks, validation, shrink, requeue) leaves the
+intents after it planned: relaunching on an allocation that did not shrink
+would be worse than waiting. :meth:`Executor.reconcile` picks them up.
+
+After a restart, :meth:`Executor.reconcile` finishes what is unfinished: a
+``started`` action may or may not have taken effect, so Slurm is asked first
+(``supervisor/reconcile.py``) and it is marked done or run again, never
+blindly re-run. Reconcile also retries retryable failures of the job's
+newest attempt, so the daemon calls it at start and then every few ticks.
+
+Hand-off to the in-job driver: a :class:`RelaunchStep` is carried out by the
+driver inside the allocation, not here. The executor marks it ``started``
+and leaves it there; the driver reads it with :meth:`Executor.pending_relaunch`
+(through the API), starts the srun step, and reports back through
+:meth:`Executor.confirm_relaunch`, which finishes the action and returns the
+:class:`RelaunchFinished` observation for the decision core. Confirming twice
+returns the first outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.errors import SlurmError, SlurmRequeueFailed, SlurmUnavailable, StoreError
+from supervisor.intents import (
+    Alert,
+    DrainNode,
+    Intent,
+    PushInterval,
+    RelaunchStep,
+    RequeueSmaller,
+    ResumeNode,
+    Severity,
+    ShrinkAllocation,
+    StopJob,
+    StopRanks,
+    ValidateCheckpoints,
+    ValidationLevel,
+)
+from supervisor.observations import CheckpointValidated, Observation, RelaunchFinished
+from supervisor.reconcile import (
+    KIND_OF,
+    SlurmActions,
+    Verdict,
+    args_of,
+    command_for,
+    effect_of,
+    intent_of,
+    kind_of,
+    relaunch_finished,
+    replay,
+    slurm_job_id,
+    validated_doc,
+)
+from supervisor.store import ActionRow, ActionState, Store
+
+log = logging.getLogger(__name__)
+
+Validator = Callable[[str, ValidationLevel], tuple[bool, str]]
+"""Validates one checkpoint directory at a level: ``(valid, reason)``; runs in a thread."""
+
+# Later intents of a decision depend on these having happened.
+_PREREQUISITES = (StopRanks, ValidateCheckpoints, ShrinkAllocation, RequeueSmaller)
+_UNFINISHED = (ActionState.PLANNED, ActionState.STARTED, ActionState.FAILED)
+ALERT_KIND = "alert"
+REQUEUE_BASELINE_KIND = "requeue_baseline"
+
+
+def validate_checkpoint(path: str, level: ValidationLevel) -> tuple[bool, str]:
+    """The default :data:`Validator`: ``agent.checkpoint.validate`` (imports torch on first use)."""
+    from agent.checkpoint.validate import Level, validate
+
+    report = validate(path, Level(level.value))
+    return report.valid, report.reason or ""
+
+
+@dataclass
+class _Outcome:
+    observations: list[Observation] = field(default_factory=list)
+    settled: bool = True  # False: not done, later intents of a prerequisite wait
+
+
+class Executor:
+    """Carries intents out through Slurm, the agents' command queue and the store."""
+
+    def __init__(
+        self,
+        store: Store,
+        slurm: SlurmActions,
+        *,
+        checkpoint_root_of: Callable[[str], Path | None],
+        validate_fn: Validator | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``checkpoint_root_of(job_id)`` is where the job saves (None: unknown)."""
+        self._store = store
+        self._slurm = slurm
+        self._checkpoint_root_of = checkpoint_root_of
+        self._validate = validate_fn or validate_checkpoint
+        self._clock = clock
+
+    # ------------------------------------------------------------------
+    # Plan and execute.
+
+    def plan(self, job_id: str, intents: Sequence[Intent], now_s: float) -> list[ActionRow]:
+        """Plan every intent (idempotent by action id); call inside the decision's transaction."""
+        with self._store.transaction():
+            return [self._plan_one(job_id, intent, now_s) for intent in intents]
+
+    async def execute(
+        self, job_id: str, intents: Sequence[Intent], now_s: float
+    ) -> list[Observation]:
+        """Carry ``intents`` out in order; return what the decision core should hear next.
+
+        Already-done intents are not run again; their recorded observations
+        are returned again. Stops after a prerequisite that did not finish.
+        """
+        rows = self.plan(job_id, intents, now_s)
+        observations: list[Observation] = []
+        for index, (intent, row) in enumerate(zip(intents, rows, strict=True)):
+            outcome = await self._advance(intent, row, now_s)
+            observations.extend(outcome.observations)
+            if not outcome.settled and isinstance(intent, _PREREQUISITES):
+                log.info(
+                    "job %s: %d later action(s) wait for %s",
+                    job_id, len(intents) - index - 1, intent.action_id,
+                )  # fmt: skip
+                break
+        return observations
+
+    async def reconcile(self, now_s: float) -> list[tuple[str, Observation]]:
+        """Finish every unfinished action (planned, started, retryable-failed), in plan order.
+
+        Returns ``(job_id, observation)`` pairs for the decision core. Actions
+        after an unfinished prerequisite of the same job attempt wait.
+        """
+        observations: list[tuple[str, Observation]] = []
+        waiting: set[tuple[str, int]] = set()
+        newest: dict[str, int] = {}
+        for row in self._store.list_actions(states=_UNFINISHED):
+            intent = intent_of(row)
+            key = (row.job_id, intent.attempt)
+            if row.state is ActionState.FAILED:
+                if not row.retryable:
+                    if isinstance(intent, _PREREQUISITES):
+                        waiting.add(key)
+                    continue
+                if intent.attempt < self._newest_attempt(row.job_id, newest):
+                    continue  # the job moved on; a retry would act on a stale plan
+            if key in waiting:
+                log.info(
+                    "action %s job=%s kind=%s: %s, waits for an earlier action",
+                    row.action_id, row.job_id, row.kind, row.state.value,
+                )  # fmt: skip
+                continue
+            outcome = await self._advance(intent, row, now_s)
+            observations.extend((row.job_id, seen) for seen in outcome.observations)
+            if not outcome.settled and isinstance(intent, _PREREQUISITES):
+                waiting.add(key)
+        return observations
+
+    # ------------------------------------------------------------------
+    # The in-job driver's hand-off (see the module docstring).
+
+    def pending_relaunch(self, job_id: str) -> RelaunchStep | None:
+        """The newest started, unconfirmed :class:`RelaunchStep` of the job, or None."""
+        for row in reversed(self._store.list_actions(job_id, states=(ActionState.STARTED,))):
+            intent = intent_of(row)
+            if isinstance(intent, RelaunchStep):
+                return intent
+        return None
+
+    def confirm_relaunch(
+        self, job_id: str, action_id: str, ok: bool, reason: str, now_s: float
+    ) -> RelaunchFinished:
+        """The driver's report on a relaunch: finish the action, return the observation."""
+        row = self._store.get_action(action_id)
+        if row is None or row.job_id != job_id or row.kind != KIND_OF[RelaunchStep]:
+            raise StoreError(f"job {job_id} has no relaunch action {action_id} to confirm")
+        intent = intent_of(row)
+        assert isinstance(intent, RelaunchStep)
+        if row.state in (ActionState.DONE, ActionState.FAILED):
+            log.info("action %s job=%s kind=relaunch: confirmed again, kept", action_id, job_id)
+            return relaunch_finished(intent, row)
+        if row.state is ActionState.PLANNED:
+            self._store.mark_started(action_id, now_s)
+        if ok:
+            self._store.mark_done(action_id, {"ok": True, "reason": reason}, now_s)
+        else:
+            self._store.mark_failed(action_id, reason or "relaunch failed", now_s, retryable=False)
+        _log_transition(intent, "started", "done" if ok else "failed", reason)
+        return RelaunchFinished(intent.attempt, ok, reason)
+
+    # ------------------------------------------------------------------
+    # One action.
+
+    def _plan_one(self, job_id: str, intent: Intent, now_s: float) -> ActionRow:
+        if intent.job_id != job_id:
+            raise ValueError(f"intent {intent.action_id} is not for job {job_id}")
+        return self._store.plan_action(
+            intent.action_id, job_id, kind_of(intent), args_of(intent), now_s
+        )
+
+    async def _advance(self, intent: Intent, row: ActionRow, now_s: float) -> _Outcome:
+        if row.state is ActionState.DONE:
+            return _Outcome(replay(intent, row))
+        if row.state is ActionState.FAILED and not row.retryable:
+            return _Outcome(replay(intent, row), settled=False)
+        if row.state is ActionState.STARTED:
+            if isinstance(intent, RelaunchStep):
+                return _Outcome()  # with the in-job driver until it confirms
+            try:
+                found = await effect_of(intent, self._slurm, self._baseline(intent))
+            except SlurmUnavailable as error:
+                log.warning(
+                    "action %s job=%s kind=%s: started, Slurm unreachable (%s); "
+                    "left started for the next reconcile",
+                    intent.action_id, intent.job_id, kind_of(intent), error,
+                )  # fmt: skip
+                return _Outcome(settled=False)
+            if found.verdict is Verdict.TOOK_EFFECT:
+                self._finish(intent, {"reconciled": found.detail}, [])
+                _log_transition(intent, "started", "done", f"already in Slurm: {found.detail}")
+                return _Outcome()
+            if found.verdict is Verdict.MOOT:
+                self._store.mark_failed(
+                    intent.action_id, found.detail, self._clock(), retryable=False
+                )
+                _log_transition(intent, "started", "failed", found.detail)
+                return _Outcome(settled=False)
+            log.info(
+                "action %s job=%s kind=%s: started, not in effect (%s); running it again",
+                intent.action_id, intent.job_id, kind_of(intent), found.detail,
+            )  # fmt: skip
+        return await self._run(intent, row, now_s)
+
+    async def _run(self, intent: Intent, row: ActionRow, now_s: float) -> _Outcome:
+        try:
+            if isinstance(intent, RequeueSmaller):
+                await self._record_requeue_baseline(intent, now_s)
+            self._store.mark_started(intent.action_id, now_s)
+            _log_transition(intent, row.state.value, "started", "")
+            if isinstance(intent, RelaunchStep):
+                log.info(
+                    "action %s job=%s kind=relaunch: handed to the in-job driver (%d nodes)",
+                    intent.action_id, intent.job_id, len(intent.nodes),
+                )  # fmt: skip
+                return _Outcome()
+            result, observations = await self._carry_out(intent)
+        except SlurmError as error:
+            retryable = _retryable(error)
+            current = self._store.get_action(intent.action_id)
+            if current is not None and current.state is not ActionState.FAILED:
+                self._store.mark_failed(
+                    intent.action_id, str(error), self._clock(), retryable=retryable
+                )
+            _log_transition(intent, "started", "failed", f"retryable={retryable}: {error}")
+            return _Outcome(settled=False)
+        self._finish(intent, result, observations)
+        _log_transition(intent, "started", "done", _brief(result))
+        return _Outcome(observations)
+
+    async def _carry_out(self, intent: Intent) -> tuple[dict[str, Any], list[Observation]]:
+        """Run the side effect; the store writes that go with it happen in :meth:`_finish`."""
+        now_s = self._clock()
+        if isinstance(intent, DrainNode):
+            await self._slurm.drain(intent.node, intent.slurm_reason)
+            return {"node": intent.node, "reason": intent.slurm_reason}, []
+        if isinstance(intent, ResumeNode):
+            await self._slurm.resume(intent.node)
+            return {"node": intent.node}, []
+        if isinstance(intent, StopRanks | PushInterval):
+            command = command_for(intent)
+            new = self._store.queue_command(intent.job_id, None, command, now_s)
+            return {"command_id": command.command_id, "new": new}, []
+        if isinstance(intent, ValidateCheckpoints):
+            checked = await self._validate_checkpoints(intent)
+            return {"checked": [validated_doc(seen) for seen in checked]}, list(checked)
+        if isinstance(intent, ShrinkAllocation):
+            await self._slurm.shrink(slurm_job_id(intent.job_id), intent.keep_nodes)
+            return {"nodes": list(intent.keep_nodes)}, []
+        if isinstance(intent, RequeueSmaller):
+            await self._slurm.requeue_smaller(
+                slurm_job_id(intent.job_id), intent.n_nodes, intent.n_nodes, intent.exclude
+            )
+            return {"n_nodes": intent.n_nodes, "exclude": list(intent.exclude)}, []
+        if isinstance(intent, Alert):
+            level = logging.ERROR if intent.severity is Severity.CRITICAL else logging.WARNING
+            log.log(level, "ALERT job=%s: %s", intent.job_id, intent.message)
+            return {"severity": intent.severity.value}, []
+        if isinstance(intent, StopJob):
+            job = await self._slurm.job(slurm_job_id(intent.job_id))
+            if job is None or job.state.finished:
+                state = "not listed" if job is None else job.state_raw
+                return {"cancelled": False, "slurm": state}, []
+            await self._slurm.cancel(slurm_job_id(intent.job_id))
+            return {"cancelled": True, "slurm": job.state_raw}, []
+        raise TypeError(f"the executor cannot carry out {intent!r}")  # RelaunchStep: the driver
+
+    def _finish(
+        self, intent: Intent, result: dict[str, Any], observations: list[Observation]
+    ) -> None:
+        """Mark done together with the store rows that record the effect (one transaction)."""
+        now_s = self._clock()
+        with self._store.transaction():
+            if isinstance(intent, DrainNode):
+                self._store.record_drain(
+                    intent.node,
+                    cause=intent.cause,
+                    job_id=intent.job_id,
+                    reason=intent.slurm_reason,
+                    now_s=now_s,
+                    action_id=intent.action_id,
+                )
+            elif isinstance(intent, ResumeNode):
+                self._store.record_undrain(intent.node, now_s=now_s)
+            elif isinstance(intent, Alert):
+                self._store.record_observation(
+                    intent.job_id,
+                    ALERT_KIND,
+                    {"severity": intent.severity.value, "message": intent.message},
+                    now_s,
+                    observation_id=intent.action_id,
+                )
+            self._store.mark_done(intent.action_id, result, now_s)
+
+    async def _validate_checkpoints(self, intent: ValidateCheckpoints) -> list[CheckpointValidated]:
+        root = self._checkpoint_root_of(intent.job_id)
+        if root is None:
+            return [CheckpointValidated(None, None, False, "no checkpoint directory is known")]
+        # catalog imports torch (through validate): only the executor's thread pays for it.
+        from agent.checkpoint.catalog import list_checkpoints
+
+        checked: list[CheckpointValidated] = []
+        for entry in await asyncio.to_thread(list_checkpoints, root):
+            if entry.path in intent.skip:
+                continue
+            valid, reason = await asyncio.to_thread(self._validate, entry.path, intent.level)
+            checked.append(CheckpointValidated(entry.step, entry.path, valid, reason))
+            log.info(
+                "job %s: checkpoint %s %s at %s%s",
+                intent.job_id, entry.path, "valid" if valid else "rejected",
+                intent.level.value, f": {reason}" if reason else "",
+            )  # fmt: skip
+            if valid:
+                return checked
+        checked.append(
+            CheckpointValidated(None, None, False, f"no valid checkpoint left under {root}")
+        )
+        return checked
+
+    async def _record_requeue_baseline(self, intent: RequeueSmaller, now_s: float) -> None:
+        # Reconciliation needs the restart count from before the requeue to tell
+        # "requeued" from "not yet" when the size does not change. Recorded once:
+        # a retry keeps the first baseline.
+        if self._baseline(intent) is not None:
+            return
+        job = await self._slurm.job(slurm_job_id(intent.job_id))
+        self._store.record_observation(
+            intent.job_id,
+            REQUEUE_BASELINE_KIND,
+            {"restart_count": None if job is None else job.restart_count},
+            now_s,
+            observation_id=f"{intent.action_id}/baseline",
+        )
+
+    def _baseline(self, intent: Intent) -> dict[str, Any] | None:
+        if not isinstance(intent, RequeueSmaller):
+            return None
+        baseline_id = f"{intent.action_id}/baseline"
+        for event in self._store.events_for(intent.job_id, kinds=(REQUEUE_BASELINE_KIND,)):
+            if event.event_id == baseline_id:
+                return event.payload
+        return None
+
+    def _newest_attempt(self, job_id: str, cache: dict[str, int]) -> int:
+        if job_id not in cache:
+            attempts = [int(row.args.get("attempt", 0)) for row in self._store.list_actions(job_id)]
+            cache[job_id] = max(attempts, default=0)
+        return cache[job_id]
+
+
+def _retryable(error: SlurmError) -> bool:
+    if isinstance(error, SlurmRequeueFailed):
+        return isinstance(error.error, SlurmUnavailable)
+    return isinstance(error, SlurmUnavailable)
+
+
+def _brief(result: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in sorted(result.items()))[:300]
+
+
+def _log_transition(intent: Intent, before: str, after: str, detail: str) -> None:
+    log.info(
+        "action %s job=%s kind=%s: %s -> %s%s",
+        intent.action_id, intent.job_id, kind_of(intent), before, after,
+        f" ({detail})" if detail else "",
+    )  # fmt: skip

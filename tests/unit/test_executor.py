@@ -1,0 +1,451 @@
+"""The executor against a real store and a small hand-written fake Slurm.
+
+Crashes are simulated the way they happen: the store rows a killed supervisor
+leaves behind (planned, started), or a :class:`Crash` raised out of the fake
+right after Slurm took the effect, before the executor could record it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent.protocol import CommandKind, Reply, decode_reply, encode_reply
+from supervisor.errors import SlurmCommandFailed, SlurmUnavailable
+from supervisor.executor import ALERT_KIND, Executor, Validator, validate_checkpoint
+from supervisor.intents import (
+    Alert,
+    DrainNode,
+    Intent,
+    PushInterval,
+    RelaunchStep,
+    RequeueSmaller,
+    Severity,
+    ShrinkAllocation,
+    StopJob,
+    StopRanks,
+    ValidateCheckpoints,
+    ValidationLevel,
+)
+from supervisor.model import Cause, JobState
+from supervisor.observations import CheckpointValidated, RelaunchFinished
+from supervisor.reconcile import args_of, intent_of, kind_of
+from supervisor.slurm.parse import JobState as SlurmState
+from supervisor.slurm.parse import NodeFlag, NodeState, SlurmJob, SlurmNode
+from supervisor.store import ActionState, Store
+
+NOW = 1_700_000_000.0
+JOB = "4242"
+NODES = ("node1", "node2", "node3", "node4")
+DRAIN = DrainNode(JOB, 2, "node3", Cause.RANK_SIGNAL, "rank 2 SIGKILL")
+SHRINK = ShrinkAllocation(JOB, 2, ("node1", "node2", "node4"))
+RELAUNCH = RelaunchStep(JOB, 2, ("node1", "node2", "node4"), "/ckpt/step-200")
+REQUEUE = RequeueSmaller(JOB, 2, 3, ("node3",), "/ckpt/step-200")
+
+
+class Crash(BaseException):
+    """The supervisor was killed here (not an Exception: nothing may catch it)."""
+
+
+def node(name: str, *, drained: bool = False, reason: str = "") -> SlurmNode:
+    return SlurmNode(
+        name=name,
+        state=NodeState.IDLE,
+        state_raw="IDLE",
+        flags=frozenset({NodeFlag.DRAIN}) if drained else frozenset(),
+        flags_raw=("DRAIN",) if drained else (),
+        reason=reason,
+        reason_set_by=None,
+        reason_changed_at=None,
+        address=None,
+        cpus=2,
+        alloc_cpus=0,
+        partitions=("debug",),
+    )
+
+
+def job(nodes: Sequence[str], state: SlurmState = SlurmState.RUNNING) -> SlurmJob:
+    return SlurmJob(
+        job_id=int(JOB),
+        name="toy",
+        state=state,
+        state_raw=state.value,
+        state_reason="None",
+        nodes=tuple(nodes),
+        node_list=",".join(nodes),
+        node_count=len(nodes),
+        batch_host=nodes[0] if nodes else None,
+        restart_count=0,
+        requeue=True,
+        exit_code=None,
+        exit_signal=None,
+        time_limit_s=None,
+        start_time=None,
+        submit_time=None,
+        end_time=None,
+        excluded_nodes=(),
+        comment="",
+        flags=frozenset(),
+        user_name="u",
+        partition="debug",
+    )
+
+
+class FakeSlurm:
+    """Holds node and job state, records every admin call, can fail or 'crash' on demand."""
+
+    def __init__(self) -> None:
+        self.nodes_by_name = {name: node(name) for name in NODES}
+        self.the_job: SlurmJob | None = job(NODES)
+        self.calls: list[tuple[object, ...]] = []
+        self.unavailable: set[str] = set()  # method names that raise SlurmUnavailable once
+        self.crash_after: set[str] = set()  # method names that apply, then raise Crash
+        self.crash_before: set[str] = set()  # method names that raise Crash, applying nothing
+
+    def _enter(self, method: str, *args: object) -> None:
+        if method in self.crash_before:
+            self.crash_before.discard(method)
+            raise Crash(method)
+        if method in self.unavailable:
+            self.unavailable.discard(method)
+            raise SlurmUnavailable(f"fake: {method} timed out")
+        if method not in ("job", "nodes"):
+            self.calls.append((method, *args))
+
+    def _leave(self, method: str) -> None:
+        if method in self.crash_after:
+            self.crash_after.discard(method)
+            raise Crash(method)
+
+    async def drain(self, name: str, reason: str) -> None:
+        self._enter("drain", name, reason)
+        self.nodes_by_name[name] = node(name, drained=True, reason=reason)
+        self._leave("drain")
+
+    async def resume(self, name: str) -> None:
+        self._enter("resume", name)
+        self.nodes_by_name[name] = node(name)
+        self._leave("resume")
+
+    async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
+        self._enter("shrink", job_id, tuple(keep_nodes))
+        assert self.the_job is not None
+        self.the_job = replace(self.the_job, nodes=tuple(keep_nodes), node_count=len(keep_nodes))
+        self._leave("shrink")
+
+    async def requeue_smaller(
+        self, job_id: int, n_nodes: int, n_tasks: int, exclude_nodes: Sequence[str] = ()
+    ) -> None:
+        self._enter("requeue_smaller", job_id, n_nodes, n_tasks, tuple(exclude_nodes))
+        assert self.the_job is not None
+        self.the_job = replace(
+            self.the_job,
+            state=SlurmState.PENDING,
+            state_raw="PENDING",
+            nodes=(),
+            node_count=n_nodes,
+            restart_count=self.the_job.restart_count + 1,
+        )
+        self._leave("requeue_smaller")
+
+    async def cancel(self, job_id: int, signal: str | None = None) -> None:
+        self._enter("cancel", job_id)
+        assert self.the_job is not None
+        self.the_job = replace(self.the_job, state=SlurmState.CANCELLED, state_raw="CANCELLED")
+        self._leave("cancel")
+
+    async def job(self, job_id: int) -> SlurmJob | None:
+        self._enter("job", job_id)
+        return self.the_job if self.the_job and self.the_job.job_id == job_id else None
+
+    async def nodes(self) -> dict[str, SlurmNode]:
+        self._enter("nodes")
+        return dict(self.nodes_by_name)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    opened = Store.open(tmp_path / "store.db")
+    opened.upsert_job(
+        JOB, state="running", record={}, now_s=NOW, name="toy", original_nodes=4, min_nodes=2
+    )
+    return opened
+
+
+@pytest.fixture
+def slurm() -> FakeSlurm:
+    return FakeSlurm()
+
+
+def executor(
+    store: Store, slurm: FakeSlurm, root: Path | None = None, validate_fn: Validator | None = None
+) -> Executor:
+    return Executor(
+        store,
+        slurm,
+        checkpoint_root_of=lambda job_id: root,
+        validate_fn=validate_fn,
+        clock=lambda: NOW + 1,
+    )
+
+
+def run_execute(ex: Executor, intents: Sequence[Intent]) -> list[object]:
+    return list(asyncio.run(ex.execute(JOB, intents, NOW)))
+
+
+def start_by_hand(store: Store, intent: Intent) -> None:
+    """What a supervisor killed right after ``mark_started`` leaves in the store."""
+    store.plan_action(intent.action_id, JOB, kind_of(intent), args_of(intent), NOW)
+    store.mark_started(intent.action_id, NOW)
+
+
+def state_of(store: Store, intent: Intent) -> ActionState:
+    row = store.get_action(intent.action_id)
+    assert row is not None
+    return row.state
+
+
+def test_executing_the_same_intents_twice_runs_each_slurm_call_once(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    intents: list[Intent] = [
+        StopRanks(JOB, 2, 30.0),
+        DRAIN,
+        SHRINK,
+        PushInterval(JOB, 2, 600.0),
+        Alert(JOB, 2, Severity.WARNING, "node3 drained"),
+    ]
+    ex = executor(store, slurm)
+    run_execute(ex, intents)
+    run_execute(ex, intents)
+    assert slurm.calls == [
+        ("drain", "node3", DRAIN.slurm_reason),
+        ("shrink", 4242, SHRINK.keep_nodes),
+    ]
+    assert all(state_of(store, intent) is ActionState.DONE for intent in intents)
+    assert [(d.node, d.action_id) for d in store.open_drains()] == [("node3", DRAIN.action_id)]
+    kinds = [c.kind for c in store.pending_commands(JOB, "node1")]
+    assert kinds == [CommandKind.STOP_RANKS, CommandKind.SET_CHECKPOINT_INTERVAL]
+    assert len(store.events_for(JOB, kinds=(ALERT_KIND,))) == 1
+
+
+def test_queued_commands_carry_ids_the_agent_protocol_accepts(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    run_execute(executor(store, slurm), [StopRanks(JOB, 2, 30.0), PushInterval(JOB, 2, 600.0)])
+    commands = tuple(store.pending_commands(JOB, "node2"))
+    assert decode_reply(encode_reply(Reply(commands=commands))).commands == commands
+
+
+def test_a_crash_between_mark_started_and_the_slurm_call_is_run_once_by_reconcile(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    start_by_hand(store, DRAIN)
+    restarted = executor(store, slurm)
+    asyncio.run(restarted.reconcile(NOW + 5))
+    asyncio.run(restarted.reconcile(NOW + 6))
+    assert slurm.calls == [("drain", "node3", DRAIN.slurm_reason)]
+    assert state_of(store, DRAIN) is ActionState.DONE
+    assert [d.action_id for d in store.open_drains()] == [DRAIN.action_id]
+
+
+@pytest.mark.parametrize(
+    ("intent", "method"),
+    [(DRAIN, "drain"), (SHRINK, "shrink"), (REQUEUE, "requeue_smaller")],
+)
+def test_a_crash_after_the_slurm_call_is_reconciled_without_calling_slurm_again(
+    store: Store, slurm: FakeSlurm, intent: Intent, method: str
+) -> None:
+    slurm.crash_after.add(method)
+    with pytest.raises(Crash):
+        run_execute(executor(store, slurm), [intent])
+    assert state_of(store, intent) is ActionState.STARTED
+    assert [call[0] for call in slurm.calls] == [method]
+
+    asyncio.run(executor(store, slurm).reconcile(NOW + 5))
+    assert [call[0] for call in slurm.calls] == [method]
+    assert state_of(store, intent) is ActionState.DONE
+    if intent is DRAIN:
+        assert [d.action_id for d in store.open_drains()] == [DRAIN.action_id]
+
+
+def test_a_requeue_that_keeps_the_size_is_done_only_once_the_restart_count_advanced(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    same_size = RequeueSmaller(JOB, 2, 4, ("node3",), None)  # a spare node replaces node3
+    slurm.crash_before.add("requeue_smaller")
+    with pytest.raises(Crash):
+        run_execute(executor(store, slurm), [same_size])
+    assert state_of(store, same_size) is ActionState.STARTED and slurm.calls == []
+
+    asyncio.run(executor(store, slurm).reconcile(NOW + 5))  # same size, same count: not yet
+    assert [call[0] for call in slurm.calls] == ["requeue_smaller"]
+    assert state_of(store, same_size) is ActionState.DONE
+    asyncio.run(executor(store, slurm).reconcile(NOW + 6))
+    assert len(slurm.calls) == 1
+
+
+def test_a_drain_by_someone_else_is_not_taken_for_ours(store: Store, slurm: FakeSlurm) -> None:
+    slurm.nodes_by_name["node3"] = node("node3", drained=True, reason="admin: bad DIMM")
+    start_by_hand(store, DRAIN)
+    asyncio.run(executor(store, slurm).reconcile(NOW + 5))
+    assert slurm.calls == [("drain", "node3", DRAIN.slurm_reason)]
+
+
+def test_slurm_unavailable_fails_the_action_retryably_and_reconcile_retries_it(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    slurm.unavailable.add("drain")
+    ex = executor(store, slurm)
+    run_execute(ex, [DRAIN])
+    row = store.get_action(DRAIN.action_id)
+    assert row is not None and row.state is ActionState.FAILED and row.retryable
+    assert store.open_drains() == []
+
+    asyncio.run(ex.reconcile(NOW + 5))
+    assert slurm.calls == [("drain", "node3", DRAIN.slurm_reason)]
+    assert state_of(store, DRAIN) is ActionState.DONE
+
+
+def test_slurm_refusing_fails_the_action_for_good(store: Store, slurm: FakeSlurm) -> None:
+    class Refusing(FakeSlurm):
+        async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
+            raise SlurmCommandFailed(["scontrol"], 1, "Invalid node name")
+
+    refusing = Refusing()
+    ex = executor(store, refusing)
+    run_execute(ex, [SHRINK, RELAUNCH])
+    row = store.get_action(SHRINK.action_id)
+    assert row is not None and row.state is ActionState.FAILED and not row.retryable
+    asyncio.run(ex.reconcile(NOW + 5))
+    assert state_of(store, RELAUNCH) is ActionState.PLANNED
+
+
+def test_slurm_unavailable_while_reconciling_leaves_a_started_action_unfinished(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    start_by_hand(store, DRAIN)
+    slurm.unavailable.add("nodes")
+    ex = executor(store, slurm)
+    assert asyncio.run(ex.reconcile(NOW + 5)) == []
+    assert state_of(store, DRAIN) is ActionState.STARTED and slurm.calls == []
+
+    asyncio.run(ex.reconcile(NOW + 6))
+    assert state_of(store, DRAIN) is ActionState.DONE
+    assert slurm.calls == [("drain", "node3", DRAIN.slurm_reason)]
+
+
+def test_a_failed_shrink_holds_the_relaunch_until_a_retry_succeeds(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    slurm.unavailable.add("shrink")
+    ex = executor(store, slurm)
+    run_execute(ex, [SHRINK, RELAUNCH])
+    assert state_of(store, RELAUNCH) is ActionState.PLANNED
+    assert ex.pending_relaunch(JOB) is None
+
+    asyncio.run(ex.reconcile(NOW + 5))
+    assert state_of(store, SHRINK) is ActionState.DONE
+    assert ex.pending_relaunch(JOB) == RELAUNCH
+
+
+def test_relaunch_is_handed_to_the_driver_and_confirmed_once(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    ex = executor(store, slurm)
+    assert run_execute(ex, [RELAUNCH]) == []
+    assert ex.pending_relaunch(JOB) == RELAUNCH
+    asyncio.run(ex.reconcile(NOW + 5))  # a restart does not take it from the driver
+    assert state_of(store, RELAUNCH) is ActionState.STARTED
+
+    first = ex.confirm_relaunch(JOB, RELAUNCH.action_id, False, "srun: nodes busy", NOW + 9)
+    again = ex.confirm_relaunch(JOB, RELAUNCH.action_id, True, "", NOW + 10)
+    assert first == again == RelaunchFinished(2, False, "srun: nodes busy")
+    assert ex.pending_relaunch(JOB) is None
+    assert run_execute(ex, [RELAUNCH]) == [first]
+    assert slurm.calls == []
+
+
+def test_stop_job_does_not_cancel_a_job_slurm_already_ended(store: Store, slurm: FakeSlurm) -> None:
+    slurm.the_job = job(NODES, SlurmState.FAILED)
+    stop = StopJob(JOB, 2, JobState.FAILED, "crash loop")
+    run_execute(executor(store, slurm), [stop])
+    assert slurm.calls == [] and state_of(store, stop) is ActionState.DONE
+
+    slurm.the_job = job(NODES)
+    other = StopJob(JOB, 3, JobState.CANCELLED, "operator")
+    run_execute(executor(store, slurm), [other])
+    assert slurm.calls == [("cancel", 4242)]
+
+
+def test_stored_actions_rebuild_the_intents_they_were_planned_from(store: Store) -> None:
+    intents: list[Intent] = [
+        DRAIN,
+        SHRINK,
+        RELAUNCH,
+        REQUEUE,
+        ValidateCheckpoints(JOB, 2, ValidationLevel.LOAD, ("/a", "/b")),
+        Alert(JOB, 2, Severity.CRITICAL, "stop"),
+        StopJob(JOB, 2, JobState.FAILED, "x"),
+    ]
+    for intent in intents:
+        row = store.plan_action(intent.action_id, JOB, kind_of(intent), args_of(intent), NOW)
+        assert intent_of(row) == intent
+
+
+# --- checkpoint validation, on real tiny checkpoints -----------------------------------
+
+
+def corrupt(directory: Path) -> None:
+    from tests.ckpt_helpers import data_files
+
+    target = data_files(directory)[0]
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+def test_validation_walks_newest_first_and_stops_at_the_first_valid(
+    store: Store, slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    from tests.ckpt_helpers import make_committed_checkpoint
+
+    root = tmp_path / "ckpt"
+    paths = {step: make_committed_checkpoint(root, step) for step in (100, 200, 300)}
+    corrupt(paths[300])
+    validated: list[str] = []
+
+    def counting(path: str, level: ValidationLevel) -> tuple[bool, str]:
+        validated.append(path)
+        return validate_checkpoint(path, level)
+
+    ex = executor(store, slurm, root, validate_fn=counting)
+    intent = ValidateCheckpoints(JOB, 2, ValidationLevel.FULL)
+    seen = run_execute(ex, [intent])
+    assert [(s.step, s.path, s.valid) for s in seen] == [  # type: ignore[attr-defined]
+        (300, str(paths[300]), False),
+        (200, str(paths[200]), True),
+    ]
+    assert validated == [str(paths[300]), str(paths[200])]
+    assert run_execute(ex, [intent]) == seen and len(validated) == 2  # replayed, not re-run
+
+    skipping = ValidateCheckpoints(JOB, 2, ValidationLevel.FULL, (str(paths[300]),))
+    assert [s.step for s in run_execute(ex, [skipping])] == [200]  # type: ignore[attr-defined]
+
+
+def test_when_no_checkpoint_is_valid_the_last_report_has_no_path(
+    store: Store, slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    from tests.ckpt_helpers import make_committed_checkpoint
+
+    root = tmp_path / "ckpt"
+    corrupt(make_committed_checkpoint(root, 100))
+    seen = run_execute(
+        executor(store, slurm, root), [ValidateCheckpoints(JOB, 2, ValidationLevel.FULL)]
+    )
+    assert [(s.step, s.valid) for s in seen] == [(100, False), (None, False)]  # type: ignore[attr-defined]
+    assert isinstance(seen[-1], CheckpointValidated) and seen[-1].path is None
