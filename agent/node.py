@@ -43,7 +43,7 @@ from agent.errors import ResurgoError
 from agent.events import EventOut
 from agent.health import run_health_check
 from agent.launch import Allocation, LaunchPlan, LaunchSettings, plan_launch
-from agent.procs import RankExit, RankWatcher
+from agent.procs import RankExit, RankWatcher, pid_alive
 from agent.train.heartbeat import CheckpointNote, RankBeat, parse_datagram
 from agent.train.schedule import CheckpointInterval, format_override
 from agent.watch import RankMonitor
@@ -396,16 +396,16 @@ class NodeAgent:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         deadline = self._clocks.monotonic() + grace
-        while self._clocks.monotonic() < deadline and any(_alive(pid) for pid in targets):
+        while self._clocks.monotonic() < deadline and any(pid_alive(pid) for pid in targets):
             await asyncio.sleep(0.1)
         killed = set()
         for rank in ranks:
             for maybe_pid in (rank.pid, rank.shim_pid):
-                if maybe_pid is not None and _alive(maybe_pid):
+                if maybe_pid is not None and pid_alive(maybe_pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(maybe_pid, signal.SIGKILL)
                     killed.add(rank.global_rank)
-        if _alive(self._process.pid):
+        if pid_alive(self._process.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._process.pid, signal.SIGKILL)
         await asyncio.sleep(0.2)
@@ -433,15 +433,6 @@ class NodeAgent:
                 ],
             },
         )  # fmt: skip
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            # Field 3 is the state; Z is a zombie (dead, not yet reaped).
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _signal_name(signum: int) -> str:

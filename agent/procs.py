@@ -56,7 +56,8 @@ class RankExit:
             return f"signal {self.signal}"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, not yet reaped) counts as gone."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -102,7 +103,7 @@ class RankWatcher:
         if self._expected is not None and len(self._ranks) >= self._expected:
             return found
         if not self._torchrun:
-            if not self._ranks and _alive(self._launcher_pid):
+            if not self._ranks and pid_alive(self._launcher_pid):
                 rank = RankProcess(self._node_rank, 0, self._launcher_pid)
                 self._ranks[rank.global_rank] = rank
                 found.append(rank)
@@ -126,12 +127,12 @@ class RankWatcher:
         """
         exits = []
         for key, rank in self._ranks.items():
-            if key in self._reported or not self._torchrun or _alive(rank.pid):
+            if key in self._reported or not self._torchrun or pid_alive(rank.pid):
                 continue
             record = self._read_record(key)
             if record is None:
                 first_seen = self._vanished_at.setdefault(key, now_unix_s)
-                shim_alive = rank.shim_pid is not None and _alive(rank.shim_pid)
+                shim_alive = rank.shim_pid is not None and pid_alive(rank.shim_pid)
                 if shim_alive or now_unix_s - first_seen < EXIT_RECORD_WAIT_S:
                     continue
                 exits.append(RankExit(rank, None, None, now_unix_s))
