@@ -353,6 +353,7 @@ class NodeAgent:
                 "signal_name": rank_exit.signal_name,
                 "last_step": None if progress is None else progress.step,
                 "phase": None if progress is None else progress.phase.value,
+                "exit_time_unix_s": rank_exit.time_unix_s,
             },
         )
         self._exits[rank_exit.rank.global_rank] = rank_exit

@@ -58,6 +58,7 @@ MAX_COMMANDS = 100
 MAX_TEXT_CHARS = 256 << 10
 MAX_SHORT_TEXT_CHARS = 4096
 MAX_ARGV_ITEMS = 1024
+MAX_STEPS_PER_EVENT = 4096
 
 _SIGNATURE_SCHEME = "RESURGO-HMAC-SHA256"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
@@ -89,6 +90,7 @@ class EventKind(enum.Enum):
     RANKS_STOPPED = "ranks_stopped"  # the agent stopped ranks (SIGTERM, then SIGKILL)
     AGENT_STARTED = "agent_started"  # an agent process started on the node
     AGENT_STOPPED = "agent_stopped"  # an agent process is about to exit
+    STEP_LOSSES = "step_losses"  # per-step loss and data cursor, for resume verification
 
 
 class HangDetector(enum.Enum):
@@ -512,6 +514,19 @@ def _float(document: Mapping[str, Any], key: str, where: str) -> float:
     return number
 
 
+def _finite_float(document: Mapping[str, Any], key: str, where: str) -> float:
+    value = _field(document, key, where)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        _fail(f"{where}.{key} must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:
+        _fail(f"{where}.{key} is too large for a double")
+    if not math.isfinite(number):
+        _fail(f"{where}.{key} must be a finite number, got {value}")
+    return number
+
+
 def _positive_float(document: Mapping[str, Any], key: str, where: str) -> float:
     number = _float(document, key, where)
     if number <= 0:
@@ -668,6 +683,9 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("signal_name", _nullable(_str)),
         _Spec("last_step", _nullable(_int)),
         _Spec("phase", _nullable(_str)),
+        # When the rank died by the shim's clock: the earliest death of a job is
+        # its root cause, the others' exits follow from it.
+        _Spec("exit_time_unix_s", _nullable(_float), required=False),
     ),
     EventKind.LAUNCHER_EXITED: (
         *_EXIT_STATUS,
@@ -741,6 +759,20 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("node_rank", _int),
     ),
     EventKind.AGENT_STOPPED: (_Spec("reason", _str),),
+    EventKind.STEP_LOSSES: (
+        _Spec("global_rank", _int),
+        _Spec(
+            "steps",
+            _objects(
+                (
+                    _Spec("step", _int),
+                    _Spec("loss", _nullable(_finite_float)),
+                    _Spec("cursor", _nullable(_int)),
+                ),
+                max_items=MAX_STEPS_PER_EVENT,
+            ),
+        ),
+    ),
 }
 
 _COMMAND_ARGS: dict[CommandKind, tuple[_Spec, ...]] = {

@@ -670,8 +670,12 @@ class _HostStager:
             local = self._copy_tensor(item.to_local(), spare)
             # run_check=False with shape and stride given: no collective.
             return DTensor.from_local(
-                local, item.device_mesh, item.placements, run_check=False,
-                shape=item.size(), stride=item.stride(),
+                local,
+                item.device_mesh,
+                item.placements,
+                run_check=False,
+                shape=item.size(),
+                stride=item.stride(),
             )
         if isinstance(item, torch.Tensor):
             return self._copy_tensor(item, spare)
@@ -689,8 +693,8 @@ class _HostStager:
         buffer = self._buffers.get(key)
         if buffer is None:  # first tensor of this storage in this save
             same_size = spare.get(source.nbytes())
-            buffer = same_size.pop() if same_size else torch.empty(
-                source.nbytes(), dtype=torch.uint8
+            buffer = (
+                same_size.pop() if same_size else torch.empty(source.nbytes(), dtype=torch.uint8)
             )
             _as_words(buffer.untyped_storage()).copy_(_as_words(source))
             self._buffers[key] = buffer

@@ -106,6 +106,13 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
         "node_rank": 2,
     },
     EventKind.AGENT_STOPPED: {"reason": "SIGTERM from Slurm"},
+    EventKind.STEP_LOSSES: {
+        "global_rank": 0,
+        "steps": [
+            {"step": 21, "loss": -0.5, "cursor": 640},
+            {"step": 22, "loss": None, "cursor": None},
+        ],
+    },
 }
 
 
@@ -566,3 +573,19 @@ def test_signed_headers_carry_job_timestamp_signature_and_version() -> None:
 def test_protocol_module_is_pure() -> None:
     source = (Path(__file__).resolve().parents[2] / "agent" / "protocol.py").read_text()
     assert not imported_roots(source) & FORBIDDEN
+
+
+def test_step_losses_refuse_a_loss_that_is_not_finite() -> None:
+    payload = {"global_rank": 0, "steps": [{"step": 1, "loss": float("nan"), "cursor": 0}]}
+    with pytest.raises(ProtocolError, match="finite"):
+        protocol.make_event(EventKind.STEP_LOSSES, "1234", "node3", INCARNATION, 1, NOW, payload)
+
+
+def test_rank_exited_takes_an_optional_exit_time() -> None:
+    payload = dict(PAYLOADS[EventKind.RANK_EXITED], exit_time_unix_s=NOW - 0.5)
+    event = protocol.make_event(
+        EventKind.RANK_EXITED, "1234", "node3", INCARNATION, 1, NOW, payload
+    )
+    assert (
+        protocol.decode_event(protocol.encode_event(event)).payload["exit_time_unix_s"] == NOW - 0.5
+    )
