@@ -7,6 +7,10 @@ the numbers here are the core's whole opinion of how sure it is:
 - a rank killed by SIGKILL/SIGSEGV/SIGBUS/SIGILL points at the node (memory,
   hardware, the OOM killer): high; other signals (SIGABRT is how NCCL and c10
   errors die) are weak;
+- when several ranks fail together only the first to die is the root cause
+  (torchrun's rule: the failure with the earliest timestamp); its peers on
+  other nodes fail moments later, when a collective sees the closed
+  connection, and say nothing about their own node;
 - a Python exception is never a node fault (DESIGN §3);
 - a failed health check or a lost node: high;
 - a collective hang: the rank that is behind (lowest last step) is strong
@@ -18,10 +22,10 @@ the numbers here are the core's whole opinion of how sure it is:
 from __future__ import annotations
 
 import signal as signals
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agent.protocol import EventKind
-from supervisor.model import Cause, ClusterView, JobRecord, Suspect
+from supervisor.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect
 from supervisor.observations import AgentEvent, LeaseExpired, Observation, SlurmNodeSeen
 
 # Deaths that come from the machine, not from Python: bad memory, a bus error,
@@ -45,6 +49,11 @@ CONFIDENCE_HANG_ALONE = 0.3
 CONFIDENCE_STRAGGLER = 0.5
 # A node already on the cluster's lemon list is more likely the culprit again.
 LEMON_BONUS = 0.1
+# Deaths this close together count as simultaneous: shims reap at their own
+# pace and NTP keeps nodes' clocks only about this close, so the order within
+# it means little. A node signal then beats an exception: a peer of a SIGKILLed
+# rank can raise in the same instant, but an exception makes no node kill a rank.
+EXIT_TIE_TOLERANCE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,67 @@ def suspects_of(event: AgentEvent) -> tuple[Suspect, ...]:
         )
         for c in event.culprits
     )
+
+
+def exit_seen(event: AgentEvent) -> ExitSeen:
+    """A RANK_EXITED event as an :class:`ExitSeen`, dead at its exit time (else the event's)."""
+    return ExitSeen(
+        node=event.node,
+        global_rank=event.global_rank,
+        exit_code=event.exit_code,
+        signal=event.signal,
+        step=event.step,
+        died_at_s=event.time_s if event.exit_time_s is None else event.exit_time_s,
+        error_digest=event.error_digest,
+    )
+
+
+def is_failure(seen: ExitSeen) -> bool:
+    """False for a rank that finished (code 0) or was stopped on purpose (a stop signal)."""
+    if seen.signal is None:
+        return seen.exit_code != 0
+    return seen.signal not in STOP_SIGNALS
+
+
+def root_cause(exits: tuple[ExitSeen, ...]) -> ExitSeen:
+    """The exit that caused the others (``exits``: at least one).
+
+    The earliest death; among those within :data:`EXIT_TIE_TOLERANCE_S` of it,
+    a node signal first, then the earliest.
+    """
+    first = min(seen.died_at_s for seen in exits)
+    tied = [seen for seen in exits if seen.died_at_s - first <= EXIT_TIE_TOLERANCE_S]
+    return min(tied, key=lambda seen: (seen.signal not in NODE_SIGNALS, seen.died_at_s))
+
+
+def blame_exits(
+    exits: tuple[ExitSeen, ...], record: JobRecord, lemons: frozenset[str] = frozenset()
+) -> tuple[ExitSeen, Blame]:
+    """The root cause among ranks that failed together (see :func:`root_cause`), and its blame.
+
+    The evidence names the root cause and how many ranks failed after it, so
+    an operator reading a drain reason sees why this node and not another.
+    """
+    root = root_cause(exits)
+    verdict = _with_lemon(_rank_exit(root, record), lemons)
+    later = sorted(seen.died_at_s - root.died_at_s for seen in exits if seen is not root)
+    if not later:
+        return root, verdict
+    first, *rest = verdict.evidence
+    others = "the other" if len(later) == 1 else "the others"
+    summary = f"{first}, first of {len(exits)} failed ranks; {others} failed {_after(later)}"
+    return root, replace(verdict, evidence=(summary, *rest))
+
+
+def _after(later: list[float]) -> str:
+    """When the other ranks died, seen from the root cause's death (sorted seconds)."""
+    low, high = later[0], later[-1]
+    if low < 0:
+        # A peer's death was stamped first, within the tie tolerance.
+        span = f"{low:+.2f}s" if low == high else f"{low:+.2f}s to {high:+.2f}s"
+        return f"{span} from it (a tie goes to the node signal)"
+    span = f"{low:.1f}s" if round(low, 1) == round(high, 1) else f"{low:.1f}-{high:.1f}s"
+    return f"{span} later"
 
 
 def _suspicion(s: Suspect) -> tuple[bool, int, bool, float, str, int]:
@@ -114,22 +184,24 @@ def blame_hang(suspects: tuple[Suspect, ...], lemons: frozenset[str] = frozenset
     return Blame(top.node, Cause.HANG, confidence, evidence)
 
 
-def _rank_exit(event: AgentEvent, record: JobRecord) -> Blame:
-    node = event.node or record.node_of_rank(event.global_rank or 0)
-    rank = f"rank {event.global_rank} on {node}"
-    if event.signal is not None:
-        name = _signal_name(event.signal)
-        if event.signal in STOP_SIGNALS:
+def _rank_exit(seen: ExitSeen, record: JobRecord) -> Blame:
+    node = seen.node or record.node_of_rank(seen.global_rank or 0)
+    rank = f"rank {seen.global_rank} on {node}"
+    if seen.signal is not None:
+        name = _signal_name(seen.signal)
+        if seen.signal in STOP_SIGNALS:
             return Blame(None, Cause.RANK_SIGNAL, 0.0, (f"{rank} was stopped by {name}",))
         confidence = (
-            CONFIDENCE_NODE_SIGNAL if event.signal in NODE_SIGNALS else CONFIDENCE_OTHER_SIGNAL
+            CONFIDENCE_NODE_SIGNAL if seen.signal in NODE_SIGNALS else CONFIDENCE_OTHER_SIGNAL
         )
-        return Blame(node, Cause.RANK_SIGNAL, confidence, (f"{rank} died by {name}",))
+        return Blame(
+            node, Cause.RANK_SIGNAL, confidence, (f"{rank} died by {name} at step {seen.step}",)
+        )
     return Blame(
         None,
         Cause.USER_EXCEPTION,
         0.0,
-        (f"{rank} exited with code {event.exit_code} at step {event.step}: the user's code",),
+        (f"{rank} exited with code {seen.exit_code} at step {seen.step}: the user's code",),
     )
 
 
@@ -153,17 +225,23 @@ def blame(
     """
     lemons = cluster.lemons if cluster is not None else frozenset()
     result = _blame(observation, record)
-    if result.node is not None and result.node in lemons and result.cause is not Cause.HANG:
-        return Blame(
-            result.node,
-            result.cause,
-            min(1.0, result.confidence + LEMON_BONUS),
-            (*result.evidence, f"{result.node} is on the lemon list"),
-        )
-    if result.cause is Cause.HANG and isinstance(observation, AgentEvent):
+    if result.cause is not Cause.HANG:
+        return _with_lemon(result, lemons)
+    if isinstance(observation, AgentEvent):
         earlier = record.recovery.suspects if record.recovery else ()
         return blame_hang((*earlier, *suspects_of(observation)), lemons)
     return result
+
+
+def _with_lemon(result: Blame, lemons: frozenset[str]) -> Blame:
+    if result.node is None or result.node not in lemons:
+        return result
+    return Blame(
+        result.node,
+        result.cause,
+        min(1.0, result.confidence + LEMON_BONUS),
+        (*result.evidence, f"{result.node} is on the lemon list"),
+    )
 
 
 def _blame(observation: Observation, record: JobRecord) -> Blame:
@@ -194,7 +272,7 @@ def _blame(observation: Observation, record: JobRecord) -> Blame:
     if not isinstance(observation, AgentEvent):
         return Blame(None, Cause.OPERATOR, 0.0, ("not a fault observation",))
     if observation.kind is EventKind.RANK_EXITED:
-        return _rank_exit(observation, record)
+        return _rank_exit(exit_seen(observation), record)
     if observation.kind is EventKind.HANG:
         return Blame(None, Cause.HANG, 0.0, ())
     if observation.kind is EventKind.HEALTH_CHECK_FAILED:

@@ -113,6 +113,8 @@ def _adopt(
         return decision(
             adopted, (), cause, f"Slurm requeued the job during recovery: {seen.reason}"
         )
+    # While hang or exit evidence is collected no restart was counted yet: Slurm's
+    # requeue is the restart, and the ranks it ended are no longer evidence.
     verdict = Blame(None, cause, 0.0, (f"Slurm requeued the job ({seen.reason})",))
     started = recovery.start(
         record, now_s, policy, cluster, verdict, requeue=True, stop_ranks=False

@@ -23,6 +23,9 @@ RECORD_VERSION = 1
 # Older signatures cannot match a new crash once the job moved past them; the
 # store document stays small however long the job runs.
 MAX_SIGNATURES = 32
+# A rank exit window keeps the earliest deaths only: the root cause is among
+# them, and a job of thousands of ranks must not grow the record without bound.
+MAX_EXITS = 64
 
 
 class IllegalTransition(SupervisorError):
@@ -41,9 +44,11 @@ class JobState(enum.Enum):
     STARTING      Slurm runs it (first time, after a requeue, or a relaunched
                   step): agents start, ranks load; no training step seen yet.
     RUNNING       ranks make progress (a step or a checkpoint commit was seen).
-    RECOVERING    a fault was seen: evidence is collected, the blamed node
-                  drained, checkpoints validated, and the backoff waited out.
-                  The job's :class:`Recovery` says how far it got.
+    RECOVERING    a fault was seen: evidence is collected (other nodes' hang
+                  reports, or the exits of the dead rank's peers until the
+                  root cause is clear), the blamed node drained, checkpoints
+                  validated, and the backoff waited out. The job's
+                  :class:`Recovery` says how far it got.
     RELAUNCHING   a new srun step was ordered inside the current allocation
                   (the fast path); waiting for the driver to report it started.
     REQUEUED      the job waits in Slurm's queue again: requeued by us with a
@@ -153,11 +158,35 @@ class Suspect:
 
 
 @dataclass(frozen=True)
+class ExitSeen:
+    """One failed rank collected in an exit evidence window, kept until the root cause is chosen.
+
+    ``died_at_s`` is when the rank died by the clock of its node (the event's
+    ``exit_time_unix_s``), else when the agent reported it: the earliest death
+    is the root cause, the others its consequences. ``error_digest`` as in
+    :class:`CrashSignature`.
+    """
+
+    node: str
+    global_rank: int | None
+    exit_code: int | None
+    signal: int | None
+    step: int | None
+    died_at_s: float
+    error_digest: str | None = None
+
+
+@dataclass(frozen=True)
 class Recovery:
     """How far the current recovery got; None on the record when none is under way.
 
-    - ``evidence_until_s``: hang reports from other nodes are collected until
-      then, so blame can compare nodes (None: evidence complete).
+    - ``evidence_until_s``: evidence is collected until then (None: evidence
+      complete, the cause decided and the restart counted). With ``exits``
+      empty it is a hang window: other nodes' hang reports become
+      ``suspects``, so blame can compare nodes. With ``exits`` it is an exit
+      window: the ranks that failed, earliest death first (at most
+      :data:`MAX_EXITS`), so the root cause is the first to die and not the
+      first reported; ``cause`` is the cause of the earliest so far.
     - ``exclude``: nodes the relaunch must not use (blamed, lost, lemons).
     - ``requeue``: the allocation cannot be reused (batch host died, Slurm
       ended the allocation, the fast path failed).
@@ -172,6 +201,7 @@ class Recovery:
     started_s: float
     evidence_until_s: float | None = None
     suspects: tuple[Suspect, ...] = ()
+    exits: tuple[ExitSeen, ...] = ()
     exclude: tuple[str, ...] = ()
     requeue: bool = False
     validated: bool = False
@@ -179,6 +209,11 @@ class Recovery:
     resume_step: int | None = None
     rejected: tuple[str, ...] = ()
     requeue_seen: bool = False
+
+    @property
+    def collecting_exits(self) -> bool:
+        """An exit window is open: rank exits are evidence, the root cause is not chosen yet."""
+        return self.evidence_until_s is not None and bool(self.exits)
 
 
 @dataclass(frozen=True)
@@ -313,12 +348,18 @@ def _suspect(doc: Mapping[str, Any]) -> Suspect:
     return Suspect(**{f.name: _get(doc, f.name) for f in fields(Suspect)})
 
 
+def _exit_seen(doc: Mapping[str, Any]) -> ExitSeen:
+    return ExitSeen(**{f.name: _get(doc, f.name) for f in fields(ExitSeen)})
+
+
 def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
     if doc is None:
         return None
-    values = {f.name: _get(doc, f.name) for f in fields(Recovery)}
+    # A record written before exit windows existed has no ``exits``: none collected.
+    values = {f.name: _get(doc, f.name) for f in fields(Recovery) if f.name != "exits"}
     values["cause"] = Cause(values["cause"])
     values["suspects"] = tuple(_suspect(s) for s in values["suspects"])
+    values["exits"] = tuple(_exit_seen(e) for e in doc.get("exits", ()))
     values["exclude"] = tuple(values["exclude"])
     values["rejected"] = tuple(values["rejected"])
     return Recovery(**values)
@@ -353,6 +394,7 @@ def record_from_json(text: str) -> JobRecord:
 
 
 __all__ = [
+    "MAX_EXITS",
     "MAX_SIGNATURES",
     "NO_BUDGET_CAUSES",
     "RECORD_VERSION",
@@ -360,6 +402,7 @@ __all__ = [
     "Cause",
     "ClusterView",
     "CrashSignature",
+    "ExitSeen",
     "IllegalTransition",
     "JobRecord",
     "JobState",

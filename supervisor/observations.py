@@ -2,8 +2,8 @@
 
 The daemon turns what it hears into these: agent events (:func:`from_event`),
 Slurm polls, lease expiries, the executor's reports (a checkpoint validated, a
-relaunch started) and a periodic :class:`Tick` that releases waits (hang
-evidence window, restart backoff). Pure: no clock, no OS.
+relaunch started) and a periodic :class:`Tick` that releases waits (hang and
+rank exit evidence windows, restart backoff). Pure: no clock, no OS.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class AgentEvent:
     (CHECKPOINT_COMMITTED) or None. ``error_digest`` is a hash of the exception
     type and message when the agent sent one (payload ``error_digest``).
     ``detail`` is human text for explanations (health-check output tail,
-    straggler numbers).
+    straggler numbers). ``exit_time_s`` is when a rank died (RANK_EXITED
+    payload ``exit_time_unix_s``, by the clock of its node; None when not sent).
     """
 
     kind: EventKind
@@ -48,6 +49,7 @@ class AgentEvent:
     culprits: tuple[Culprit, ...] = ()
     error_digest: str | None = None
     detail: str = ""
+    exit_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class CancelRequested:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time passed; releases the hang evidence window and the restart backoff."""
+    """Time passed; closes the hang and rank exit evidence windows, releases the backoff."""
 
 
 Observation = (
@@ -135,6 +137,13 @@ Observation = (
 def _opt_int(payload: dict[str, Any], key: str) -> int | None:
     value = payload.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _opt_float(payload: dict[str, Any], key: str) -> float | None:
+    value = payload.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 def _culprits(payload: dict[str, Any]) -> tuple[Culprit, ...]:
@@ -180,4 +189,5 @@ def from_event(event: Event) -> AgentEvent:
         culprits=_culprits(payload) if event.kind is EventKind.HANG else (),
         error_digest=digest if isinstance(digest, str) else None,
         detail=detail,
+        exit_time_s=_opt_float(payload, "exit_time_unix_s"),
     )

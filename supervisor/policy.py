@@ -6,12 +6,18 @@ here reads a clock or touches the OS; ``now_s`` is an argument.
 
 Per cause (issue 5, items 3-4):
 
+- a rank failed -> collect the other ranks' exits for
+  ``exit_evidence_window_s`` (their peers fail moments later and the reports
+  arrive in any order), then act on the root cause alone: the earliest death,
+  a node signal winning a tie (:func:`supervisor.blame.blame_exits`);
 - rank killed by a node signal -> blame its node, drain (within the hourly
   share, else alert), stop ranks, validate checkpoints, relaunch smaller;
 - Python exception -> no drain, ``user_exception_retries`` retries; the same
   failure at the same step again -> CRASH_LOOP, stop the job;
 - hang -> collect the other nodes' reports for ``hang_evidence_window_s``,
-  blame the rank behind / outside the collective / stopped first;
+  blame the rank behind / outside the collective / stopped first; ranks
+  that exit meanwhile are the hang's consequences (or our stopping them);
+  a hang report during an exit window is evidence only;
 - node lost (lease expired, Slurm DOWN/NOT_RESPONDING) -> exclude it (drain
   it unless Slurm already did), requeue if it was the batch host;
 - health check failed -> drain, relaunch without it;
@@ -20,7 +26,8 @@ Per cause (issue 5, items 3-4):
 - Slurm's own requeue -> adopt it (REQUEUED), never requeue on top of it.
 
 Every restart spends budget only without progress (no committed step newer
-than at the previous restart); ``max_restarts_without_progress`` of them in a
+than at the previous restart), counted once the cause is decided (never
+when an evidence window opens); ``max_restarts_without_progress`` of them in a
 row stop the job. Between restarts the relaunch waits ``not_before_s``
 (exponential backoff); a :class:`~supervisor.observations.Tick` releases it.
 """
@@ -33,9 +40,26 @@ from dataclasses import dataclass, fields, replace
 from agent.errors import ConfigError
 from agent.protocol import EventKind
 from supervisor import follow_slurm, recovery
-from supervisor.blame import STOP_SIGNALS, Blame, blame, blame_hang, suspects_of
+from supervisor.blame import (
+    Blame,
+    blame,
+    blame_exits,
+    blame_hang,
+    exit_seen,
+    is_failure,
+    suspects_of,
+)
 from supervisor.intents import Alert, Intent, Severity, ValidateCheckpoints, ValidationLevel
-from supervisor.model import Cause, ClusterView, CrashSignature, JobRecord, JobState, Recovery
+from supervisor.model import (
+    MAX_EXITS,
+    Cause,
+    ClusterView,
+    CrashSignature,
+    ExitSeen,
+    JobRecord,
+    JobState,
+    Recovery,
+)
 from supervisor.observations import (
     AgentEvent,
     CancelRequested,
@@ -71,6 +95,9 @@ class Policy:
     - ``validation_level``: how deep a checkpoint is validated before resuming.
     - ``hang_evidence_window_s``: how long other nodes' hang reports are
       awaited before blaming.
+    - ``exit_evidence_window_s``: after a rank fails, how long the other
+      ranks' exits are awaited before the earliest death is taken as the
+      root cause (0: act on the first exit reported).
     - ``resume_loss_tolerance``: replayed losses may differ by this much
       (absolute) and the resume still counts as verified (0: exact).
     - ``probation_s``: a node drained once for a transient fault returns to
@@ -92,6 +119,9 @@ class Policy:
     stop_grace_s: float = 30.0
     validation_level: ValidationLevel = ValidationLevel.FULL
     hang_evidence_window_s: float = 30.0
+    # Peers see a dead rank's closed connection within a second or so; the
+    # agents report within their next event flush.
+    exit_evidence_window_s: float = 3.0
     resume_loss_tolerance: float = 0.0
     probation_s: float = 1800.0
     lemon_blames: int = 2
@@ -178,15 +208,8 @@ def _on_agent_event(
     kind = event.kind
     if kind is EventKind.CHECKPOINT_COMMITTED:
         return _on_commit(record, event, now_s)
-    if kind is EventKind.RANK_EXITED and record.state in _LIVE:
-        verdict = blame(event, record, cluster)
-        if event.signal is None and event.exit_code == 0:
-            return _nothing(record, f"rank {event.global_rank} finished")
-        if verdict.cause is Cause.USER_EXCEPTION:
-            return _on_exception(record, event, now_s, policy, cluster, verdict)
-        if event.signal in STOP_SIGNALS:
-            return _nothing(record, "; ".join(verdict.evidence))
-        return recovery.start(record, now_s, policy, cluster, verdict)
+    if kind is EventKind.RANK_EXITED:
+        return _on_rank_exit(record, event, now_s, policy, cluster)
     if kind is EventKind.HANG:
         return _on_hang(record, event, now_s, policy, cluster)
     if kind is EventKind.HEALTH_CHECK_FAILED and event.node in record.nodes:
@@ -205,19 +228,79 @@ def _on_commit(record: JobRecord, event: AgentEvent, now_s: float) -> Decision:
     return _nothing(record, f"checkpoint committed at step {event.step}")
 
 
+def _on_rank_exit(
+    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    seen = exit_seen(event)
+    rank = f"rank {seen.global_rank} on {seen.node}"
+    if not is_failure(seen):
+        if seen.signal is None:
+            return _nothing(record, f"rank {seen.global_rank} finished")
+        return _nothing(record, "; ".join(blame(event, record, cluster).evidence))
+    if record.state in _LIVE:
+        return _open_exit_window(record, seen, now_s, policy, cluster)
+    pending = record.recovery
+    if record.state is not JobState.RECOVERING or pending is None:
+        return _nothing(record, f"{rank} exited while {record.state.value}")
+    if pending.evidence_until_s is not None and not pending.exits:
+        # The hang was reported first, so it is older than this death: the rank
+        # died of it (a collective timeout, a watchdog) and the hang's blame stands.
+        return _nothing(record, f"{rank} exited during a hang: evidence only")
+    if not pending.collecting_exits:
+        return _nothing(record, f"{rank} exited after the cause was decided")
+    if seen in pending.exits:
+        return _nothing(record, f"{rank} exit already known")
+    exits = tuple(sorted((*pending.exits, seen), key=lambda e: e.died_at_s))[:MAX_EXITS]
+    cause = blame_exits(exits, record)[1].cause
+    record = replace(record, recovery=replace(pending, cause=cause, exits=exits))
+    return Decision(record, (), cause, f"{rank} failed too: evidence for the root cause")
+
+
+def _open_exit_window(
+    record: JobRecord, seen: ExitSeen, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    """The first rank failed: its peers' exits follow; the root cause waits for them."""
+    window = policy.exit_evidence_window_s
+    cause = blame_exits((seen,), record)[1].cause
+    record = replace(
+        recovery.to_state(record, JobState.RECOVERING, now_s),
+        recovery=Recovery(
+            cause=cause, started_s=now_s, evidence_until_s=now_s + window, exits=(seen,)
+        ),
+    )
+    if window == 0:
+        return _decide_exits(record, now_s, policy, cluster)
+    explanation = (
+        f"rank {seen.global_rank} on {seen.node} failed: "
+        f"collecting the other ranks' exits for {window:g}s"
+    )
+    return Decision(record, (), cause, explanation)
+
+
+def _decide_exits(
+    record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    """The exit window closed: recover from the root cause alone."""
+    assert record.recovery is not None
+    root, verdict = blame_exits(record.recovery.exits, record, cluster.lemons)
+    if verdict.cause is Cause.USER_EXCEPTION:
+        return _on_exception(record, root, now_s, policy, cluster, verdict)
+    return recovery.start(record, now_s, policy, cluster, verdict)
+
+
 def _on_exception(
     record: JobRecord,
-    event: AgentEvent,
+    root: ExitSeen,
     now_s: float,
     policy: Policy,
     cluster: ClusterView,
     verdict: Blame,
 ) -> Decision:
-    signature = CrashSignature(event.error_digest or f"exit:{event.exit_code}", event.step)
+    signature = CrashSignature(root.error_digest or f"exit:{root.exit_code}", root.step)
     if signature in record.signatures:
         reason = (
             f"crash loop: {signature.digest} at step {signature.step} again "
-            f"(rank {event.global_rank} on {event.node}); not a node fault, no drain"
+            f"(rank {root.global_rank} on {root.node}); not a node fault, no drain"
         )
         return recovery.stop(record, now_s, JobState.FAILED, Cause.CRASH_LOOP, reason)
     retries = 0 if recovery.made_progress(record) else record.user_retries_without_progress
@@ -239,7 +322,7 @@ def _on_exception(
 def _on_hang(
     record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
 ) -> Decision:
-    collecting = record.recovery is not None and record.recovery.evidence_until_s is not None
+    pending = record.recovery
     if record.state in _LIVE:
         record = replace(
             recovery.to_state(record, JobState.RECOVERING, now_s),
@@ -250,12 +333,13 @@ def _on_hang(
                 suspects=suspects_of(event),
             ),
         )
-    elif collecting and record.recovery is not None:
-        known = record.recovery.suspects
+    elif pending is not None and pending.evidence_until_s is not None and not pending.exits:
         record = replace(
-            record, recovery=replace(record.recovery, suspects=(*known, *suspects_of(event)))
+            record, recovery=replace(pending, suspects=(*pending.suspects, *suspects_of(event)))
         )
     else:
+        # In an exit window ranks already died: whatever hangs now waits on
+        # them, and their exits name the root cause.
         return _nothing(record, f"hang report from {event.node} during recovery: evidence only")
     if policy.hang_evidence_window_s == 0:
         return _blame_hang(record, now_s, policy, cluster)
@@ -340,7 +424,7 @@ def _on_checkpoint(
     cluster: ClusterView,
 ) -> Decision:
     pending = record.recovery
-    # While hang evidence is collected no validation was asked for: a report is stale.
+    # While evidence is collected no validation was asked for: a report is stale.
     if (
         pending is None
         or pending.validated
@@ -395,7 +479,10 @@ def _on_tick(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterVi
         return _nothing(record, "nothing waits")
     if pending.evidence_until_s is not None:
         if now_s < pending.evidence_until_s:
-            return _nothing(record, "collecting hang evidence")
+            collecting = "rank exits" if pending.exits else "hang evidence"
+            return _nothing(record, f"collecting {collecting}")
+        if pending.exits:
+            return _decide_exits(record, now_s, policy, cluster)
         return _blame_hang(record, now_s, policy, cluster)
     if pending.validated:
         return recovery.relaunch(record, now_s, cluster)

@@ -12,10 +12,15 @@ from supervisor.blame import (
     CONFIDENCE_HANG_BEHIND,
     CONFIDENCE_HANG_FIRST_STOPPED,
     CONFIDENCE_HANG_OUTSIDE_COLLECTIVE,
+    CONFIDENCE_NODE_SIGNAL,
+    EXIT_TIE_TOLERANCE_S,
     blame,
+    blame_exits,
     blame_hang,
+    exit_seen,
+    is_failure,
 )
-from supervisor.model import Cause, ClusterView, JobState, Suspect, new_record
+from supervisor.model import Cause, ClusterView, ExitSeen, JobState, Suspect, new_record
 from supervisor.observations import AgentEvent, Culprit, LeaseExpired, SlurmNodeSeen
 from supervisor.policy import Policy
 
@@ -106,6 +111,70 @@ def test_hang_event_is_compared_with_suspects_already_collected():
     verdict = blame(event, record)
     assert verdict.node == "b" and verdict.cause is Cause.HANG
     assert "2 step(s) behind" in verdict.evidence[0]
+
+
+def test_an_exit_dies_at_its_exit_time_else_when_it_was_reported():
+    event = exited(signal.SIGKILL.value, None)
+    assert exit_seen(event).died_at_s == NOW
+    assert exit_seen(replace(event, exit_time_s=NOW - 2.5)).died_at_s == NOW - 2.5
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "failure"),
+    [
+        (None, 0, False),
+        (signal.SIGTERM.value, None, False),
+        (signal.SIGINT.value, None, False),
+        (None, 1, True),
+        (None, None, True),
+        (signal.SIGKILL.value, None, True),
+        (signal.SIGABRT.value, None, True),
+    ],
+)
+def test_finished_and_stopped_ranks_are_no_failures(sig, code, failure):
+    assert is_failure(exit_seen(exited(sig, code))) is failure
+
+
+def gone(node: str, rank: int, died: float, sig: int | None = None) -> ExitSeen:
+    return ExitSeen(node, rank, None if sig else 1, sig, 12, died, None if sig else "E")
+
+
+KILLED = signal.SIGKILL.value
+TIE = EXIT_TIE_TOLERANCE_S / 2
+
+
+@pytest.mark.parametrize(
+    ("exits", "rank", "cause"),
+    [
+        ((gone("a", 0, NOW + 1), gone("b", 3, NOW, KILLED)), 3, Cause.RANK_SIGNAL),
+        ((gone("a", 0, NOW), gone("b", 3, NOW + 1, KILLED)), 0, Cause.USER_EXCEPTION),
+        ((gone("a", 0, NOW), gone("b", 3, NOW + TIE, KILLED)), 3, Cause.RANK_SIGNAL),
+        ((gone("a", 0, NOW + TIE, KILLED), gone("b", 3, NOW)), 0, Cause.RANK_SIGNAL),
+        ((gone("a", 0, NOW + TIE), gone("b", 3, NOW)), 3, Cause.USER_EXCEPTION),
+        ((gone("a", 0, NOW + 1), gone("b", 3, NOW + 2)), 0, Cause.USER_EXCEPTION),
+    ],
+)
+def test_the_root_cause_is_the_earliest_death_and_a_node_signal_wins_a_tie(exits, rank, cause):
+    root, verdict = blame_exits(exits, RECORD)
+    assert (root.global_rank, verdict.cause) == (rank, cause)
+
+
+def test_the_root_cause_evidence_names_it_and_counts_the_ranks_that_failed_after_it():
+    exits = (gone("b", 3, NOW, KILLED), gone("a", 0, NOW + 0.3), gone("a", 1, NOW + 1.2))
+    root, verdict = blame_exits(exits, RECORD, frozenset({"b"}))
+    assert root == exits[0] and verdict.node == "b"
+    assert verdict.confidence > CONFIDENCE_NODE_SIGNAL  # b is a lemon
+    assert verdict.evidence == (
+        "rank 3 on b died by SIGKILL at step 12, first of 3 failed ranks; "
+        "the others failed 0.3-1.2s later",
+        "b is on the lemon list",
+    )
+    alone = blame_exits(exits[:1], RECORD)[1]
+    assert alone.evidence == ("rank 3 on b died by SIGKILL at step 12",)
+    tied = blame_exits((gone("a", 0, NOW), gone("b", 3, NOW + 0.02, KILLED)), RECORD)[1]
+    assert tied.evidence[0].endswith(
+        "first of 2 failed ranks; the other failed -0.02s from it (a tie goes to the node signal)"
+    )
 
 
 def test_lemons_raise_confidence():

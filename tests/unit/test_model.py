@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,7 @@ from supervisor.model import (
     TRANSITIONS,
     Cause,
     CrashSignature,
+    ExitSeen,
     IllegalTransition,
     JobState,
     RecordFormatError,
@@ -36,6 +38,8 @@ from supervisor.model import (
 from supervisor.observations import from_event
 
 NOW = 1_000_000.0
+
+
 def test_terminal_states_have_no_way_out_and_every_state_is_in_the_table():
     assert set(TRANSITIONS) == set(JobState)
     assert {s for s in JobState if s.terminal} == {
@@ -80,14 +84,14 @@ def full_record():
         recovery=Recovery(
             Cause.HANG,
             NOW,
-            NOW + 30,
-            (Suspect("n1", 0, 9, False, NOW, "x"),),
-            ("n3",),
-            True,
-            True,
-            "/c/100",
-            100,
-            ("/c/200",),
+            evidence_until_s=NOW + 30,
+            suspects=(Suspect("n1", 0, 9, False, NOW, "x"),),
+            exclude=("n3",),
+            requeue=True,
+            validated=True,
+            resume_from="/c/100",
+            resume_step=100,
+            rejected=("/c/200",),
         ),
     )
 
@@ -98,6 +102,39 @@ def test_record_json_round_trips_with_a_version():
     assert '"version": 1' in text and '"state": "recovering"' in text
     assert record_from_json(text) == record
     assert record.restarts_for(Cause.HANG) == 2 and record.restarts_for(Cause.STRAGGLER) == 0
+
+
+def window_record():
+    """A record in an exit window: two exits collected, the root cause not chosen yet."""
+    return replace(
+        new_record("42", 4, NOW, min_nodes=2),
+        state=JobState.RECOVERING,
+        nodes=("n1", "n2", "n3", "n4"),
+        recovery=Recovery(
+            Cause.USER_EXCEPTION,
+            NOW,
+            evidence_until_s=NOW + 3,
+            exits=(
+                ExitSeen("n3", 5, None, 9, 12, NOW - 1.5),
+                ExitSeen("n1", 0, 1, None, None, NOW - 1.2, "RuntimeError:gloo"),
+            ),
+        ),
+    )
+
+
+def test_record_json_round_trips_the_exits_of_an_open_exit_window():
+    record = window_record()
+    assert record.recovery is not None and record.recovery.collecting_exits
+    text = record_to_json(record)
+    assert '"died_at_s": 999998.5' in text
+    assert record_from_json(text) == record
+
+
+def test_a_record_stored_before_exit_windows_reads_with_no_exits():
+    doc = json.loads(record_to_json(window_record()))
+    del doc["recovery"]["exits"]
+    recovery = record_from_json(json.dumps(doc)).recovery
+    assert recovery is not None and recovery.exits == () and not recovery.collecting_exits
 
 
 @pytest.mark.parametrize(
@@ -199,3 +236,6 @@ def test_agent_events_become_observations():
         },
     )
     assert (from_event(exited).signal, from_event(exited).step) == (9, 7)
+    assert from_event(exited).exit_time_s is None
+    timed = replace(exited, payload={**exited.payload, "exit_time_unix_s": NOW - 0.5})
+    assert from_event(timed).exit_time_s == NOW - 0.5
