@@ -105,3 +105,31 @@ def _describe(directory: Path, step: int) -> Entry:
         total_bytes=total_bytes,
         stats=stats,
     )
+
+
+def supersede_newer(root: str | os.PathLike[str], step: int, now_unix_s: float) -> list[Path]:
+    """Move every ``step-<N>`` with N > ``step`` aside as ``step-<N>.superseded-<unix>``.
+
+    A run that resumes from ``step`` abandons what came after it: those
+    checkpoints (rejected, or from a timeline the resume replaces) would
+    otherwise collide with the new run's saves at the same steps, and a later
+    "newest valid" could pick them over the continuation's own. Nothing is
+    deleted: the directories stay for inspection under a name that is not a
+    checkpoint. Call on one rank (rank 0) before the first save.
+    """
+    moved = []
+    for entry in list_checkpoints(root):
+        if entry.step <= step:
+            continue
+        source = Path(entry.path)
+        target = source.with_name(f"{source.name}.superseded-{int(now_unix_s)}")
+        suffix = 1
+        while target.exists():
+            target = source.with_name(f"{source.name}.superseded-{int(now_unix_s)}-{suffix}")
+            suffix += 1
+        source.rename(target)
+        log.warning("resuming from step %d: %s moved aside to %s", step, source, target.name)
+        moved.append(target)
+    if moved:
+        files.fsync_dir(Path(root))
+    return moved

@@ -2,7 +2,9 @@
 
 A training script calls :func:`beat` (or :meth:`Heartbeat.beat`) once per
 step; the node agent turns the stream into hang and straggler verdicts
-(:mod:`agent.hang`). On every rank::
+(:mod:`agent.hang`). :meth:`Heartbeat.report_step` is a beat that also carries
+the step's loss and data cursor, which the agent forwards to the supervisor for
+resume verification (``TrainingSession.step_done`` sends it). On every rank::
 
     from agent.train.heartbeat import Heartbeat, Phase
 
@@ -10,7 +12,8 @@ step; the node agent turns the stream into hang and straggler verdicts
     hb.beat(0, Phase.INIT)                     # before the slow setup (grace applies)
     for step in range(start, total):
         ...train one step...
-        hb.beat(step + 1)                      # Phase.TRAIN
+        hb.beat(step + 1)                      # Phase.TRAIN; or, with the loss:
+        # hb.report_step(step + 1, loss=loss.item(), cursor=samples_before_step)
         if save_due:
             with hb.phase(Phase.CHECKPOINT):   # a beat on entry and one on exit
                 path = save(step + 1)
@@ -37,7 +40,7 @@ offset type  field
 ====== ===== ===================================================================
 0      2s    magic ``b"Rh"``
 2      u8    version, 1
-3      u8    kind: 1 = beat, 2 = checkpoint committed
+3      u8    kind: 1 = beat, 2 = checkpoint committed, 3 = step report
 4      u8    phase: 0 init, 1 train, 2 checkpoint, 3 eval
 5      u8    reserved, 0
 6      i32   global rank
@@ -49,16 +52,25 @@ offset type  field
 
 A beat is exactly those 34 bytes. A checkpoint note appends ``u16`` path
 length and that many bytes of the path (UTF-8, undecodable bytes kept via
-``surrogateescape``), at most :data:`MAX_PATH_BYTES`. The wall time is for
-reports and latency only: the agent measures progress with its own monotonic
-clock at receipt, so rank clock skew never fakes or hides a hang. A receiver
-that sees another magic, an unknown version or kind, or a wrong length drops
-the datagram; a version 2 may append fields after these.
+``surrogateescape``), at most :data:`MAX_PATH_BYTES`. A step report (phase
+train; rank, local rank and step >= 0) appends two fields, 50 bytes in all:
+
+====== ===== ===================================================================
+34     f64   the step's loss; NaN: no loss (none given, or not a number)
+42     i64   data cursor: global samples consumed before the step; -1: unknown
+====== ===== ===================================================================
+
+The wall time is for reports and latency only: the agent measures progress
+with its own monotonic clock at receipt, so rank clock skew never fakes or
+hides a hang. A receiver that sees another magic, an unknown version or kind,
+a wrong length or a field out of its range drops the datagram; a version 2 may
+append fields after these.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import os
 import socket
 import struct
@@ -81,7 +93,11 @@ RECONNECT_PERIOD_S = 2.0
 
 _HEADER = struct.Struct("<2sBBBxiiiqd")
 _PATH_LEN = struct.Struct("<H")
+_STEP_TAIL = struct.Struct("<dq")
 BEAT_SIZE = _HEADER.size
+STEP_REPORT_SIZE = BEAT_SIZE + _STEP_TAIL.size
+_NO_LOSS = float("nan")
+_NO_CURSOR = -1
 
 
 class Phase(enum.Enum):
@@ -98,6 +114,7 @@ class Kind(enum.IntEnum):
 
     BEAT = 1
     CHECKPOINT = 2
+    STEP = 3
 
 
 _PHASE_CODE: dict[Phase, int] = {
@@ -132,6 +149,30 @@ class CheckpointNote:
     phase: Phase
     wall_time_s: float
     path: str
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One decoded step report: ``rank`` finished ``step`` with ``loss`` at data ``cursor``.
+
+    ``loss`` is None when the rank gave none (or it was NaN); ``cursor`` (the
+    global samples consumed before the step) is None when unknown. A step
+    report is also a beat in phase train: see :meth:`as_beat`.
+    """
+
+    rank: int
+    local_rank: int
+    pid: int
+    step: int
+    loss: float | None
+    cursor: int | None
+    wall_time_s: float
+
+    def as_beat(self) -> RankBeat:
+        """The beat this report stands for: ``rank`` reached ``step`` in phase train."""
+        return RankBeat(
+            self.rank, self.local_rank, self.pid, self.step, Phase.TRAIN, self.wall_time_s
+        )
 
 
 def encode_beat(
@@ -171,7 +212,39 @@ def encode_checkpoint(
     return header + _PATH_LEN.pack(len(raw)) + raw
 
 
-def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | None:
+def encode_step_report(
+    *,
+    rank: int,
+    local_rank: int,
+    pid: int,
+    step: int,
+    loss: float | None,
+    cursor: int | None,
+    wall_time_s: float,
+) -> bytes:
+    """The datagram for a step report; ValueError for a negative rank, step or cursor."""
+    if min(rank, local_rank, step) < 0 or (cursor is not None and cursor < 0):
+        raise ValueError(
+            f"step report needs rank, local rank, step and cursor >= 0, got rank {rank}, "
+            f"local rank {local_rank}, step {step}, cursor {cursor}"
+        )
+    header = _HEADER.pack(
+        MAGIC,
+        VERSION,
+        Kind.STEP,
+        _PHASE_CODE[Phase.TRAIN],
+        rank,
+        local_rank,
+        pid,
+        step,
+        wall_time_s,
+    )
+    return header + _STEP_TAIL.pack(
+        _NO_LOSS if loss is None else loss, _NO_CURSOR if cursor is None else cursor
+    )
+
+
+def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None:
     """Decode one datagram; None for anything that is not a well-formed version-1 message.
 
     Never raises: the agent's socket is writable by every local process, so
@@ -187,6 +260,8 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | None:
         if len(data) != BEAT_SIZE:
             return None
         return RankBeat(rank, local_rank, pid, step, phase, wall)
+    if kind == Kind.STEP:
+        return _step_report(data, phase, rank, local_rank, pid, step, wall)
     if kind != Kind.CHECKPOINT or len(data) < BEAT_SIZE + _PATH_LEN.size:
         return None
     (length,) = _PATH_LEN.unpack_from(data, BEAT_SIZE)
@@ -195,6 +270,25 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | None:
         return None
     return CheckpointNote(
         rank, local_rank, pid, step, phase, wall, raw.decode("utf-8", "surrogateescape")
+    )
+
+
+def _step_report(
+    data: bytes, phase: Phase, rank: int, local_rank: int, pid: int, step: int, wall: float
+) -> StepReport | None:
+    if len(data) != STEP_REPORT_SIZE or phase is not Phase.TRAIN or min(rank, local_rank, step) < 0:
+        return None
+    loss, cursor = _STEP_TAIL.unpack_from(data, BEAT_SIZE)
+    if cursor < _NO_CURSOR:
+        return None
+    return StepReport(
+        rank,
+        local_rank,
+        pid,
+        step,
+        None if math.isnan(loss) else loss,
+        None if cursor == _NO_CURSOR else cursor,
+        wall,
     )
 
 
@@ -307,6 +401,40 @@ class Heartbeat:
             self._disconnect()
         except (ValueError, struct.error, TypeError):
             # Path too long or not a str path; the agent also finds commits on disk.
+            pass
+
+    def report_step(self, step: int, loss: float | None = None, cursor: int | None = None) -> None:
+        """Tell the agent this rank finished ``step``, with its loss and data cursor; never raises.
+
+        Counts as a beat of ``step`` in phase train. ``loss`` is a float (call
+        ``.item()`` on a tensor), None when there is none; ``cursor`` is the
+        global samples consumed BEFORE the step, None when unknown. A report
+        with a negative step or cursor is dropped.
+        """
+        self._step = step
+        self._phase = Phase.TRAIN
+        if self._path is None:
+            return
+        sock = self._sock if self._sock is not None else self._reconnect()
+        if sock is None:
+            return
+        try:
+            data = encode_step_report(
+                rank=self._rank,
+                local_rank=self._local_rank,
+                pid=self._pid,
+                step=step,
+                loss=loss,
+                cursor=cursor,
+                wall_time_s=self._clock(),
+            )
+            sock.send(data)
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._disconnect()
+        except (ValueError, struct.error, TypeError):
+            # Out of range or not numbers: the report is not worth a crash.
             pass
 
     def close(self) -> None:

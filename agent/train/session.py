@@ -13,7 +13,7 @@ schedule from :mod:`agent.train.schedule`. On every rank::
     while session.step < total_steps:
         batch = next(batches)          # (new iterator at each epoch end)
         ...forward, backward, optimizer.step(), scheduler.step()...
-        session.step_done()            # advances the sampler; saves when due
+        session.step_done(loss=loss.item())  # advances the sampler; saves when due
     session.close()                    # waits for the last save to commit
 
 What is saved (DESIGN.md §5), under these top-level keys:
@@ -24,6 +24,14 @@ What is saved (DESIGN.md §5), under these top-level keys:
   ``extras``, ``step``: identical on every rank, so DCP's dedup keeps one copy;
 - ``per_rank.rank<r>``: this rank's Python, NumPy, torch CPU and CUDA RNG
   states. Keyed by rank because DCP keeps one copy of identical keys.
+
+Each :meth:`TrainingSession.step_done` also reports the step to the node
+agent (:meth:`~agent.train.heartbeat.Heartbeat.report_step`): its number, the
+loss passed in, and the sampler's global cursor before the step. The
+supervisor compares these after a resume (same world size: the replayed
+steps' losses; resized: the first step's cursor). Only rank 0 reports unless
+``report_all_ranks`` is set: the loss a script logs is usually all-reduced,
+so one rank's value speaks for all.
 
 The resume source is ``RESURGO_RESUME_FROM`` (set by the supervisor: that
 exact checkpoint, re-validated; invalid is an error) or else the newest
@@ -46,11 +54,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from agent.checkpoint import format as fmt
-from agent.checkpoint.catalog import newest_valid
+from agent.checkpoint.catalog import newest_valid, supersede_newer
 from agent.checkpoint.retention import RetentionPolicy, apply_retention
 from agent.checkpoint.save import Checkpointer, SaveResult, WhenBusy
 from agent.checkpoint.validate import Level, validate
 from agent.errors import CheckpointError, CheckpointInvalid, ConfigError
+from agent.train.heartbeat import Heartbeat, default_heartbeat
 from agent.train.rng import capture_rng_state, restore_rng_state
 from agent.train.sampler import GlobalBatchSampler
 from agent.train.schedule import CheckpointSchedule, IntervalSource, due_on_all_ranks
@@ -69,6 +78,11 @@ class TrainingSession:
     Construct after ``init_process_group`` (when distributed) and after the
     model is wrapped (FSDP2/DDP) and the optimizer built. Every method is
     called on every rank at the same point of the loop.
+
+    Step reports go through ``heartbeat`` (by default the process's
+    :func:`~agent.train.heartbeat.default_heartbeat`, or one made from
+    ``environ`` when that is given); ``report_all_ranks`` makes every rank
+    report, for scripts whose loss is not all-reduced.
     """
 
     def __init__(
@@ -86,6 +100,8 @@ class TrainingSession:
         when_busy: WhenBusy = WhenBusy.WAIT,
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        heartbeat: Heartbeat | None = None,
+        report_all_ranks: bool = False,
     ) -> None:
         env = os.environ if environ is None else environ
         if root is None:
@@ -107,6 +123,10 @@ class TrainingSession:
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self.world_size = dist.get_world_size() if self._distributed else 1
+        if heartbeat is None:
+            heartbeat = default_heartbeat() if environ is None else Heartbeat.from_env(env)
+        self._heartbeat = heartbeat
+        self._reports_steps = report_all_ranks or self.rank == 0
         self._retention = retention
         self._checkpointer = Checkpointer(
             self.root,
@@ -133,6 +153,7 @@ class TrainingSession:
         path = self._choose_resume_path()
         if path is None:
             log.info("no checkpoint under %s: starting from step 0", self.root)
+            self._supersede_newer(0)
             return 0
         state = self._state_for_load(path)
         dcp.load(state, checkpoint_id=str(path))
@@ -170,8 +191,14 @@ class TrainingSession:
             self._interval.current(), start_step=self.step, start_s=self._clock()
         )
         self.resumed_from = path
+        self._supersede_newer(self.step)
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
+
+    def _supersede_newer(self, step: int) -> None:
+        """Rank 0 moves checkpoints after ``step`` aside: the run continues from ``step``."""
+        if self.rank == 0:
+            supersede_newer(self.root, step, time.time())
 
     def restore_rng(self) -> None:
         """Restore this rank's RNG states from the checkpoint; no-op if none are pending.
@@ -226,20 +253,28 @@ class TrainingSession:
 
     # -- save ----------------------------------------------------------------
 
-    def step_done(self) -> SaveResult | None:
+    def step_done(self, loss: float | None = None) -> SaveResult | None:
         """Record one completed optimizer step; save when the schedule says so.
 
         Advances the sampler's global cursor (after the optimizer step, never in
-        the data pipeline, since DataLoader workers prefetch).
+        the data pipeline, since DataLoader workers prefetch). Reports the step
+        to the node agent (rank 0 only, unless ``report_all_ranks``): its number
+        (``step`` after this call: the first step after resuming from the
+        checkpoint of step S is S + 1), ``loss`` (a float; pass ``loss.item()``,
+        or None) and the sampler's cursor before the step (None without a
+        sampler). Reporting never blocks or raises.
         """
         if self._pending_rng is not None:
             raise CheckpointError(
                 "restored RNG state was never applied: call session.restore_rng() after "
                 "creating the data iterator and before the first training step"
             )
+        cursor = self._sampler.consumed_total if self._sampler is not None else None
         self.step += 1
         if self._sampler is not None:
             self._sampler.advance()
+        if self._reports_steps:
+            self._heartbeat.report_step(self.step, loss, cursor)
         self._schedule.set_interval(self._interval.current())
         if not due_on_all_ranks(self._schedule, self.step, self._clock(), rank=self.rank):
             return None

@@ -18,6 +18,7 @@ from supervisor.store.rows import (
     LeaseRow,
     Lemon,
     ProgressRow,
+    StepRow,
 )
 from supervisor.store.schema import SCHEMA_VERSION
 from supervisor.store.store import Store
@@ -37,5 +38,6 @@ __all__ = [
     "LeaseRow",
     "Lemon",
     "ProgressRow",
+    "StepRow",
     "Store",
 ]

@@ -1,8 +1,8 @@
 """The store's connection: opening and checking the file, transactions, backup, locking.
 
 :class:`StoreCore` is the base of :class:`supervisor.store.Store`; the tables'
-methods live in ``history.py`` and ``store.py`` and use only what is here:
-``_db`` inside ``_tx``, under ``_lock``.
+methods live in ``history.py``, ``steps.py`` and ``store.py`` and use only what
+is here: ``_db`` inside ``_tx``, under ``_lock``.
 """
 
 from __future__ import annotations

@@ -233,3 +233,21 @@ class ProgressRow:
     job_id: str
     step: int
     time_s: float
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """What ``global_rank`` reported for ``step`` in launch ``attempt`` of a job.
+
+    ``loss`` is None when the rank reported no finite loss, ``cursor`` (global
+    samples consumed before the step) when it was unknown; ``received_s`` is
+    when the supervisor first stored it.
+    """
+
+    job_id: str
+    attempt: int
+    step: int
+    global_rank: int
+    loss: float | None
+    cursor: int | None
+    received_s: float

@@ -156,7 +156,26 @@ CREATE TABLE progress (
 CREATE INDEX progress_by_job ON progress (job_id, id);
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1,)
+# What training ranks reported per step (step_losses events), for resume
+# verification. WITHOUT ROWID: rows live in primary-key order, so an attempt's
+# steps are one range and its last step one index probe; by_step finds every
+# attempt's report of one step. A NULL loss is "no finite loss", a NULL cursor
+# "unknown".
+_V2 = """
+CREATE TABLE step_reports (
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    attempt INTEGER NOT NULL CHECK (attempt >= 0),
+    step INTEGER NOT NULL CHECK (step >= 0),
+    global_rank INTEGER NOT NULL CHECK (global_rank >= 0),
+    loss REAL,
+    cursor INTEGER CHECK (cursor >= 0),
+    received_s REAL NOT NULL,
+    PRIMARY KEY (job_id, attempt, step, global_rank)
+) WITHOUT ROWID;
+CREATE INDEX step_reports_by_step ON step_reports (job_id, step, attempt);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _RESTORE_HINT = (

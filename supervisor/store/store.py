@@ -23,11 +23,11 @@ last ``seq`` it decided on in the job record, updated in the same transaction
 as the decision, and reads ``events_for(job, since_seq=cursor)``.
 
 Durability: WAL with ``synchronous=NORMAL`` for high-volume writes (events,
-observations, progress, checkpoints, lease flushes): a commit survives the
-supervisor being SIGKILLed (it is in the WAL, in the OS page cache) but the
-last commits can vanish if the head node loses power. Everything that drives
-or records a side effect (jobs, attempts, decisions, actions, drains,
-commands, and every :meth:`Store.transaction`) commits with
+observations, progress, checkpoints, step reports, lease flushes): a commit
+survives the supervisor being SIGKILLed (it is in the WAL, in the OS page
+cache) but the last commits can vanish if the head node loses power.
+Everything that drives or records a side effect (jobs, attempts, decisions,
+actions, drains, commands, and every :meth:`Store.transaction`) commits with
 ``synchronous=FULL``, which fsyncs the WAL: after a power loss the store never
 forgets that a drain or a requeue already happened. Agents' events are
 re-observable (Slurm and the agents report the state again), drains are not.
@@ -68,6 +68,7 @@ from supervisor.store.rows import (
     label,
     loads,
 )
+from supervisor.store.steps import StepReports
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ _PLANNED, _STARTED = ActionState.PLANNED.value, ActionState.STARTED.value
 _DONE, _FAILED = ActionState.DONE.value, ActionState.FAILED.value
 
 
-class Store(History):
+class Store(History, StepReports):
     """The supervisor's store; open it with :meth:`Store.open`. See the module docstring."""
 
     # ------------------------------------------------------------------

@@ -8,13 +8,14 @@ tests/recording_server.py acting as the supervisor).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from tests.conftest import REPO, LiveCluster
 from tests.recording_server import RecordingServer
 
 WORKER = REPO / "tests" / "workers" / "agent_worker.py"
+LOSS_WORKER = REPO / "tests" / "workers" / "loss_worker.py"
 AGENT = [sys.executable, "-m", "agent.node"]
 
 
@@ -38,7 +40,13 @@ def free_port() -> int:
 class RunningAgent:
     """One resurgo-agent process on this machine, its output folder and its events log."""
 
-    def __init__(self, tmp_path: Path, agent_args: list[str], worker_args: list[str]):
+    def __init__(
+        self,
+        tmp_path: Path,
+        agent_args: list[str],
+        worker_args: list[str],
+        worker: Path = WORKER,
+    ):
         self.out = tmp_path / "out"
         self.out.mkdir()
         self.log = tmp_path / "events.jsonl"
@@ -47,7 +55,7 @@ class RunningAgent:
             *AGENT, "--job-id", "77", "--node", "node1", "--master-port", str(free_port()),
             "--run-dir", str(tmp_path / "run"), "--events-log", str(self.log),
             "--watch-interval-s", "0.2", *agent_args,
-            "--", "torchrun", "--nproc-per-node=2", str(WORKER), "--out", str(self.out),
+            "--", "torchrun", "--nproc-per-node=2", str(worker), "--out", str(self.out),
             *worker_args,
         ]  # fmt: skip
         self.process = subprocess.Popen(
@@ -103,8 +111,8 @@ class RunningAgent:
 def agent_factory(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     started: list[RunningAgent] = []
 
-    def start(agent_args: list[str], worker_args: list[str]) -> RunningAgent:
-        running = RunningAgent(tmp_path, agent_args, worker_args)
+    def start(agent_args: list[str], worker_args: list[str], worker: Path = WORKER) -> RunningAgent:
+        running = RunningAgent(tmp_path, agent_args, worker_args, worker)
         started.append(running)
         return running
 
@@ -205,6 +213,38 @@ def test_sigterm_stops_the_ranks_and_says_how(agent_factory) -> None:  # type: i
     assert agent.events()[-1].kind is EventKind.AGENT_STOPPED
 
 
+def test_reported_losses_reach_the_events_log_as_step_losses_while_running_and_at_exit(
+    agent_factory: Callable[..., RunningAgent], tmp_path: Path
+) -> None:
+    agent = agent_factory(
+        # Reports 2 s apart: the steps after the release, done in well under
+        # that, can only reach the log through the flush before launcher_exited.
+        ["--heartbeat-report-s", "2"],
+        ["--ckpt", str(tmp_path / "ckpt"), "--steps", "20", "--hold-at", "8"],
+        LOSS_WORKER,
+    )
+    # The ranks hold after step 8: what arrives now came from a periodic report.
+    early = agent.wait_event(EventKind.STEP_LOSSES, 60)
+    assert early.payload["global_rank"] == 0
+    assert early.payload["steps"][0]["step"] == 1
+    (agent.out / "release").write_text("")
+    assert agent.process.wait(timeout=60) == 0, agent.tail()
+    events = agent.events()
+    kinds = [event.kind for event in events]
+    step_events = [event for event in events if event.kind is EventKind.STEP_LOSSES]
+    # Only rank 0 reports by default, and nothing buffered is lost at exit.
+    assert {event.payload["global_rank"] for event in step_events} == {0}
+    assert kinds.index(EventKind.LAUNCHER_EXITED) > max(
+        index for index, kind in enumerate(kinds) if kind is EventKind.STEP_LOSSES
+    )
+    steps = [entry for event in step_events for entry in event.payload["steps"]]
+    expected = json.loads((agent.out / "losses.json").read_text())
+    assert [entry["step"] for entry in steps] == list(range(1, 21))
+    assert {str(entry["step"]): entry["loss"] for entry in steps} == expected
+    # The cursor is the global samples consumed before the step: 8 per step.
+    assert [entry["cursor"] for entry in steps] == [8 * (step - 1) for step in range(1, 21)]
+
+
 def test_failed_health_check_refuses_to_launch(agent_factory) -> None:  # type: ignore[no-untyped-def]
     agent = agent_factory(["--health-check", "sh -c 'echo gpu 3 is missing; exit 7'"], [])
     assert agent.process.wait(timeout=60) == 3
@@ -215,7 +255,7 @@ def test_failed_health_check_refuses_to_launch(agent_factory) -> None:  # type: 
 
 
 def test_signed_reports_and_commands_round_trip_through_the_supervisor_api(
-    agent_factory, tmp_path: Path  # type: ignore[no-untyped-def]
+    agent_factory: Callable[..., RunningAgent], tmp_path: Path
 ) -> None:
     secret_file = tmp_path / "secret"
     secret = bytes(range(32))

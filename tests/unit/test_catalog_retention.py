@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.checkpoint import format as fmt
-from agent.checkpoint.catalog import list_checkpoints, newest_valid
+from agent.checkpoint.catalog import list_checkpoints, newest_valid, supersede_newer
 from agent.checkpoint.retention import (
     Candidate,
     DeleteReason,
@@ -192,3 +192,23 @@ def test_newest_valid_with_nothing_valid_returns_none_and_every_rejection(
     found, rejected = newest_valid(tmp_path, Level.QUICK)
     assert found is None
     assert [report.step for report in rejected] == [2, 1]
+
+
+def test_resuming_moves_newer_checkpoints_aside_and_keeps_older_ones(tmp_path: Path) -> None:
+    for step in (4, 8, 12):
+        make_committed_checkpoint(tmp_path, step)
+    (tmp_path / "step-16").mkdir()  # an uncommitted leftover counts too
+
+    moved = supersede_newer(tmp_path, 8, now_unix_s=1_700_000_000)
+
+    assert sorted(path.name for path in moved) == [
+        "step-12.superseded-1700000000",
+        "step-16.superseded-1700000000",
+    ]
+    assert [entry.step for entry in list_checkpoints(tmp_path)] == [8, 4]
+    assert (tmp_path / "step-12.superseded-1700000000" / fmt.MARKER_NAME).exists()
+    make_committed_checkpoint(tmp_path, 12)  # the continuation saves there again
+    assert supersede_newer(tmp_path, 12, now_unix_s=1_700_000_000) == []
+    make_committed_checkpoint(tmp_path, 16)
+    moved = supersede_newer(tmp_path, 12, now_unix_s=1_700_000_000)
+    assert [path.name for path in moved] == ["step-16.superseded-1700000000-1"]

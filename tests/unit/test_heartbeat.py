@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -17,12 +19,15 @@ from agent.train import heartbeat as hbmod
 from agent.train.heartbeat import (
     BEAT_SIZE,
     MAX_PATH_BYTES,
+    STEP_REPORT_SIZE,
     CheckpointNote,
     Heartbeat,
     Phase,
     RankBeat,
+    StepReport,
     encode_beat,
     encode_checkpoint,
+    encode_step_report,
     parse_datagram,
 )
 
@@ -84,7 +89,58 @@ def test_checkpoint_path_longer_than_path_max_is_refused_by_the_encoder() -> Non
         )
 
 
+def step_report(**fields: Any) -> bytes:
+    values: dict[str, Any] = {
+        "rank": 0, "local_rank": 0, "pid": 1, "step": 5, "loss": 2.5, "cursor": 40,
+        "wall_time_s": 1.0,
+    }  # fmt: skip
+    values.update(fields)
+    return encode_step_report(**values)
+
+
+def test_step_report_round_trips_its_loss_and_cursor() -> None:
+    data = encode_step_report(
+        rank=4, local_rank=2, pid=99, step=2**40, loss=0.1, cursor=2**50, wall_time_s=1.7e9
+    )
+    assert len(data) == STEP_REPORT_SIZE == BEAT_SIZE + 16
+    assert data[:5] == b"Rh\x01\x03\x01"  # version 1, kind 3, phase train
+    assert data[34:] == struct.pack("<dq", 0.1, 2**50)
+    report = parse_datagram(data)
+    assert report == StepReport(4, 2, 99, 2**40, 0.1, 2**50, 1.7e9)
+    assert isinstance(report, StepReport)
+    assert report.as_beat() == RankBeat(4, 2, 99, 2**40, Phase.TRAIN, 1.7e9)
+
+
+def test_no_loss_travels_as_nan_and_an_unknown_cursor_as_minus_one() -> None:
+    data = step_report(loss=None, cursor=None)
+    loss, cursor = struct.unpack_from("<dq", data, BEAT_SIZE)
+    assert math.isnan(loss) and cursor == -1
+    report = parse_datagram(data)
+    assert isinstance(report, StepReport)
+    assert (report.loss, report.cursor) == (None, None)
+    nan_loss = parse_datagram(step_report(loss=float("nan"), cursor=0))
+    assert isinstance(nan_loss, StepReport) and (nan_loss.loss, nan_loss.cursor) == (None, 0)
+
+
+def test_an_infinite_loss_is_decoded_as_sent() -> None:
+    report = parse_datagram(step_report(loss=float("-inf")))
+    assert isinstance(report, StepReport) and report.loss == float("-inf")
+
+
+@pytest.mark.parametrize("fields", [{"step": -1}, {"cursor": -1}, {"rank": -2}, {"local_rank": -1}])
+def test_the_step_report_encoder_refuses_negative_numbers(fields: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        step_report(**fields)
+
+
 GOOD = encode_beat(rank=0, local_rank=0, pid=1, step=5, phase=Phase.TRAIN, wall_time_s=1.0)
+STEP = step_report()
+
+
+def _step_with(offset: int, fmt: str, value: object) -> bytes:
+    data = bytearray(STEP)
+    struct.pack_into(fmt, data, offset, value)
+    return bytes(data)
 
 
 @pytest.mark.parametrize(
@@ -103,6 +159,14 @@ GOOD = encode_beat(rank=0, local_rank=0, pid=1, step=5, phase=Phase.TRAIN, wall_
             GOOD[:3] + b"\x02" + GOOD[4:] + struct.pack("<H", 10) + b"abc",
         ),
         ("json", b'{"step": 5, "phase": "train", "rank": 0, "pad": "xxxxxx"}'),
+        ("step report cut short", STEP[:-1]),
+        ("step report with a trailing byte", STEP + b"\0"),
+        ("step report of a bare header", GOOD[:3] + b"\x03" + GOOD[4:]),
+        ("step report in phase checkpoint", STEP[:4] + b"\x02" + STEP[5:]),
+        ("step report with cursor -2", _step_with(42, "<q", -2)),
+        ("step report of step -1", _step_with(18, "<q", -1)),
+        ("step report of rank -1", _step_with(6, "<i", -1)),
+        ("step report of local rank -1", _step_with(10, "<i", -1)),
     ],
 )
 def test_garbage_datagrams_parse_to_none(name: str, data: bytes) -> None:
@@ -121,6 +185,7 @@ def test_parse_datagram_never_raises_on_mangled_valid_messages(tail: bytes, cut:
     )
     parse_datagram(GOOD[:cut] + tail)
     parse_datagram(note[:cut] + tail)
+    parse_datagram(STEP[:cut] + tail)
 
 
 def test_heartbeat_delivers_beats_phases_and_checkpoint_notes(
@@ -146,6 +211,26 @@ def test_heartbeat_delivers_beats_phases_and_checkpoint_notes(
     assert abs(note.wall_time_s - time.time()) < 60
 
 
+def test_report_step_sends_a_step_report_that_is_also_the_current_beat(
+    sock_path: Path, receiver: socket.socket
+) -> None:
+    hb = Heartbeat(str(sock_path), rank=3, local_rank=1)
+    hb.beat(0, Phase.INIT)
+    hb.report_step(1, loss=0.75, cursor=0)
+    hb.report_step(2)
+    with hb.phase(Phase.CHECKPOINT):
+        pass
+    got = [parse_datagram(d) for d in receive_all(receiver)]
+    reports = [m for m in got if isinstance(m, StepReport)]
+    assert [(r.rank, r.local_rank, r.pid, r.step, r.loss, r.cursor) for r in reports] == [
+        (3, 1, os.getpid(), 1, 0.75, 0),
+        (3, 1, os.getpid(), 2, None, None),
+    ]
+    # The phase context returns to train at the reported step, not to init.
+    beats = [(m.step, m.phase) for m in got if isinstance(m, RankBeat)]
+    assert beats == [(0, Phase.INIT), (2, Phase.CHECKPOINT), (2, Phase.TRAIN)]
+
+
 def test_heartbeat_reads_socket_and_ranks_from_the_environment(sock_path: Path) -> None:
     hb = Heartbeat.from_env(
         {"RESURGO_AGENT_SOCKET": str(sock_path), "RANK": "9", "LOCAL_RANK": "x"}
@@ -159,6 +244,7 @@ def test_no_socket_configured_is_a_no_op() -> None:
     assert not hb.enabled
     hb.beat(1)
     hb.checkpoint_committed(1, "/x")
+    hb.report_step(1, loss=1.0, cursor=4)
     with hb.phase(Phase.EVAL):
         pass
     assert not hb.connected
@@ -237,6 +323,11 @@ def test_bad_arguments_never_raise_into_training(sock_path: Path, receiver: sock
     hb.beat(2**70)
     hb.beat(1, "train")  # type: ignore[arg-type]
     hb.checkpoint_committed(1, "x" * (MAX_PATH_BYTES + 1))
+    hb.report_step(2**70)
+    hb.report_step(-1)
+    hb.report_step(1, cursor=-5)
+    hb.report_step(1, loss="low")  # type: ignore[arg-type]
+    hb.report_step(1, cursor=2.5)  # type: ignore[arg-type]
     assert receive_all(receiver) == []
 
 

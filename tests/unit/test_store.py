@@ -28,9 +28,11 @@ from supervisor.store import (
     Actor,
     EventSource,
     Lemon,
+    StepRow,
     Store,
     schema,
 )
+from supervisor.store import steps as step_sql
 
 NOW = 1_700_000_000.0
 JOB = "1234"
@@ -141,6 +143,31 @@ def test_an_older_schema_is_backed_up_then_migrated_in_one_transaction(path: Pat
     old = sqlite3.connect(backup)
     assert old.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)
     old.close()
+
+
+def test_a_version_1_store_migrates_keeping_its_rows_and_gains_step_reports(path: Path) -> None:
+    db = sqlite3.connect(path, isolation_level=None)
+    assert schema.migrate(db, path, schema.MIGRATIONS[:1]) == 1
+    db.execute(
+        "INSERT INTO jobs (job_id, name, state, original_nodes, world_size, min_nodes, record,"
+        " record_version, created_s, updated_s) VALUES (?, 't', 'running', 2, 2, 1, '{}', 1,"
+        " ?, ?)",
+        (JOB, NOW, NOW),
+    )
+    db.close()
+    with Store.open(path) as store:
+        job = store.get_job(JOB)
+        assert job is not None and job.state == "running"
+        assert store.record_steps(JOB, 1, 0, [{"step": 3, "loss": 0.5, "cursor": 12}], NOW) == 1
+        assert store.steps_for(JOB) == [StepRow(JOB, 1, 3, 0, 0.5, 12, NOW)]
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)
+    db.close()
+    backup = sqlite3.connect(path.with_name(f"{path.name}.schema-v1.bak"))
+    assert backup.execute("SELECT version FROM schema_version").fetchone() == (1,)
+    tables = {row[0] for row in backup.execute("SELECT name FROM sqlite_schema")}
+    assert "jobs" in tables and "step_reports" not in tables
+    backup.close()
 
 
 def test_a_failing_migration_leaves_the_old_version_intact(path: Path) -> None:
@@ -621,6 +648,83 @@ def test_a_checkpoint_commit_is_recorded_once_per_path(store: Store) -> None:
     assert store.record_checkpoint(JOB, 100, "/ckpt/step-100", NOW + 3) == first
     store.record_checkpoint(JOB, 200, "/ckpt/step-200", NOW + 10)
     assert [c.step for c in store.checkpoints_for(JOB)] == [100, 200]
+
+
+# ---------------------------------------------------------------------------
+# Step reports (resume verification).
+
+
+def test_step_reports_round_trip_by_attempt_and_step_range(store: Store) -> None:
+    entries = [
+        {"step": 11, "loss": 0.25, "cursor": 40},
+        {"step": 12, "loss": None, "cursor": None},
+        {"step": 13},
+    ]
+    assert store.record_steps(JOB, 1, 0, entries, NOW) == 3
+    assert store.record_steps(JOB, 1, 4, [{"step": 11, "loss": 0.5, "cursor": 40}], NOW) == 1
+    assert store.record_steps(JOB, 0, 0, [{"step": 12, "loss": 1.0, "cursor": 44}], NOW - 9) == 1
+    assert store.steps_for(JOB) == [
+        StepRow(JOB, 0, 12, 0, 1.0, 44, NOW - 9),
+        StepRow(JOB, 1, 11, 0, 0.25, 40, NOW),
+        StepRow(JOB, 1, 11, 4, 0.5, 40, NOW),
+        StepRow(JOB, 1, 12, 0, None, None, NOW),
+        StepRow(JOB, 1, 13, 0, None, None, NOW),
+    ]
+    assert [(r.step, r.global_rank) for r in store.steps_for(JOB, 1, first_step=12)] == [
+        (12, 0), (13, 0),
+    ]  # fmt: skip
+    assert [r.step for r in store.steps_for(JOB, 1, last_step=11)] == [11, 11]
+    assert [r.attempt for r in store.steps_for(JOB, first_step=12, last_step=12)] == [0, 1]
+    assert store.steps_for(JOB, 2) == [] and store.steps_for("other") == []
+    assert [(r.attempt, r.global_rank) for r in store.reports_of_step(JOB, 12)] == [(0, 0), (1, 0)]
+    assert store.last_reported_step(JOB, 1) == 13
+    assert store.last_reported_step(JOB, 0) == 12
+    assert store.last_reported_step(JOB, 2) is None
+
+
+def test_a_step_reported_again_in_the_same_attempt_keeps_its_first_report(store: Store) -> None:
+    store.record_steps(JOB, 1, 0, [{"step": 5, "loss": 0.5, "cursor": 20}], NOW)
+    again = [{"step": 5, "loss": 9.0, "cursor": 99}, {"step": 6, "loss": 0.4, "cursor": 24}]
+    assert store.record_steps(JOB, 1, 0, again, NOW + 5) == 1
+    assert store.record_steps(JOB, 2, 0, again[:1], NOW + 9) == 1  # another attempt: its own
+    assert [(r.attempt, r.step, r.loss, r.cursor, r.received_s) for r in store.steps_for(JOB)] == [
+        (1, 5, 0.5, 20, NOW), (1, 6, 0.4, 24, NOW + 5), (2, 5, 9.0, 99, NOW + 9),
+    ]  # fmt: skip
+
+
+def test_a_loss_that_is_not_finite_is_stored_as_none(store: Store) -> None:
+    entries = [{"step": 1, "loss": float("nan")}, {"step": 2, "loss": float("inf")}]
+    store.record_steps(JOB, 0, 0, entries, NOW)
+    assert [r.loss for r in store.steps_for(JOB)] == [None, None]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"loss": 1.0}, {"step": -1}, {"step": 1.5}, {"step": True}, {"step": 1, "cursor": -3},
+     {"step": 1, "loss": "low"}, {"step": 1, "loss": False}],
+)  # fmt: skip
+def test_an_entry_that_is_not_a_step_report_is_refused_and_nothing_is_stored(
+    store: Store, entry: dict[str, object]
+) -> None:
+    with pytest.raises(ValueError, match="not a step report"):
+        store.record_steps(JOB, 0, 0, [{"step": 1}, entry], NOW)
+    assert store.steps_for(JOB) == []
+
+
+def test_step_reports_of_an_unknown_job_are_refused(store: Store) -> None:
+    with pytest.raises(UnknownJob):
+        store.record_steps("404", 0, 0, [{"step": 1}], NOW)
+
+
+def test_step_report_queries_search_an_index_and_never_scan_the_table(store: Store) -> None:
+    queries = [
+        (step_sql.LAST_STEP_SQL, (JOB, 1)),
+        (step_sql.STEP_SQL, (JOB, 5)),
+        (step_sql.RANGE_SQL, (JOB, 1, 5, 9)),
+    ]
+    for sql, params in queries:
+        plan = " | ".join(row[3] for row in store._db.execute(f"EXPLAIN QUERY PLAN {sql}", params))
+        assert "SEARCH step_reports USING" in plan and "SCAN" not in plan, (sql, plan)
 
 
 # ---------------------------------------------------------------------------

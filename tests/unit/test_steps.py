@@ -1,0 +1,216 @@
+"""Step reports: the session sends them, the agent buffers them into step_losses payloads."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from agent import protocol
+from agent.config import load_config
+from agent.node import Clocks, NodeAgent
+from agent.steps import StepBuffer
+from agent.train.heartbeat import (
+    Heartbeat,
+    Phase,
+    StepReport,
+    encode_beat,
+    encode_step_report,
+    parse_datagram,
+)
+from agent.train.sampler import GlobalBatchSampler
+from agent.train.schedule import CheckpointInterval, IntervalSource
+from agent.train.session import TrainingSession
+
+INCARNATION = "0123abcd"
+
+
+def report(rank: int, step: int, loss: float | None = 1.0, cursor: int | None = None) -> StepReport:
+    return StepReport(rank, rank % 8, 100 + rank, step, loss, cursor, 0.0)
+
+
+def as_event(payload: dict[str, Any]) -> protocol.Event:
+    return protocol.make_event(
+        protocol.EventKind.STEP_LOSSES, "77", "node1", INCARNATION, 1, 1.0, payload
+    )
+
+
+def test_drain_gives_one_payload_per_rank_in_arrival_order_and_empties_the_buffer() -> None:
+    buffer = StepBuffer()
+    for item in (report(1, 5, 0.5, 20), report(0, 5, 0.25, 20), report(1, 6, None, 24)):
+        assert buffer.add(item)
+    assert len(buffer) == 3
+    payloads, dropped = buffer.drain()
+    assert dropped == 0
+    assert payloads == [
+        {"global_rank": 0, "steps": [{"step": 5, "loss": 0.25, "cursor": 20}]},
+        {
+            "global_rank": 1,
+            "steps": [
+                {"step": 5, "loss": 0.5, "cursor": 20},
+                {"step": 6, "loss": None, "cursor": 24},
+            ],
+        },
+    ]
+    assert [as_event(p).payload for p in payloads] == payloads
+    assert len(buffer) == 0
+    assert buffer.drain() == ([], 0)
+
+
+@pytest.mark.parametrize("loss", [float("inf"), float("-inf"), float("nan")])
+def test_a_loss_that_is_not_finite_is_sent_as_null(loss: float) -> None:
+    buffer = StepBuffer()
+    buffer.add(report(0, 1, loss, 0))
+    (payload,), _ = buffer.drain()
+    assert payload["steps"] == [{"step": 1, "loss": None, "cursor": 0}]
+    as_event(payload)  # the protocol accepts it
+
+
+def test_more_steps_than_one_event_carries_are_split_in_step_order() -> None:
+    limit = protocol.MAX_STEPS_PER_EVENT
+    buffer = StepBuffer()
+    for step in range(2 * limit + 1):
+        buffer.add(report(3, step, float(step), step * 8))
+    buffer.add(report(2, 7))
+    payloads, _ = buffer.drain()
+    assert [(p["global_rank"], len(p["steps"])) for p in payloads] == [
+        (2, 1), (3, limit), (3, limit), (3, 1),
+    ]  # fmt: skip
+    steps = [entry["step"] for p in payloads[1:] for entry in p["steps"]]
+    assert steps == list(range(2 * limit + 1))
+    for payload in payloads:
+        as_event(payload)
+    one_more = {"global_rank": 3, "steps": payloads[1]["steps"] + payloads[3]["steps"]}
+    with pytest.raises(protocol.ProtocolError, match="steps"):
+        as_event(one_more)
+
+
+def test_a_full_buffer_drops_and_counts_until_the_next_drain() -> None:
+    buffer = StepBuffer(max_steps=2)
+    assert [buffer.add(report(0, step)) for step in range(5)] == [True, True, False, False, False]
+    payloads, dropped = buffer.drain()
+    assert [entry["step"] for entry in payloads[0]["steps"]] == [0, 1] and dropped == 3
+    assert buffer.add(report(0, 9))
+    assert buffer.drain()[1] == 0
+
+
+# ---------------------------------------------------------------------------
+# The session's side: one report per step_done, with the cursor before the step.
+
+
+class NeverSave(IntervalSource):
+    def __init__(self) -> None:
+        self._fixed = CheckpointInterval(steps=10**9)
+
+    def current(self) -> CheckpointInterval:
+        return self._fixed
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[tuple[Path, socket.socket]]:
+    path = Path(f"/tmp/resurgo-steps-{os.getpid()}-{tmp_path.name[-20:]}.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.setblocking(False)
+    yield path, sock
+    sock.close()
+    path.unlink(missing_ok=True)
+
+
+def received(sock: socket.socket) -> list[StepReport]:
+    out = []
+    while True:
+        try:
+            message = parse_datagram(sock.recv(65536))
+        except BlockingIOError:
+            return out
+        assert isinstance(message, StepReport)
+        out.append(message)
+
+
+def test_step_done_reports_the_step_its_loss_and_the_cursor_before_it(
+    tmp_path: Path, receiver: tuple[Path, socket.socket]
+) -> None:
+    path, sock = receiver
+    # 10 samples, batches of 4: two batches per epoch, so step 3 starts epoch 1.
+    sampler = GlobalBatchSampler(10, 4, rank=0, world_size=1, seed=1)
+    session = TrainingSession(
+        tmp_path / "ckpt",
+        model=nn.Linear(2, 1),
+        sampler=sampler,
+        interval=NeverSave(),
+        environ={},
+        heartbeat=Heartbeat(str(path)),
+    )
+    try:
+        for loss in (0.5, None, 0.125):
+            session.step_done(loss=loss)
+        session.step_done()
+    finally:
+        session.close()
+    got = [(r.rank, r.step, r.loss, r.cursor) for r in received(sock)]
+    assert got == [(0, 1, 0.5, 0), (0, 2, None, 4), (0, 3, 0.125, 8), (0, 4, None, 12)]
+    assert sampler.consumed_total == 16
+
+
+def test_without_a_sampler_the_cursor_is_unknown(
+    tmp_path: Path, receiver: tuple[Path, socket.socket]
+) -> None:
+    path, sock = receiver
+    session = TrainingSession(
+        tmp_path / "ckpt",
+        model=nn.Linear(2, 1),
+        interval=NeverSave(),
+        environ={},
+        heartbeat=Heartbeat(str(path)),
+    )
+    try:
+        session.step_done(loss=float(torch.tensor(2.0)))
+    finally:
+        session.close()
+    assert [(r.step, r.loss, r.cursor) for r in received(sock)] == [(1, 2.0, None)]
+
+
+# ---------------------------------------------------------------------------
+# The agent's socket: a step report is buffered and counts as a beat.
+
+
+def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path) -> None:
+    config, command = load_config(
+        ["--job-id", "77", "--node", "node1", "--run-dir", str(tmp_path), "--", "true"], {}
+    )
+    agent = NodeAgent(config, command, clocks=Clocks(monotonic=lambda: 50.0, wall=lambda: 1.0))
+    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.setblocking(False)
+    agent._socket = receiver
+    try:
+        sender.send(encode_beat(rank=1, local_rank=1, pid=9, step=3, phase=Phase.INIT,
+                                wall_time_s=0.0))  # fmt: skip
+        for step, value in ((4, 0.5), (5, float("inf"))):
+            sender.send(
+                encode_step_report(rank=1, local_rank=1, pid=9, step=step, loss=value,
+                                   cursor=step * 8, wall_time_s=0.0)
+            )  # fmt: skip
+        agent._drain_socket()
+    finally:
+        receiver.close()
+        sender.close()
+    progress = agent.monitor.progress[1]
+    assert (progress.step, progress.phase, progress.progress_s) == (5, Phase.TRAIN, 50.0)
+    payloads, dropped = agent._steps.drain()
+    assert dropped == 0
+    assert payloads == [
+        {
+            "global_rank": 1,
+            "steps": [
+                {"step": 4, "loss": 0.5, "cursor": 32},
+                {"step": 5, "loss": None, "cursor": 40},
+            ],
+        }
+    ]
