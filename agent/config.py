@@ -14,16 +14,15 @@ not the job's stale count after a resize), ``SLURM_NODEID`` and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import socket
-import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.errors import ConfigError
 from agent.hang import HangConfig
+from agent.settings import add_flags, layered, read_toml
 
 ENV_PREFIX = "RESURGO_AGENT_"
 
@@ -40,6 +39,7 @@ class AgentConfig:
     master_port: int = 29500
     restart_count: int = 0
     launch_nonce: str = "0"
+    attempt: int = 0
     run_dir: str = ""
     supervisor_url: str = ""
     secret_file: str = ""
@@ -75,23 +75,6 @@ class AgentConfig:
         )
 
 
-_FIELDS = {field.name: field for field in fields(AgentConfig)}
-
-
-def _convert(name: str, value: Any) -> Any:
-    kind = type(getattr(AgentConfig(), name))
-    try:
-        if kind is float and not isinstance(value, bool):
-            return float(value)
-        if kind is int and not isinstance(value, bool):
-            return int(value)
-        if kind is str:
-            return str(value)
-    except (TypeError, ValueError):
-        pass
-    raise ConfigError(f"agent setting {name} must be a {kind.__name__}, got {value!r}")
-
-
 def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     found: dict[str, Any] = {"node": environ.get("SLURMD_NODENAME") or socket.gethostname()}
     sources = {
@@ -102,7 +85,7 @@ def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     }
     for name, variable in sources.items():
         if environ.get(variable):
-            found[name] = _convert(name, environ[variable])
+            found[name] = environ[variable]
     return found
 
 
@@ -118,13 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--config", type=Path, help="TOML file with agent settings")
-    for name, field in _FIELDS.items():
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            default=None,
-            metavar=type(field.default).__name__.upper(),
-        )
+    add_flags(parser, AgentConfig)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser
 
@@ -132,28 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[AgentConfig, list[str]]:
     """Merge Slurm's environment, TOML, ``RESURGO_AGENT_*`` and flags; return (config, command)."""
     args = build_parser().parse_args(list(argv))
-    values: dict[str, Any] = _slurm_defaults(environ)
-    if args.config is not None:
-        try:
-            document = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as error:
-            raise ConfigError(f"cannot read agent config {args.config}: {error}") from error
-        for key, value in document.items():
-            if key not in _FIELDS:
-                raise ConfigError(f"unknown agent setting {key!r} in {args.config}")
-            values[key] = _convert(key, value)
-    for name in _FIELDS:
-        variable = ENV_PREFIX + name.upper()
-        if variable in environ:
-            values[name] = _convert(name, environ[variable])
-    for name in _FIELDS:
-        flag = getattr(args, name)
-        if flag is not None:
-            values[name] = _convert(name, flag)
+    document = None if args.config is None else read_toml(args.config, "agent")
+    config = layered(
+        AgentConfig,
+        owner="agent",
+        base=_slurm_defaults(environ),
+        document=document,
+        source=str(args.config),
+        env_prefix=ENV_PREFIX,
+        environ=environ,
+        flags=args,
+    )
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    config = dataclasses.replace(AgentConfig(), **values)
     if not config.job_id:
         raise ConfigError("no job id: run under srun (SLURM_JOB_ID) or pass --job-id")
     return config, command

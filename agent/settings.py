@@ -1,0 +1,122 @@
+"""Layered settings for Resurgo's daemons: a frozen dataclass from TOML, environment, flags.
+
+One rule for every daemon (the node agent, the supervisor, its policy): a
+field can be set in a TOML file (keys as the field names), in the
+environment as ``<PREFIX><FIELD>`` (upper case), or as a flag
+``--<flag-prefix><field-with-dashes>``; later sources win. Values are
+converted to the type of the field's default (``float``, ``int``, ``str``,
+``bool``, or an :class:`enum.Enum` by value), and a value that does not
+convert, or a TOML key that names no field, is a :class:`ConfigError`
+naming the setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agent.errors import ConfigError
+
+_T = TypeVar("_T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def convert(owner: str, name: str, default: Any, value: Any) -> Any:
+    """``value`` as the type of ``default``; raises ConfigError naming ``owner`` and ``name``."""
+    kind = type(default)
+    try:
+        if isinstance(default, enum.Enum):
+            return kind(value.value if isinstance(value, enum.Enum) else value)
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in _TRUE | _FALSE:
+                return text in _TRUE
+        elif kind is float and not isinstance(value, bool):
+            return float(value)
+        elif kind is int and not isinstance(value, bool):
+            return int(value)
+        elif kind is str:
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    expected = (
+        f"one of {', '.join(repr(m.value) for m in kind)}"
+        if isinstance(default, enum.Enum)
+        else f"a {kind.__name__}"
+    )
+    raise ConfigError(f"{owner} setting {name} must be {expected}, got {value!r}")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, flag_prefix: str = "") -> None:
+    """Add ``--<flag_prefix><field>`` for every field of dataclass ``cls`` (default None)."""
+    for field in dataclasses.fields(cls):
+        default = field.default
+        parser.add_argument(
+            f"--{flag_prefix}{field.name.replace('_', '-')}",
+            dest=f"{flag_prefix.replace('-', '_')}{field.name}",
+            default=None,
+            metavar=type(default).__name__.upper() if not isinstance(default, enum.Enum) else None,
+            choices=[m.value for m in type(default)] if isinstance(default, enum.Enum) else None,
+        )
+
+
+def read_toml(path: Path, owner: str) -> dict[str, Any]:
+    """The TOML document at ``path``; ConfigError when it is missing or malformed."""
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read {owner} config {path}: {error}") from error
+
+
+def layered(
+    cls: type[_T],
+    *,
+    owner: str,
+    base: Mapping[str, Any] | None = None,
+    document: Mapping[str, Any] | None = None,
+    source: str = "the config file",
+    env_prefix: str,
+    environ: Mapping[str, str],
+    flags: argparse.Namespace | None = None,
+    flag_prefix: str = "",
+) -> _T:
+    """An instance of dataclass ``cls``: defaults < ``base`` < ``document`` < environment < flags.
+
+    ``base`` holds values found elsewhere (e.g. Slurm's environment);
+    ``document`` is the TOML table for ``cls`` (an unknown key is an error
+    naming ``source``); ``flags`` a namespace from a parser given
+    :func:`add_flags` with the same ``flag_prefix``.
+    """
+    defaults = {field.name: field.default for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {}
+    for name, value in (base or {}).items():
+        values[name] = convert(owner, name, defaults[name], value)
+    for key, value in (document or {}).items():
+        if key not in defaults:
+            raise ConfigError(f"unknown {owner} setting {key!r} in {source}")
+        values[key] = convert(owner, key, defaults[key], value)
+    for name, default in defaults.items():
+        variable = env_prefix + name.upper()
+        if variable in environ:
+            values[name] = convert(owner, name, default, environ[variable])
+    if flags is not None:
+        dest_prefix = flag_prefix.replace("-", "_")
+        for name, default in defaults.items():
+            flag = getattr(flags, f"{dest_prefix}{name}", None)
+            if flag is not None:
+                values[name] = convert(owner, name, default, flag)
+    try:
+        return cls(**{**defaults, **values})
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{owner} settings: {error}") from error

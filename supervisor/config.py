@@ -1,0 +1,160 @@
+"""The supervisor's configuration: daemon settings plus the recovery :class:`Policy`.
+
+Sources, later ones winning (:mod:`agent.settings`): a TOML file
+(``--config FILE``; daemon settings at the top level, policy settings in a
+``[policy]`` table), the environment (``RESURGO_SUPERVISOR_<FIELD>``,
+``RESURGO_POLICY_<FIELD>``), then flags (``--state-dir``,
+``--policy-max-drain-share-per-hour``, ...). Durations carry their unit in
+the name.
+
+Example ``/etc/resurgo/supervisor.toml``::
+
+    state_dir = "/var/lib/resurgo"
+    listen_port = 8740
+    url = "http://head01:8740"
+
+    [policy]
+    max_drain_share_per_hour = 0.05
+    validation_level = "full"
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ConfigError
+from agent.settings import add_flags, layered, read_toml
+from supervisor.policy import Policy
+
+ENV_PREFIX = "RESURGO_SUPERVISOR_"
+POLICY_ENV_PREFIX = "RESURGO_POLICY_"
+POLICY_FLAG_PREFIX = "policy-"
+DEFAULT_STATE_DIR = "/var/lib/resurgo"
+DEFAULT_PORT = 8740
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """The daemon's settings (the policy is separate: :class:`supervisor.policy.Policy`).
+
+    - ``state_dir``: the store (``resurgo.db``) and one directory per job
+      (``jobs/<id>/``: spec and signing secret). Compute nodes read the
+      job's secret from there, so it must be on a filesystem they share.
+    - ``listen_host``/``listen_port``: where the API listens (port 0: any).
+    - ``url``: how agents and drivers reach the API (default
+      ``http://<hostname>:<port>``).
+    - ``poll_s``: Slurm polling period (``squeue``/``sinfo``).
+    - ``tick_s``: how often waits (evidence windows, backoff) are re-checked.
+    - ``lease_s``: an agent silent this long is lost (its node is blamed).
+    - ``reconcile_s``: how often unfinished actions are retried.
+    - ``slurm_timeout_s``: the limit on every Slurm command.
+    - ``log_json``: one JSON object per log line (default: only when stderr
+      is not a terminal).
+    """
+
+    state_dir: str = DEFAULT_STATE_DIR
+    listen_host: str = "0.0.0.0"
+    listen_port: int = DEFAULT_PORT
+    url: str = ""
+    poll_s: float = 2.0
+    tick_s: float = 1.0
+    lease_s: float = 30.0
+    reconcile_s: float = 10.0
+    slurm_timeout_s: float = 15.0
+    log_json: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("poll_s", "tick_s", "lease_s", "reconcile_s", "slurm_timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"supervisor setting {name} must be > 0, got {value!r}")
+        if not 0 <= self.listen_port < 65536:
+            raise ConfigError(f"supervisor setting listen_port {self.listen_port} is not a port")
+        if self.log_json not in ("auto", "yes", "no"):
+            raise ConfigError("supervisor setting log_json must be auto, yes or no")
+
+    @property
+    def store_path(self) -> Path:
+        """The SQLite store."""
+        return Path(self.state_dir) / "resurgo.db"
+
+    @property
+    def jobs_dir(self) -> Path:
+        """One directory per submitted job."""
+        return Path(self.state_dir) / "jobs"
+
+    def public_url(self, bound_port: int | None = None) -> str:
+        """The URL agents use: ``url``, else this host and the (bound) port."""
+        if self.url:
+            return self.url.rstrip("/")
+        return f"http://{socket.gethostname()}:{bound_port or self.listen_port}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``resurgo-supervisor``'s flags: every daemon and policy setting, and ``--config``."""
+    parser = argparse.ArgumentParser(
+        prog="resurgo-supervisor",
+        description=(
+            "Head-node daemon: watches every job's ranks through the node agents, decides "
+            "recoveries (blame, drain, checkpoint, relaunch) and carries them out through "
+            "Slurm. Settings: TOML (--config), RESURGO_SUPERVISOR_* / RESURGO_POLICY_* "
+            "environment variables, then these flags."
+        ),
+    )
+    parser.add_argument("--config", type=Path, help="TOML file (policy in a [policy] table)")
+    add_flags(parser, SupervisorConfig)
+    add_flags(parser, Policy, POLICY_FLAG_PREFIX)
+    return parser
+
+
+def load_config(
+    argv: Sequence[str], environ: Mapping[str, str] | None = None
+) -> tuple[SupervisorConfig, Policy]:
+    """The daemon settings and the policy from ``--config``, the environment and flags."""
+    env = os.environ if environ is None else environ
+    args = build_parser().parse_args(list(argv))
+    document: dict[str, Any] = {}
+    if args.config is not None:
+        document = read_toml(args.config, "supervisor")
+    policy_doc = document.pop("policy", {})
+    if not isinstance(policy_doc, dict):
+        raise ConfigError(f"[policy] in {args.config} must be a table")
+    source = str(args.config)
+    config = layered(
+        SupervisorConfig,
+        owner="supervisor",
+        document=document,
+        source=source,
+        env_prefix=ENV_PREFIX,
+        environ=env,
+        flags=args,
+    )
+    policy = layered(
+        Policy,
+        owner="policy",
+        document=policy_doc,
+        source=f"[policy] of {source}",
+        env_prefix=POLICY_ENV_PREFIX,
+        environ=env,
+        flags=args,
+        flag_prefix=POLICY_FLAG_PREFIX,
+    )
+    return config, policy
+
+
+def describe(config: SupervisorConfig, policy: Policy) -> dict[str, Any]:
+    """Every effective setting, for the start-up log line."""
+    return {
+        **{f.name: getattr(config, f.name) for f in fields(config)},
+        "policy": {
+            f.name: getattr(getattr(policy, f.name), "value", getattr(policy, f.name))
+            for f in fields(policy)
+        },
+    }
