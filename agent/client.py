@@ -76,6 +76,31 @@ class Rejected(ResurgoError):
         self.reason = reason
 
 
+async def signed_post(
+    session: aiohttp.ClientSession,
+    url: str,
+    job_id: str,
+    secret: bytes,
+    body: bytes,
+    *,
+    timeout_s: float,
+    clock: Callable[[], float] = time.time,
+) -> bytes:
+    """POST ``body`` signed for ``job_id``; the answer's body, or :class:`Rejected` (not 200)."""
+    headers = protocol.signed_headers(
+        secret, protocol.METHOD, urlsplit(url).path, job_id, int(clock()), body
+    )
+    headers["Content-Type"] = "application/json"
+    async with session.post(
+        url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as response:
+        data = await response.read()
+        if response.status != 200:
+            reason = protocol.clip_text(data.decode("utf-8", "replace").strip(), 2000)
+            raise Rejected(response.status, reason)
+        return data
+
+
 def new_secret() -> bytes:
     """A fresh 256-bit per-job signing secret."""
     return secrets.token_bytes(SECRET_BYTES)
@@ -517,24 +542,11 @@ class Reporter:
     async def _post(self, path: str, body: bytes, timeout_s: float) -> Reply:
         if self._session is None:
             raise RuntimeError("Reporter.start() was not called")
-        url = self._base_url + path
-        headers = protocol.signed_headers(
-            self._secret,
-            protocol.METHOD,
-            urlsplit(url).path,
-            self.job_id,
-            int(self._clock()),
-            body,
-        )
-        headers["Content-Type"] = "application/json"
-        async with self._session.post(
-            url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as response:
-            data = await response.read()
-            if response.status != 200:
-                reason = protocol.clip_text(data.decode("utf-8", "replace").strip(), 2000)
-                raise Rejected(response.status, reason)
-            return protocol.decode_reply(data)
+        data = await signed_post(
+            self._session, self._base_url + path, self.job_id, self._secret, body,
+            timeout_s=timeout_s, clock=self._clock,
+        )  # fmt: skip
+        return protocol.decode_reply(data)
 
     def _dispatch(self, commands: tuple[Command, ...]) -> None:
         for command in commands:

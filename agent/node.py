@@ -44,7 +44,8 @@ from agent.events import EventOut
 from agent.health import run_health_check
 from agent.launch import Allocation, LaunchPlan, LaunchSettings, plan_launch
 from agent.procs import RankExit, RankWatcher, pid_alive
-from agent.train.heartbeat import CheckpointNote, RankBeat, parse_datagram
+from agent.steps import StepBuffer
+from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
 from agent.train.schedule import CheckpointInterval, format_override
 from agent.watch import RankMonitor
 
@@ -93,6 +94,7 @@ class NodeAgent:
         self._stop_task: asyncio.Task[None] | None = None
         self._exits: dict[int, RankExit] = {}
         self._socket: socket.socket | None = None
+        self._steps = StepBuffer()
         self.events = EventOut(config, self.run_dir, self._on_command)
         self.monitor = RankMonitor(config.hang_config(), config.stack_sample_s, self.events.emit)
 
@@ -149,6 +151,7 @@ class NodeAgent:
                 "argv": [protocol.clip_text(arg, 4096) for arg in self._plan.argv][:1024],
                 "nnodes": self.config.nnodes,
                 "node_rank": self.config.node_rank,
+                **({"attempt": self.config.attempt} if self.config.attempt > 0 else {}),
             },
         )
         ticks = [
@@ -170,6 +173,9 @@ class NodeAgent:
         if self._stop_task is not None:
             await self._stop_task
         await self._final_exits(returncode)
+        if self._socket is not None:
+            self._drain_socket()  # the ranks' last reports may still wait in the socket
+        await self._emit_steps()
         await self.events.emit(
             protocol.EventKind.LAUNCHER_EXITED,
             {
@@ -312,6 +318,10 @@ class NodeAgent:
             message = parse_datagram(data)
             if isinstance(message, RankBeat):
                 self.monitor.on_beat(message, self._clocks.monotonic())
+            elif isinstance(message, StepReport):
+                # A finished step is progress too: the report doubles as a beat.
+                self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
+                self._steps.add(message)
             elif isinstance(message, CheckpointNote):
                 asyncio.get_running_loop().create_task(
                     self.events.emit(
@@ -380,6 +390,15 @@ class NodeAgent:
             ranks=self.monitor.rank_statuses(live, wall, self._clocks.monotonic()),
         )
         await self.events.heartbeat(report)
+        await self._emit_steps()
+
+    async def _emit_steps(self) -> None:
+        """Send the buffered step reports: one step_losses event per rank (and chunk)."""
+        payloads, dropped = self._steps.drain()
+        if dropped:
+            log.warning("dropped %d step report(s): too many arrived between two reports", dropped)
+        for payload in payloads:
+            await self.events.emit(protocol.EventKind.STEP_LOSSES, payload)
 
     # -- stopping --------------------------------------------------------------
 

@@ -42,6 +42,7 @@ HEADER_PROTOCOL = "X-Resurgo-Protocol"
 METHOD = "POST"
 EVENTS_PATH = "/v1/events"
 HEARTBEAT_PATH = "/v1/heartbeat"
+DRIVER_PATH = "/v1/driver"
 
 # Requests whose timestamp is further than this from the verifier's clock are
 # refused: it bounds how long a captured request can be replayed. Events are
@@ -388,6 +389,131 @@ def decode_reply(data: bytes) -> Reply:
             Command(kind=kind, command_id=_name(command, "command_id", where), args=checked)
         )
     return Reply(commands=tuple(commands), accepted_event_ids=accepted)
+
+
+# ---------------------------------------------------------------------------
+# The in-job driver's conversation: "what now?" and its answer.
+
+
+class DriverPhase(enum.Enum):
+    """Why the in-job driver asks (``POST /v1/driver``)."""
+
+    START = "start"  # the batch script (re)started: how to launch?
+    ENDED = "ended"  # the agents' srun step ended with a failure: what now?
+    RELAUNCHED = "relaunched"  # the outcome of starting a relaunch the supervisor ordered
+
+
+class DriverAction(enum.Enum):
+    """What the supervisor tells the driver."""
+
+    LAUNCH = "launch"  # start the agents on the current allocation
+    RELAUNCH = "relaunch"  # start the agents on ``nodes``; confirm with RELAUNCHED
+    WAIT = "wait"  # ask again after ``retry_after_s`` (a recovery is under way)
+    STOP = "stop"  # the job ends: exit with a failure, saying ``reason``
+
+
+@dataclass(frozen=True)
+class DriverRequest:
+    """The driver's question; ``exit_code`` with ENDED, ``action_id``/``ok`` with RELAUNCHED."""
+
+    job_id: str
+    phase: DriverPhase
+    attempt: int | None = None
+    exit_code: int | None = None
+    action_id: str | None = None
+    ok: bool | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class DriverAnswer:
+    """The supervisor's instruction; ``nodes`` None means the current allocation."""
+
+    action: DriverAction
+    attempt: int
+    nodes: tuple[str, ...] | None = None
+    resume_from: str | None = None
+    action_id: str | None = None
+    reason: str = ""
+    retry_after_s: float = 2.0
+
+
+def encode_driver_request(request: DriverRequest) -> bytes:
+    """The body of ``POST /v1/driver``."""
+    document = {
+        "protocol": PROTOCOL_VERSION,
+        "type": "driver_request",
+        "job_id": request.job_id,
+        "phase": request.phase.value,
+        "attempt": request.attempt,
+        "exit_code": request.exit_code,
+        "action_id": request.action_id,
+        "ok": request.ok,
+        "reason": request.reason,
+    }
+    data = _dump(document)
+    decode_driver_request(data)
+    return data
+
+
+def decode_driver_request(data: bytes) -> DriverRequest:
+    """Parse the body of ``POST /v1/driver``."""
+    where = "driver_request"
+    document = _envelope(_load(data, where, limit=64 << 10), where)
+    request = DriverRequest(
+        job_id=_name(document, "job_id", where),
+        phase=_enum(document, "phase", where, DriverPhase),
+        attempt=_optional(document, "attempt", where, lambda d, k, w: _int(d, k, w, minimum=1)),
+        exit_code=_optional(document, "exit_code", where, _signed_int),
+        action_id=_optional(document, "action_id", where, _str),
+        ok=_optional(document, "ok", where, _bool),
+        reason=_optional(document, "reason", where, _str) or "",
+    )
+    if request.phase is DriverPhase.RELAUNCHED and (
+        request.action_id is None or request.ok is None
+    ):
+        _fail(f"{where}: phase relaunched needs action_id and ok")
+    return request
+
+
+def encode_driver_answer(answer: DriverAnswer) -> bytes:
+    """The body of the supervisor's answer to ``POST /v1/driver``."""
+    document = {
+        "protocol": PROTOCOL_VERSION,
+        "type": "driver_answer",
+        "action": answer.action.value,
+        "attempt": answer.attempt,
+        "nodes": None if answer.nodes is None else list(answer.nodes),
+        "resume_from": answer.resume_from,
+        "action_id": answer.action_id,
+        "reason": answer.reason,
+        "retry_after_s": answer.retry_after_s,
+    }
+    data = _dump(document)
+    decode_driver_answer(data)
+    return data
+
+
+def decode_driver_answer(data: bytes) -> DriverAnswer:
+    """Parse the supervisor's answer to ``POST /v1/driver``."""
+    where = "driver_answer"
+    document = _envelope(_load(data, where), where)
+    nodes = _optional(document, "nodes", where, lambda d, k, w: _list(d, k, w, max_items=MAX_RANKS))
+    if nodes is not None:
+        nodes = tuple(check_name(node, "node") if isinstance(node, str) else _fail(
+            f"{where}.nodes must hold strings") for node in nodes)  # fmt: skip
+    answer = DriverAnswer(
+        action=_enum(document, "action", where, DriverAction),
+        attempt=_int(document, "attempt", where, minimum=1),
+        nodes=nodes,
+        resume_from=_optional(document, "resume_from", where, _str),
+        action_id=_optional(document, "action_id", where, _str),
+        reason=_optional(document, "reason", where, _str) or "",
+        retry_after_s=_float(document, "retry_after_s", where),
+    )
+    if answer.action is DriverAction.RELAUNCH and (not answer.nodes or answer.action_id is None):
+        _fail(f"{where}: a relaunch names its nodes and action_id")
+    return answer
 
 
 # ---------------------------------------------------------------------------
@@ -757,6 +883,9 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("argv", _argv),
         _Spec("nnodes", lambda d, k, w: _int(d, k, w, minimum=1)),
         _Spec("node_rank", _int),
+        # The job's launch number the in-job driver gave this agent: the
+        # supervisor ignores reports of agents from an earlier launch.
+        _Spec("attempt", lambda d, k, w: _int(d, k, w, minimum=1), required=False),
     ),
     EventKind.AGENT_STOPPED: (_Spec("reason", _str),),
     EventKind.STEP_LOSSES: (

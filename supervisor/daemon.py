@@ -1,28 +1,768 @@
-"""``resurgo-supervisor``: the head-node daemon."""
+"""``resurgo-supervisor``: the head-node daemon that turns what it hears into recoveries.
+
+One asyncio loop holds it together (DESIGN §2-§3):
+
+- the API (:mod:`supervisor.api`) takes agents' events and heartbeats and the
+  in-job drivers' questions; :class:`Supervisor` is its
+  :class:`~supervisor.api.JobDirectory` over the SQLite store;
+- a poll task registers newly submitted jobs (:mod:`supervisor.jobs`) and
+  reads Slurm (``squeue``/``sinfo``) every ``poll_s``; a failed read is
+  "unknown" and changes nothing;
+- a tick task releases waits (evidence windows, backoff), turns expired
+  agent leases into :class:`~supervisor.observations.LeaseExpired` and
+  retries unfinished actions every ``reconcile_s``;
+- one decision task takes observations in arrival order, runs the pure
+  :func:`~supervisor.policy.decide`, stores the new record, the decision and
+  the planned actions in ONE transaction, then has the
+  :class:`~supervisor.executor.Executor` carry them out, feeding what they
+  report back in.
+
+At start the executor reconciles: an action half done when the previous
+daemon died is finished exactly once. Reports from agents of an earlier
+launch (their ``agent_started`` names an older attempt) are stored but not
+decided on: they describe ranks that are already gone.
+"""
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent import protocol
+from agent.checkpoint.format import parse_step_dir_name
+from agent.errors import ConfigError, ResurgoError
+from agent.protocol import (
+    Command,
+    CommandKind,
+    DriverAction,
+    DriverAnswer,
+    DriverPhase,
+    DriverRequest,
+    Event,
+    EventKind,
+    HeartbeatReport,
+)
+from supervisor import jobs as jobfiles
+from supervisor.api import bound_port, build_app, serve, shutdown
+from supervisor.config import SupervisorConfig, describe, load_config
+from supervisor.errors import SlurmError, StoreError
+from supervisor.executor import ALERT_KIND, Executor, Validator
+from supervisor.jobs import JobSpec
+from supervisor.logs import setup_logging
+from supervisor.model import (
+    ClusterView,
+    JobRecord,
+    JobState,
+    new_record,
+    record_from_json,
+    record_to_json,
+)
+from supervisor.observations import (
+    LeaseExpired,
+    Observation,
+    SlurmJobSeen,
+    SlurmNodeSeen,
+    StepProgress,
+    Tick,
+    from_event,
+)
+from supervisor.policy import Decision, Policy, decide
+from supervisor.reconcile import command_attempt, intent_of
+from supervisor.slurm import SlurmClient
+from supervisor.slurm.parse import SlurmJob, SlurmNode
+from supervisor.store import Actor, Store
+from supervisor.verify import check_resume
+
+log = logging.getLogger("resurgo.supervisor")
+
+_LIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RELAUNCHING})
+# How long the driver is told to wait before asking again.
+DRIVER_RETRY_S = 2.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the daemon's argument parser."""
-    return argparse.ArgumentParser(
-        prog="resurgo-supervisor",
-        description=(
-            "Head-node daemon: watches every job's ranks through the node agents, "
-            "decides recoveries and carries them out through Slurm."
-        ),
+@dataclass
+class _Job:
+    """What the daemon keeps in memory about one job (the store has the rest)."""
+
+    record: JobRecord
+    secret: bytes
+    spec: JobSpec
+    slurm_nodes: tuple[str, ...] = ()
+    last_seen: tuple[str, tuple[str, ...], int] | None = None
+    nodes_flagged: set[str] = field(default_factory=set)
+    # agent incarnation -> the attempt it was launched for (from agent_started)
+    incarnations: dict[str, int] = field(default_factory=dict)
+    stopped: set[str] = field(default_factory=set)
+    progress_step: int | None = None
+    # attempts whose resume verification has a result (checked once each)
+    verified: set[int] = field(default_factory=set)
+
+
+class Supervisor:
+    """The daemon's state and tasks; also the API's :class:`~supervisor.api.JobDirectory`."""
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        policy: Policy,
+        *,
+        slurm: SlurmClient | None = None,
+        validate_fn: Validator | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.clock = clock
+        self.slurm = slurm or SlurmClient(timeout_s=config.slurm_timeout_s)
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+        self.store = Store.open(config.store_path)
+        self.executor = Executor(
+            self.store,
+            self.slurm,
+            checkpoint_root_of=self._checkpoint_root,
+            validate_fn=validate_fn,
+            clock=clock,
+        )
+        self.jobs: dict[str, _Job] = {}
+        self.cluster = ClusterView()
+        self._queue: asyncio.Queue[tuple[str, Observation, str | None] | _Reconcile] = (
+            asyncio.Queue()
+        )
+        self._bad_job_dirs: set[str] = set()
+        self._stop = asyncio.Event()
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------
+    # Lifecycle.
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT (or :meth:`request_stop`), then shut down cleanly."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        self._load_jobs()
+        runner = await serve(build_app(self), self.config.listen_host, self.config.listen_port)
+        self.port = bound_port(runner)
+        log.info(
+            "supervisor started: %s",
+            json.dumps({**describe(self.config, self.policy), "url": self.url}),
+        )
+        tasks = [
+            asyncio.create_task(self._decide_loop(), name="decide"),
+            asyncio.create_task(self._every(self.config.poll_s, self.poll), name="poll"),
+            asyncio.create_task(self._every(self.config.tick_s, self.tick), name="tick"),
+            asyncio.create_task(
+                self._every(self.config.reconcile_s, self._ask_reconcile), name="reconcile"
+            ),
+        ]
+        try:
+            await self._stop.wait()
+        finally:
+            log.info("supervisor stopping")
+            await shutdown(runner)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.store.flush_leases()
+            self.store.close()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to stop (signal handlers call this)."""
+        self._stop.set()
+
+    @property
+    def url(self) -> str:
+        """How agents and drivers reach this supervisor."""
+        return self.config.public_url(self.port)
+
+    async def _every(self, period_s: float, tick: Callable[[], Any]) -> None:
+        while True:
+            try:
+                await tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("supervisor task %s failed; continuing", tick.__name__)
+            await asyncio.sleep(period_s)
+
+    def _load_jobs(self) -> None:
+        """Rebuild memory from the store: records, secrets, specs, agent incarnations."""
+        for row in self.store.list_jobs():
+            record = record_from_json(json.dumps(row.record))
+            directory = jobfiles.job_dir(self.config.state_dir, row.job_id)
+            try:
+                spec = jobfiles.read_spec(directory)
+                secret = jobfiles.read_secret(directory)
+            except ConfigError as error:
+                if not record.state.terminal:
+                    log.error("job %s: its directory is unusable (%s)", row.job_id, error)
+                continue
+            job = _Job(record=record, secret=secret, spec=spec)
+            for event in self.store.events_for(row.job_id, kinds=[EventKind.AGENT_STARTED]):
+                attempt = event.payload.get("attempt")
+                if isinstance(attempt, int):
+                    job.incarnations[event.event_id.split("/")[2]] = attempt
+            self.jobs[row.job_id] = job
+
+    # ------------------------------------------------------------------
+    # Registration: jobs submitted into the state directory.
+
+    async def register_new_jobs(self, slurm_jobs: dict[int, SlurmJob] | None) -> None:
+        """Register every job directory not yet in the store (see :mod:`supervisor.jobs`)."""
+        jobs_dir = self.config.jobs_dir
+        if not jobs_dir.is_dir():
+            return
+        for directory in sorted(jobs_dir.iterdir()):
+            job_id = directory.name
+            if job_id.startswith(".") or job_id in self.jobs or job_id in self._bad_job_dirs:
+                continue
+            if not job_id.isdigit() or not directory.is_dir():
+                continue
+            try:
+                spec = jobfiles.read_spec(directory)
+                secret = jobfiles.read_secret(directory)
+            except ConfigError as error:
+                if (directory / jobfiles.SPEC_NAME).exists():
+                    log.error("job %s not registered: %s", job_id, error)
+                    self._bad_job_dirs.add(job_id)
+                continue  # still being written
+            if os.geteuid() == 0 and slurm_jobs is not None:
+                slurm_job = slurm_jobs.get(int(job_id))
+                owner = jobfiles.owner_name(directory)
+                if slurm_job is None:
+                    continue  # not visible yet; decide once Slurm lists it
+                if slurm_job.user_name and owner != slurm_job.user_name:
+                    log.error(
+                        "job %s not registered: %s is owned by %s but Slurm runs the job "
+                        "for %s", job_id, directory, owner, slurm_job.user_name,
+                    )  # fmt: skip
+                    self._bad_job_dirs.add(job_id)
+                    continue
+            now = self.clock()
+            record = new_record(
+                job_id,
+                spec.nodes,
+                spec.submitted_s or now,
+                min_nodes=spec.floor,
+                unit=spec.unit,
+                procs_per_node=spec.procs_per_node,
+            )
+            self.store.upsert_job(
+                job_id,
+                state=record.state.value,
+                record=_doc(record),
+                now_s=now,
+                name=spec.name,
+                original_nodes=spec.nodes,
+                min_nodes=spec.floor,
+                secret_path=str(directory / jobfiles.SECRET_NAME),
+            )
+            self.jobs[job_id] = _Job(record=record, secret=secret, spec=spec)
+            log.info(
+                "job %s registered: %s, %d node(s) (min %d, unit %d), checkpoints in %s",
+                job_id, spec.name, spec.nodes, spec.floor, spec.unit, spec.ckpt_root,
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------
+    # Slurm polling and timers.
+
+    async def poll(self) -> None:
+        """Read Slurm once: register new jobs, refresh the cluster view, observe each job."""
+        try:
+            slurm_jobs = await self.slurm.jobs()
+        except SlurmError as error:
+            log.warning("squeue failed, nothing concluded: %s", error)
+            slurm_jobs = None
+        await self.register_new_jobs(slurm_jobs)
+        try:
+            nodes = await self.slurm.nodes()
+        except SlurmError as error:
+            log.warning("sinfo failed, nothing concluded: %s", error)
+            nodes = None
+        now = self.clock()
+        if nodes is not None:
+            self.cluster = self._cluster_view(nodes, now)
+        for job_id, job in self.jobs.items():
+            if job.record.state.terminal:
+                continue
+            if slurm_jobs is not None:
+                seen = slurm_jobs.get(int(job_id))
+                if seen is not None:
+                    self._observe_slurm_job(job_id, job, seen)
+            if nodes is not None:
+                self._observe_nodes(job_id, job, nodes)
+
+    def _cluster_view(self, nodes: dict[str, SlurmNode], now: float) -> ClusterView:
+        drained = frozenset(n for n, node in nodes.items() if node.drained)
+        down = frozenset(n for n, node in nodes.items() if node.down or node.not_responding)
+        lemons = self.store.lemons(self.policy.lemon_blames, self.policy.lemon_window_s, now)
+        return ClusterView(
+            usable=frozenset(nodes) - drained - down,
+            drained=drained,
+            down=down,
+            drains_last_hour=len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR)),
+            lemons=frozenset(lemon.node for lemon in lemons),
+        )
+
+    def _observe_slurm_job(self, job_id: str, job: _Job, seen: SlurmJob) -> None:
+        job.slurm_nodes = seen.nodes
+        key = (seen.state.value, seen.nodes, seen.restart_count)
+        if key == job.last_seen:
+            return
+        job.last_seen = key
+        self._enqueue(
+            job_id,
+            SlurmJobSeen(seen.state.value, seen.nodes, seen.restart_count, seen.state_reason),
+        )
+
+    def _observe_nodes(self, job_id: str, job: _Job, nodes: dict[str, SlurmNode]) -> None:
+        for name in job.record.nodes:
+            node = nodes.get(name)
+            bad = node is not None and (node.down or node.not_responding)
+            if bad and name not in job.nodes_flagged:
+                job.nodes_flagged.add(name)
+                assert node is not None
+                self._enqueue(
+                    job_id,
+                    SlurmNodeSeen(
+                        name,
+                        down=node.down,
+                        not_responding=node.not_responding,
+                        drained=node.drained,
+                    ),
+                )
+            elif not bad:
+                job.nodes_flagged.discard(name)
+
+    async def tick(self) -> None:
+        """Release waits, expire leases, write leases out."""
+        now = self.clock()
+        for job_id, job in self.jobs.items():
+            if job.record.state is JobState.RECOVERING:
+                self._enqueue(job_id, Tick())
+        for lease in self.store.expired_leases(now, self.config.lease_s):
+            owner = self.jobs.get(lease.job_id)
+            self.store.drop_leases(lease.job_id, [lease.node])
+            if owner is None or owner.record.state.terminal or lease.incarnation in owner.stopped:
+                continue
+            if not self._current(owner, lease.incarnation):
+                continue
+            log.warning(
+                "job %s: agent on %s silent for %.0f s (lease %.0f s)",
+                lease.job_id, lease.node, now - lease.last_seen_s, self.config.lease_s,
+            )  # fmt: skip
+            self._enqueue(lease.job_id, LeaseExpired(lease.node))
+        self.store.flush_leases()
+
+    async def _ask_reconcile(self) -> None:
+        # The executor is used by the decision task alone: it runs the reconcile.
+        self._queue.put_nowait(_RECONCILE)
+
+    async def reconcile(self) -> None:
+        """Finish unfinished actions (after a restart, or after Slurm was unreachable)."""
+        for job_id, observation in await self.executor.reconcile(self.clock()):
+            await self.apply(job_id, observation)
+
+    async def resume_recoveries(self) -> None:
+        """After a restart: carry each unfinished job's newest decision on.
+
+        Executing its intents again runs what is unfinished and replays what
+        finished actions reported (a validated checkpoint), which the previous
+        daemon may have died before deciding on.
+        """
+        for job_id, job in list(self.jobs.items()):
+            if job.record.state.terminal:
+                continue
+            decisions = [d for d in self.store.decisions_for(job_id) if d.detail.get("actions")]
+            if not decisions:
+                continue
+            intents = []
+            for action_id in decisions[-1].detail["actions"]:
+                row = self.store.get_action(action_id)
+                if row is not None:
+                    intents.append(intent_of(row))
+            log.info("job %s: resuming its last decision (%d action(s))", job_id, len(intents))
+            for seen in await self.executor.execute(job_id, intents, self.clock()):
+                await self.apply(job_id, seen)
+
+    # ------------------------------------------------------------------
+    # Deciding.
+
+    def _enqueue(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
+        self._queue.put_nowait((job_id, observation, ref))
+
+    async def _decide_loop(self) -> None:
+        await self.reconcile()
+        await self.resume_recoveries()
+        while True:
+            item = await self._queue.get()
+            try:
+                if isinstance(item, _Reconcile):
+                    await self.reconcile()
+                    continue
+                job_id, observation, ref = item
+                await self.apply(job_id, observation, ref)
+            except Exception:
+                log.exception("deciding on %r failed; continuing", item)
+
+    async def apply(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
+        """Decide on one observation, persist, act, and decide on what acting reported."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        before = job.record
+        now = self.clock()
+        decision = decide(before, observation, now, self.policy, self.cluster)
+        after = decision.record
+        if after == before and not decision.intents:
+            return
+        self._persist(job_id, before, decision, ref, now)
+        job.record = after
+        if after.attempt != before.attempt:
+            self.store.drop_leases(job_id)
+        if after.state is not before.state or decision.intents:
+            _log_decision(job_id, before, decision)
+        for seen in await self.executor.execute(job_id, decision.intents, now):
+            await self.apply(job_id, seen)
+
+    def _persist(
+        self, job_id: str, before: JobRecord, decision: Decision, ref: str | None, now: float
+    ) -> None:
+        after = decision.record
+        with self.store.transaction():
+            self.store.upsert_job(
+                job_id,
+                state=after.state.value,
+                record=_doc(after),
+                now_s=now,
+                world_size=len(after.nodes) or None,
+            )
+            if after.state is not before.state or decision.intents or decision.cause:
+                self.store.record_decision(
+                    job_id,
+                    ref,
+                    before.state.value,
+                    after.state.value,
+                    decision.cause.value if decision.cause else "none",
+                    {
+                        "explanation": decision.explanation,
+                        "attempt": after.attempt,
+                        "actions": [intent.action_id for intent in decision.intents],
+                    },
+                    now,
+                )
+            if after.attempt != before.attempt:
+                self._end_attempt(job_id, before, decision, now)
+            if after.nodes and after.state in (JobState.STARTING, JobState.RELAUNCHING):
+                resumed = after.recovery.resume_from if after.recovery else None
+                self.store.start_attempt(
+                    job_id, after.attempt, nodes=after.nodes, resumed_from=resumed, now_s=now
+                )
+            if after.state.terminal:
+                self._end_attempt(job_id, before, decision, now)
+            self.executor.plan(job_id, decision.intents, now)
+
+    def _end_attempt(self, job_id: str, before: JobRecord, decision: Decision, now: float) -> None:
+        attempts = {row.attempt for row in self.store.attempts_for(job_id)}
+        if before.attempt in attempts:
+            cause = decision.cause.value if decision.cause else decision.record.state.value
+            self.store.end_attempt(job_id, before.attempt, cause=cause, now_s=now)
+
+    def _checkpoint_root(self, job_id: str) -> Path | None:
+        job = self.jobs.get(job_id)
+        return None if job is None else Path(job.spec.ckpt_root)
+
+    # ------------------------------------------------------------------
+    # JobDirectory: what the API asks.
+
+    def secret(self, job_id: str) -> bytes | None:
+        """The job's signing secret (None: not registered)."""
+        job = self.jobs.get(job_id)
+        return None if job is None else job.secret
+
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        """The job's nodes: the record's and Slurm's newest view (a relaunch moves both)."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        return frozenset(job.record.nodes) | frozenset(job.slurm_nodes)
+
+    def _current(self, job: _Job, incarnation: str) -> bool:
+        """Whether an agent incarnation belongs to the job's current attempt (or is unknown)."""
+        return job.incarnations.get(incarnation, job.record.attempt) >= job.record.attempt
+
+    def accept_events(self, job_id: str, events: Sequence[Event]) -> Sequence[str]:
+        """Store the batch; decide on the events of current agents."""
+        now = self.clock()
+        accepted = self.store.record_events(job_id, events, now_s=now)
+        job = self.jobs[job_id]
+        for event in events:
+            incarnation = event.incarnation
+            if event.kind is EventKind.AGENT_STARTED:
+                attempt = event.payload.get("attempt")
+                if isinstance(attempt, int):
+                    job.incarnations[incarnation] = attempt
+            if event.kind is EventKind.AGENT_STOPPED:
+                # A clean exit is not a lost node: its lease must not expire into blame.
+                job.stopped.add(incarnation)
+                if any(lease.incarnation == incarnation for lease in self.store.leases_for(job_id)):
+                    self.store.drop_leases(job_id, [event.node])
+            if event.kind is EventKind.CHECKPOINT_COMMITTED:
+                self.store.record_checkpoint(
+                    job_id, int(event.payload["step"]), str(event.payload["path"]), now
+                )
+            if event.kind is EventKind.STEP_LOSSES:
+                attempt = job.incarnations.get(incarnation, job.record.attempt)
+                self.store.record_steps(
+                    job_id, attempt, event.payload["global_rank"], event.payload["steps"], now
+                )
+                if attempt == job.record.attempt:
+                    self._verify_resume(job_id, job, now)
+            if not self._current(job, incarnation):
+                log.info(
+                    "job %s: %s from %s of attempt %d kept, not decided on (attempt %d now)",
+                    job_id, event.kind.value, event.node, job.incarnations[incarnation],
+                    job.record.attempt,
+                )  # fmt: skip
+                continue
+            if event.kind in _DECIDED_KINDS:
+                self._enqueue(job_id, from_event(event), event.event_id)
+        return accepted
+
+    def _verify_resume(self, job_id: str, job: _Job, now: float) -> None:
+        """Compare the current attempt's replayed steps with the reports before the fault."""
+        attempt = job.record.attempt
+        if attempt in job.verified:
+            return
+        attempts = {row.attempt: row for row in self.store.attempts_for(job_id)}
+        current = attempts.get(attempt)
+        if current is None or current.resumed_from is None:
+            return
+        resume_step = parse_step_dir_name(Path(current.resumed_from).name)
+        earlier = [row for number, row in attempts.items() if number < attempt]
+        if resume_step is None or not earlier:
+            return
+        same_size = len(earlier[-1].nodes) == len(current.nodes)
+        result = check_resume(
+            self.store, job_id, attempt, resume_step, same_size, self.policy.resume_loss_tolerance
+        )
+        if result is None:
+            return
+        job.verified.add(attempt)
+        payload = {
+            "attempt": attempt,
+            "resume_step": resume_step,
+            "same_size": same_size,
+            "verified": result.verified,
+            "first_diverging_step": result.first_diverging_step,
+            "compared": result.compared,
+            "reason": result.reason,
+        }
+        if result.verified or result.first_diverging_step is None:
+            self.store.record_observation(job_id, "resume_verification", payload, now)
+            log.info("job %s: resume of attempt %d: %s", job_id, attempt, result.reason)
+            return
+        self.store.record_observation(job_id, "nondeterministic_resume", payload, now)
+        message = (
+            f"job {job_id}: nondeterministic resume in attempt {attempt} from step "
+            f"{resume_step}, first diverging step {result.first_diverging_step}: {result.reason}"
+        )
+        self.store.record_observation(
+            job_id, ALERT_KIND, {"severity": "critical", "message": message}, now
+        )
+        log.error("ALERT %s", message, extra={"job_id": job_id, "alert": "nondeterministic_resume"})
+
+    def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
+        """Renew the agent's lease; note the job's progress (its slowest rank's step)."""
+        job = self.jobs[job_id]
+        incarnation = report.agent_incarnation
+        if incarnation in job.stopped or not self._current(job, incarnation):
+            return
+        now = self.clock()
+        self.store.touch_lease(job_id, report.node, incarnation, now)
+        steps = [rank.step for rank in report.ranks if rank.step is not None]
+        if not steps:
+            return
+        step = min(steps)
+        self.store.record_progress(job_id, step, now)
+        waiting = job.record.state in (JobState.STARTING, JobState.RELAUNCHING)
+        if waiting and step != job.progress_step:
+            self._enqueue(job_id, StepProgress(step))
+        job.progress_step = step
+
+    def commands_for(self, job_id: str, node: str, incarnation: str) -> Sequence[Command]:
+        """Pending commands for this agent, marked delivered as they go out.
+
+        A stop is for the launch it ends: a StopRanks of attempt N (planned as
+        the job moved to attempt N) stops agents of earlier attempts only, so
+        the relaunched agents never receive the stop meant for their
+        predecessors; for them it is marked delivered unseen.
+        """
+        now = self.clock()
+        job = self.jobs[job_id]
+        # An agent not introduced yet (its agent_started is on the way) is a new one.
+        launched = job.incarnations.get(incarnation, job.record.attempt)
+        delivered = []
+        for command in self.store.pending_commands(job_id, node):
+            attempt = command_attempt(command.command_id)
+            stale = (
+                command.kind is CommandKind.STOP_RANKS
+                and attempt is not None
+                and launched >= attempt
+            )
+            self.store.ack_command(command.command_id, node, now)
+            if not stale:
+                delivered.append(command)
+            if len(delivered) == protocol.MAX_COMMANDS:
+                break
+        return delivered
+
+    def status(self, job_id: str) -> dict[str, Any] | None:
+        """A small summary for the CLI."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        record = job.record
+        return {
+            "name": job.spec.name,
+            "state": record.state.value,
+            "attempt": record.attempt,
+            "nodes": list(record.nodes),
+            "original_nodes": record.original_nodes,
+            "last_checkpoint_step": record.last_step,
+            "restarts": {cause.value: count for cause, count in record.restarts},
+            "final_reason": record.final_reason,
+        }
+
+    async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
+        """Tell the in-job driver what to do (see :class:`agent.protocol.DriverPhase`)."""
+        job = self.jobs[job_id]
+        if request.phase is DriverPhase.RELAUNCHED:
+            assert request.action_id is not None and request.ok is not None
+            now = self.clock()
+            try:
+                seen = self.executor.confirm_relaunch(
+                    job_id, request.action_id, request.ok, request.reason, now
+                )
+            except StoreError as error:
+                return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason=str(error))
+            self._enqueue(job_id, seen)
+            return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason="confirmed",
+                                retry_after_s=0.0)  # fmt: skip
+        record = job.record
+        if record.state.terminal:
+            return DriverAnswer(
+                DriverAction.STOP, record.attempt, reason=record.final_reason or record.state.value
+            )
+        if request.phase is DriverPhase.ENDED:
+            self.store.record_observation(
+                job_id,
+                "driver_step_ended",
+                {"exit_code": request.exit_code, "attempt": request.attempt},
+                self.clock(),
+            )
+        pending = self.executor.pending_relaunch(job_id)
+        if pending is not None:
+            return DriverAnswer(
+                DriverAction.RELAUNCH,
+                pending.attempt,
+                nodes=pending.nodes,
+                resume_from=pending.resume_from,
+                action_id=pending.action_id,
+                reason=f"relaunch on {len(pending.nodes)} node(s)",
+            )
+        if request.phase is DriverPhase.START:
+            recovery = record.recovery
+            if recovery is not None and not recovery.validated:
+                return DriverAnswer(
+                    DriverAction.WAIT, record.attempt, reason="choosing a checkpoint",
+                    retry_after_s=DRIVER_RETRY_S,
+                )  # fmt: skip
+            return DriverAnswer(
+                DriverAction.LAUNCH,
+                record.attempt,
+                resume_from=recovery.resume_from if recovery is not None else None,
+                reason="launch on the current allocation",
+            )
+        return DriverAnswer(
+            DriverAction.WAIT,
+            record.attempt,
+            reason=f"job is {record.state.value}",
+            retry_after_s=DRIVER_RETRY_S,
+        )
+
+
+class _Reconcile:
+    """A queue item: run the executor's reconcile in the decision task."""
+
+
+_RECONCILE = _Reconcile()
+
+_DECIDED_KINDS = frozenset(
+    {
+        EventKind.RANK_EXITED,
+        EventKind.HANG,
+        EventKind.HEALTH_CHECK_FAILED,
+        EventKind.STRAGGLER,
+        EventKind.CHECKPOINT_COMMITTED,
+    }
+)
+
+
+def _doc(record: JobRecord) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(record_to_json(record))
+    return document
+
+
+def _log_decision(job_id: str, before: JobRecord, decision: Decision) -> None:
+    after = decision.record
+    log.info(
+        "job %s: %s -> %s (attempt %d): %s%s",
+        job_id,
+        before.state.value,
+        after.state.value,
+        after.attempt,
+        decision.explanation,
+        "".join(f"\n  action {intent.action_id}" for intent in decision.intents),
+        extra={
+            "job_id": job_id,
+            "from_state": before.state.value,
+            "to_state": after.state.value,
+            "cause": decision.cause.value if decision.cause else None,
+            "actions": [intent.action_id for intent in decision.intents],
+        },
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``; the daemon loop itself arrives with the supervisor issue."""
-    build_parser().parse_args(argv)
-    print("resurgo-supervisor: the daemon is not implemented yet; see README.md", file=sys.stderr)
-    return 1
+    """Entry point of ``resurgo-supervisor``."""
+    try:
+        config, policy = load_config(sys.argv[1:] if argv is None else list(argv))
+    except ConfigError as error:
+        print(f"resurgo-supervisor: {error}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_json)
+    try:
+        supervisor = Supervisor(config, policy)
+    except (ResurgoError, OSError) as error:
+        print(f"resurgo-supervisor: {error}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(supervisor.run())
+    return 0
+
+
+__all__ = ["Supervisor", "main"]
 
 
 if __name__ == "__main__":

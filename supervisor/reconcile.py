@@ -146,6 +146,12 @@ def command_id_for(action_id: str) -> str:
     return action_id.replace("/", ":")
 
 
+def command_attempt(command_id: str) -> int | None:
+    """The attempt of the action a command was made for (see :func:`command_id_for`)."""
+    parts = command_id.split(":")
+    return int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+
+
 def command_for(intent: StopRanks | PushInterval) -> Command:
     command_id = command_id_for(intent.action_id)
     if isinstance(intent, StopRanks):

@@ -67,7 +67,8 @@ def build_app(
 ) -> web.Application:
     """The supervisor's HTTP API over ``directory``.
 
-    Routes: ``POST /v1/events``, ``POST /v1/heartbeat`` (agents),
+    Routes: ``POST /v1/events``, ``POST /v1/heartbeat`` (agents), ``POST /v1/driver``
+    (the in-job driver),
     ``GET /v1/jobs/{job_id}`` (the CLI; signed like the rest) and
     ``GET /healthz`` (unauthenticated). ``clock`` gives Unix seconds for the
     replay window and the refusal log's rate limit.
@@ -83,6 +84,7 @@ def build_app(
     app[_REFUSALS] = api.refusals
     app.router.add_post(protocol.EVENTS_PATH, api.events)
     app.router.add_post(protocol.HEARTBEAT_PATH, api.heartbeat)
+    app.router.add_post(protocol.DRIVER_PATH, api.driver)
     app.router.add_get(JOB_STATUS_PATH, api.job_status)
     app.router.add_get(HEALTH_PATH, api.health)
     return app
@@ -224,10 +226,10 @@ class _Api:
                 )
         self._check_nodes(job_id, [event.node for event in events])
         accepted = self._directory.accept_events(job_id, events)
-        senders = {event.node for event in events}
-        # Commands are for one node's agent: a batch mixing nodes (which the
-        # Reporter never sends) gets none rather than another node's.
-        commands = self._directory.commands_for(job_id, senders.pop()) if len(senders) == 1 else ()
+        senders = {(event.node, event.incarnation) for event in events}
+        # Commands are for one agent: a batch mixing agents (which the Reporter
+        # never sends) gets none rather than another agent's.
+        commands = self._directory.commands_for(job_id, *senders.pop()) if len(senders) == 1 else ()
         return _reply(accepted, commands)
 
     async def heartbeat(self, request: web.Request) -> web.Response:
@@ -244,7 +246,26 @@ class _Api:
             )
         self._check_nodes(job_id, [report.node])
         self._directory.accept_heartbeat(job_id, report)
-        return _reply((), self._directory.commands_for(job_id, report.node))
+        return _reply(
+            (), self._directory.commands_for(job_id, report.node, report.agent_incarnation)
+        )
+
+    async def driver(self, request: web.Request) -> web.Response:
+        """``POST /v1/driver``: the in-job driver asks what to do; the directory answers."""
+        job_id, body = await self._authenticate(request)
+        try:
+            question = protocol.decode_driver_request(body)
+        except ProtocolError as error:
+            raise Cause.MALFORMED.refuse(str(error)) from None
+        if question.job_id != job_id:
+            raise Cause.CROSS_JOB.refuse(
+                f"driver request is about job {question.job_id!r}, but the request is signed "
+                f"for job {job_id!r}: a job's driver speaks only for its own job"
+            )
+        answer = await self._directory.driver(job_id, question)
+        return web.Response(
+            body=protocol.encode_driver_answer(answer), content_type="application/json"
+        )
 
     async def job_status(self, request: web.Request) -> web.Response:
         """``GET /v1/jobs/{job_id}``: the directory's summary of the job, signed with its secret."""

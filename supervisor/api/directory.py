@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agent import protocol
-from agent.protocol import Command, Event, HeartbeatReport
+from agent.protocol import (
+    Command,
+    DriverAction,
+    DriverAnswer,
+    DriverPhase,
+    DriverRequest,
+    Event,
+    HeartbeatReport,
+)
 
 
 class JobDirectory(Protocol):
@@ -44,8 +52,11 @@ class JobDirectory(Protocol):
         """Take a node's heartbeat; one older than that node's newest may be ignored."""
         ...
 
-    def commands_for(self, job_id: str, node: str) -> Sequence[Command]:
-        """Commands to piggyback on the reply to ``node`` (at most ``protocol.MAX_COMMANDS``).
+    def commands_for(self, job_id: str, node: str, incarnation: str) -> Sequence[Command]:
+        """Commands to piggyback on the reply to the agent ``incarnation`` on ``node``.
+
+        At most ``protocol.MAX_COMMANDS``; the incarnation tells one launch's
+        agent from the next one's on the same node.
 
         Delivery is at least once: an implementation may repeat a command
         until it sees its effect; the agent applies each ``command_id`` once.
@@ -54,6 +65,14 @@ class JobDirectory(Protocol):
 
     def status(self, job_id: str) -> dict[str, Any] | None:
         """A small JSON-shaped summary of the job for the CLI; None when unknown."""
+        ...
+
+    async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
+        """Answer the in-job driver (see :class:`agent.protocol.DriverPhase`).
+
+        Asynchronous: confirming a relaunch writes to the store and wakes the
+        decision loop. Must answer quickly; WAIT when the answer is not known yet.
+        """
         ...
 
 
@@ -67,6 +86,8 @@ class _Job:
     event_ids: set[str] = field(default_factory=set)
     heartbeats: dict[str, HeartbeatReport] = field(default_factory=dict)
     commands: dict[str, list[Command]] = field(default_factory=dict)
+    driver_answers: list[DriverAnswer] = field(default_factory=list)
+    driver_requests: list[DriverRequest] = field(default_factory=list)
 
 
 class MemoryDirectory:
@@ -94,6 +115,16 @@ class MemoryDirectory:
         """Deliver ``command`` on the next reply to ``node`` of ``job_id``."""
         with self._lock:
             self._jobs[job_id].commands.setdefault(node, []).append(command)
+
+    def answer_driver(self, job_id: str, answer: DriverAnswer) -> None:
+        """Queue the answer to the driver's next question (else: LAUNCH on START, WAIT)."""
+        with self._lock:
+            self._jobs[job_id].driver_answers.append(answer)
+
+    def driver_requests(self, job_id: str) -> list[DriverRequest]:
+        """Every question the job's driver asked, in order."""
+        with self._lock:
+            return list(self._jobs[job_id].driver_requests)
 
     def events(self, job_id: str) -> list[Event]:
         """The job's distinct events in the order they were first accepted."""
@@ -136,7 +167,7 @@ class MemoryDirectory:
             if newest is None or report.time_unix_s >= newest.time_unix_s:
                 heartbeats[report.node] = report
 
-    def commands_for(self, job_id: str, node: str) -> Sequence[Command]:
+    def commands_for(self, job_id: str, node: str, incarnation: str) -> Sequence[Command]:
         """See :meth:`JobDirectory.commands_for`; each command is handed out once."""
         with self._lock:
             pending = self._jobs[job_id].commands.get(node, [])
@@ -157,3 +188,14 @@ class MemoryDirectory:
                     node: report.time_unix_s for node, report in sorted(job.heartbeats.items())
                 },
             }
+
+    async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
+        """See :meth:`JobDirectory.driver`: queued answers first, else LAUNCH on START, WAIT."""
+        with self._lock:
+            job = self._jobs[job_id]
+            job.driver_requests.append(request)
+            if job.driver_answers:
+                return job.driver_answers.pop(0)
+        if request.phase is DriverPhase.START:
+            return DriverAnswer(DriverAction.LAUNCH, request.attempt or 1)
+        return DriverAnswer(DriverAction.WAIT, request.attempt or 1, reason="nothing decided")

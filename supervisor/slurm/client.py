@@ -170,6 +170,19 @@ class SlurmClient:
         """Shrink a running job to ``keep_nodes``; its steps on the other nodes are killed."""
         await self._mutate(parse.shrink_argv(job_id, keep_nodes))
 
+    async def submit_held(self, options: Sequence[str], script: str) -> int:
+        """``sbatch --hold`` the batch script with ``options``; return the new job id.
+
+        Run once, never retried: a retry after a lost answer would submit twice.
+        """
+        argv = parse.sbatch_argv(options, script)
+        log.info("slurm: %s", " ".join(argv))
+        return parse.parse_sbatch_id(await self._run(argv))
+
+    async def release(self, job_id: int) -> None:
+        """Release a held job."""
+        await self._mutate(parse.release_argv(job_id))
+
     async def cancel(self, job_id: int, signal: str | None = None) -> None:
         """Cancel the job, or send it ``signal``."""
         await self._mutate(parse.cancel_argv(job_id, signal))

@@ -498,6 +498,19 @@ def release_argv(job_id: int) -> list[str]:
     return ["scontrol", "release", str(job_id)]
 
 
+def sbatch_argv(options: Sequence[str], script: str) -> list[str]:
+    """Submit batch script ``script`` held (released once Resurgo registered it); prints the id."""
+    return ["sbatch", "--parsable", "--hold", *options, script]
+
+
+def parse_sbatch_id(text: str) -> int:
+    """The job id ``sbatch --parsable`` printed (``ID`` or ``ID;cluster``)."""
+    first = text.strip().split(";")[0]
+    if not first.isdigit():
+        raise SlurmParseError(f"sbatch printed {text.strip()[:200]!r}, not a job id")
+    return int(first)
+
+
 def cancel_argv(job_id: int, signal: str | None = None) -> list[str]:
     """Cancel the job, or with ``signal`` (e.g. ``"USR1"``) only signal it."""
     if signal is None:

@@ -574,3 +574,30 @@ def test_reporter_delivers_events_once_in_order_and_gets_each_command_once(
         assert reporter.pending == 0
 
     run(scenario(test, directory=directory))
+
+
+def test_the_driver_asks_and_gets_the_directorys_answer() -> None:
+    async def test(api: Api) -> None:
+        relaunch = protocol.DriverAnswer(
+            protocol.DriverAction.RELAUNCH, 2, ("node1",), "/ckpt/step-4", "4711/2/relaunch/1"
+        )
+        api.directory.answer_driver(JOB, relaunch)
+        ended = protocol.DriverRequest(JOB, protocol.DriverPhase.ENDED, attempt=1, exit_code=1)
+        answer = await api.send(protocol.DRIVER_PATH, protocol.encode_driver_request(ended))
+        assert answer.status == 200, answer.body
+        assert protocol.decode_driver_answer(answer.body) == relaunch
+        assert api.directory.driver_requests(JOB) == [ended]
+
+    run(scenario(test))
+
+
+def test_a_driver_speaking_for_another_job_is_refused_403_and_garbage_400() -> None:
+    async def test(api: Api) -> None:
+        other = protocol.DriverRequest(OTHER_JOB, protocol.DriverPhase.START)
+        body = protocol.encode_driver_request(other)
+        assert_refused(await api.send(protocol.DRIVER_PATH, body), 403, "cross_job")
+        garbage = b'{"protocol": 1, "type": "driver_request", "job_id": "4711"}'
+        assert_refused(await api.send(protocol.DRIVER_PATH, garbage), 400, "malformed")
+        assert api.directory.driver_requests(JOB) == []
+
+    run(scenario(test))

@@ -589,3 +589,20 @@ def test_rank_exited_takes_an_optional_exit_time() -> None:
     assert (
         protocol.decode_event(protocol.encode_event(event)).payload["exit_time_unix_s"] == NOW - 0.5
     )
+
+
+def test_driver_messages_round_trip_and_refuse_what_cannot_be_acted_on() -> None:
+    request = protocol.DriverRequest(
+        "4711", protocol.DriverPhase.RELAUNCHED, attempt=2, action_id="4711/2/relaunch/3", ok=True
+    )
+    assert protocol.decode_driver_request(protocol.encode_driver_request(request)) == request
+    answer = protocol.DriverAnswer(
+        protocol.DriverAction.RELAUNCH, 2, ("node1", "node2"), "/c/step-4", "4711/2/relaunch/2"
+    )
+    assert protocol.decode_driver_answer(protocol.encode_driver_answer(answer)) == answer
+    with pytest.raises(ProtocolError, match="relaunched needs action_id and ok"):
+        protocol.encode_driver_request(
+            protocol.DriverRequest("4711", protocol.DriverPhase.RELAUNCHED)
+        )
+    with pytest.raises(ProtocolError, match="names its nodes"):
+        protocol.encode_driver_answer(protocol.DriverAnswer(protocol.DriverAction.RELAUNCH, 2))

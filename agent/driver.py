@@ -1,0 +1,323 @@
+"""The in-job driver: the batch script's main program (``python -m agent.driver``).
+
+``resurgo submit`` writes a batch script that ``exec``s this. It
+
+1. asks the supervisor how to launch (``POST /v1/driver``, phase ``start``):
+   on the current allocation, resuming from the checkpoint the supervisor
+   chose when the job was requeued;
+2. runs one node agent per node with ``srun`` (explicit counts and node list
+   from the current allocation: inherited counts are wrong after a resize),
+   each agent launching the user's command (usually torchrun);
+3. when that step fails, asks again (phase ``ended``) and, told so, starts a
+   new step on the nodes the supervisor names, with ``RESURGO_RESUME_FROM``
+   set through the agent, and confirms the relaunch (phase ``relaunched``);
+4. exits 0 when a step succeeds, and exits 1 with the supervisor's reason
+   when told to stop.
+
+A supervisor that does not answer is retried with jittered backoff
+(tenacity) for ``--supervisor-wait-s``; the running step never depends on it.
+If the supervisor stays unreachable at start, the job launches anyway and the
+in-rank library resumes from the newest valid checkpoint by itself. After a
+failure with no supervisor to ask, the driver ends the job with the step's
+exit status rather than guessing where to relaunch.
+
+This module runs ``srun`` and ``scontrol`` for its own job only; the
+supervisor's Slurm adapter is the one place that administers Slurm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import tenacity
+
+from agent import protocol
+from agent.client import Rejected, load_secret, signed_post
+from agent.errors import ConfigError, ResurgoError
+from agent.protocol import DriverAction, DriverAnswer, DriverPhase, DriverRequest
+
+log = logging.getLogger("resurgo.driver")
+
+# A relaunched step that fails this fast did not start (bad node list, srun refused).
+START_CHECK_S = 5.0
+MASTER_PORT_BASE = 29500
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    """The driver's command line (the batch script passes it)."""
+
+    job_id: str
+    job_dir: Path
+    supervisor_url: str
+    ckpt_root: str
+    command: tuple[str, ...]
+    python: str = sys.executable
+    supervisor_wait_s: float = 600.0
+    request_timeout_s: float = 10.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m agent.driver``'s flags."""
+    parser = argparse.ArgumentParser(
+        prog="python -m agent.driver",
+        description="Resurgo's in-job driver: runs the node agents with srun and relaunches "
+        "them where the supervisor says after a fault. Written into batch scripts by "
+        "`resurgo submit`.",
+    )
+    parser.add_argument("--state-dir", required=True, help="the supervisor's state directory")
+    parser.add_argument("--supervisor-url", required=True)
+    parser.add_argument("--ckpt-root", required=True)
+    parser.add_argument("--procs-per-node", type=int, default=1, help="(informational)")
+    parser.add_argument("--supervisor-wait-s", type=float, default=600.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    return parser
+
+
+def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSettings:
+    """Parse the flags; the job id comes from Slurm (``SLURM_JOB_ID``)."""
+    args = build_parser().parse_args(list(argv))
+    job_id = environ.get("SLURM_JOB_ID", "")
+    if not job_id:
+        raise ConfigError("SLURM_JOB_ID is not set: the driver runs as a Slurm batch script")
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("no command after --")
+    return DriverSettings(
+        job_id=job_id,
+        job_dir=Path(args.state_dir) / "jobs" / job_id,
+        supervisor_url=args.supervisor_url.rstrip("/"),
+        ckpt_root=args.ckpt_root,
+        command=tuple(command),
+        supervisor_wait_s=args.supervisor_wait_s,
+    )
+
+
+def master_port(job_id: str, attempt: int) -> int:
+    """A rendezvous port per job and attempt: a new launch never meets an old one's socket."""
+    return MASTER_PORT_BASE + (int(job_id) % 500) * 10 + attempt % 10
+
+
+def agent_argv(
+    settings: DriverSettings,
+    nodes: Sequence[str],
+    master_addr: str,
+    attempt: int,
+    resume_from: str | None,
+) -> list[str]:
+    """``srun`` running one node agent per node of ``nodes``, each launching the command."""
+    count = str(len(nodes))
+    return [
+        "srun",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        "--kill-on-bad-exit=0",
+        "--export=ALL",
+        settings.python, "-m", "agent.node",
+        "--supervisor-url", settings.supervisor_url,
+        "--secret-file", str(settings.job_dir / "secret"),
+        "--master-addr", master_addr,
+        "--master-port", str(master_port(settings.job_id, attempt)),
+        "--launch-nonce", str(attempt),
+        "--attempt", str(attempt),
+        "--ckpt-root", settings.ckpt_root,
+        *(["--resume-from", resume_from] if resume_from else []),
+        "--", *settings.command,
+    ]  # fmt: skip
+
+
+async def _capture(argv: Sequence[str]) -> str:
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+    if process.returncode != 0:
+        raise ResurgoError(f"`{' '.join(argv)}` failed: {err.decode(errors='replace').strip()}")
+    return out.decode()
+
+
+async def current_nodes(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The batch job's nodes now (``scontrol show hostnames`` of ``SLURM_JOB_NODELIST``)."""
+    node_list = environ.get("SLURM_JOB_NODELIST", "")
+    if not node_list:
+        raise ConfigError("SLURM_JOB_NODELIST is not set")
+    return tuple((await _capture(["scontrol", "show", "hostnames", node_list])).split())
+
+
+async def node_address(node: str) -> str:
+    """The address other nodes reach ``node`` at (its Slurm NodeAddr)."""
+    text = await _capture(["scontrol", "show", "node", node])
+    found = re.search(r"NodeAddr=(\S+)", text)
+    return found.group(1) if found else node
+
+
+class Driver:
+    """One job's driver; :meth:`run` returns the batch script's exit status."""
+
+    def __init__(
+        self,
+        settings: DriverSettings,
+        environ: Mapping[str, str],
+        *,
+        clock: Callable[[], float] = time.time,
+        backoff: tenacity.wait.wait_base | None = None,
+    ) -> None:
+        self.settings = settings
+        self._environ = environ
+        self._clock = clock
+        self._backoff = backoff or tenacity.wait_random_exponential(multiplier=0.5, max=10.0)
+        self._secret = load_secret(settings.job_dir / "secret")
+        self._step: asyncio.subprocess.Process | None = None
+        self._stopping = False
+
+    async def run(self) -> int:
+        """Launch, watch, relaunch as told; see the module docstring."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        async with aiohttp.ClientSession() as session:
+            self._session = session
+            answer = await self._ask(DriverRequest(self.settings.job_id, DriverPhase.START))
+            if answer is None:
+                log.warning("supervisor unreachable: launching; the ranks resume by themselves")
+                answer = DriverAnswer(DriverAction.LAUNCH, 1, reason="supervisor unreachable")
+            while not self._stopping:
+                if answer.action is DriverAction.STOP:
+                    print(f"resurgo: job stopped by the supervisor: {answer.reason}", flush=True)
+                    return 1
+                if answer.action is DriverAction.WAIT:
+                    log.info("waiting: %s", answer.reason)
+                    await asyncio.sleep(answer.retry_after_s)
+                    asked = await self._ask(DriverRequest(
+                        self.settings.job_id, DriverPhase.ENDED, attempt=answer.attempt,
+                    ))  # fmt: skip
+                    if asked is None:
+                        return 1
+                    answer = asked
+                    continue
+                returncode = await self._launch(answer)
+                if returncode == 0:
+                    log.info("step finished successfully")
+                    return 0
+                if self._stopping:
+                    break
+                log.warning("step of attempt %d ended with %d; asking", answer.attempt, returncode)
+                asked = await self._ask(DriverRequest(
+                    self.settings.job_id, DriverPhase.ENDED, attempt=answer.attempt,
+                    exit_code=returncode,
+                ))  # fmt: skip
+                if asked is None:
+                    print("resurgo: the supervisor is unreachable after a failure; ending the job",
+                          flush=True)  # fmt: skip
+                    return returncode
+                answer = asked
+        return 143
+
+    async def _launch(self, answer: DriverAnswer) -> int:
+        nodes = answer.nodes or await current_nodes(self._environ)
+        master = await node_address(nodes[0])
+        argv = agent_argv(self.settings, nodes, master, answer.attempt, answer.resume_from)
+        log.info(
+            "attempt %d: %d node(s) %s, resume from %s",
+            answer.attempt, len(nodes), ",".join(nodes), answer.resume_from or "(newest valid)",
+        )  # fmt: skip
+        env = {**self._environ, "RESURGO_CKPT_ROOT": self.settings.ckpt_root}
+        env.pop("RESURGO_RESUME_FROM", None)
+        try:
+            self._step = await asyncio.create_subprocess_exec(*argv, env=env)
+        except OSError as error:
+            await self._confirm(answer, False, f"srun did not start: {error}")
+            return 127
+        if answer.action is DriverAction.RELAUNCH:
+            try:
+                returncode = await asyncio.wait_for(
+                    asyncio.shield(self._step.wait()), START_CHECK_S
+                )
+            except TimeoutError:
+                await self._confirm(answer, True, f"step running on {len(nodes)} node(s)")
+            else:
+                await self._confirm(
+                    answer, returncode == 0, f"step ended with {returncode} at once"
+                )
+                return returncode
+        return await self._step.wait()
+
+    async def _confirm(self, answer: DriverAnswer, ok: bool, reason: str) -> None:
+        if answer.action is not DriverAction.RELAUNCH:
+            return
+        await self._ask(DriverRequest(
+            self.settings.job_id, DriverPhase.RELAUNCHED, attempt=answer.attempt,
+            action_id=answer.action_id, ok=ok, reason=reason,
+        ))  # fmt: skip
+
+    async def _ask(self, request: DriverRequest) -> DriverAnswer | None:
+        """Post ``request`` until answered or ``supervisor_wait_s`` passed (None then)."""
+        body = protocol.encode_driver_request(request)
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_delay(self.settings.supervisor_wait_s),
+            wait=self._backoff,
+            retry=tenacity.retry_if_exception_type((aiohttp.ClientError, TimeoutError, Rejected)),
+            before_sleep=lambda state: log.warning(
+                "supervisor did not answer (%s); retrying",
+                state.outcome and state.outcome.exception(),
+            ),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    data = await signed_post(
+                        self._session,
+                        self.settings.supervisor_url + protocol.DRIVER_PATH,
+                        self.settings.job_id,
+                        self._secret,
+                        body,
+                        timeout_s=self.settings.request_timeout_s,
+                        clock=self._clock,
+                    )
+                    return protocol.decode_driver_answer(data)
+        except (aiohttp.ClientError, TimeoutError, Rejected) as error:
+            log.error(
+                "supervisor unreachable for %.0f s: %s", self.settings.supervisor_wait_s, error
+            )
+        return None
+
+    def _on_signal(self, signum: int) -> None:
+        self._stopping = True
+        if self._step is not None and self._step.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._step.send_signal(signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m agent.driver``."""
+    logging.basicConfig(
+        level=logging.INFO, format="resurgo-driver %(asctime)s %(levelname)s %(message)s"
+    )
+    try:
+        settings = settings_from(sys.argv[1:] if argv is None else argv, os.environ)
+        driver = Driver(settings, dict(os.environ))
+        return asyncio.run(driver.run())
+    except ResurgoError as error:
+        print(f"resurgo-driver: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

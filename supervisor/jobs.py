@@ -1,0 +1,234 @@
+"""A submitted job's state directory: its spec and signing secret, and how a job is submitted.
+
+Layout under the supervisor's ``state_dir`` (a filesystem the compute nodes
+share, since the job reads its secret there)::
+
+    jobs/<slurm job id>/          0700, owned by the submitting user
+        secret                    0600: the job's 256-bit signing key, hex
+        spec.json                 0600: what was asked (sizes, command, checkpoints)
+
+Submission (:func:`submit`): ``sbatch --hold`` the in-job driver, write the
+directory for the id sbatch returned, then release the job; so the job never
+runs before its secret exists. If writing fails the held job is cancelled:
+nothing half-registered is left behind. The supervisor registers jobs by
+scanning ``jobs/`` (:func:`read_spec`), so a job submitted while the
+supervisor is down is picked up when it comes back. When the supervisor runs
+as root it checks that the directory's owner is the Slurm job's user: a
+user cannot register a secret for somebody else's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.client import load_secret, new_secret, write_secret
+from agent.errors import ConfigError
+from agent.protocol import check_name
+from supervisor.errors import SlurmError, SupervisorError
+from supervisor.slurm import SlurmClient
+
+SPEC_NAME = "spec.json"
+SECRET_NAME = "secret"
+SPEC_VERSION = 1
+
+
+class SubmitError(SupervisorError):
+    """A job could not be submitted; the message says what to fix. Nothing is left running."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the user asked for; the supervisor's record of the job starts from it.
+
+    ``nodes`` is the size asked for, ``min_nodes`` the smallest size the job
+    may shrink to, ``unit`` the multiple the parallelism needs;
+    ``procs_per_node`` ranks run on each node (maps a global rank to its
+    node). ``command`` runs on every node under the node agent (usually
+    ``torchrun ...``). ``ckpt_root`` is where the job saves checkpoints.
+    """
+
+    name: str
+    nodes: int
+    command: tuple[str, ...]
+    ckpt_root: str
+    min_nodes: int | None = None
+    unit: int = 1
+    procs_per_node: int = 1
+    supervisor_url: str = ""
+    sbatch_options: tuple[str, ...] = ()
+    python: str = field(default_factory=lambda: sys.executable)
+    user: str = ""
+    submitted_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"a job needs at least 1 node, got {self.nodes}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            raise ConfigError(f"--min-nodes must be 1..{self.nodes}, got {self.min_nodes}")
+        if self.unit < 1 or self.nodes % self.unit:
+            raise ConfigError(f"--unit {self.unit} must divide --nodes {self.nodes}")
+        if self.procs_per_node < 1:
+            raise ConfigError(f"procs per node must be >= 1, got {self.procs_per_node}")
+        if not self.command:
+            raise ConfigError("no command to run: resurgo submit ... -- torchrun train.py")
+        if not self.ckpt_root or not os.path.isabs(self.ckpt_root):
+            raise ConfigError(f"the checkpoint root must be an absolute path: {self.ckpt_root!r}")
+
+    @property
+    def floor(self) -> int:
+        """The smallest size the job runs at."""
+        return self.nodes if self.min_nodes is None else self.min_nodes
+
+    def to_json(self) -> str:
+        """The spec document (with a version), as stored in ``spec.json``."""
+        document = {"version": SPEC_VERSION, **asdict(self)}
+        return json.dumps(document, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        """Read ``spec.json``; ConfigError naming the problem when it is not one."""
+        try:
+            document = json.loads(text)
+            if not isinstance(document, dict) or document.pop("version", None) != SPEC_VERSION:
+                raise ValueError(f"not a version {SPEC_VERSION} job spec")
+            document["command"] = tuple(document["command"])
+            document["sbatch_options"] = tuple(document.get("sbatch_options", ()))
+            return cls(**document)
+        except (ValueError, TypeError, KeyError) as error:
+            raise ConfigError(f"job spec is malformed: {error}") from error
+
+
+def job_dir(state_dir: Path | str, job_id: str) -> Path:
+    """The job's directory under ``state_dir``."""
+    return Path(state_dir) / "jobs" / check_name(job_id, "job_id")
+
+
+def read_spec(directory: Path) -> JobSpec:
+    """The spec in a job directory (ConfigError when missing or malformed)."""
+    try:
+        return JobSpec.from_json((directory / SPEC_NAME).read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read {directory / SPEC_NAME}: {error}") from error
+
+
+def read_secret(directory: Path) -> bytes:
+    """The job's signing secret (ConfigError when missing or readable by others)."""
+    return load_secret(directory / SECRET_NAME)
+
+
+def owner_name(directory: Path) -> str:
+    """The user name owning ``directory`` (the uid as text when it has no name)."""
+    uid = directory.stat().st_uid
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def write_job_dir(state_dir: Path | str, job_id: str, spec: JobSpec) -> Path:
+    """Create ``jobs/<id>/`` with a fresh secret and the spec; return the directory."""
+    directory = job_dir(state_dir, job_id)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700)
+    write_secret(directory / SECRET_NAME, new_secret())
+    fd = os.open(directory / SPEC_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(spec.to_json())
+        handle.flush()
+        os.fsync(handle.fileno())
+    return directory
+
+
+def batch_script(spec: JobSpec, state_dir: Path | str) -> str:
+    """The batch script: the in-job driver, which runs ``spec.command`` under the agents."""
+    driver = [
+        spec.python, "-m", "agent.driver",
+        "--state-dir", str(Path(state_dir).resolve()),
+        "--supervisor-url", spec.supervisor_url,
+        "--ckpt-root", spec.ckpt_root,
+        "--procs-per-node", str(spec.procs_per_node),
+        "--", *spec.command,
+    ]  # fmt: skip
+    return (
+        "#!/bin/bash\n"
+        "# Written by resurgo submit: the in-job driver launches the node agents with srun,\n"
+        "# and relaunches them on the nodes the supervisor names after a fault.\n"
+        f"exec {shlex.join(driver)}\n"
+    )
+
+
+def sbatch_options(spec: JobSpec) -> list[str]:
+    """sbatch's options: one driver task per node, requeueable, plus the user's own."""
+    return [
+        f"--job-name={spec.name}",
+        f"--nodes={spec.nodes}",
+        "--ntasks-per-node=1",
+        "--requeue",
+        *spec.sbatch_options,
+    ]
+
+
+async def submit(spec: JobSpec, state_dir: Path | str, slurm: SlurmClient) -> str:
+    """Submit ``spec`` held, write its directory, release it; return the Slurm job id.
+
+    Raises :class:`SubmitError` with what to do; a job that was submitted but
+    could not be registered is cancelled.
+    """
+    if not spec.supervisor_url:
+        raise SubmitError("no supervisor URL: pass --supervisor-url or set RESURGO_URL")
+    spec = JobSpec(**{**asdict(spec), "user": spec.user or _current_user(),
+                      "submitted_s": spec.submitted_s or time.time()})  # fmt: skip
+    jobs = Path(state_dir) / "jobs"
+    try:
+        jobs.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SubmitError(f"cannot create {jobs}: {error}; check --state-dir") from error
+    with tempfile.NamedTemporaryFile("w", dir=jobs, prefix=".batch-", suffix=".sh") as script:
+        script.write(batch_script(spec, state_dir))
+        script.flush()
+        try:
+            job_id = await slurm.submit_held(sbatch_options(spec), script.name)
+        except SlurmError as error:
+            raise SubmitError(f"sbatch refused the job: {error}") from error
+    try:
+        write_job_dir(state_dir, str(job_id), spec)
+    except OSError as error:
+        await _cancel_quietly(slurm, job_id)
+        raise SubmitError(
+            f"job {job_id} was cancelled: its state directory could not be written ({error})"
+        ) from error
+    try:
+        await slurm.release(job_id)
+    except SlurmError as error:
+        raise SubmitError(
+            f"job {job_id} is submitted but held: `scontrol release {job_id}` starts it ({error})"
+        ) from error
+    return str(job_id)
+
+
+async def _cancel_quietly(slurm: SlurmClient, job_id: int) -> None:
+    try:
+        await slurm.cancel(job_id)
+    except SlurmError as error:
+        print(f"resurgo: could not cancel held job {job_id}: {error}", file=sys.stderr)
+
+
+def _current_user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def spec_summary(spec: JobSpec) -> dict[str, Any]:
+    """The fields ``resurgo status`` shows about a spec."""
+    return {"name": spec.name, "nodes": spec.nodes, "min_nodes": spec.floor, "unit": spec.unit}

@@ -1,0 +1,159 @@
+"""A real ``resurgo-supervisor`` process for live tests: start, SIGKILL, restart, read its store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+from supervisor.jobs import JobSpec, submit
+from supervisor.slurm import SlurmClient
+from supervisor.store import Store
+from tests.conftest import REPO, LiveCluster
+
+# The node agents of test jobs report quickly, so recoveries fit in a test.
+AGENT_ENV = {
+    "RESURGO_AGENT_HEARTBEAT_REPORT_S": "1",
+    "RESURGO_AGENT_STOP_GRACE_S": "5",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": str(REPO),
+}
+TOY = REPO / "deploy" / "demo" / "train_toy.py"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class SupervisorProcess:
+    """``python -m supervisor.daemon`` on a fixed port, its log in ``state_dir/supervisor.log``."""
+
+    def __init__(self, cluster: LiveCluster, state_dir: Path, policy: dict[str, str]) -> None:
+        self.cluster = cluster
+        self.state_dir = state_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.policy = policy
+        self.log_path = state_dir / "supervisor.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **self.cluster.env,
+            "RESURGO_SUPERVISOR_STATE_DIR": str(self.state_dir),
+            "RESURGO_SUPERVISOR_LISTEN_HOST": "127.0.0.1",
+            "RESURGO_SUPERVISOR_LISTEN_PORT": str(self.port),
+            "RESURGO_SUPERVISOR_URL": self.url,
+            "RESURGO_SUPERVISOR_POLL_S": "0.5",
+            "RESURGO_SUPERVISOR_TICK_S": "0.5",
+            "RESURGO_SUPERVISOR_RECONCILE_S": "2",
+            "RESURGO_SUPERVISOR_LOG_JSON": "no",
+            "PYTHONPATH": str(REPO),
+            **{f"RESURGO_POLICY_{key.upper()}": value for key, value in self.policy.items()},
+        }
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.daemon"],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"supervisor exited at start:\n{self.log()}")
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.url}/healthz", timeout=2),
+            ):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"supervisor did not answer /healthz:\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no clean shutdown, whatever it was doing."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def store(self) -> Store:
+        """A second connection to the daemon's store (WAL: reads while it writes)."""
+        return Store.open(self.state_dir / "resurgo.db")
+
+    def submit(self, spec: JobSpec, extra_env: dict[str, str] | None = None) -> int:
+        """Submit ``spec`` as `resurgo submit` does; return the Slurm job id."""
+        env = {**AGENT_ENV, "SLURM_CONF": str(self.cluster.conf), **(extra_env or {})}
+        client = SlurmClient(env=env)
+        return int(asyncio.run(submit(spec, self.state_dir, client)))
+
+
+def toy_spec(
+    name: str, nodes: int, ckpt_root: Path, output: Path, url: str, *toy_args: str, **kw: int
+) -> JobSpec:
+    """A JobSpec running the toy training job with one rank per node."""
+    return JobSpec(
+        name=name,
+        nodes=nodes,
+        command=(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", str(TOY))
+        + toy_args,
+        ckpt_root=str(ckpt_root),
+        supervisor_url=url,
+        sbatch_options=(f"--output={output}",),
+        min_nodes=kw.get("min_nodes"),
+    )
+
+
+def rank_pids(node: str) -> list[int]:
+    """Pids of the toy job's rank processes running as Slurm node ``node``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not any(part.endswith(b"train_toy.py") for part in cmdline):
+            continue
+        if b"agent.rankexec" in cmdline or b"torch.distributed.run" in cmdline:
+            continue
+        if f"SLURMD_NODENAME={node}".encode() in environ and any(
+            item.startswith(b"RANK=") for item in environ
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_rank_on(node: str) -> int:
+    pids = rank_pids(node)
+    assert pids, f"no toy rank runs on {node}"
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
