@@ -54,6 +54,13 @@ class SupervisorConfig:
     - ``tick_s``: how often waits (evidence windows, backoff) are re-checked.
     - ``lease_s``: an agent silent this long is lost (its node is blamed).
     - ``reconcile_s``: how often unfinished actions are retried.
+    - ``interval_check_s``: how often the recommended checkpoint interval (Daly,
+      from the cluster's MTBF and each job's save cost) is recomputed and,
+      when it moved by more than 10%, pushed to the job's agents.
+    - ``probation_check``: the command that says a drained node is healthy again
+      (``{node}`` is replaced; e.g. ``ssh {node} /usr/sbin/nhc``); empty: the
+      node answers Slurm and is not DOWN. Checked every ``interval_check_s``
+      for nodes whose probation (``policy.probation_s``) is over.
     - ``slurm_timeout_s``: the limit on every Slurm command.
     - ``log_json``: one JSON object per log line (default: only when stderr
       is not a terminal).
@@ -67,11 +74,15 @@ class SupervisorConfig:
     tick_s: float = 1.0
     lease_s: float = 30.0
     reconcile_s: float = 10.0
+    interval_check_s: float = 60.0
+    probation_check: str = ""
     slurm_timeout_s: float = 15.0
     log_json: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("poll_s", "tick_s", "lease_s", "reconcile_s", "slurm_timeout_s"):
+        for name in (
+            "poll_s", "tick_s", "lease_s", "reconcile_s", "interval_check_s", "slurm_timeout_s",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"supervisor setting {name} must be > 0, got {value!r}")

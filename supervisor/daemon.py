@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -39,8 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from agent import protocol
+from agent.checkpoint import files
+from agent.checkpoint import format as fmt
 from agent.checkpoint.format import parse_step_dir_name
-from agent.errors import ConfigError, ResurgoError
+from agent.errors import CheckpointInvalid, ConfigError, ResurgoError
 from agent.protocol import (
     Command,
     CommandKind,
@@ -57,6 +60,8 @@ from supervisor.api import bound_port, build_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
 from supervisor.errors import SlurmError, StoreError
 from supervisor.executor import ALERT_KIND, Executor, Validator
+from supervisor.goodput import Goodput, interval_push, mtbf_estimate
+from supervisor.intents import DRAIN_REASON_PREFIX, Intent
 from supervisor.jobs import JobSpec
 from supervisor.logs import setup_logging
 from supervisor.model import (
@@ -77,10 +82,12 @@ from supervisor.observations import (
     from_event,
 )
 from supervisor.policy import Decision, Policy, decide
+from supervisor.probation import NodeHistory, release
 from supervisor.reconcile import command_attempt, intent_of
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import SlurmJob, SlurmNode
 from supervisor.store import Actor, Store
+from supervisor.timeline import CHECKPOINT_STATS_KIND, goodput_of, node_faults
 from supervisor.verify import check_resume
 
 log = logging.getLogger("resurgo.supervisor")
@@ -106,6 +113,9 @@ class _Job:
     progress_step: int | None = None
     # attempts whose resume verification has a result (checked once each)
     verified: set[int] = field(default_factory=set)
+    # (step, stall_s, write_s) of the newest checkpoint's save
+    save_cost: tuple[int, float, float] | None = None
+    interval_s: float | None = None  # the interval last pushed to the agents
 
 
 class Supervisor:
@@ -135,7 +145,7 @@ class Supervisor:
         )
         self.jobs: dict[str, _Job] = {}
         self.cluster = ClusterView()
-        self._queue: asyncio.Queue[tuple[str, Observation, str | None] | _Reconcile] = (
+        self._queue: asyncio.Queue[tuple[str, Observation, str | None] | _Reconcile | _Act] = (
             asyncio.Queue()
         )
         self._bad_job_dirs: set[str] = set()
@@ -163,6 +173,12 @@ class Supervisor:
             asyncio.create_task(self._every(self.config.tick_s, self.tick), name="tick"),
             asyncio.create_task(
                 self._every(self.config.reconcile_s, self._ask_reconcile), name="reconcile"
+            ),
+            asyncio.create_task(
+                self._every(self.config.interval_check_s, self._recommend), name="interval"
+            ),
+            asyncio.create_task(
+                self._every(self.config.interval_check_s, self.probation), name="probation"
             ),
         ]
         try:
@@ -364,6 +380,64 @@ class Supervisor:
             self._enqueue(lease.job_id, LeaseExpired(lease.node))
         self.store.flush_leases()
 
+    async def _recommend(self) -> None:
+        self.recommend_intervals()
+
+    async def probation(self) -> None:
+        """Return nodes drained once for a transient fault after probation, once healthy.
+
+        Only Resurgo's own drains whose Slurm reason is still Resurgo's (an
+        operator's later drain is theirs to undo); never a lemon. Health is the
+        configured ``probation_check`` command (``{node}`` replaced) exiting 0,
+        else the node answering Slurm and not DOWN.
+        """
+        now = self.clock()
+        due = [
+            drain
+            for drain in self.store.open_drains()
+            if drain.drained_by is Actor.SUPERVISOR
+            and now - drain.drained_s >= self.policy.probation_s
+        ]
+        if not due:
+            return
+        try:
+            nodes = await self.slurm.nodes()
+        except SlurmError as error:
+            log.warning("probation: sinfo failed, nothing concluded: %s", error)
+            return
+        for drain in due:
+            node = nodes.get(drain.node)
+            if node is None or not node.drained or not node.reason.startswith(DRAIN_REASON_PREFIX):
+                continue
+            attempt = int(drain.action_id.split("/")[1]) if drain.action_id else 0
+            history = NodeHistory(
+                drain.node,
+                tuple(row.drained_s for row in self.store.blame_history(drain.node)),
+                drained_at_s=drain.drained_s,
+                drain_job_id=drain.job_id or "",
+                drain_attempt=attempt,
+            )
+            healthy = await self._node_healthy(node)
+            resume = release(history, healthy, now, self.policy)
+            if resume is not None:
+                log.info("node %s: probation over and healthy; returning it to service", node.name)
+                self._queue.put_nowait(_Act(resume.job_id, (resume,)))
+
+    async def _node_healthy(self, node: SlurmNode) -> bool:
+        if not self.config.probation_check:
+            return not (node.down or node.not_responding)
+        argv = [
+            part.replace("{node}", node.name) for part in shlex.split(self.config.probation_check)
+        ]
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+            )
+            return await asyncio.wait_for(process.wait(), self.config.slurm_timeout_s) == 0
+        except (OSError, TimeoutError) as error:
+            log.warning("probation check of %s failed to run: %s", node.name, error)
+            return False
+
     async def _ask_reconcile(self) -> None:
         # The executor is used by the decision task alone: it runs the reconcile.
         self._queue.put_nowait(_RECONCILE)
@@ -405,15 +479,25 @@ class Supervisor:
         await self.reconcile()
         await self.resume_recoveries()
         while True:
-            item = await self._queue.get()
-            try:
-                if isinstance(item, _Reconcile):
-                    await self.reconcile()
-                    continue
+            await self._handle(await self._queue.get())
+
+    async def settle(self) -> None:
+        """Handle everything queued so far (the decision task's work, run to empty)."""
+        while not self._queue.empty():
+            await self._handle(self._queue.get_nowait())
+
+    async def _handle(self, item: tuple[str, Observation, str | None] | _Reconcile | _Act) -> None:
+        try:
+            if isinstance(item, _Reconcile):
+                await self.reconcile()
+            elif isinstance(item, _Act):
+                for seen in await self.executor.execute(item.job_id, item.intents, self.clock()):
+                    await self.apply(item.job_id, seen)
+            else:
                 job_id, observation, ref = item
                 await self.apply(job_id, observation, ref)
-            except Exception:
-                log.exception("deciding on %r failed; continuing", item)
+        except Exception:
+            log.exception("deciding on %r failed; continuing", item)
 
     async def apply(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
         """Decide on one observation, persist, act, and decide on what acting reported."""
@@ -518,9 +602,7 @@ class Supervisor:
                 if any(lease.incarnation == incarnation for lease in self.store.leases_for(job_id)):
                     self.store.drop_leases(job_id, [event.node])
             if event.kind is EventKind.CHECKPOINT_COMMITTED:
-                self.store.record_checkpoint(
-                    job_id, int(event.payload["step"]), str(event.payload["path"]), now
-                )
+                self._note_checkpoint(job_id, job, event, now)
             if event.kind is EventKind.STEP_LOSSES:
                 attempt = job.incarnations.get(incarnation, job.record.attempt)
                 self.store.record_steps(
@@ -538,6 +620,61 @@ class Supervisor:
             if event.kind in _DECIDED_KINDS:
                 self._enqueue(job_id, from_event(event), event.event_id)
         return accepted
+
+    def _note_checkpoint(self, job_id: str, job: _Job, event: Event, now: float) -> None:
+        """Record the commit and its save cost (from the manifest) once per checkpoint."""
+        step, path = int(event.payload["step"]), str(event.payload["path"])
+        self.store.record_checkpoint(job_id, step, path, now)
+        if job.save_cost is not None and job.save_cost[0] >= step:
+            return
+        try:
+            manifest = fmt.manifest_from_bytes(files.read_small(Path(path) / fmt.MANIFEST_NAME))
+        except (OSError, ValueError, CheckpointInvalid) as error:
+            log.warning("job %s: no save statistics from %s: %s", job_id, path, error)
+            return
+        if manifest.stats is None:
+            return
+        stats = manifest.stats
+        job.save_cost = (step, stats.stall_s, stats.write_s)
+        self.store.record_observation(
+            job_id,
+            CHECKPOINT_STATS_KIND,
+            {
+                "step": step,
+                "stall_s": stats.stall_s,
+                "write_s": stats.write_s,
+                "bytes": stats.total_bytes,
+                "mode": stats.mode,
+            },
+            now,
+            observation_id=f"{job_id}/checkpoint_stats/{step}",
+        )
+
+    def recommend_intervals(self) -> None:
+        """Push the Daly interval from the cluster's MTBF and each job's save cost."""
+        now = self.clock()
+        rows = self.store.list_jobs()
+        if not rows or self.cluster.size == 0:
+            return
+        span = now - min(row.created_s for row in rows)
+        if span <= 0:
+            return
+        node_mtbf = mtbf_estimate(node_faults(self.store), span, self.cluster.size)
+        for job_id, job in self.jobs.items():
+            if job.record.state is not JobState.RUNNING or job.save_cost is None:
+                continue
+            _, stall_s, write_s = job.save_cost
+            push = interval_push(
+                job_id, job.record.attempt, job.interval_s, node_mtbf,
+                len(job.record.nodes), stall_s, write_s,
+            )  # fmt: skip
+            if push is not None:
+                job.interval_s = push.interval_s
+                log.info(
+                    "job %s: checkpoint interval %.0f s (node MTBF %.0f s, save stall %.2f s)",
+                    job_id, push.interval_s, node_mtbf or 0.0, stall_s,
+                )  # fmt: skip
+                self._queue.put_nowait(_Act(job_id, (push,)))
 
     def _verify_resume(self, job_id: str, job: _Job, now: float) -> None:
         """Compare the current attempt's replayed steps with the reports before the fault."""
@@ -606,7 +743,7 @@ class Supervisor:
         A stop is for the launch it ends: a StopRanks of attempt N (planned as
         the job moved to attempt N) stops agents of earlier attempts only, so
         the relaunched agents never receive the stop meant for their
-        predecessors; for them it is marked delivered unseen.
+        predecessors (it stays pending for a predecessor still calling in).
         """
         now = self.clock()
         job = self.jobs[job_id]
@@ -620,9 +757,10 @@ class Supervisor:
                 and attempt is not None
                 and launched >= attempt
             )
+            if stale:
+                continue  # left pending for the old launch's agent, if it still calls in
             self.store.ack_command(command.command_id, node, now)
-            if not stale:
-                delivered.append(command)
+            delivered.append(command)
             if len(delivered) == protocol.MAX_COMMANDS:
                 break
         return delivered
@@ -642,6 +780,8 @@ class Supervisor:
             "last_checkpoint_step": record.last_step,
             "restarts": {cause.value: count for cause, count in record.restarts},
             "final_reason": record.final_reason,
+            "goodput": _goodput_doc(goodput_of(self.store, job_id, self.clock())),
+            "checkpoint_interval_s": job.interval_s,
         }
 
     async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
@@ -706,6 +846,14 @@ class _Reconcile:
     """A queue item: run the executor's reconcile in the decision task."""
 
 
+@dataclass(frozen=True)
+class _Act:
+    """A queue item: intents decided outside the core (an interval push) to plan and run."""
+
+    job_id: str
+    intents: tuple[Intent, ...]
+
+
 _RECONCILE = _Reconcile()
 
 _DECIDED_KINDS = frozenset(
@@ -717,6 +865,15 @@ _DECIDED_KINDS = frozenset(
         EventKind.CHECKPOINT_COMMITTED,
     }
 )
+
+
+def _goodput_doc(goodput: Goodput) -> dict[str, Any]:
+    return {
+        "ratio": round(goodput.ratio, 4),
+        "wall_s": round(goodput.wall_s, 3),
+        "productive_s": round(goodput.productive_s, 3),
+        "badput_s": {kind.value: round(value, 3) for kind, value in goodput.badput_s.items()},
+    }
 
 
 def _doc(record: JobRecord) -> dict[str, Any]:

@@ -27,6 +27,7 @@ AGENT_ENV = {
     "PYTHONPATH": str(REPO),
 }
 TOY = REPO / "deploy" / "demo" / "train_toy.py"
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1")
 
 
 def free_port() -> int:
@@ -121,8 +122,7 @@ def toy_spec(
     return JobSpec(
         name=name,
         nodes=nodes,
-        command=(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", str(TOY))
-        + toy_args,
+        command=(*TORCHRUN, str(TOY), *toy_args),
         ckpt_root=str(ckpt_root),
         supervisor_url=url,
         sbatch_options=(f"--output={output}",),

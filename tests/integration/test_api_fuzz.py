@@ -93,6 +93,13 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
         "timed_out": True,
     },
     EventKind.CHECKPOINT_COMMITTED: {"step": 100, "path": "/ckpt/100", "global_rank": 0},
+    EventKind.STEP_LOSSES: {
+        "global_rank": 0,
+        "steps": [
+            {"step": 101, "loss": 0.25, "cursor": 1212},
+            {"step": 102, "loss": None, "cursor": None},
+        ],
+    },
     EventKind.RANKS_STOPPED: {
         "reason": "stop",
         "command_id": "c-1",
@@ -134,7 +141,18 @@ def valid_heartbeat_body() -> bytes:
     return protocol.encode_heartbeat(report)
 
 
-VALID = {protocol.EVENTS_PATH: valid_events_body(), protocol.HEARTBEAT_PATH: valid_heartbeat_body()}
+def valid_driver_body() -> bytes:
+    request = protocol.DriverRequest(
+        JOB, protocol.DriverPhase.RELAUNCHED, attempt=2, exit_code=1, action_id="a/2/r", ok=True
+    )
+    return protocol.encode_driver_request(request)
+
+
+VALID = {
+    protocol.EVENTS_PATH: valid_events_body(),
+    protocol.HEARTBEAT_PATH: valid_heartbeat_body(),
+    protocol.DRIVER_PATH: valid_driver_body(),
+}
 PATHS = st.sampled_from(sorted(VALID))
 
 

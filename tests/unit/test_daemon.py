@@ -1,0 +1,183 @@
+"""The daemon's wiring with a fake Slurm: registration, stale reports and commands, probation.
+
+The live behaviour (real Slurm, real torchrun) is tests/integration/test_recovery_live.py;
+these pin the bookkeeping that decides what the core hears and what agents receive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import protocol
+from agent.protocol import CommandKind, EventKind
+from supervisor.config import SupervisorConfig
+from supervisor.daemon import Supervisor
+from supervisor.jobs import JobSpec, write_job_dir
+from supervisor.policy import Policy
+from supervisor.store import Actor
+from tests.unit.test_executor import JOB, NODES, FakeSlurm
+
+NOW = 1_760_000_000.0
+
+
+class Slurm(FakeSlurm):
+    """The executor's fake plus the daemon's poll (``jobs``)."""
+
+    def __init__(self, user: str) -> None:
+        super().__init__()
+        self.user = user
+
+    async def jobs(self) -> dict[int, Any]:
+        found = await self.job(int(JOB))
+        if found is None:
+            return {}
+        return {found.job_id: replace(found, user_name=self.user)}
+
+
+def spec() -> JobSpec:
+    return JobSpec(
+        name="toy", nodes=4, command=("torchrun", "t.py"), ckpt_root="/nonexistent/ckpt",
+        min_nodes=2, supervisor_url="http://x",
+    )  # fmt: skip
+
+
+def me() -> str:
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def run(body: Callable[[Supervisor, Slurm, list[float]], Awaitable[None]], tmp_path: Path,
+        user: str | None = None, **policy: Any) -> None:  # fmt: skip
+    async def scenario() -> None:
+        clock = [NOW]
+        slurm = Slurm(user or me())
+        config = SupervisorConfig(state_dir=str(tmp_path / "state"))
+        supervisor = Supervisor(
+            config,
+            Policy(max_drain_share_per_hour=0.5, exit_evidence_window_s=0, **policy),
+            slurm=slurm,  # type: ignore[arg-type]
+            clock=lambda: clock[0],
+        )
+        try:
+            await body(supervisor, slurm, clock)
+        finally:
+            supervisor.store.close()
+
+    asyncio.run(scenario())
+
+
+def event(kind: EventKind, node: str, incarnation: str, seq: int, payload: dict[str, Any]):  # type: ignore[no-untyped-def]
+    return protocol.make_event(kind, JOB, node, incarnation, seq, NOW, payload)
+
+
+def started(node: str, incarnation: str, attempt: int):  # type: ignore[no-untyped-def]
+    payload = {"agent_version": "1", "pid": 10, "argv": ["x"], "nnodes": 4, "node_rank": 0,
+               "attempt": attempt}  # fmt: skip
+    return event(EventKind.AGENT_STARTED, node, incarnation, 1, payload)
+
+
+def killed(node: str, incarnation: str, rank: int):  # type: ignore[no-untyped-def]
+    payload = {"global_rank": rank, "local_rank": 0, "pid": 99, "exit_code": None, "signal": 9,
+               "signal_name": "SIGKILL", "last_step": 8, "phase": "train"}  # fmt: skip
+    return event(EventKind.RANK_EXITED, node, incarnation, 2, payload)
+
+
+async def registered_and_running(supervisor: Supervisor) -> None:
+    write_job_dir(supervisor.config.state_dir, JOB, spec())
+    await supervisor.poll()
+    await supervisor.settle()
+    assert supervisor.jobs[JOB].record.state.value == "starting"
+
+
+def test_a_submitted_job_is_registered_and_followed_into_starting(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        assert supervisor.allocation(JOB) == frozenset(NODES)
+        row = supervisor.store.get_job(JOB)
+        assert row is not None and row.name == "toy" and row.min_nodes == 2
+        assert supervisor.store.attempts_for(JOB)[0].nodes == NODES
+
+    run(body, tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the owner check runs when the daemon is root")
+def test_a_job_directory_owned_by_someone_else_than_the_jobs_user_is_refused(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        write_job_dir(supervisor.config.state_dir, JOB, spec())
+        await supervisor.poll()
+        assert JOB not in supervisor.jobs
+        assert supervisor.store.get_job(JOB) is None
+
+    run(body, tmp_path, user="mallory")
+
+
+def test_reports_of_an_earlier_attempts_agents_are_kept_but_not_decided_on(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        old = "00000000000000a1"
+        supervisor.accept_events(JOB, [started("node3", old, 1), killed("node3", old, 2)])
+        await supervisor.settle()
+        record = supervisor.jobs[JOB].record
+        assert record.attempt == 2 and record.state.value == "recovering"
+        assert slurm.calls[0][:2] == ("drain", "node3")
+        # node2's agent of attempt 1 reports the same kind of death late: evidence only.
+        late = "00000000000000b2"
+        supervisor.accept_events(JOB, [started("node2", late, 1), killed("node2", late, 1)])
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.attempt == 2
+        assert [call[0] for call in slurm.calls].count("drain") == 1
+        assert len(supervisor.store.events_for(JOB, kinds=[EventKind.RANK_EXITED])) == 2
+
+    run(body, tmp_path)
+
+
+def test_a_stop_for_the_old_launch_never_reaches_the_relaunched_agents(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        old, new = "00000000000000a1", "00000000000000c3"
+        supervisor.accept_events(JOB, [started("node1", old, 1)])
+        supervisor.accept_events(JOB, [started("node3", "00000000000000a3", 1),
+                                       killed("node3", "00000000000000a3", 2)])  # fmt: skip
+        await supervisor.settle()
+        supervisor.accept_events(JOB, [started("node1", new, 2)])
+        assert supervisor.commands_for(JOB, "node1", new) == []
+        stops = supervisor.commands_for(JOB, "node1", old)  # the old agent still calls in
+        assert [command.kind for command in stops] == [CommandKind.STOP_RANKS]
+        assert supervisor.commands_for(JOB, "node1", old) == []  # once
+        # A node whose old agent is still there gets it.
+        stops = supervisor.commands_for(JOB, "node2", "00000000000000a2")
+        assert [command.kind for command in stops] == []  # unknown agent: taken for a new one
+        supervisor.accept_events(JOB, [started("node4", "00000000000000a4", 1)])
+        stops = supervisor.commands_for(JOB, "node4", "00000000000000a4")
+        assert [command.kind for command in stops] == [CommandKind.STOP_RANKS]
+
+    run(body, tmp_path)
+
+
+def test_a_node_drained_once_returns_after_probation_when_healthy(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        supervisor.accept_events(JOB, [started("node3", "00000000000000a3", 1),
+                                       killed("node3", "00000000000000a3", 2)])  # fmt: skip
+        await supervisor.settle()
+        assert slurm.nodes_by_name["node3"].drained
+        await supervisor.probation()
+        await supervisor.settle()
+        assert slurm.nodes_by_name["node3"].drained  # probation not over
+        clock[0] += 601
+        await supervisor.probation()
+        await supervisor.settle()
+        assert not slurm.nodes_by_name["node3"].drained
+        (drain,) = supervisor.store.blame_history("node3")
+        assert drain.undrained_by is Actor.SUPERVISOR
+
+    run(body, tmp_path, probation_s=600.0)
