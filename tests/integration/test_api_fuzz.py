@@ -293,7 +293,10 @@ def json_mutated(draw: st.DrawFn) -> tuple[str, bytes]:
     path = draw(PATHS)
     document = copy.deepcopy(json.loads(VALID[path]))
     for _ in range(draw(st.integers(1, 4))):
-        container, key = draw(st.sampled_from(locations(document)))
+        slots = locations(document)
+        if not slots:
+            break  # every field deleted: the empty object is the mutation
+        container, key = draw(st.sampled_from(slots))
         operation = draw(st.sampled_from(["replace", "delete", "add", "duplicate", "retarget"]))
         if operation == "retarget":
             # Aim at what must be 403: another job, or a node outside the allocation.
