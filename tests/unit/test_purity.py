@@ -32,6 +32,9 @@ PURE_MODULES = (
     "supervisor/follow_slurm.py",
     "supervisor/goodput.py",
     "supervisor/probation.py",
+    "supervisor/verify.py",
+    "supervisor/store/rows.py",
+    "agent/steps.py",
 )
 # Project modules a pure module may import although they are not pure
 # themselves: agent.train.heartbeat's message types (the hang verdicts read
