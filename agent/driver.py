@@ -67,6 +67,7 @@ class DriverSettings:
     python: str = sys.executable
     supervisor_wait_s: float = 600.0
     request_timeout_s: float = 10.0
+    start_check_s: float = START_CHECK_S
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,9 +143,9 @@ def agent_argv(
     ]  # fmt: skip
 
 
-async def _capture(argv: Sequence[str]) -> str:
+async def _capture(argv: Sequence[str], environ: Mapping[str, str]) -> str:
     process = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=dict(environ)
     )
     out, err = await asyncio.wait_for(process.communicate(), timeout=30)
     if process.returncode != 0:
@@ -157,12 +158,13 @@ async def current_nodes(environ: Mapping[str, str]) -> tuple[str, ...]:
     node_list = environ.get("SLURM_JOB_NODELIST", "")
     if not node_list:
         raise ConfigError("SLURM_JOB_NODELIST is not set")
-    return tuple((await _capture(["scontrol", "show", "hostnames", node_list])).split())
+    argv = ["scontrol", "show", "hostnames", node_list]
+    return tuple((await _capture(argv, environ)).split())
 
 
-async def node_address(node: str) -> str:
+async def node_address(node: str, environ: Mapping[str, str]) -> str:
     """The address other nodes reach ``node`` at (its Slurm NodeAddr)."""
-    text = await _capture(["scontrol", "show", "node", node])
+    text = await _capture(["scontrol", "show", "node", node], environ)
     found = re.search(r"NodeAddr=(\S+)", text)
     return found.group(1) if found else node
 
@@ -231,7 +233,7 @@ class Driver:
 
     async def _launch(self, answer: DriverAnswer) -> int:
         nodes = answer.nodes or await current_nodes(self._environ)
-        master = await node_address(nodes[0])
+        master = await node_address(nodes[0], self._environ)
         argv = agent_argv(self.settings, nodes, master, answer.attempt, answer.resume_from)
         log.info(
             "attempt %d: %d node(s) %s, resume from %s",
@@ -247,7 +249,7 @@ class Driver:
         if answer.action is DriverAction.RELAUNCH:
             try:
                 returncode = await asyncio.wait_for(
-                    asyncio.shield(self._step.wait()), START_CHECK_S
+                    asyncio.shield(self._step.wait()), self.settings.start_check_s
                 )
             except TimeoutError:
                 await self._confirm(answer, True, f"step running on {len(nodes)} node(s)")

@@ -1,0 +1,183 @@
+"""The in-job driver against a real API server, with srun and scontrol replaced by scripts.
+
+The fake ``srun`` records its argv and exits with the next code from a list;
+``scontrol`` expands node lists. The supervisor side is the real aiohttp app
+over a :class:`MemoryDirectory` that answers as told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import protocol
+from agent.client import new_secret, write_secret
+from agent.driver import Driver, DriverSettings, agent_argv, settings_from
+from agent.errors import ConfigError
+from agent.protocol import DriverAction, DriverAnswer, DriverPhase
+from supervisor.api import MemoryDirectory, bound_port, build_app, serve, shutdown
+
+JOB = "4711"
+SECRET = new_secret()
+
+FAKE_SRUN = """#!/usr/bin/env python3
+import json, os, sys, time
+log = os.environ["FAKE_LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+codes = json.loads(open(os.environ["FAKE_CODES"]).read())
+calls = sum(1 for _ in open(log))
+time.sleep(float(os.environ.get("FAKE_RUN_S", "0")))
+sys.exit(codes[min(calls, len(codes)) - 1])
+"""
+FAKE_SCONTROL = """#!/bin/sh
+case "$2" in
+  hostnames) echo node1; echo node2; echo node3 ;;
+  node) echo "NodeName=$3 Arch=x86_64 NodeAddr=10.0.0.${3#node} NodeHostName=$3" ;;
+esac
+"""
+
+
+def fake_bin(tmp_path: Path, codes: list[int]) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "codes.json").write_text(json.dumps(codes))
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path / "srun.log"),
+        "FAKE_CODES": str(tmp_path / "codes.json"),
+        "SLURM_JOB_ID": JOB,
+        "SLURM_JOB_NODELIST": "node[1-3]",
+    }
+
+
+def srun_calls(tmp_path: Path) -> list[list[str]]:
+    log = tmp_path / "srun.log"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def drive(
+    tmp_path: Path,
+    codes: list[int],
+    answers: list[DriverAnswer],
+    *,
+    serve_api: bool = True,
+    **settings: Any,
+) -> tuple[int, MemoryDirectory]:
+    environ = {**os.environ, **fake_bin(tmp_path, codes)}
+    job_dir = tmp_path / "state" / "jobs" / JOB
+    job_dir.mkdir(parents=True)
+    write_secret(job_dir / "secret", SECRET)
+    directory = MemoryDirectory()
+    directory.add_job(JOB, SECRET, ("node1", "node2", "node3"))
+    for answer in answers:
+        directory.answer_driver(JOB, answer)
+
+    async def scenario() -> int:
+        runner = await serve(build_app(directory), "127.0.0.1", 0)
+        port = bound_port(runner)
+        if not serve_api:
+            await shutdown(runner)
+        try:
+            config = DriverSettings(
+                job_id=JOB,
+                job_dir=job_dir,
+                supervisor_url=f"http://127.0.0.1:{port}",
+                ckpt_root="/ckpt",
+                command=("torchrun", "train.py"),
+                **settings,
+            )
+            return await asyncio.wait_for(Driver(config, environ).run(), 60)
+        finally:
+            if serve_api:
+                await shutdown(runner)
+
+    return asyncio.run(scenario()), directory
+
+
+def test_a_step_that_succeeds_ends_the_job_successfully(tmp_path: Path) -> None:
+    status, directory = drive(tmp_path, [0], [])
+    assert status == 0
+    (argv,) = srun_calls(tmp_path)
+    assert argv[:5] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
+                        "--nodelist=node1,node2,node3", "--kill-on-bad-exit=0"]  # fmt: skip
+    assert argv[argv.index("--master-addr") + 1] == "10.0.0.1"
+    assert argv[argv.index("--attempt") + 1] == "1"
+    assert argv[-3:] == ["--", "torchrun", "train.py"]
+    assert [r.phase for r in directory.driver_requests(JOB)] == [DriverPhase.START]
+
+
+def test_after_a_failure_the_driver_relaunches_where_told_and_confirms(tmp_path: Path) -> None:
+    relaunch = DriverAnswer(
+        DriverAction.RELAUNCH, 2, ("node1", "node3"), "/ckpt/step-8", "4711/2/relaunch/2"
+    )
+    launch = DriverAnswer(DriverAction.LAUNCH, 1)
+    wait = DriverAnswer(DriverAction.WAIT, 2, reason="validating", retry_after_s=0.05)
+    status, directory = drive(tmp_path, [1, 0], [launch, wait, relaunch], start_check_s=0.0)
+    assert status == 0
+    first, second = srun_calls(tmp_path)
+    assert "--nodelist=node1,node3" in second and "--nodes=2" in second
+    assert second[second.index("--resume-from") + 1] == "/ckpt/step-8"
+    assert second[second.index("--attempt") + 1] == "2"
+    assert "--resume-from" not in first
+    phases = [(r.phase, r.exit_code, r.action_id, r.ok) for r in directory.driver_requests(JOB)]
+    assert phases == [
+        (DriverPhase.START, None, None, None),
+        (DriverPhase.ENDED, 1, None, None),  # the step failed: what now?
+        (DriverPhase.ENDED, None, None, None),  # asked again after the wait
+        (DriverPhase.RELAUNCHED, None, "4711/2/relaunch/2", True),
+    ]
+
+
+def test_told_to_stop_the_driver_exits_with_a_failure_and_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stop = DriverAnswer(DriverAction.STOP, 2, reason="crash loop: exit:1 at step 6 again")
+    status, _ = drive(tmp_path, [1], [DriverAnswer(DriverAction.LAUNCH, 1), stop])
+    assert status == 1
+    assert "crash loop: exit:1 at step 6 again" in capsys.readouterr().out
+
+
+def test_an_unreachable_supervisor_at_start_does_not_keep_the_job_from_running(
+    tmp_path: Path,
+) -> None:
+    status, _ = drive(tmp_path, [0], [], serve_api=False, supervisor_wait_s=0.5)
+    assert status == 0
+    assert len(srun_calls(tmp_path)) == 1
+
+
+def test_an_unreachable_supervisor_after_a_failure_ends_the_job_with_the_steps_status(
+    tmp_path: Path,
+) -> None:
+    status, _ = drive(tmp_path, [3], [], serve_api=False, supervisor_wait_s=0.5)
+    assert status == 3
+    assert len(srun_calls(tmp_path)) == 1  # no guess at where to relaunch
+
+
+def test_the_driver_needs_slurm_and_a_command() -> None:
+    with pytest.raises(ConfigError, match="SLURM_JOB_ID"):
+        settings_from(["--state-dir", "/s", "--supervisor-url", "u", "--ckpt-root", "/c"], {})
+    with pytest.raises(ConfigError, match="no command"):
+        settings_from(
+            ["--state-dir", "/s", "--supervisor-url", "u", "--ckpt-root", "/c"],
+            {"SLURM_JOB_ID": "1"},
+        )
+    settings = settings_from(
+        ["--state-dir", "/s", "--supervisor-url", "http://h:1/", "--ckpt-root", "/c", "--", "x"],
+        {"SLURM_JOB_ID": "12"},
+    )
+    argv = agent_argv(settings, ("a", "b"), "10.0.0.1", 3, None)
+    assert settings.job_dir == Path("/s/jobs/12")
+    assert argv[argv.index("--secret-file") + 1] == "/s/jobs/12/secret"
+    assert argv[argv.index("--supervisor-url") + 1] == "http://h:1"
+    assert protocol.DRIVER_PATH == "/v1/driver"
