@@ -5,7 +5,10 @@
 reacts to some faults by itself (a node's slurmd died under a ``--requeue``
 job: Slurm requeues it); the supervisor adopts such a reaction and never
 requeues on top of it. Preemption and the time limit end the allocation
-through no fault of the job: requeue without blame or budget.
+through no fault of the job: requeue without blame or budget. The
+supervisor's own requeues (after a fault, or to grow back onto idle nodes)
+put the job in REQUEUED before Slurm shows it queued, so their sighting is
+never taken for Slurm's own.
 """
 
 from __future__ import annotations

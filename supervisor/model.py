@@ -52,8 +52,9 @@ class JobState(enum.Enum):
     RELAUNCHING   a new srun step was ordered inside the current allocation
                   (the fast path); waiting for the driver to report it started.
     REQUEUED      the job waits in Slurm's queue again: requeued by us with a
-                  new size, by Slurm itself (node failure), or after a
-                  preemption or time limit.
+                  new size (after a fault, or growing back onto idle nodes
+                  from a running job), by Slurm itself (node failure), or
+                  after a preemption or time limit.
     COMPLETED     the job ended successfully (terminal).
     FAILED        stopped for good: crash loop, restart budget exhausted, no
                   valid checkpoint, fewer usable nodes than the minimum, or
@@ -127,10 +128,14 @@ class Cause(enum.Enum):
     BELOW_MIN_NODES = "below_min_nodes"  # fewer usable nodes than the job's minimum
     SLURM_ENDED = "slurm_ended"  # Slurm reports the job ended (completed, failed)
     OPERATOR = "operator"  # cancelled by a person
+    # A planned restart, no fault: the job ran below its original size, idle
+    # nodes now allow a larger one, and a checkpoint was just committed.
+    GROW = "grow"
 
 
-# Causes that are the cluster's doing, not the job's: they never spend budget.
-NO_BUDGET_CAUSES = frozenset({Cause.PREEMPTED, Cause.TIME_LIMIT})
+# Causes that are no fault of the job's: the cluster's doing (preemption, the
+# time limit) or a planned grow back to a larger size. They never spend budget.
+NO_BUDGET_CAUSES = frozenset({Cause.PREEMPTED, Cause.TIME_LIMIT, Cause.GROW})
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,7 @@ class Recovery:
       first reported; ``cause`` is the cause of the earliest so far.
     - ``exclude``: nodes the relaunch must not use (blamed, lost, lemons).
     - ``requeue``: the allocation cannot be reused (batch host died, Slurm
-      ended the allocation, the fast path failed).
+      ended the allocation, the fast path failed) or is given up to grow.
     - ``validated``: a checkpoint was chosen (``resume_from``/``resume_step``;
       both None when the job never committed one and starts from scratch).
     - ``rejected``: checkpoint paths that failed validation in this recovery.
@@ -281,7 +286,10 @@ class ClusterView:
     ``usable``: nodes up and not drained; ``drained`` and ``down`` as Slurm
     says; ``drains_last_hour``: Resurgo's drains in the last hour across all
     jobs (from the store's audit), for the rate limit; ``lemons``: repeat
-    offenders that no relaunch uses.
+    offenders that no relaunch uses; ``idle``: usable nodes allocated to no
+    job (sinfo's IDLE), where a job asking for them starts at once. A job
+    below its original size grows back onto idle nodes, so ``idle`` holds
+    only nodes the supervised jobs may use (their partition).
     """
 
     usable: frozenset[str] = frozenset()
@@ -289,6 +297,7 @@ class ClusterView:
     down: frozenset[str] = frozenset()
     drains_last_hour: int = 0
     lemons: frozenset[str] = frozenset()
+    idle: frozenset[str] = frozenset()
 
     @property
     def size(self) -> int:

@@ -23,7 +23,12 @@ Per cause (issue 5, items 3-4):
 - health check failed -> drain, relaunch without it;
 - straggler -> alert; drain only when persistent and ``straggler_drain``;
 - preemption, time limit -> requeue without blame, no budget spent;
-- Slurm's own requeue -> adopt it (REQUEUED), never requeue on top of it.
+- Slurm's own requeue -> adopt it (REQUEUED), never requeue on top of it;
+- grow back (no fault) -> a checkpoint committed while the job runs below
+  its original size and idle nodes allow a larger one: stop the ranks and
+  requeue at that size from the checkpoint, no budget spent (``grow_back``).
+  A relaunch likewise requeues at a larger size instead of shrinking inside
+  the allocation when idle nodes allow it (:func:`supervisor.recovery.relaunch`).
 
 Every restart spends budget only without progress (no committed step newer
 than at the previous restart), counted once the cause is decided (never
@@ -104,6 +109,8 @@ class Policy:
       service this long after its drain, once its health check passes.
     - ``lemon_blames`` / ``lemon_window_s``: a node blamed that often within
       the window (across jobs) is a lemon: it stays out and no job uses it.
+    - ``grow_back``: a job running below its original size is requeued at a
+      larger one from a checkpoint it just committed when idle nodes allow it.
 
     Job sizes (original, minimum, unit) are the job's, on its record.
     """
@@ -126,12 +133,13 @@ class Policy:
     probation_s: float = 1800.0
     lemon_blames: int = 2
     lemon_window_s: float = 7 * 86400.0
+    grow_back: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("straggler_drain", "validation_level"):
-                expected = bool if f.name == "straggler_drain" else ValidationLevel
+            if f.name in ("straggler_drain", "grow_back", "validation_level"):
+                expected = ValidationLevel if f.name == "validation_level" else bool
                 if not isinstance(value, expected):
                     raise ConfigError(f"policy: {f.name} must be a {expected.__name__}")
                 continue
@@ -196,6 +204,11 @@ def _nothing(record: JobRecord, why: str) -> Decision:
 
 
 def _on_progress(record: JobRecord, now_s: float) -> Decision:
+    pending = record.recovery
+    if record.state is JobState.REQUEUED and pending is not None and not pending.requeue_seen:
+        # A grow requeues running ranks: they train on until the stop reaches
+        # them, and their steps are not the requeued job's.
+        return _nothing(record, "progress from before the requeue took effect")
     if record.state in (JobState.STARTING, JobState.RELAUNCHING, JobState.REQUEUED):
         running = replace(recovery.to_state(record, JobState.RUNNING, now_s), recovery=None)
         return _nothing(running, "training steps again")
@@ -207,7 +220,7 @@ def _on_agent_event(
 ) -> Decision:
     kind = event.kind
     if kind is EventKind.CHECKPOINT_COMMITTED:
-        return _on_commit(record, event, now_s)
+        return _on_commit(record, event, now_s, policy, cluster)
     if kind is EventKind.RANK_EXITED:
         return _on_rank_exit(record, event, now_s, policy, cluster)
     if kind is EventKind.HANG:
@@ -219,13 +232,20 @@ def _on_agent_event(
     return _nothing(record, f"{kind.value} from {event.node} needs no action now")
 
 
-def _on_commit(record: JobRecord, event: AgentEvent, now_s: float) -> Decision:
+def _on_commit(
+    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
     if event.step is None or (record.last_step is not None and event.step <= record.last_step):
         return _nothing(record, "checkpoint already known")
     record = replace(record, last_step=event.step, last_checkpoint_path=event.path)
     if record.state in (JobState.STARTING, JobState.RELAUNCHING):
         record = replace(recovery.to_state(record, JobState.RUNNING, now_s), recovery=None)
-    return _nothing(record, f"checkpoint committed at step {event.step}")
+    committed = _nothing(record, f"checkpoint committed at step {event.step}")
+    if not policy.grow_back or record.state is not JobState.RUNNING or event.path is None:
+        return committed
+    # Right after a commit a restart loses no work: the moment to grow back.
+    grown = recovery.grow(record, now_s, policy, cluster, event.path, event.step)
+    return grown or committed
 
 
 def _on_rank_exit(

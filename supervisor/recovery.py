@@ -4,12 +4,15 @@
 :class:`~supervisor.policy.Decision`. The order: account the restart against
 the budget, drain the blamed node (rate-limited), stop the ranks, validate
 checkpoints newest first, wait out the backoff, then relaunch inside the
-allocation (fast path) or requeue with the new size.
+allocation (fast path) or requeue with the new size. Besides recoveries, a job
+running below its original size grows back (:func:`grow`) when a checkpoint
+was just committed and idle nodes allow a larger size.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -68,6 +71,21 @@ def world_size(available: int, record: JobRecord) -> int | None:
     size = min(available, record.original_nodes)
     size -= size % record.unit
     return size if size >= record.min_nodes and size > 0 else None
+
+
+def grown_size(
+    record: JobRecord, kept: tuple[str, ...], cluster: ClusterView, exclude: AbstractSet[str]
+) -> int | None:
+    """The world size ``kept`` makes with the cluster's idle nodes (less ``exclude``),
+    when it is larger than the one ``kept`` makes alone; None when idle nodes add nothing.
+
+    Idle nodes only: a job asking for them starts at once, where busy ones would
+    leave it waiting in the queue.
+    """
+    idle = cluster.idle - exclude - set(kept)
+    larger = world_size(len(kept) + len(idle), record)
+    alone = world_size(len(kept), record) or 0
+    return larger if larger is not None and larger > alone else None
 
 
 def drains_allowed(policy: Policy, cluster: ClusterView) -> int:
@@ -203,6 +221,15 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     new world size. Requeue path (batch host lost, allocation gone, or too few
     healthy nodes inside it): as many usable nodes as the cluster has, up to
     the original size, so a requeue goes back to full size when it can.
+
+    When the fast path would shrink the job below its original size and idle
+    nodes allow a larger size, the job is requeued at that size instead. The
+    trade-off: a requeue gives up the allocation and costs a new one (the
+    batch script, the agents and the ranks start over, and a job queued ahead
+    may take the idle nodes first), where the fast path is a new srun step in
+    seconds; but with idle nodes Slurm starts the requeued job at once
+    (StartTime=now), and the job then trains at the larger size until its end
+    instead of at reduced throughput.
     """
     recovery = record.recovery
     assert recovery is not None and recovery.validated
@@ -213,7 +240,9 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     healthy = tuple(n for n in record.nodes if n not in exclude)
     size = world_size(len(healthy), record)
     ready = replace(record, not_before_s=None)
-    if not recovery.requeue and size is not None and record.batch_host in healthy:
+    fast = not recovery.requeue and size is not None and record.batch_host in healthy
+    grown = grown_size(record, healthy, cluster, exclude) if fast else None
+    if fast and grown is None and size is not None:
         keep = healthy[:size]
         intents: list[Intent] = []
         if keep != record.nodes:
@@ -226,14 +255,19 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
             cause,
             f"relaunch on {len(keep)} node(s) from {recovery.resume_from or 'scratch'}",
         )
-    usable = (cluster.usable - exclude) | set(healthy)
-    size = world_size(len(usable), record)
-    if size is None:
-        reason = (
-            f"only {len(usable)} usable node(s); the job needs at least {record.min_nodes} "
-            f"in multiples of {record.unit}"
-        )
-        return stop(record, now_s, JobState.FAILED, Cause.BELOW_MIN_NODES, reason)
+    why = ""
+    if grown is not None:
+        why = f"idle nodes allow {grown} node(s) instead of {size}: "
+        size = grown
+    else:
+        usable = (cluster.usable - exclude) | set(healthy)
+        size = world_size(len(usable), record)
+        if size is None:
+            reason = (
+                f"only {len(usable)} usable node(s); the job needs at least {record.min_nodes} "
+                f"in multiples of {record.unit}"
+            )
+            return stop(record, now_s, JobState.FAILED, Cause.BELOW_MIN_NODES, reason)
     blocked = tuple(sorted({*recovery.exclude, *cluster.lemons}))
     requeue = RequeueSmaller(record.job_id, record.attempt, size, blocked, recovery.resume_from)
     queued = replace(to_state(ready, JobState.REQUEUED, now_s), nodes=())
@@ -241,6 +275,68 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
         queued,
         (requeue,),
         cause,
-        f"requeue with {size} node(s) excluding {list(blocked)} from "
+        f"{why}requeue with {size} node(s) excluding {list(blocked)} from "
         f"{recovery.resume_from or 'scratch'}",
+    )
+
+
+def grow(
+    record: JobRecord,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
+    checkpoint: str,
+    step: int,
+) -> Decision | None:
+    """Requeue a RUNNING job at a larger size from the checkpoint just committed, when
+    idle nodes allow one; None when they do not (the job runs on as it is).
+
+    A planned restart, no fault (:attr:`Cause.GROW`): no budget spent, no
+    backoff, nothing blamed or drained, the budget's baseline
+    (``step_at_last_restart``) kept, so the grow is invisible to the next
+    fault's accounting. The ranks are stopped and the job requeued in one
+    decision, straight to REQUEUED: the checkpoint was committed moments ago
+    by ranks that were running well, so it is the resume point without a
+    validation pass (validating would hold the stopped job for a full read of
+    the checkpoint, and a later choice could fall on an older one and lose
+    work). The size only grows strictly (never past the original), and the
+    requeued job comes back at it, so growing cannot loop.
+
+    Nodes this job blamed stay out: a drain the hourly share refused leaves a
+    blamed node in service, and idle once the job left it.
+    """
+    if not record.nodes:
+        return None
+    exclude = {*record.blamed_nodes, *cluster.lemons, *cluster.down, *cluster.drained}
+    kept = tuple(n for n in record.nodes if n not in exclude)
+    size = grown_size(record, kept, cluster, exclude)
+    if size is None or size <= len(record.nodes):
+        return None
+    attempt = record.attempt + 1
+    blocked = tuple(sorted({*record.blamed_nodes, *cluster.lemons}))
+    grown = replace(
+        to_state(record, JobState.REQUEUED, now_s).with_restart(Cause.GROW),
+        attempt=attempt,
+        nodes=(),
+        not_before_s=None,
+        recovery=Recovery(
+            cause=Cause.GROW,
+            started_s=now_s,
+            exclude=blocked,
+            requeue=True,
+            validated=True,
+            resume_from=checkpoint,
+            resume_step=step,
+        ),
+    )
+    intents = (
+        StopRanks(record.job_id, attempt, policy.stop_grace_s),
+        RequeueSmaller(record.job_id, attempt, size, blocked, checkpoint),
+    )
+    return decision(
+        grown,
+        intents,
+        Cause.GROW,
+        f"idle nodes allow {size} node(s) instead of {len(record.nodes)}: requeue "
+        f"excluding {list(blocked)} from {checkpoint}",
     )
