@@ -12,7 +12,10 @@
    new step on the nodes the supervisor names, with ``RESURGO_RESUME_FROM``
    set through the agent, and confirms the relaunch (phase ``relaunched``);
 4. exits 0 when a step succeeds, and exits 1 with the supervisor's reason
-   when told to stop.
+   when told to stop;
+5. on Slurm's warning before the time limit (``USR1``, requested by
+   ``resurgo submit``) stops the ranks gracefully and lets the limit end the
+   job, which the supervisor requeues without blame.
 
 A supervisor that does not answer is retried with jittered backoff
 (tenacity) for ``--supervisor-wait-s``; the running step never depends on it.
@@ -66,6 +69,7 @@ class DriverSettings:
     command: tuple[str, ...]
     python: str = sys.executable
     supervisor_wait_s: float = 600.0
+    start_wait_s: float = 60.0
     request_timeout_s: float = 10.0
     start_check_s: float = START_CHECK_S
 
@@ -82,7 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--supervisor-url", required=True)
     parser.add_argument("--ckpt-root", required=True)
     parser.add_argument("--procs-per-node", type=int, default=1, help="(informational)")
-    parser.add_argument("--supervisor-wait-s", type=float, default=600.0)
+    parser.add_argument(
+        "--supervisor-wait-s",
+        type=float,
+        default=600.0,
+        help="after a failure, how long to keep asking an unreachable supervisor",
+    )
+    parser.add_argument(
+        "--start-wait-s",
+        type=float,
+        default=60.0,
+        help="at start, how long to wait for the supervisor before launching unsupervised",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser
 
@@ -105,6 +120,7 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         ckpt_root=args.ckpt_root,
         command=tuple(command),
         supervisor_wait_s=args.supervisor_wait_s,
+        start_wait_s=args.start_wait_s,
     )
 
 
@@ -187,15 +203,20 @@ class Driver:
         self._secret = load_secret(settings.job_dir / "secret")
         self._step: asyncio.subprocess.Process | None = None
         self._stopping = False
+        self._time_limit = False
 
     async def run(self) -> int:
         """Launch, watch, relaunch as told; see the module docstring."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        loop.add_signal_handler(signal.SIGUSR1, self._on_time_limit)
         async with aiohttp.ClientSession() as session:
             self._session = session
-            answer = await self._ask(DriverRequest(self.settings.job_id, DriverPhase.START))
+            answer = await self._ask(
+                DriverRequest(self.settings.job_id, DriverPhase.START),
+                self.settings.start_wait_s,
+            )
             if answer is None:
                 log.warning("supervisor unreachable: launching; the ranks resume by themselves")
                 answer = DriverAnswer(DriverAction.LAUNCH, 1, reason="supervisor unreachable")
@@ -217,6 +238,14 @@ class Driver:
                 if returncode == 0:
                     log.info("step finished successfully")
                     return 0
+                if self._time_limit:
+                    # Slurm ends the job at its limit (TIMEOUT); the supervisor
+                    # requeues it without blame. Asking now would look like a fault.
+                    log.info(
+                        "ranks stopped before the time limit; waiting for Slurm to end the job"
+                    )
+                    await self._wait_for_end()
+                    return returncode
                 if self._stopping:
                     break
                 log.warning("step of attempt %d ended with %d; asking", answer.attempt, returncode)
@@ -268,11 +297,15 @@ class Driver:
             action_id=answer.action_id, ok=ok, reason=reason,
         ))  # fmt: skip
 
-    async def _ask(self, request: DriverRequest) -> DriverAnswer | None:
-        """Post ``request`` until answered or ``supervisor_wait_s`` passed (None then)."""
+    async def _ask(
+        self, request: DriverRequest, wait_s: float | None = None
+    ) -> DriverAnswer | None:
+        """Post ``request`` until answered or ``wait_s`` (default ``supervisor_wait_s``)
+        passed (None then)."""
         body = protocol.encode_driver_request(request)
+        limit_s = self.settings.supervisor_wait_s if wait_s is None else wait_s
         retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_delay(self.settings.supervisor_wait_s),
+            stop=tenacity.stop_after_delay(limit_s),
             wait=self._backoff,
             retry=tenacity.retry_if_exception_type((aiohttp.ClientError, TimeoutError, Rejected)),
             before_sleep=lambda state: log.warning(
@@ -299,6 +332,20 @@ class Driver:
                 "supervisor unreachable for %.0f s: %s", self.settings.supervisor_wait_s, error
             )
         return None
+
+    async def _wait_for_end(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(1.0)
+
+    def _on_time_limit(self) -> None:
+        """Slurm's warning before the time limit (``--signal=B:USR1@...``): stop the ranks
+        gracefully now (SIGTERM through srun to the agents, which give them their grace
+        period), so they are not killed mid-step when the limit strikes."""
+        log.warning("time limit near: stopping the ranks gracefully")
+        self._time_limit = True
+        if self._step is not None and self._step.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._step.send_signal(signal.SIGTERM)
 
     def _on_signal(self, signum: int) -> None:
         self._stopping = True

@@ -3,7 +3,8 @@
 Sources, later ones winning (:mod:`agent.settings`): a TOML file
 (``--config FILE``; daemon settings at the top level, policy settings in a
 ``[policy]`` table), the environment (``RESURGO_SUPERVISOR_<FIELD>``,
-``RESURGO_POLICY_<FIELD>``), then flags (``--state-dir``,
+``RESURGO_POLICY_<FIELD>``; ``RESURGO_STATE_DIR``, which the ``resurgo``
+commands read too, is the state directory's lowest-priority source), then flags (``--state-dir``,
 ``--policy-max-drain-share-per-hour``, ...). Durations carry their unit in
 the name.
 
@@ -138,9 +139,12 @@ def load_config(
     if not isinstance(policy_doc, dict):
         raise ConfigError(f"[policy] in {args.config} must be a table")
     source = str(args.config)
+    # The CLI's RESURGO_STATE_DIR names the same directory: one variable serves both.
+    shared = {"state_dir": env["RESURGO_STATE_DIR"]} if env.get("RESURGO_STATE_DIR") else {}
     config = layered(
         SupervisorConfig,
         owner="supervisor",
+        base=shared,
         document=document,
         source=source,
         env_prefix=ENV_PREFIX,

@@ -85,7 +85,7 @@ from supervisor.policy import Decision, Policy, decide
 from supervisor.probation import NodeHistory, release
 from supervisor.reconcile import command_attempt, intent_of
 from supervisor.slurm import SlurmClient
-from supervisor.slurm.parse import SlurmJob, SlurmNode
+from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.store import Actor, Store
 from supervisor.timeline import CHECKPOINT_STATS_KIND, goodput_of, node_faults
 from supervisor.verify import check_resume
@@ -322,8 +322,10 @@ class Supervisor:
         drained = frozenset(n for n, node in nodes.items() if node.drained)
         down = frozenset(n for n, node in nodes.items() if node.down or node.not_responding)
         lemons = self.store.lemons(self.policy.lemon_blames, self.policy.lemon_window_s, now)
+        idle = frozenset(n for n, node in nodes.items() if node.state is NodeState.IDLE)
         return ClusterView(
             usable=frozenset(nodes) - drained - down,
+            idle=idle - drained - down,
             drained=drained,
             down=down,
             drains_last_hour=len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR)),
@@ -727,7 +729,8 @@ class Supervisor:
             return
         now = self.clock()
         self.store.touch_lease(job_id, report.node, incarnation, now)
-        steps = [rank.step for rank in report.ranks if rank.step is not None]
+        # A rank still loading (phase init) reports step 0: not the job's progress.
+        steps = [r.step for r in report.ranks if r.step is not None and r.phase != "init"]
         if not steps:
             return
         step = min(steps)

@@ -34,6 +34,7 @@ from agent.client import load_secret, new_secret, write_secret
 from agent.errors import ConfigError
 from agent.protocol import check_name
 from supervisor.errors import SlurmError, SupervisorError
+from supervisor.sbatch import parse_request, supervision_options
 from supervisor.slurm import SlurmClient
 
 SPEC_NAME = "spec.json"
@@ -65,6 +66,7 @@ class JobSpec:
     procs_per_node: int = 1
     supervisor_url: str = ""
     sbatch_options: tuple[str, ...] = ()
+    directives: tuple[str, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
     user: str = ""
     submitted_s: float = 0.0
@@ -102,6 +104,7 @@ class JobSpec:
                 raise ValueError(f"not a version {SPEC_VERSION} job spec")
             document["command"] = tuple(document["command"])
             document["sbatch_options"] = tuple(document.get("sbatch_options", ()))
+            document["directives"] = tuple(document.get("directives", ()))
             return cls(**document)
         except (ValueError, TypeError, KeyError) as error:
             raise ConfigError(f"job spec is malformed: {error}") from error
@@ -158,23 +161,24 @@ def batch_script(spec: JobSpec, state_dir: Path | str) -> str:
         "--procs-per-node", str(spec.procs_per_node),
         "--", *spec.command,
     ]  # fmt: skip
+    directives = "".join(f"#SBATCH {shlex.quote(option)}\n" for option in spec.directives)
     return (
         "#!/bin/bash\n"
-        "# Written by resurgo submit: the in-job driver launches the node agents with srun,\n"
-        "# and relaunches them on the nodes the supervisor names after a fault.\n"
+        f"{directives}"
+        "# Written by resurgo submit: the in-job driver launches one node agent per node\n"
+        "# with srun; each agent runs the command below and watches its ranks. After a\n"
+        "# fault the driver relaunches on the nodes the supervisor names.\n"
         f"exec {shlex.join(driver)}\n"
     )
 
 
 def sbatch_options(spec: JobSpec) -> list[str]:
-    """sbatch's options: one driver task per node, requeueable, plus the user's own."""
-    return [
-        f"--job-name={spec.name}",
-        f"--nodes={spec.nodes}",
-        "--ntasks-per-node=1",
-        "--requeue",
-        *spec.sbatch_options,
-    ]
+    """sbatch's options: the user's, verbatim, then what supervision needs (see
+    :func:`supervisor.sbatch.supervision_options`); a job name when the user gave none."""
+    request = parse_request(spec.sbatch_options, spec.directives)
+    named = [] if request.job_name else [f"--job-name={spec.name}"]
+    sized = [] if request.sets_nodes else [f"--nodes={spec.nodes}"]
+    return [*spec.sbatch_options, *named, *sized, *supervision_options(request)]
 
 
 async def submit(spec: JobSpec, state_dir: Path | str, slurm: SlurmClient) -> str:

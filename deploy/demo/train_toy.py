@@ -100,7 +100,8 @@ def main() -> None:
         if saved is not None:
             with heartbeat.phase(Phase.CHECKPOINT):
                 session.wait()
-            heartbeat.checkpoint_committed(session.step, saved.path)
+            if rank == 0:  # one report per checkpoint is enough
+                heartbeat.checkpoint_committed(session.step, saved.path)
         if rank == 0:
             print(f"toy: step {session.step} loss {loss.item():.6f}", flush=True)
         if args.idle_at == session.step and not resumed:

@@ -34,11 +34,12 @@ JSON output (``--json``; one document on stdout; keys are stable, enums by value
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from supervisor.cli.common import duration, print_json, right_table, size
 
 if TYPE_CHECKING:
     from agent.checkpoint.catalog import Entry
@@ -119,7 +120,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     report = validate(args.dir, Level(args.level), trust_pickled_objects=args.trust_objects)
     if args.json:
-        _print_json(report.to_json_dict())
+        print_json(report.to_json_dict())
     else:
         print(_report_line(report))
         for note in report.skipped:
@@ -136,7 +137,7 @@ def _newest(args: argparse.Namespace) -> int:
 
     found, rejected = newest_valid(args.root, Level(args.level))
     if args.json:
-        _print_json(
+        print_json(
             {
                 "root": args.root,
                 "newest": None if found is None else found.to_json_dict(),
@@ -170,7 +171,7 @@ def _list(args: argparse.Namespace) -> int:
     filesystem = filesystem_of(Path(args.root))
     warnings = _storage_warnings(filesystem, reports)
     if args.json:
-        _print_json(
+        print_json(
             {
                 "root": args.root,
                 "filesystem": filesystem.value,
@@ -247,37 +248,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 str(row["step"]),
                 "yes" if row["committed"] else "no",
                 "yes" if row["valid_quick"] else "NO",
-                _bytes(row["total_bytes"]),
-                _duration(row["age_s"]),
+                size(row["total_bytes"]),
+                duration(row["age_s"]),
                 "-" if stats is None else f"{stats['stall_s']:.2f}s",
                 "-" if stats is None else f"{stats['write_s']:.2f}s",
-                "-" if throughput is None else f"{_bytes(throughput)}/s",
+                "-" if throughput is None else f"{size(throughput)}/s",
             )
         )
-    widths = [max(len(line[column]) for line in cells) for column in range(len(_COLUMNS))]
-    return "\n".join(
-        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in cells
-    )
-
-
-def _bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if count < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
-
-
-def _print_json(document: dict[str, Any]) -> None:
-    print(json.dumps(document, sort_keys=True, indent=1))
+    return right_table(cells[0], cells[1:])

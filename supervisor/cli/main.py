@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from supervisor import __version__
-from supervisor.cli import ckpt, interval
+from supervisor.cli import ckpt, events, interval, nodes, report, status, submit
 
-SUBCOMMANDS = (ckpt, interval)
+SUBCOMMANDS = (submit, status, events, nodes, report, ckpt, interval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``resurgo`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     logging.basicConfig(level=logging.WARNING, format="resurgo: %(levelname)s: %(message)s")
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["submit"]:
+        # sbatch's options pass through untouched: submit parses its own words.
+        return submit.main(words[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(words)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

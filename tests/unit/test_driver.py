@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import stat
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ JOB = "4711"
 SECRET = new_secret()
 
 FAKE_SRUN = """#!/usr/bin/env python3
-import json, os, sys, time
+import json, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 log = os.environ["FAKE_LOG"]
 with open(log, "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
@@ -74,7 +76,8 @@ def drive(
     serve_api: bool = True,
     **settings: Any,
 ) -> tuple[int, MemoryDirectory]:
-    environ = {**os.environ, **fake_bin(tmp_path, codes)}
+    environ = {**os.environ, **fake_bin(tmp_path, codes), **settings.pop("environ", {})}
+    signals = settings.pop("signals", [])
     job_dir = tmp_path / "state" / "jobs" / JOB
     job_dir.mkdir(parents=True)
     write_secret(job_dir / "secret", SECRET)
@@ -97,7 +100,11 @@ def drive(
                 command=("torchrun", "train.py"),
                 **settings,
             )
-            return await asyncio.wait_for(Driver(config, environ).run(), 60)
+            running = asyncio.create_task(Driver(config, environ).run())
+            for delay_s, signum in signals:
+                await asyncio.sleep(delay_s)
+                os.kill(os.getpid(), signum)
+            return await asyncio.wait_for(running, 60)
         finally:
             if serve_api:
                 await shutdown(runner)
@@ -151,7 +158,7 @@ def test_told_to_stop_the_driver_exits_with_a_failure_and_the_reason(
 def test_an_unreachable_supervisor_at_start_does_not_keep_the_job_from_running(
     tmp_path: Path,
 ) -> None:
-    status, _ = drive(tmp_path, [0], [], serve_api=False, supervisor_wait_s=0.5)
+    status, _ = drive(tmp_path, [0], [], serve_api=False, supervisor_wait_s=0.5, start_wait_s=0.5)
     assert status == 0
     assert len(srun_calls(tmp_path)) == 1
 
@@ -159,7 +166,7 @@ def test_an_unreachable_supervisor_at_start_does_not_keep_the_job_from_running(
 def test_an_unreachable_supervisor_after_a_failure_ends_the_job_with_the_steps_status(
     tmp_path: Path,
 ) -> None:
-    status, _ = drive(tmp_path, [3], [], serve_api=False, supervisor_wait_s=0.5)
+    status, _ = drive(tmp_path, [3], [], serve_api=False, supervisor_wait_s=0.5, start_wait_s=0.5)
     assert status == 3
     assert len(srun_calls(tmp_path)) == 1  # no guess at where to relaunch
 
@@ -181,3 +188,17 @@ def test_the_driver_needs_slurm_and_a_command() -> None:
     assert argv[argv.index("--secret-file") + 1] == "/s/jobs/12/secret"
     assert argv[argv.index("--supervisor-url") + 1] == "http://h:1"
     assert protocol.DRIVER_PATH == "/v1/driver"
+
+
+def test_before_the_time_limit_the_ranks_are_stopped_and_no_fault_is_reported(
+    tmp_path: Path,
+) -> None:
+    status, directory = drive(
+        tmp_path,
+        [0],
+        [],
+        environ={"FAKE_RUN_S": "30"},
+        signals=[(1.5, signal.SIGUSR1), (1.0, signal.SIGTERM)],
+    )
+    assert status == 143  # srun ended by the graceful stop; the limit (here SIGTERM) ended it
+    assert [r.phase for r in directory.driver_requests(JOB)] == [DriverPhase.START]

@@ -1,0 +1,87 @@
+"""What the ``resurgo`` subcommands share: tables, durations, JSON, the store, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import DEFAULT_STATE_DIR
+from supervisor.errors import StoreError
+from supervisor.store import Store
+
+ENV_STATE_DIR = "RESURGO_STATE_DIR"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell, two spaces apart, trailing blanks trimmed."""
+    cells = [list(headers), *[list(row) for row in rows]]
+    widths = [max(len(line[column]) for line in cells) for column in range(len(headers))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )
+
+
+def right_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Like :func:`table`, right-aligned (for columns of numbers)."""
+    cells = [list(headers), *[list(row) for row in rows]]
+    widths = [max(len(line[column]) for line in cells) for column in range(len(headers))]
+    return "\n".join(
+        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )
+
+
+def size(count: float) -> str:
+    """Bytes for people: 512 B, 1.5 KiB, ..."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def duration(seconds: float) -> str:
+    """Seconds for people: 42s, 17m, 3.5h, 2.0d."""
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def print_json(document: dict[str, Any]) -> None:
+    """The stable ``--json`` form: sorted keys, one space indent."""
+    print(json.dumps(document, sort_keys=True, indent=1))
+
+
+def fail(command: str, message: str, status: int = 1) -> int:
+    """One line on stderr saying what to do; returns ``status`` for the caller to exit with."""
+    print(f"resurgo {command}: {message}", file=sys.stderr)
+    return status
+
+
+def add_state_dir(parser: argparse.ArgumentParser) -> None:
+    """``--state-dir`` (default ``$RESURGO_STATE_DIR`` or the supervisor's default)."""
+    parser.add_argument(
+        "--state-dir",
+        default=os.environ.get(ENV_STATE_DIR, DEFAULT_STATE_DIR),
+        help=f"the supervisor's state directory (default ${ENV_STATE_DIR} or {DEFAULT_STATE_DIR})",
+    )
+
+
+def open_store(state_dir: str) -> Store:
+    """The supervisor's store, never created here; StoreError saying where to look."""
+    path = Path(state_dir) / "resurgo.db"
+    if not path.exists():
+        raise StoreError(
+            f"no Resurgo store at {path}: pass the supervisor's --state-dir or set {ENV_STATE_DIR}"
+        )
+    return Store.open(path, create=False)

@@ -1,0 +1,71 @@
+"""`resurgo events JOB [--json] [--stacks] [--steps]`: what happened to a job, when and why.
+
+One line per agent event, supervisor observation, decision (with its
+explanation) and action. Stack dumps of hang reports are collapsed to one
+line per rank; ``--stacks`` prints them in full. ``--json`` prints
+:func:`supervisor.views.events`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from supervisor import views
+from supervisor.cli.common import add_state_dir, fail, open_store, print_json
+from supervisor.errors import StoreError
+
+
+def register(subparsers: Any) -> None:
+    """Add the `events` subcommand."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "events", help="a job's timeline: events, decisions and actions, with stack dumps"
+    )
+    parser.add_argument("job", metavar="JOB")
+    parser.add_argument("--json", action="store_true", help="the documented JSON document")
+    parser.add_argument("--stacks", action="store_true", help="print stack dumps in full")
+    parser.add_argument("--steps", action="store_true", help="include per-step loss reports")
+    add_state_dir(parser)
+    parser.set_defaults(func=run)
+
+
+def render(document: dict[str, Any], *, full_stacks: bool) -> str:
+    """The events as lines: time, what, where, summary; stacks collapsed or in full."""
+    lines = []
+    for entry in document["entries"]:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["time_s"]))
+        where = entry["node"] or "-"
+        what = entry["kind"] if entry["type"] == "event" else f"{entry['type']} {entry['kind']}"
+        cause = f" [{entry['cause']}]" if entry.get("cause") not in (None, "none") else ""
+        lines.append(f"{stamp}  {what:<28} {where:<8} {entry['summary']}{cause}")
+        for rank, text in sorted(entry["stacks"].items(), key=lambda item: int(item[0])):
+            stack = text.strip().splitlines()
+            if full_stacks:
+                lines.append(f"    rank {rank} stack:")
+                lines.extend(f"      {line}" for line in stack)
+            else:
+                top = stack[-1].strip() if stack else ""
+                lines.append(f"    rank {rank}: {len(stack)} lines, innermost: {top[:100]}")
+    if not full_stacks and any(entry["stacks"] for entry in document["entries"]):
+        lines.append("(stack dumps collapsed: --stacks prints them in full)")
+    return "\n".join(lines) if lines else f"job {document['job_id']}: no events yet"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the job's events."""
+    try:
+        store = open_store(args.state_dir)
+    except StoreError as error:
+        return fail("events", str(error))
+    with store:
+        if store.get_job(args.job) is None:
+            return fail(
+                "events", f"job {args.job} is not known to the supervisor; see resurgo status"
+            )
+        document = views.events(store, args.job, include_steps=args.steps)
+    if args.json:
+        print_json(document)
+    else:
+        print(render(document, full_stacks=args.stacks))
+    return 0

@@ -1,0 +1,84 @@
+"""`resurgo status [JOB...] [--json] [--watch]`: every supervised job at a glance.
+
+Columns: id, name, state, world size now/original, restarts by cause,
+goodput, newest checkpoint step and age, nodes drained for the job. Read from
+the supervisor's store, so it works while the supervisor is down (showing
+what it last knew). ``--json`` prints :func:`supervisor.views.status`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from supervisor import views
+from supervisor.cli.common import add_state_dir, duration, fail, open_store, print_json, table
+from supervisor.errors import StoreError
+
+HEADERS = ("JOB", "NAME", "STATE", "NODES", "RESTARTS", "GOODPUT", "CHECKPOINT", "DRAINED")
+
+
+def register(subparsers: Any) -> None:
+    """Add the `status` subcommand."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "status", help="supervised jobs: state, size, restarts, goodput, checkpoints"
+    )
+    parser.add_argument("jobs", nargs="*", metavar="JOB", help="job ids (default: all)")
+    parser.add_argument("--json", action="store_true", help="the documented JSON document")
+    parser.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="S",
+                        help="redraw every S seconds (default 2) until interrupted")  # fmt: skip
+    add_state_dir(parser)
+    parser.set_defaults(func=run)
+
+
+def row_cells(job: dict[str, Any]) -> list[str]:
+    """One table row of a status document's job."""
+    size = job["world_size"]
+    restarts = ", ".join(f"{cause} {count}" for cause, count in sorted(job["restarts"].items()))
+    checkpoint = job["last_checkpoint"]
+    return [
+        job["job_id"],
+        job["name"],
+        job["state"] + (f" ({job['final_reason'][:60]})" if job["final_reason"] else ""),
+        f"{size if size is not None else '-'}/{job['original_nodes']}",
+        restarts or "-",
+        f"{job['goodput'] * 100:.1f}%",
+        "-"
+        if checkpoint is None
+        else f"{checkpoint['step']} ({duration(checkpoint['age_s'])} ago)",
+        ",".join(job["drained_nodes"]) or "-",
+    ]
+
+
+def render(document: dict[str, Any]) -> str:
+    """The status table, plus a line per unknown job id."""
+    lines = [table(HEADERS, [row_cells(job) for job in document["jobs"]])]
+    if not document["jobs"]:
+        lines = ["no supervised jobs"]
+    lines.extend(f"job {job_id}: not known to the supervisor" for job_id in document["unknown"])
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the status once, or redraw it with ``--watch``."""
+    try:
+        store = open_store(args.state_dir)
+    except StoreError as error:
+        return fail("status", str(error))
+    with store:
+        while True:
+            document = views.status(store, args.jobs, time.time())
+            if args.json:
+                print_json(document)
+            else:
+                if args.watch:
+                    sys.stdout.write("\x1b[H\x1b[2J")  # clear the terminal, like watch(1)
+                print(render(document), flush=True)
+            if not args.watch:
+                return 1 if document["unknown"] else 0
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0

@@ -1,0 +1,161 @@
+"""`resurgo submit`: sbatch a training job under Resurgo's supervision.
+
+    resurgo submit -N 4 --time=2-00:00:00 --gres=gpu:8 --ckpt-root /ckpt/llm \\
+        -- torchrun --nproc-per-node=8 train.py --config big.toml
+    resurgo submit --script job.sbatch --ckpt-root /ckpt/llm --dry-run -- torchrun train.py
+
+Every option Resurgo does not know is an sbatch option and passes to sbatch
+unchanged (so do the ``#SBATCH`` lines of ``--script FILE``); Resurgo adds only
+``--requeue``, one agent task per node (unless you set task counts) and a
+``USR1`` warning before the time limit. ``--nodes=2-4`` starts the job on 4
+nodes and lets it shrink down to 2 after faults. The job id is printed as
+sbatch prints it. If the supervisor does not answer, the job is submitted
+anyway and runs unsupervised until the supervisor registers it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import shutil
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ConfigError
+from supervisor.config import DEFAULT_PORT, DEFAULT_STATE_DIR
+from supervisor.jobs import JobSpec, SubmitError, batch_script, sbatch_options, submit
+from supervisor.sbatch import directives_of, parse_request, procs_per_node, training_script
+from supervisor.slurm import SlurmClient
+
+USAGE = "resurgo submit [resurgo options] [sbatch options...] -- COMMAND..."
+ENV_URL = "RESURGO_URL"
+ENV_STATE_DIR = "RESURGO_STATE_DIR"
+ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Resurgo's own submit options; everything else goes to sbatch."""
+    parser = argparse.ArgumentParser(
+        prog="resurgo submit", usage=USAGE, description=__doc__, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument(
+        "--ckpt-root",
+        default=os.environ.get(ENV_CKPT_ROOT),
+        help=f"where the job saves checkpoints (absolute; default ${ENV_CKPT_ROOT})",
+    )
+    parser.add_argument("--min-nodes", type=int, help="smallest size after faults (or -N MIN-MAX)")
+    parser.add_argument("--unit", type=int, default=1, help="world size must be a multiple")
+    parser.add_argument("--procs-per-node", type=int, help="ranks per node (default: torchrun's)")
+    parser.add_argument("--script", type=Path, help="a batch script whose #SBATCH lines to use")
+    parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    parser.add_argument("--parsable", action="store_true", help="print only the job id")
+    parser.add_argument(
+        "--supervisor",
+        default=os.environ.get(ENV_URL, f"http://localhost:{DEFAULT_PORT}"),
+        help=f"the supervisor's URL (default ${ENV_URL} or http://localhost:{DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=os.environ.get(ENV_STATE_DIR, DEFAULT_STATE_DIR),
+        help=f"the supervisor's state directory (default ${ENV_STATE_DIR} or {DEFAULT_STATE_DIR})",
+    )
+    return parser
+
+
+def register(subparsers: Any) -> None:
+    """List `submit` in `resurgo --help`; :func:`main` parses its arguments itself."""
+    subparsers.add_parser(
+        "submit", help="sbatch a training job under supervision", usage=USAGE, add_help=False
+    )
+
+
+def _fail(message: str, status: int = 1) -> int:
+    print(f"resurgo submit: {message}", file=sys.stderr)
+    return status
+
+
+def _supervisor_answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/healthz", timeout=3) as answer:
+            return bool(answer.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def spec_from(args: argparse.Namespace, sbatch_args: list[str], command: list[str]) -> JobSpec:
+    """The job spec from parsed options; ConfigError with what to fix."""
+    directives: tuple[str, ...] = ()
+    if args.script is not None:
+        try:
+            directives = directives_of(args.script.read_text())
+        except OSError as error:
+            raise ConfigError(f"cannot read --script {args.script}: {error.strerror}") from None
+    request = parse_request(sbatch_args, directives)
+    if not command:
+        raise ConfigError(f"no training command after --: {USAGE}")
+    script = training_script(command)
+    if script is not None and not Path(script).exists():
+        raise ConfigError(
+            f"training script {script} not found (from {Path.cwd()}): give its path as the "
+            "compute nodes see it"
+        )
+    if not args.ckpt_root:
+        raise ConfigError(
+            f"where should checkpoints go? pass --ckpt-root DIR or set {ENV_CKPT_ROOT}"
+        )
+    name = request.job_name or (Path(script).stem if script else Path(command[0]).name)
+    return JobSpec(
+        name=name,
+        nodes=request.nodes,
+        command=tuple(command),
+        ckpt_root=os.path.abspath(args.ckpt_root),
+        min_nodes=args.min_nodes if args.min_nodes is not None else request.min_nodes,
+        unit=args.unit,
+        procs_per_node=args.procs_per_node or procs_per_node(command) or 1,
+        supervisor_url=args.supervisor.rstrip("/"),
+        sbatch_options=tuple(sbatch_args),
+        directives=directives,
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``resurgo submit``; ``argv`` follows the word ``submit``."""
+    words = list(argv)
+    split = words.index("--") if "--" in words else len(words)
+    options, command = words[:split], words[split + 1 :]
+    parser = build_parser()
+    if any(word in ("-h", "--help") for word in options):
+        parser.print_help()
+        return 0
+    args, sbatch_args = parser.parse_known_args(options)
+    try:
+        spec = spec_from(args, sbatch_args, command)
+    except ConfigError as error:
+        return _fail(str(error), 2)
+    if args.dry_run:
+        print(batch_script(spec, args.state_dir), end="")
+        print(f"# sbatch {shlex.join(['--parsable', '--hold', *sbatch_options(spec)])} SCRIPT")
+        return 0
+    if shutil.which("sbatch") is None:
+        return _fail("sbatch is not on PATH: run resurgo submit where Slurm's commands are")
+    supervised = _supervisor_answers(spec.supervisor_url)
+    try:
+        job_id = asyncio.run(submit(spec, args.state_dir, SlurmClient()))
+    except SubmitError as error:
+        return _fail(str(error))
+    print(job_id if args.parsable else f"Submitted batch job {job_id}")
+    if not supervised:
+        print(
+            f"resurgo submit: warning: the supervisor at {spec.supervisor_url} does not answer; "
+            f"job {job_id} runs unsupervised until the supervisor starts and registers it "
+            "(start it: systemctl start resurgo-supervisor)",
+            file=sys.stderr,
+        )
+    return 0

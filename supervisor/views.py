@@ -1,0 +1,202 @@
+"""What ``resurgo status``, ``events``, ``nodes`` and ``report`` show, as JSON documents.
+
+Built from the supervisor's store (read while the daemon runs: WAL) and, for
+nodes, Slurm's view. These documents are the ``--json`` output; their fields
+are documented in ``docs/cli.md`` and only ever gain fields. Human tables are
+rendered from the same documents by the CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from supervisor.slurm.parse import SlurmNode
+from supervisor.store import Store
+from supervisor.timeline import goodput_of
+
+STATUS_VERSION = 1
+STACK_PREVIEW_LINES = 3
+
+
+def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None:
+    """One job's status line (None when the store does not know the job)."""
+    row = store.get_job(job_id)
+    if row is None:
+        return None
+    record = row.record
+    checkpoints = store.checkpoints_for(job_id)
+    newest = max(checkpoints, key=lambda c: c.step) if checkpoints else None
+    drained = sorted(d.node for d in store.open_drains() if d.job_id == job_id)
+    goodput = goodput_of(store, job_id, now_s)
+    return {
+        "job_id": job_id,
+        "name": row.name,
+        "state": row.state,
+        "attempt": record.get("attempt", 1),
+        "world_size": len(record.get("nodes", [])) or None,
+        "original_nodes": row.original_nodes,
+        "min_nodes": row.min_nodes,
+        "nodes": list(record.get("nodes", [])),
+        "restarts": {cause: count for cause, count in record.get("restarts", [])},
+        "goodput": round(goodput.ratio, 4),
+        "badput_s": {kind.value: round(s, 3) for kind, s in goodput.badput_s.items()},
+        "last_checkpoint": None
+        if newest is None
+        else {
+            "step": newest.step,
+            "path": newest.path,
+            "age_s": round(now_s - newest.committed_s, 1),
+        },
+        "drained_nodes": drained,
+        "final_reason": record.get("final_reason", ""),
+        "updated_s": row.updated_s,
+    }
+
+
+def status(store: Store, job_ids: Sequence[str], now_s: float) -> dict[str, Any]:
+    """``resurgo status``: the named jobs (all when none are named), oldest first."""
+    ids = list(job_ids) or [row.job_id for row in store.list_jobs()]
+    rows = [status_row(store, job_id, now_s) for job_id in ids]
+    return {
+        "version": STATUS_VERSION,
+        "jobs": [row for row in rows if row is not None],
+        "unknown": [job_id for job_id, row in zip(ids, rows, strict=True) if row is None],
+    }
+
+
+def _summary(kind: str, payload: dict[str, Any]) -> str:
+    if kind == "rank_exited":
+        how = payload.get("signal_name") or f"exit code {payload.get('exit_code')}"
+        return f"rank {payload.get('global_rank')} ended ({how}) at step {payload.get('last_step')}"
+    if kind == "hang":
+        ranks = [str(h.get("global_rank")) for h in payload.get("hung", [])]
+        return f"ranks {', '.join(ranks)} hung"
+    if kind == "checkpoint_committed":
+        return f"checkpoint step {payload.get('step')} committed: {payload.get('path')}"
+    if kind == "step_losses":
+        steps = payload.get("steps", [])
+        return f"{len(steps)} step report(s)" + (
+            f" up to step {steps[-1].get('step')}" if steps else ""
+        )
+    if kind == "alert":
+        return f"ALERT ({payload.get('severity')}): {payload.get('message')}"
+    if kind in ("agent_started", "agent_stopped", "ranks_stopped", "launcher_exited"):
+        detail = payload.get("reason") or payload.get("attempt") or payload.get("exit_code")
+        return f"{kind.replace('_', ' ')}" + (f": {detail}" if detail is not None else "")
+    if kind == "health_check_failed":
+        return f"health check failed: {str(payload.get('output_tail', ''))[-200:]}"
+    return ", ".join(
+        f"{k}={v}" for k, v in sorted(payload.items()) if not isinstance(v, dict | list)
+    )[:300]
+
+
+def stacks_of(payload: dict[str, Any]) -> dict[str, str]:
+    """The stack dump per rank of a hang event (empty for other kinds)."""
+    stacks = payload.get("stacks", {})
+    return (
+        {str(rank): str(text) for rank, text in stacks.items()} if isinstance(stacks, dict) else {}
+    )
+
+
+def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[str, Any]:
+    """``resurgo events``: what happened and why, oldest first.
+
+    Entries: agent and supervisor ``event``s, the core's ``decision``s (with
+    their explanation) and the executor's ``action``s. Stack dumps are kept
+    per rank under ``stacks``. Step reports are left out unless asked for.
+    """
+    entries: list[dict[str, Any]] = []
+    for event in store.events_for(job_id):
+        if event.kind == "step_losses" and not include_steps:
+            continue
+        entries.append(
+            {
+                "time_s": event.time_s,
+                "type": "event",
+                "source": event.source.value,
+                "kind": event.kind,
+                "node": event.node,
+                "summary": _summary(event.kind, event.payload),
+                "stacks": stacks_of(event.payload),
+                "payload": {k: v for k, v in event.payload.items() if k != "stacks"},
+            }
+        )
+    for decision in store.decisions_for(job_id):
+        entries.append(
+            {
+                "time_s": decision.decided_s,
+                "type": "decision",
+                "source": "supervisor",
+                "kind": f"{decision.from_state}->{decision.to_state}",
+                "node": None,
+                "summary": decision.detail.get("explanation", ""),
+                "cause": decision.cause,
+                "stacks": {},
+                "payload": decision.detail,
+            }
+        )
+    for action in store.list_actions(job_id):
+        entries.append(
+            {
+                "time_s": action.finished_s or action.started_s or action.planned_s,
+                "type": "action",
+                "source": "supervisor",
+                "kind": action.kind,
+                "node": action.args.get("node"),
+                "summary": f"{action.action_id}: {action.state.value}"
+                + (f" ({action.error})" if action.error else ""),
+                "stacks": {},
+                "payload": {"args": action.args, "result": action.result, "starts": action.starts},
+            }
+        )
+    entries.sort(key=lambda entry: entry["time_s"])
+    return {"version": STATUS_VERSION, "job_id": job_id, "entries": entries}
+
+
+def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
+          lemon_blames: int, lemon_window_s: float) -> dict[str, Any]:  # fmt: skip
+    """``resurgo nodes``: drained nodes with reasons, blame history, the lemon list.
+
+    ``slurm_nodes`` None means Slurm did not answer: the store's view alone.
+    """
+    history: dict[str, list[dict[str, Any]]] = {}
+    open_drains = {d.node: d for d in store.open_drains()}
+    names = set(open_drains) | set(slurm_nodes or {})
+    for name in sorted(names):
+        history[name] = [
+            {
+                "drained_s": d.drained_s,
+                "cause": d.cause,
+                "job_id": d.job_id,
+                "reason": d.reason,
+                "by": d.drained_by.value,
+                "undrained_s": d.undrained_s,
+            }
+            for d in store.blame_history(name)
+        ]
+    drained = []
+    for name in sorted(names):
+        node = (slurm_nodes or {}).get(name)
+        if node is not None and not node.drained and name not in open_drains:
+            continue
+        drained.append(
+            {
+                "node": name,
+                "slurm_state": None if node is None else node.state_raw,
+                "drained_in_slurm": None if node is None else node.drained,
+                "reason": node.reason if node is not None else open_drains[name].reason,
+                "by_resurgo": name in open_drains,
+            }
+        )
+    lemons = store.lemons(lemon_blames, lemon_window_s, now_s)
+    return {
+        "version": STATUS_VERSION,
+        "slurm_answered": slurm_nodes is not None,
+        "drained": drained,
+        "history": {name: rows for name, rows in history.items() if rows},
+        "lemons": [
+            {"node": lemon.node, "drains": lemon.drains, "last_drained_s": lemon.last_drained_s}
+            for lemon in lemons
+        ],
+    }
