@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -108,6 +109,26 @@ class SupervisorProcess:
         """A second connection to the daemon's store (WAL: reads while it writes)."""
         return Store.open(self.state_dir / "resurgo.db")
 
+    def cli_env(self) -> dict[str, str]:
+        """The environment ``resurgo`` commands run with: this supervisor, this cluster."""
+        return {
+            **self.cluster.env,
+            **AGENT_ENV,
+            "RESURGO_STATE_DIR": str(self.state_dir),
+            "RESURGO_URL": self.url,
+        }
+
+    def resurgo(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run ``resurgo ARGS`` as a user would (a separate process)."""
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor.cli.main", *args],
+            env=self.cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
     def submit(self, spec: JobSpec, extra_env: dict[str, str] | None = None) -> int:
         """Submit ``spec`` as `resurgo submit` does; return the Slurm job id."""
         env = {**AGENT_ENV, "SLURM_CONF": str(self.cluster.conf), **(extra_env or {})}
@@ -157,3 +178,16 @@ def kill_rank_on(node: str) -> int:
     assert pids, f"no toy rank runs on {node}"
     os.kill(pids[0], signal.SIGKILL)
     return pids[0]
+
+
+def render_in_chromium(page: Path, png: Path) -> Path:
+    """Screenshot ``page`` with headless Chromium (installed by deploy/setup); return the PNG."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "chromium is not installed: run deploy/setup (it installs Debian's chromium)"
+    done = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         "--window-size=1200,2000", f"--screenshot={png}", page.resolve().as_uri()],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert png.exists(), f"chromium wrote no screenshot: {done.stderr[-2000:]}"
+    return png

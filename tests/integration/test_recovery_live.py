@@ -7,6 +7,8 @@ fault, and checks the outcome in Slurm and in the supervisor's store.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,14 @@ import pytest
 from agent.checkpoint.format import MANIFEST_NAME
 from supervisor.store import ActionState
 from tests.conftest import LiveCluster
-from tests.supervisor_harness import SupervisorProcess, kill_rank_on, toy_spec
+from tests.supervisor_harness import (
+    TORCHRUN,
+    TOY,
+    SupervisorProcess,
+    kill_rank_on,
+    render_in_chromium,
+    toy_spec,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -108,7 +117,19 @@ def _start_idle_job(
 def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nodes(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
-    job_id, output, ckpt = _start_idle_job(supervisor, tmp_path)
+    # Submitted the way a user does: `resurgo submit` with sbatch options.
+    output, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
+    submitted = supervisor.resurgo(
+        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--comment", "live test",
+        "--ckpt-root", str(ckpt), "--parsable", "--",
+        *TORCHRUN, str(TOY), "--steps", "16", "--save-every", "4", "--idle-at", "8",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = int(submitted.stdout.strip())
+    _wait_output(output, "idle at step 8", 180, supervisor)
+    listed = supervisor.resurgo("status", "--json")
+    (row,) = json.loads(listed.stdout)["jobs"]
+    assert (row["job_id"], row["state"], row["world_size"]) == (str(job_id), "running", 4)
     # The newest checkpoint goes bad on disk: the recovery must reject it.
     shard = sorted((ckpt / "step-8").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:10])
@@ -117,6 +138,7 @@ def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nod
     job = _wait_ended(slurm_cluster, job_id, supervisor, output)
     text = output.read_text(errors="replace")
     assert job["job_state"] == "COMPLETED", text[-3000:]
+    assert job["comment"] == "live test"  # sbatch options passed through
 
     _wait_recorded(supervisor, job_id, "completed")
     node3 = slurm_cluster.nodes()["node3"]
@@ -139,8 +161,28 @@ def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nod
             if "step-8 invalid" in d.detail["explanation"]
         ]
         assert rejected, "the corrupted step-8 was never rejected"
+        # Resized: the first sample after the resume is the checkpoint's cursor.
+        checks = store.events_for(str(job_id), kinds=["resume_verification"])
+        assert [e.payload["verified"] for e in checks] == [True], checks
+        assert checks[0].payload["same_size"] is False
     assert f"starting at step 4 from {ckpt / 'step-4'}" in text
     assert "done at step 16 with world 3" in text
+
+    # What an operator sees afterwards.
+    status = supervisor.resurgo("status", str(job_id))
+    assert status.returncode == 0
+    pattern = rf"{job_id}\s+train_toy\s+completed\s+3/4\s+rank_signal 1\s"
+    assert re.search(pattern, status.stdout), status.stdout
+    events = supervisor.resurgo("events", str(job_id))
+    assert "rank_exited" in events.stdout and "died by SIGKILL" in events.stdout
+    assert "action drain" in events.stdout
+    nodes = supervisor.resurgo("nodes")
+    assert re.search(r"node3\s+\S+\s+resurgo\s+resurgo: rank_signal", nodes.stdout), nodes.stdout
+    report = tmp_path / "report.html"
+    written = supervisor.resurgo("report", str(job_id), "-o", str(report))
+    assert written.returncode == 0, written.stderr
+    png = render_in_chromium(report, tmp_path / "report.png")
+    assert png.stat().st_size > 50_000  # a page with two plots, not a blank one
 
 
 def test_a_python_exception_at_the_same_step_twice_stops_the_job_as_a_crash_loop(

@@ -34,12 +34,14 @@ from agent.stacks import (
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stacks"
 
+
 @pytest.fixture
 def py_spy() -> str:
     """py-spy is a dependency of the agent: its absence is a failure, never a skip."""
     exe = find_py_spy()
     assert exe is not None, "py-spy is missing: run deploy/setup (pip install py-spy)"
     return exe
+
 
 # Rank 2 stops itself after three good all_reduces; rank 0 then blocks in a
 # synchronous all_reduce, rank 1 in Work.wait() of an async one.

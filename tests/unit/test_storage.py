@@ -18,10 +18,21 @@ from agent.checkpoint.storage import (
 
 # /proc/self/mountinfo spells filesystem types the way the kernel registers them.
 _KERNEL_NAMES = {
-    "nfs": FsKind.NFS, "nfs4": FsKind.NFS, "lustre": FsKind.LUSTRE, "gpfs": FsKind.GPFS,
-    "beegfs": FsKind.BEEGFS, "ceph": FsKind.CEPHFS, "ext2": FsKind.EXT4, "ext3": FsKind.EXT4,
-    "ext4": FsKind.EXT4, "xfs": FsKind.XFS, "btrfs": FsKind.BTRFS, "zfs": FsKind.ZFS,
-    "tmpfs": FsKind.TMPFS, "overlay": FsKind.OVERLAYFS, "proc": FsKind.PROCFS,
+    "nfs": FsKind.NFS,
+    "nfs4": FsKind.NFS,
+    "lustre": FsKind.LUSTRE,
+    "gpfs": FsKind.GPFS,
+    "beegfs": FsKind.BEEGFS,
+    "ceph": FsKind.CEPHFS,
+    "ext2": FsKind.EXT4,
+    "ext3": FsKind.EXT4,
+    "ext4": FsKind.EXT4,
+    "xfs": FsKind.XFS,
+    "btrfs": FsKind.BTRFS,
+    "zfs": FsKind.ZFS,
+    "tmpfs": FsKind.TMPFS,
+    "overlay": FsKind.OVERLAYFS,
+    "proc": FsKind.PROCFS,
 }
 
 

@@ -51,9 +51,13 @@ def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """Flatten every tensor of a nested state dict to dotted keys."""
     if isinstance(tree, torch.Tensor):
         return {prefix: tree}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(
-        tree, list | tuple
-    ) else ()
+    items = (
+        tree.items()
+        if isinstance(tree, dict)
+        else enumerate(tree)
+        if isinstance(tree, list | tuple)
+        else ()
+    )
     flat: dict[str, torch.Tensor] = {}
     for key, value in items:
         flat.update(_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
@@ -70,8 +74,9 @@ def _clone_tree(tree: Any) -> Any:
     return tree
 
 
-def _training_state(rank: int, rank_mib: float) -> tuple[nn.Module, torch.optim.Optimizer,
-                                                          torch.Tensor]:
+def _training_state(
+    rank: int, rank_mib: float
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -87,8 +92,9 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, shard: torch.Tensor,
-           rank: int) -> dict[str, Any]:
+def _state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, shard: torch.Tensor, rank: int
+) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd, f"shard_rank{rank}": shard}
 
@@ -116,11 +122,11 @@ def suite(root: Path, out: Path) -> None:
     report["busy_after_return"] = busy_after_return
     report["steps_while_writing"] = steps_while_writing
     stats = main.stats
-    report["first_stats"] = None if stats is None else {"write_s": stats.write_s,
-                                                         "mode": stats.mode}
+    report["first_stats"] = (
+        None if stats is None else {"write_s": stats.write_s, "mode": stats.mode}
+    )
     committed = main.last_committed
-    report["last_committed"] = None if committed is None else [committed.step,
-                                                               str(committed.path)]
+    report["last_committed"] = None if committed is None else [committed.step, str(committed.path)]
     loaded = _clone_tree(snapshot)
     for tensor in _tensors(loaded).values():
         tensor.zero_()
@@ -157,31 +163,34 @@ def suite(root: Path, out: Path) -> None:
     def gated(_: Path) -> None:
         gate.wait(TIMEOUT_S)
 
-    skipper = Checkpointer(root / "skip", when_busy=WhenBusy.SKIP, after_commit=gated,
-                           collective_timeout_s=TIMEOUT_S)
-    report["skip_first"] = _result(skipper.save(10, _state(model, optimizer, shard, rank),
-                                                CONTENTS))
-    report["skip_second"] = _result(skipper.save(11, _state(model, optimizer, shard, rank),
-                                                 CONTENTS))
+    skipper = Checkpointer(
+        root / "skip", when_busy=WhenBusy.SKIP, after_commit=gated, collective_timeout_s=TIMEOUT_S
+    )
+    report["skip_first"] = _result(
+        skipper.save(10, _state(model, optimizer, shard, rank), CONTENTS)
+    )
+    report["skip_second"] = _result(
+        skipper.save(11, _state(model, optimizer, shard, rank), CONTENTS)
+    )
     gate.set()
     skipper.close()
     report["skip_committed"] = skipper.last_committed.step if skipper.last_committed else None
 
     gate.clear()
-    waiter = Checkpointer(root / "wait", when_busy=WhenBusy.WAIT, after_commit=gated,
-                          collective_timeout_s=TIMEOUT_S)
-    report["wait_first"] = _result(waiter.save(20, _state(model, optimizer, shard, rank),
-                                                CONTENTS))
+    waiter = Checkpointer(
+        root / "wait", when_busy=WhenBusy.WAIT, after_commit=gated, collective_timeout_s=TIMEOUT_S
+    )
+    report["wait_first"] = _result(waiter.save(20, _state(model, optimizer, shard, rank), CONTENTS))
     if rank == 0:
         threading.Timer(1.0, gate.set).start()
-    report["wait_second"] = _result(waiter.save(21, _state(model, optimizer, shard, rank),
-                                                CONTENTS))
+    report["wait_second"] = _result(
+        waiter.save(21, _state(model, optimizer, shard, rank), CONTENTS)
+    )
     waiter.close()
     report["wait_committed"] = waiter.last_committed.step if waiter.last_committed else None
 
     # 5. no host memory for a staged copy: synchronous fallback, still committed.
-    tight = Checkpointer(root / "mem", available_memory=lambda: 1,
-                         collective_timeout_s=TIMEOUT_S)
+    tight = Checkpointer(root / "mem", available_memory=lambda: 1, collective_timeout_s=TIMEOUT_S)
     report["memory"] = _result(tight.save(7, _state(model, optimizer, shard, rank), CONTENTS))
     tight.close()
     report["memory_committed"] = tight.last_committed.step if tight.last_committed else None

@@ -1,0 +1,134 @@
+"""`resurgo status`, `events`, `nodes` and `report` over a real store (Slurm not needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import protocol
+from agent.protocol import EventKind
+from supervisor.cli.main import main
+from supervisor.model import Cause
+from supervisor.store import Store
+
+JOB = "4711"
+INCARNATION = "0123456789abcdef"
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    """A store holding one recovered job: progress, a hang with stacks, a drain, a relaunch."""
+    state = tmp_path / "state"
+    state.mkdir()
+    now = time.time() - 600
+    with Store.open(state / "resurgo.db") as store:
+        record = {"attempt": 2, "nodes": ["node1", "node2"], "restarts": [["hang", 1]],
+                  "final_reason": ""}  # fmt: skip
+        store.upsert_job(JOB, state="running", record=record, now_s=now, name="llm",
+                         original_nodes=3, min_nodes=2)  # fmt: skip
+        store.record_decision(
+            JOB, None, "submitted", "starting", "none", {"explanation": "x"}, now + 5
+        )
+        store.start_attempt(
+            JOB, 1, nodes=["node1", "node2", "node3"], resumed_from=None, now_s=now + 5
+        )
+        for offset, step in ((20, 1), (40, 10), (60, 20)):
+            store.record_progress(JOB, step, now + offset)
+        store.record_checkpoint(JOB, 10, "/ckpt/step-10", now + 41)
+        hang = protocol.make_event(
+            EventKind.HANG, JOB, "node3", INCARNATION, 1, now + 90,
+            {"hung": [{"global_rank": 2, "local_rank": 0, "pid": 7, "last_step": 20,
+                       "phase": "train", "seconds_since_progress": 30.0, "timeout_s": 25.0,
+                       "detector": "heartbeat"}],
+             "stacks": {"2": "Thread 7 (idle)\n  train (train.py:40)\n  all_reduce (c10d.py:9)"}},
+        )  # fmt: skip
+        store.record_events(JOB, [hang], now_s=now + 90)
+        store.record_decision(JOB, hang.event_id, "running", "recovering", "hang",
+                              {"explanation": "hang on node3"}, now + 90)  # fmt: skip
+        store.record_drain("node3", cause=Cause.HANG, job_id=JOB,
+                           reason="resurgo: hang job=4711 rank 2 behind", now_s=now + 91,
+                           action_id=f"{JOB}/2/drain/node3")  # fmt: skip
+        store.record_decision(JOB, None, "recovering", "relaunching", "hang",
+                              {"explanation": "relaunch on 2 node(s)"}, now + 100)  # fmt: skip
+        store.start_attempt(JOB, 2, nodes=["node1", "node2"], resumed_from="/ckpt/step-10",
+                            now_s=now + 100)  # fmt: skip
+        store.record_progress(JOB, 12, now + 130)
+    return state
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_status_shows_size_restarts_goodput_checkpoint_and_drains(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = run(capsys, "status", "--state-dir", str(state_dir))
+    assert status == 0
+    header, row = out.strip().splitlines()
+    assert header.split() == ["JOB", "NAME", "STATE", "NODES", "RESTARTS", "GOODPUT",
+                              "CHECKPOINT", "DRAINED"]  # fmt: skip
+    assert re.search(
+        r"4711\s+llm\s+running\s+2/3\s+hang 1\s+\d+\.\d%\s+10 \(\d+m ago\)\s+node3", row
+    )
+
+
+def test_status_json_is_the_documented_document(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = run(capsys, "status", JOB, "nope", "--json", "--state-dir", str(state_dir))
+    document = json.loads(out)
+    assert status == 1  # an unknown job was asked for
+    assert document["unknown"] == ["nope"]
+    (job,) = document["jobs"]
+    assert set(job) >= {"job_id", "name", "state", "attempt", "world_size", "original_nodes",
+                        "min_nodes", "restarts", "goodput", "badput_s", "last_checkpoint",
+                        "drained_nodes", "final_reason"}  # fmt: skip
+    assert job["last_checkpoint"]["step"] == 10
+    assert 0 < job["goodput"] < 1
+
+
+def test_events_collapse_stacks_per_rank_and_expand_them_on_request(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out, _ = run(capsys, "events", JOB, "--state-dir", str(state_dir))
+    assert "ranks 2 hung" in out
+    assert "rank 2: 3 lines, innermost: all_reduce (c10d.py:9)" in out
+    assert "train (train.py:40)" not in out
+    assert "decision running->recovering" in out and "[hang]" in out
+    _, full, _ = run(capsys, "events", JOB, "--stacks", "--state-dir", str(state_dir))
+    assert "train (train.py:40)" in full
+    _, text, _ = run(capsys, "events", JOB, "--json", "--state-dir", str(state_dir))
+    entries = json.loads(text)["entries"]
+    assert [e["type"] for e in entries].count("decision") == 3
+    assert entries == sorted(entries, key=lambda e: e["time_s"])
+
+
+def test_unknown_jobs_and_a_missing_store_get_one_line_saying_what_to_do(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = run(capsys, "events", "999", "--state-dir", str(state_dir))
+    assert status == 1 and "job 999 is not known to the supervisor" in err
+    status, _, err = run(capsys, "status", "--state-dir", str(tmp_path / "elsewhere"))
+    assert status == 1 and "no Resurgo store at" in err and "--state-dir" in err
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_the_report_is_one_html_file_with_both_plots_and_the_events(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "report.html"
+    status, out, _ = run(capsys, "report", JOB, "-o", str(output), "--state-dir", str(state_dir))
+    assert status == 0 and str(output) in out
+    page = output.read_text()
+    assert page.count("<svg") == 2
+    assert '<figure id="timeline">' in page and '<figure id="goodput">' in page
+    assert "drain node3" in page and "attempt 2: 2 nodes, from step 10" in page
+    assert "<details><summary>rank 2 stack (3 lines)</summary>" in page
+    assert "http://" not in page.split("<svg", 1)[0]  # nothing fetched from elsewhere

@@ -1,0 +1,160 @@
+"""`resurgo submit`: option pass-through, what Resurgo reads from sbatch options, the script."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.errors import ConfigError
+from supervisor.cli.main import main
+from supervisor.jobs import JobSpec, batch_script, sbatch_options
+from supervisor.sbatch import directives_of, parse_request, procs_per_node, training_script
+
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "submit" / "batch.sh"
+
+
+def spec(**changes: object) -> JobSpec:
+    values: dict[str, object] = {
+        "name": "llm",
+        "nodes": 4,
+        "command": ("torchrun", "--nproc-per-node=8", "train.py", "--note", 'it\'s a "test"'),
+        "ckpt_root": "/ckpt/llm",
+        "min_nodes": 2,
+        "procs_per_node": 8,
+        "supervisor_url": "http://head01:8740",
+        "python": "/opt/resurgo/bin/python",
+        "sbatch_options": ("--gres=gpu:8", "--comment", "two words"),
+        "directives": ("--account=ml", "--time=2-00:00:00"),
+    }
+    values.update(changes)
+    return JobSpec(**values)  # type: ignore[arg-type]
+
+
+def test_the_rendered_batch_script_matches_the_golden_file() -> None:
+    rendered = batch_script(spec(), "/srv/resurgo")
+    assert rendered == GOLDEN.read_text(), f"rendered script changed:\n{rendered}"
+
+
+@pytest.mark.parametrize(
+    ("options", "nodes", "minimum"),
+    [
+        (["-N", "4"], 4, None),
+        (["-N4"], 4, None),
+        (["--nodes=4"], 4, None),
+        (["--nodes", "4"], 4, None),
+        (["--nodes=2-4"], 4, 2),
+        (["-J", "x", "--time", "10"], 1, None),  # sbatch's default: one node
+    ],
+)
+def test_the_node_count_is_read_from_every_form_sbatch_accepts(
+    options: list[str], nodes: int, minimum: int | None
+) -> None:
+    request = parse_request(options)
+    assert (request.nodes, request.min_nodes) == (nodes, minimum)
+
+
+def test_options_pass_through_verbatim_with_resurgos_additions_after_them() -> None:
+    user = ["--comment", "a b 'c'", "--gres=gpu:8", "--dependency=afterok:41", "-N", "4"]
+    argv = sbatch_options(spec(sbatch_options=tuple(user), directives=()))
+    assert argv[: len(user)] == user
+    assert argv[len(user) :] == [
+        "--job-name=llm",
+        "--requeue",
+        "--ntasks-per-node=1",
+        "--signal=B:USR1@180",
+    ]
+
+
+def test_the_users_own_name_tasks_and_signal_are_kept() -> None:
+    user = ("-J", "mine", "--ntasks-per-node=8", "--signal=B:USR2@60", "--nodes=2")
+    argv = sbatch_options(spec(sbatch_options=user, directives=()))
+    assert argv == [*user, "--requeue"]
+
+
+def test_script_directives_are_read_and_command_line_options_win() -> None:
+    text = (
+        "#!/bin/bash\n#SBATCH -N 8\n#SBATCH --job-name='big run'  # a comment\n\n"
+        "srun x\n#SBATCH -N 9\n"  # after the first command: not a directive, as for sbatch
+    )
+    directives = directives_of(text)
+    assert directives == ("-N", "8", "--job-name=big run")
+    assert parse_request([], directives).nodes == 8
+    assert parse_request(["--nodes=4"], directives).nodes == 4
+    assert parse_request([], directives).job_name == "big run"
+
+
+@pytest.mark.parametrize("options", [["--array=0-3"], ["-a", "1,2"], ["--array", "5"]])
+def test_job_arrays_are_refused_with_the_reason(options: list[str]) -> None:
+    with pytest.raises(ConfigError, match="job arrays are not supported: every array task"):
+        parse_request(options)
+
+
+@pytest.mark.parametrize("value", ["four", "4-2", ""])
+def test_a_node_count_that_is_not_one_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="--nodes"):
+        parse_request([f"--nodes={value}"])
+
+
+def test_torchruns_procs_per_node_and_the_script_are_found() -> None:
+    command = ["torchrun", "--nnodes=4", "--nproc_per_node", "8", "train.py", "--lr", "3"]
+    assert procs_per_node(command) == 8
+    assert training_script(command) == "train.py"
+    assert procs_per_node(["python", "x.py"]) is None
+
+
+def test_dry_run_prints_the_script_and_the_sbatch_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    status = main(
+        ["submit", "-N", "2", "--comment", "a b", "--ckpt-root", str(tmp_path / "ck"),
+         "--state-dir", str(tmp_path / "state"), "--dry-run", "--",
+         sys.executable, str(script)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0
+    assert out.startswith("#!/bin/bash\n")
+    assert "-m agent.driver" in out
+    assert "# sbatch --parsable --hold -N 2 --comment 'a b' --job-name=train --requeue" in out
+    assert not (tmp_path / "state").exists()  # nothing submitted, nothing written
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--ckpt-root", "/c", "--", "torchrun", "nowhere.py"],
+            "training script nowhere.py not found",
+        ),
+        (["--ckpt-root", "/c", "--array=1-2", "--", "true"], "job arrays are not supported"),
+        (["--ckpt-root", "/c"], "no training command after --"),
+        (["--", "true"], "where should checkpoints go?"),
+        (
+            ["--ckpt-root", "/c", "--script", "/no/such.sbatch", "--", "true"],
+            "cannot read --script",
+        ),
+    ],
+)
+def test_user_mistakes_get_one_line_saying_what_to_do(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RESURGO_CKPT_ROOT", raising=False)
+    status = main(["submit", *argv])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_without_slurm_on_path_submit_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    status = main(["submit", "--ckpt-root", "/c", "--", "true"])
+    assert status == 1
+    assert "sbatch is not on PATH" in capsys.readouterr().err
