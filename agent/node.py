@@ -43,6 +43,7 @@ from agent.errors import ResurgoError
 from agent.events import EventOut
 from agent.health import run_health_check
 from agent.launch import Allocation, LaunchPlan, LaunchSettings, plan_launch
+from agent.periodic import every
 from agent.procs import RankExit, RankWatcher, pid_alive
 from agent.steps import StepBuffer
 from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
@@ -214,15 +215,7 @@ class NodeAgent:
         )
 
     async def _every(self, period_s: float, tick: Callable[[], Awaitable[None]]) -> None:
-        """Run ``tick`` every ``period_s``; a failing tick is logged and the loop goes on."""
-        while True:
-            try:
-                await tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("agent tick %s failed; continuing", tick.__name__)
-            await asyncio.sleep(period_s)
+        await every(period_s, tick, log, "agent")
 
     async def _serve_queue(self) -> None:
         while True:

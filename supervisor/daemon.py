@@ -34,7 +34,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from agent.checkpoint import files
 from agent.checkpoint import format as fmt
 from agent.checkpoint.format import parse_step_dir_name
 from agent.errors import CheckpointInvalid, ConfigError, ResurgoError
+from agent.periodic import every
 from agent.protocol import (
     Command,
     CommandKind,
@@ -201,15 +202,8 @@ class Supervisor:
         """How agents and drivers reach this supervisor."""
         return self.config.public_url(self.port)
 
-    async def _every(self, period_s: float, tick: Callable[[], Any]) -> None:
-        while True:
-            try:
-                await tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("supervisor task %s failed; continuing", tick.__name__)
-            await asyncio.sleep(period_s)
+    async def _every(self, period_s: float, tick: Callable[[], Awaitable[object]]) -> None:
+        await every(period_s, tick, log, "supervisor")
 
     def _load_jobs(self) -> None:
         """Rebuild memory from the store: records, secrets, specs, agent incarnations."""

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from supervisor.cli.common import duration, print_json, right_table, size
+from supervisor.cli.common import duration, print_json, size, table
 
 if TYPE_CHECKING:
     from agent.checkpoint.catalog import Entry
@@ -255,4 +255,4 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 "-" if throughput is None else f"{size(throughput)}/s",
             )
         )
-    return right_table(cells[0], cells[1:])
+    return table(cells[0], cells[1:], right=True)

@@ -17,22 +17,16 @@ from supervisor.store import Store
 ENV_STATE_DIR = "RESURGO_STATE_DIR"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell, two spaces apart, trailing blanks trimmed."""
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: bool = False) -> str:
+    """Columns padded to their widest cell, two spaces apart, trailing blanks trimmed;
+    ``right`` aligns right (columns of numbers)."""
     cells = [list(headers), *[list(row) for row in rows]]
     widths = [max(len(line[column]) for line in cells) for column in range(len(headers))]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in cells
-    )
-
-
-def right_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Like :func:`table`, right-aligned (for columns of numbers)."""
-    cells = [list(headers), *[list(row) for row in rows]]
-    widths = [max(len(line[column]) for line in cells) for column in range(len(headers))]
-    return "\n".join(
-        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        "  ".join(
+            cell.rjust(width) if right else cell.ljust(width)
+            for cell, width in zip(line, widths, strict=True)
+        ).rstrip()
         for line in cells
     )
 
