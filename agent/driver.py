@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         "them where the supervisor says after a fault. Written into batch scripts by "
         "`resurgo submit`.",
     )
-    parser.add_argument("--state-dir", required=True, help="the supervisor's state directory")
+    parser.add_argument(
+        "--jobs-dir", required=True, help="the supervisor's jobs directory (holds the secret)"
+    )
     parser.add_argument("--supervisor-url", required=True)
     parser.add_argument("--ckpt-root", required=True)
     parser.add_argument("--procs-per-node", type=int, default=1, help="(informational)")
@@ -115,7 +117,7 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         raise ConfigError("no command after --")
     return DriverSettings(
         job_id=job_id,
-        job_dir=Path(args.state_dir) / "jobs" / job_id,
+        job_dir=Path(args.jobs_dir) / job_id,
         supervisor_url=args.supervisor_url.rstrip("/"),
         ckpt_root=args.ckpt_root,
         command=tuple(command),

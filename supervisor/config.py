@@ -3,8 +3,9 @@
 Sources, later ones winning (:mod:`agent.settings`): a TOML file
 (``--config FILE``; daemon settings at the top level, policy settings in a
 ``[policy]`` table), the environment (``RESURGO_SUPERVISOR_<FIELD>``,
-``RESURGO_POLICY_<FIELD>``; ``RESURGO_STATE_DIR``, which the ``resurgo``
-commands read too, is the state directory's lowest-priority source), then flags (``--state-dir``,
+``RESURGO_POLICY_<FIELD>``; ``RESURGO_STATE_DIR`` and ``RESURGO_JOBS_DIR``,
+which the ``resurgo`` commands read too, are the lowest-priority source of
+those two directories), then flags (``--state-dir``,
 ``--policy-max-drain-share-per-hour``, ...). Durations carry their unit in
 the name.
 
@@ -45,9 +46,11 @@ DEFAULT_PORT = 8740
 class SupervisorConfig:
     """The daemon's settings (the policy is separate: :class:`supervisor.policy.Policy`).
 
-    - ``state_dir``: the store (``resurgo.db``) and one directory per job
-      (``jobs/<id>/``: spec and signing secret). Compute nodes read the
-      job's secret from there, so it must be on a filesystem they share.
+    - ``state_dir``: the store (``resurgo.db``; a local filesystem: SQLite's
+      WAL needs shared memory, which NFS does not give).
+    - ``jobs_dir``: one directory per submitted job (spec and signing secret);
+      compute nodes read the job's secret there, so it must be on a
+      filesystem they share. Default ``<state_dir>/jobs`` (one machine).
     - ``listen_host``/``listen_port``: where the API listens (port 0: any).
     - ``url``: how agents and drivers reach the API (default
       ``http://<hostname>:<port>``).
@@ -68,6 +71,7 @@ class SupervisorConfig:
     """
 
     state_dir: str = DEFAULT_STATE_DIR
+    jobs_dir: str = ""
     listen_host: str = "0.0.0.0"
     listen_port: int = DEFAULT_PORT
     url: str = ""
@@ -98,9 +102,9 @@ class SupervisorConfig:
         return Path(self.state_dir) / "resurgo.db"
 
     @property
-    def jobs_dir(self) -> Path:
-        """One directory per submitted job."""
-        return Path(self.state_dir) / "jobs"
+    def jobs_path(self) -> Path:
+        """Where submitted jobs' directories are (``jobs_dir``, else ``<state_dir>/jobs``)."""
+        return Path(self.jobs_dir) if self.jobs_dir else Path(self.state_dir) / "jobs"
 
     def public_url(self, bound_port: int | None = None) -> str:
         """The URL agents use: ``url``, else this host and the (bound) port."""
@@ -140,7 +144,11 @@ def load_config(
         raise ConfigError(f"[policy] in {args.config} must be a table")
     source = str(args.config)
     # The CLI's RESURGO_STATE_DIR names the same directory: one variable serves both.
-    shared = {"state_dir": env["RESURGO_STATE_DIR"]} if env.get("RESURGO_STATE_DIR") else {}
+    shared = {
+        name: env[variable]
+        for name, variable in (("state_dir", "RESURGO_STATE_DIR"), ("jobs_dir", "RESURGO_JOBS_DIR"))
+        if env.get(variable)
+    }
     config = layered(
         SupervisorConfig,
         owner="supervisor",

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -65,6 +64,7 @@ from supervisor.goodput import Goodput, interval_push, mtbf_estimate
 from supervisor.intents import DRAIN_REASON_PREFIX, Intent
 from supervisor.jobs import JobSpec
 from supervisor.logs import setup_logging
+from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.model import (
     ClusterView,
     JobRecord,
@@ -85,6 +85,7 @@ from supervisor.observations import (
 from supervisor.policy import Decision, Policy, decide
 from supervisor.probation import NodeHistory, release
 from supervisor.reconcile import command_attempt, intent_of
+from supervisor.recovery import drain_limit
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.store import Actor, Store
@@ -162,7 +163,16 @@ class Supervisor:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
         self._load_jobs()
-        runner = await serve(build_app(self), self.config.listen_host, self.config.listen_port)
+        collector = StoreCollector(
+            self.store,
+            cluster_nodes=lambda: self.cluster.size,
+            connected_agents=self.connected_agents,
+            drains_allowed_per_hour=lambda: drain_limit(self.policy, self.cluster.size),
+            clock=self.clock,
+        )
+        registry = build_registry(collector)
+        app = build_app(self, metrics=lambda: exposition(registry))
+        runner = await serve(app, self.config.listen_host, self.config.listen_port)
         self.port = bound_port(runner)
         log.info(
             "supervisor started: %s",
@@ -193,6 +203,17 @@ class Supervisor:
             self.store.flush_leases()
             self.store.close()
 
+    def connected_agents(self) -> int:
+        """Agents of unfinished jobs whose lease is current."""
+        now = self.clock()
+        return sum(
+            1
+            for job_id, job in self.jobs.items()
+            if not job.record.state.terminal
+            for lease in self.store.leases_for(job_id)
+            if now - lease.last_seen_s <= self.config.lease_s
+        )
+
     def request_stop(self) -> None:
         """Ask :meth:`run` to stop (signal handlers call this)."""
         self._stop.set()
@@ -209,7 +230,7 @@ class Supervisor:
         """Rebuild memory from the store: records, secrets, specs, agent incarnations."""
         for row in self.store.list_jobs():
             record = record_from_json(json.dumps(row.record))
-            directory = jobfiles.job_dir(self.config.state_dir, row.job_id)
+            directory = jobfiles.job_dir(self.config.jobs_path, row.job_id)
             try:
                 spec = jobfiles.read_spec(directory)
                 secret = jobfiles.read_secret(directory)
@@ -229,7 +250,7 @@ class Supervisor:
 
     async def register_new_jobs(self, slurm_jobs: dict[int, SlurmJob] | None) -> None:
         """Register every job directory not yet in the store (see :mod:`supervisor.jobs`)."""
-        jobs_dir = self.config.jobs_dir
+        jobs_dir = self.config.jobs_path
         if not jobs_dir.is_dir():
             return
         for directory in sorted(jobs_dir.iterdir()):
@@ -246,7 +267,7 @@ class Supervisor:
                     log.error("job %s not registered: %s", job_id, error)
                     self._bad_job_dirs.add(job_id)
                 continue  # still being written
-            if os.geteuid() == 0 and slurm_jobs is not None:
+            if slurm_jobs is not None:
                 slurm_job = slurm_jobs.get(int(job_id))
                 owner = jobfiles.owner_name(directory)
                 if slurm_job is None:

@@ -1,9 +1,10 @@
 """A submitted job's state directory: its spec and signing secret, and how a job is submitted.
 
-Layout under the supervisor's ``state_dir`` (a filesystem the compute nodes
-share, since the job reads its secret there)::
+Layout under the jobs directory (the supervisor's ``jobs_dir``, by default
+``<state_dir>/jobs``; it must be on a filesystem the compute nodes share,
+since the job reads its secret there, while the store stays on a local disk)::
 
-    jobs/<slurm job id>/          0700, owned by the submitting user
+    <jobs_dir>/<slurm job id>/    0700, owned by the submitting user
         secret                    0600: the job's 256-bit signing key, hex
         spec.json                 0600: what was asked (sizes, command, checkpoints)
 
@@ -11,10 +12,10 @@ Submission (:func:`submit`): ``sbatch --hold`` the in-job driver, write the
 directory for the id sbatch returned, then release the job; so the job never
 runs before its secret exists. If writing fails the held job is cancelled:
 nothing half-registered is left behind. The supervisor registers jobs by
-scanning ``jobs/`` (:func:`read_spec`), so a job submitted while the
-supervisor is down is picked up when it comes back. When the supervisor runs
-as root it checks that the directory's owner is the Slurm job's user: a
-user cannot register a secret for somebody else's job.
+scanning the jobs directory (:func:`read_spec`), so a job submitted while the
+supervisor is down is picked up when it comes back. The supervisor checks that
+the directory's owner is the Slurm job's user before it registers the job:
+a user cannot register a secret for somebody else's job.
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ class JobSpec:
             raise ConfigError(f"job spec is malformed: {error}") from error
 
 
-def job_dir(state_dir: Path | str, job_id: str) -> Path:
-    """The job's directory under ``state_dir``."""
-    return Path(state_dir) / "jobs" / check_name(job_id, "job_id")
+def job_dir(jobs_dir: Path | str, job_id: str) -> Path:
+    """The job's directory in ``jobs_dir``."""
+    return Path(jobs_dir) / check_name(job_id, "job_id")
 
 
 def read_spec(directory: Path) -> JobSpec:
@@ -137,9 +138,9 @@ def owner_name(directory: Path) -> str:
         return str(uid)
 
 
-def write_job_dir(state_dir: Path | str, job_id: str, spec: JobSpec) -> Path:
-    """Create ``jobs/<id>/`` with a fresh secret and the spec; return the directory."""
-    directory = job_dir(state_dir, job_id)
+def write_job_dir(jobs_dir: Path | str, job_id: str, spec: JobSpec) -> Path:
+    """Create ``<jobs_dir>/<id>/`` with a fresh secret and the spec; return the directory."""
+    directory = job_dir(jobs_dir, job_id)
     directory.parent.mkdir(parents=True, exist_ok=True)
     directory.mkdir(mode=0o700)
     write_secret(directory / SECRET_NAME, new_secret())
@@ -151,11 +152,11 @@ def write_job_dir(state_dir: Path | str, job_id: str, spec: JobSpec) -> Path:
     return directory
 
 
-def batch_script(spec: JobSpec, state_dir: Path | str) -> str:
+def batch_script(spec: JobSpec, jobs_dir: Path | str) -> str:
     """The batch script: the in-job driver, which runs ``spec.command`` under the agents."""
     driver = [
         spec.python, "-m", "agent.driver",
-        "--state-dir", str(Path(state_dir).resolve()),
+        "--jobs-dir", str(Path(jobs_dir).resolve()),
         "--supervisor-url", spec.supervisor_url,
         "--ckpt-root", spec.ckpt_root,
         "--procs-per-node", str(spec.procs_per_node),
@@ -181,7 +182,7 @@ def sbatch_options(spec: JobSpec) -> list[str]:
     return [*spec.sbatch_options, *named, *sized, *supervision_options(request)]
 
 
-async def submit(spec: JobSpec, state_dir: Path | str, slurm: SlurmClient) -> str:
+async def submit(spec: JobSpec, jobs_dir: Path | str, slurm: SlurmClient) -> str:
     """Submit ``spec`` held, write its directory, release it; return the Slurm job id.
 
     Raises :class:`SubmitError` with what to do; a job that was submitted but
@@ -191,20 +192,20 @@ async def submit(spec: JobSpec, state_dir: Path | str, slurm: SlurmClient) -> st
         raise SubmitError("no supervisor URL: pass --supervisor-url or set RESURGO_URL")
     spec = JobSpec(**{**asdict(spec), "user": spec.user or _current_user(),
                       "submitted_s": spec.submitted_s or time.time()})  # fmt: skip
-    jobs = Path(state_dir) / "jobs"
+    jobs = Path(jobs_dir)
     try:
         jobs.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise SubmitError(f"cannot create {jobs}: {error}; check --state-dir") from error
+        raise SubmitError(f"cannot create {jobs}: {error}; check --jobs-dir") from error
     with tempfile.NamedTemporaryFile("w", dir=jobs, prefix=".batch-", suffix=".sh") as script:
-        script.write(batch_script(spec, state_dir))
+        script.write(batch_script(spec, jobs_dir))
         script.flush()
         try:
             job_id = await slurm.submit_held(sbatch_options(spec), script.name)
         except SlurmError as error:
             raise SubmitError(f"sbatch refused the job: {error}") from error
     try:
-        write_job_dir(state_dir, str(job_id), spec)
+        write_job_dir(jobs_dir, str(job_id), spec)
     except OSError as error:
         await _cancel_quietly(slurm, job_id)
         raise SubmitError(

@@ -140,7 +140,7 @@ class SupervisorProcess:
         """Submit ``spec`` as `resurgo submit` does; return the Slurm job id."""
         env = {**AGENT_ENV, "SLURM_CONF": str(self.cluster.conf), **(extra_env or {})}
         client = SlurmClient(env=env)
-        return int(asyncio.run(submit(spec, self.state_dir, client)))
+        return int(asyncio.run(submit(spec, self.state_dir / "jobs", client)))
 
 
 def toy_spec(

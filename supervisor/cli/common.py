@@ -15,6 +15,7 @@ from supervisor.errors import StoreError
 from supervisor.store import Store
 
 ENV_STATE_DIR = "RESURGO_STATE_DIR"
+ENV_JOBS_DIR = "RESURGO_JOBS_DIR"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: bool = False) -> str:
@@ -69,6 +70,13 @@ def add_state_dir(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(ENV_STATE_DIR, DEFAULT_STATE_DIR),
         help=f"the supervisor's state directory (default ${ENV_STATE_DIR} or {DEFAULT_STATE_DIR})",
     )
+
+
+def jobs_dir(state_dir: str, explicit: str | None) -> Path:
+    """The jobs directory: ``explicit`` (``--jobs-dir``), ``$RESURGO_JOBS_DIR``, else
+    ``<state_dir>/jobs`` (as the supervisor resolves it)."""
+    chosen = explicit or os.environ.get(ENV_JOBS_DIR)
+    return Path(chosen) if chosen else Path(state_dir) / "jobs"
 
 
 def open_store(state_dir: str) -> Store:

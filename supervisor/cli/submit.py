@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ConfigError
-from supervisor.config import DEFAULT_PORT, DEFAULT_STATE_DIR
+from supervisor.cli.common import ENV_JOBS_DIR, add_state_dir, jobs_dir
+from supervisor.config import DEFAULT_PORT
 from supervisor.jobs import JobSpec, SubmitError, batch_script, sbatch_options, submit
 from supervisor.sbatch import directives_of, parse_request, procs_per_node, training_script
 from supervisor.slurm import SlurmClient
 
 USAGE = "resurgo submit [resurgo options] [sbatch options...] -- COMMAND..."
 ENV_URL = "RESURGO_URL"
-ENV_STATE_DIR = "RESURGO_STATE_DIR"
 ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 
 
@@ -61,10 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(ENV_URL, f"http://localhost:{DEFAULT_PORT}"),
         help=f"the supervisor's URL (default ${ENV_URL} or http://localhost:{DEFAULT_PORT})",
     )
+    add_state_dir(parser)
     parser.add_argument(
-        "--state-dir",
-        default=os.environ.get(ENV_STATE_DIR, DEFAULT_STATE_DIR),
-        help=f"the supervisor's state directory (default ${ENV_STATE_DIR} or {DEFAULT_STATE_DIR})",
+        "--jobs-dir",
+        help=f"the supervisor's jobs directory, shared with the compute nodes "
+        f"(default ${ENV_JOBS_DIR} or STATE_DIR/jobs)",
     )
     return parser
 
@@ -140,14 +141,15 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as error:
         return _fail(str(error), 2)
     if args.dry_run:
-        print(batch_script(spec, args.state_dir), end="")
+        print(batch_script(spec, jobs_dir(args.state_dir, args.jobs_dir)), end="")
         print(f"# sbatch {shlex.join(['--parsable', '--hold', *sbatch_options(spec)])} SCRIPT")
         return 0
     if shutil.which("sbatch") is None:
         return _fail("sbatch is not on PATH: run resurgo submit where Slurm's commands are")
     supervised = _supervisor_answers(spec.supervisor_url)
     try:
-        job_id = asyncio.run(submit(spec, args.state_dir, SlurmClient()))
+        jobs = jobs_dir(args.state_dir, args.jobs_dir)
+        job_id = asyncio.run(submit(spec, jobs, SlurmClient()))
     except SubmitError as error:
         return _fail(str(error))
     print(job_id if args.parsable else f"Submitted batch job {job_id}")

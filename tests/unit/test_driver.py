@@ -173,19 +173,19 @@ def test_an_unreachable_supervisor_after_a_failure_ends_the_job_with_the_steps_s
 
 def test_the_driver_needs_slurm_and_a_command() -> None:
     with pytest.raises(ConfigError, match="SLURM_JOB_ID"):
-        settings_from(["--state-dir", "/s", "--supervisor-url", "u", "--ckpt-root", "/c"], {})
+        settings_from(["--jobs-dir", "/s", "--supervisor-url", "u", "--ckpt-root", "/c"], {})
     with pytest.raises(ConfigError, match="no command"):
         settings_from(
-            ["--state-dir", "/s", "--supervisor-url", "u", "--ckpt-root", "/c"],
+            ["--jobs-dir", "/s", "--supervisor-url", "u", "--ckpt-root", "/c"],
             {"SLURM_JOB_ID": "1"},
         )
     settings = settings_from(
-        ["--state-dir", "/s", "--supervisor-url", "http://h:1/", "--ckpt-root", "/c", "--", "x"],
+        ["--jobs-dir", "/s", "--supervisor-url", "http://h:1/", "--ckpt-root", "/c", "--", "x"],
         {"SLURM_JOB_ID": "12"},
     )
     argv = agent_argv(settings, ("a", "b"), "10.0.0.1", 3, None)
-    assert settings.job_dir == Path("/s/jobs/12")
-    assert argv[argv.index("--secret-file") + 1] == "/s/jobs/12/secret"
+    assert settings.job_dir == Path("/s/12")
+    assert argv[argv.index("--secret-file") + 1] == "/s/12/secret"
     assert argv[argv.index("--supervisor-url") + 1] == "http://h:1"
     assert protocol.DRIVER_PATH == "/v1/driver"
 

@@ -33,6 +33,7 @@ PURE_MODULES = (
     "supervisor/goodput.py",
     "supervisor/probation.py",
     "supervisor/verify.py",
+    "supervisor/sbatch.py",
     "supervisor/store/rows.py",
     "agent/steps.py",
 )

@@ -33,7 +33,7 @@ def spec(**changes: object) -> JobSpec:
 
 
 def test_the_rendered_batch_script_matches_the_golden_file() -> None:
-    rendered = batch_script(spec(), "/srv/resurgo")
+    rendered = batch_script(spec(), "/shared/resurgo/jobs")
     assert rendered == GOLDEN.read_text(), f"rendered script changed:\n{rendered}"
 
 
