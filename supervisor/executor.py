@@ -411,4 +411,6 @@ def _log_transition(intent: Intent, before: str, after: str, detail: str) -> Non
         "action %s job=%s kind=%s: %s -> %s%s",
         intent.action_id, intent.job_id, kind_of(intent), before, after,
         f" ({detail})" if detail else "",
+        extra={"job_id": intent.job_id, "action_id": intent.action_id,
+               "action": kind_of(intent), "from_state": before, "to_state": after},
     )  # fmt: skip

@@ -88,11 +88,15 @@ def grown_size(
     return larger if larger is not None and larger > alone else None
 
 
+def drain_limit(policy: Policy, cluster_size: int) -> int:
+    """Drains the hourly share allows on a cluster of ``cluster_size`` nodes."""
+    # Floor: a share of 10% of 4 nodes allows no drain, not one; the limit is a promise.
+    return math.floor(policy.max_drain_share_per_hour * cluster_size + 1e-9)
+
+
 def drains_allowed(policy: Policy, cluster: ClusterView) -> int:
     """How many more drains the hourly share allows now (never negative)."""
-    # Floor: a share of 10% of 4 nodes allows no drain, not one; the limit is a promise.
-    limit = math.floor(policy.max_drain_share_per_hour * cluster.size + 1e-9)
-    return max(0, limit - cluster.drains_last_hour)
+    return max(0, drain_limit(policy, cluster.size) - cluster.drains_last_hour)
 
 
 def made_progress(record: JobRecord) -> bool:

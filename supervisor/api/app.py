@@ -29,6 +29,7 @@ nodes outside their allocation, which is what protects other users.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import sys
@@ -48,10 +49,12 @@ from supervisor.errors import RequestRefused
 logger = logging.getLogger(__name__)
 
 HEALTH_PATH = "/healthz"
+METRICS_PATH = "/metrics"
 JOB_STATUS_PATH = "/v1/jobs/{job_id}"
 
 # ASCII digits only: int() would also take spaces, underscores and other
 # scripts' digits, letting two header spellings share one canonical string.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REFUSALS = web.AppKey("refusals", RefusalLog)
@@ -64,14 +67,17 @@ def build_app(
     window_s: int = protocol.REPLAY_WINDOW_S,
     max_body_bytes: int = protocol.MAX_BODY_BYTES,
     refusal_log_per_minute: int = 20,
+    metrics: Callable[[], bytes] | None = None,
 ) -> web.Application:
     """The supervisor's HTTP API over ``directory``.
 
     Routes: ``POST /v1/events``, ``POST /v1/heartbeat`` (agents), ``POST /v1/driver``
     (the in-job driver),
-    ``GET /v1/jobs/{job_id}`` (the CLI; signed like the rest) and
-    ``GET /healthz`` (unauthenticated). ``clock`` gives Unix seconds for the
-    replay window and the refusal log's rate limit.
+    ``GET /v1/jobs/{job_id}`` (the CLI; signed like the rest),
+    ``GET /healthz`` and, given ``metrics`` (the exposition text, produced in
+    a worker thread since it reads the store), ``GET /metrics`` for Prometheus
+    (both unauthenticated: they carry no secrets). ``clock`` gives Unix
+    seconds for the replay window and the refusal log's rate limit.
     """
     api = _Api(
         directory,
@@ -87,6 +93,13 @@ def build_app(
     app.router.add_post(protocol.DRIVER_PATH, api.driver)
     app.router.add_get(JOB_STATUS_PATH, api.job_status)
     app.router.add_get(HEALTH_PATH, api.health)
+    if metrics is not None:
+
+        async def scrape(request: web.Request) -> web.Response:
+            body = await asyncio.to_thread(metrics)
+            return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+        app.router.add_get(METRICS_PATH, scrape)
     return app
 
 

@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from supervisor import __version__
-from supervisor.cli import ckpt, events, interval, nodes, report, status, submit
+from supervisor.cli import ckpt, events, interval, nodes, report, status, store, submit
 
-SUBCOMMANDS = (submit, status, events, nodes, report, ckpt, interval)
+SUBCOMMANDS = (submit, status, events, nodes, report, store, ckpt, interval)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ import pytest
 from agent.checkpoint.format import MANIFEST_NAME
 from supervisor.store import ActionState
 from tests.conftest import LiveCluster
+from tests.prometheus_harness import PrometheusProcess, dashboard_expressions
 from tests.supervisor_harness import (
     TORCHRUN,
     TOY,
@@ -30,8 +31,8 @@ from tests.supervisor_harness import (
 pytestmark = pytest.mark.slurm
 
 POLICY = {
-    # Four nodes: one drain per hour needs a share of at least 1/4.
-    "max_drain_share_per_hour": "0.5",
+    # Four nodes: a share of 1/4 allows exactly one drain per hour.
+    "max_drain_share_per_hour": "0.25",
     "backoff_base_s": "2",
     "exit_evidence_window_s": "3",
     "validation_level": "full",
@@ -48,6 +49,17 @@ def supervisor(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[Superviso
     finally:
         process.stop()
         _leave_cluster_clean(slurm_cluster)
+
+
+@pytest.fixture
+def prometheus(supervisor: SupervisorProcess, tmp_path: Path) -> Iterator[PrometheusProcess]:
+    """A real Prometheus scraping the supervisor every second, with Resurgo's alert rules."""
+    process = PrometheusProcess(tmp_path / "prometheus", f"127.0.0.1:{supervisor.port}")
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
 
 
 def _leave_cluster_clean(cluster: LiveCluster) -> None:
@@ -115,7 +127,10 @@ def _start_idle_job(
 
 
 def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nodes(
-    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+    slurm_cluster: LiveCluster,
+    supervisor: SupervisorProcess,
+    prometheus: PrometheusProcess,
+    tmp_path: Path,
 ) -> None:
     # Submitted the way a user does: `resurgo submit` with sbatch options.
     output, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
@@ -183,6 +198,25 @@ def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nod
     assert written.returncode == 0, written.stderr
     png = render_in_chromium(report, tmp_path / "report.png")
     assert png.stat().st_size > 50_000  # a page with two plots, not a blank one
+
+    # Every dashboard panel's expression parses and returns data in Prometheus.
+    time.sleep(3)  # a few scrapes after the end
+    empty = []
+    for title, expr in dashboard_expressions(str(job_id)):
+        answer = prometheus.query(expr)
+        assert answer["status"] == "success", (title, expr, answer)
+        if not answer["data"]["result"]:
+            empty.append((title, expr))
+    assert not empty, f"panels without data: {empty}"
+    firing = prometheus.query('ALERTS{alertname="ResurgoDrainRateLimitReached"}')
+    assert firing["data"]["result"], "one drain of the one allowed per hour: the limit is reached"
+    # An operator returns node3 to service.
+    undrained = supervisor.resurgo("nodes", "undrain", "node3")
+    assert undrained.returncode == 0, undrained.stderr
+    assert "DRAIN" not in slurm_cluster.nodes()["node3"]["state_flags"]
+    with supervisor.store() as store:
+        (drain,) = store.blame_history("node3")
+        assert drain.undrained_by is not None and drain.undrained_by.value == "operator"
 
 
 def test_a_python_exception_at_the_same_step_twice_stops_the_job_as_a_crash_loop(

@@ -132,3 +132,27 @@ def test_the_report_is_one_html_file_with_both_plots_and_the_events(
     assert "drain node3" in page and "attempt 2: 2 nodes, from step 10" in page
     assert "<details><summary>rank 2 stack (3 lines)</summary>" in page
     assert "http://" not in page.split("<svg", 1)[0]  # nothing fetched from elsewhere
+
+
+def test_a_backup_of_the_store_opens_and_holds_the_job(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backup = tmp_path / "backup.db"
+    status, out, _ = run(capsys, "store", "backup", str(backup), "--state-dir", str(state_dir))
+    assert status == 0 and str(backup) in out
+    with Store.open(backup, create=False) as copy:
+        row = copy.get_job(JOB)
+        assert row is not None and row.name == "llm"
+        assert len(copy.decisions_for(JOB)) == 3
+
+
+def test_log_lines_are_json_objects_with_the_decision_fields() -> None:
+    import logging
+
+    from supervisor.logs import JsonFormatter
+
+    record = logging.LogRecord("resurgo", logging.INFO, "f", 1, "job %s: %s", ("7", "x"), None)
+    record.job_id, record.from_state, record.to_state = "7", "running", "recovering"
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "job 7: x" and line["level"] == "info"
+    assert (line["job_id"], line["from_state"], line["to_state"]) == ("7", "running", "recovering")

@@ -1,0 +1,279 @@
+"""The supervisor's Prometheus metrics, read from the store at scrape time.
+
+One explicit :class:`~prometheus_client.CollectorRegistry` holds one
+collector, :class:`StoreCollector`: nothing is counted in the daemon's hot
+paths, every scrape reads the store (the single source of truth, so a
+restarted supervisor reports the same totals). ``docs/operations.md``
+lists every metric with its labels; names and units follow Prometheus
+conventions (``_seconds``, ``_ratio``, ``_total``; ``promtool check metrics``
+runs in the tests).
+
+Per job (label ``job_id``, plus ``name`` on ``resurgo_job_info``): state,
+goodput ratio, productive and badput seconds by cause, restarts by cause,
+time-to-detect and time-to-recover histograms, world size now and original,
+last committed step and checkpoint age, save stall and background write
+seconds of the newest checkpoint, the recommended checkpoint interval.
+Cluster: drains by cause, nodes drained by Resurgo, the per-node MTBF
+estimate, connected agents, and ``resurgo_up`` (the supervisor answers).
+
+Only jobs that are running or ended within ``ended_job_window_s`` are
+exported, so series of long-gone jobs disappear instead of piling up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from supervisor.goodput import Fact, FactKind, account, mtbf_estimate, recommended_interval
+from supervisor.store import Store
+from supervisor.timeline import CHECKPOINT_STATS_KIND, node_faults, timeline_of
+
+STATES = (
+    "submitted", "starting", "running", "recovering", "relaunching", "requeued",
+    "completed", "failed", "cancelled",
+)  # fmt: skip
+TERMINAL = {"completed", "failed", "cancelled"}
+# Detection is seconds; recovery (validation, backoff, srun, checkpoint load) minutes.
+DETECT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RECOVER_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+
+
+def recovery_durations(facts: Iterable[Fact]) -> tuple[list[float], list[float]]:
+    """(time to detect, time to recover) of each recovery in a timeline.
+
+    Detect: the fault (last progress) to the supervisor's detection. Recover:
+    detection to the first training step after the relaunch.
+    """
+    detect, recover = [], []
+    fault_s: float | None = None
+    detected_s: float | None = None
+    resumed = False
+    for fact in sorted(facts, key=lambda f: f.time_s):
+        if fact.kind is FactKind.FAULT:
+            fault_s = fact.time_s
+        elif fact.kind is FactKind.DETECTED:
+            detect.append(fact.time_s - fault_s if fault_s is not None else 0.0)
+            detected_s, fault_s, resumed = fact.time_s, None, False
+        elif fact.kind in (FactKind.RESUMED, FactKind.ALLOCATED) and detected_s is not None:
+            resumed = True
+        elif fact.kind is FactKind.STEP and detected_s is not None and resumed:
+            recover.append(fact.time_s - detected_s)
+            detected_s = None
+    return detect, recover
+
+
+def _histogram(
+    name: str, documentation: str, buckets: tuple[float, ...], samples: dict[str, list[float]]
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=["job_id"])
+    for job_id, values in samples.items():
+        cumulative = [(str(bound), float(sum(v <= bound for v in values))) for bound in buckets]
+        cumulative.append(("+Inf", float(len(values))))
+        family.add_metric([job_id], cumulative, sum_value=sum(values))
+    return family
+
+
+class StoreCollector(Collector):
+    """Everything in the module docstring, computed from the store on each scrape."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        cluster_nodes: Callable[[], int],
+        connected_agents: Callable[[], int],
+        drains_allowed_per_hour: Callable[[], int],
+        clock: Callable[[], float] = time.time,
+        ended_job_window_s: float = 86400.0,
+    ) -> None:
+        self._store = store
+        self._cluster_nodes = cluster_nodes
+        self._connected_agents = connected_agents
+        self._drains_allowed_per_hour = drains_allowed_per_hour
+        self._clock = clock
+        self._ended_job_window_s = ended_job_window_s
+
+    def describe(self) -> list[Metric]:
+        """No description up front: the families depend on the store (see collect)."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the store once and yield every family."""
+        now = self._clock()
+        jobs = [
+            row
+            for row in self._store.list_jobs()
+            if row.state not in TERMINAL or now - row.updated_s <= self._ended_job_window_s
+        ]
+        per_job = self._job_families()
+        detect: dict[str, list[float]] = {}
+        recover: dict[str, list[float]] = {}
+        faults = node_faults(self._store)
+        rows = self._store.list_jobs()
+        span = now - min((row.created_s for row in rows), default=now)
+        cluster = self._cluster_nodes()
+        node_mtbf = mtbf_estimate(faults, span, cluster) if span > 0 and cluster > 0 else None
+        for row in jobs:
+            self._collect_job(row, now, per_job, node_mtbf, detect, recover)
+        yield from per_job.values()
+        yield _histogram("resurgo_job_time_to_detect_seconds",
+                         "Seconds from a fault (last progress) to its detection.",
+                         DETECT_BUCKETS, detect)  # fmt: skip
+        yield _histogram("resurgo_job_time_to_recover_seconds",
+                         "Seconds from a detected fault to the first training step after it.",
+                         RECOVER_BUCKETS, recover)  # fmt: skip
+        yield from self._cluster_families(node_mtbf, now)
+
+    def _job_families(self) -> dict[str, Any]:
+        def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        job = ["job_id"]
+        return {
+            "info": gauge("resurgo_job_info", "A supervised job (value 1), with its name.",
+                          ["job_id", "name"]),
+            "state": gauge("resurgo_job_state", "1 for the job's current state.",
+                           ["job_id", "state"]),
+            "goodput": gauge("resurgo_job_goodput_ratio",
+                             "Productive share of the job's wall time so far.", job),
+            "productive": gauge("resurgo_job_productive_seconds",
+                                "Seconds of training that survive into the run.", job),
+            "badput": gauge("resurgo_job_badput_seconds",
+                            "Seconds lost, by cause.", ["job_id", "cause"]),
+            "restarts": CounterMetricFamily("resurgo_job_restarts",
+                                            "Restarts of the job, by cause.",
+                                            labels=["job_id", "cause"]),
+            "world": gauge("resurgo_job_world_size_nodes", "Nodes the job runs on now.", job),
+            "original": gauge("resurgo_job_original_world_size_nodes",
+                              "Nodes the job was submitted with.", job),
+            "progress": gauge("resurgo_job_step", "The job's latest training step.", job),
+            "ended": gauge("resurgo_job_end_cause",
+                           "1 for an ended job, labelled with why it ended.",
+                           ["job_id", "cause"]),
+            "nondeterministic": CounterMetricFamily(
+                "resurgo_job_nondeterministic_resumes",
+                "Resumes whose replayed steps differed from the run before the fault.",
+                labels=["job_id"]),
+            "step": gauge("resurgo_job_last_committed_step",
+                          "Step of the newest committed checkpoint.", job),
+            "age": gauge("resurgo_job_checkpoint_age_seconds",
+                         "Seconds since the newest checkpoint was committed.", job),
+            "stall": gauge("resurgo_job_save_stall_seconds",
+                           "Seconds the newest save blocked training.", job),
+            "write": gauge("resurgo_job_save_write_seconds",
+                           "Seconds the newest save wrote in the background.", job),
+            "interval": gauge("resurgo_job_recommended_checkpoint_interval_seconds",
+                              "Daly's interval from the cluster MTBF and the save cost.", job),
+        }  # fmt: skip
+
+    def _collect_job(
+        self,
+        row: Any,
+        now: float,
+        families: dict[str, Any],
+        node_mtbf: float | None,
+        detect: dict[str, list[float]],
+        recover: dict[str, list[float]],
+    ) -> None:
+        job_id = row.job_id
+        record = row.record
+        families["info"].add_metric([job_id, row.name], 1.0)
+        for state in STATES:
+            families["state"].add_metric([job_id, state], 1.0 if row.state == state else 0.0)
+        facts = timeline_of(self._store, job_id, now)
+        goodput = account(facts)
+        families["goodput"].add_metric([job_id], goodput.ratio)
+        families["productive"].add_metric([job_id], goodput.productive_s)
+        for kind, seconds in goodput.badput_s.items():
+            families["badput"].add_metric([job_id, kind.value], seconds)
+        for cause, count in record.get("restarts", []):
+            families["restarts"].add_metric([job_id, cause], float(count))
+        progress = self._store.progress_for(job_id)
+        if progress:
+            families["progress"].add_metric([job_id], float(progress[-1].step))
+        if row.state in TERMINAL:
+            decisions = self._store.decisions_for(job_id)
+            cause = decisions[-1].cause if decisions else "unknown"
+            families["ended"].add_metric([job_id, cause], 1.0)
+        diverged = self._store.events_for(job_id, kinds=["nondeterministic_resume"])
+        families["nondeterministic"].add_metric([job_id], float(len(diverged)))
+        nodes = len(record.get("nodes", []))
+        families["world"].add_metric([job_id], float(nodes))
+        families["original"].add_metric([job_id], float(row.original_nodes))
+        checkpoints = self._store.checkpoints_for(job_id)
+        if checkpoints:
+            newest = max(checkpoints, key=lambda c: c.step)
+            families["step"].add_metric([job_id], float(newest.step))
+            families["age"].add_metric([job_id], max(0.0, now - newest.committed_s))
+        stats = self._store.events_for(job_id, kinds=[CHECKPOINT_STATS_KIND])
+        if stats:
+            stall, write = float(stats[-1].payload["stall_s"]), float(stats[-1].payload["write_s"])
+            families["stall"].add_metric([job_id], stall)
+            families["write"].add_metric([job_id], write)
+            if node_mtbf is not None and nodes > 0:
+                interval = recommended_interval(stall, write, node_mtbf / nodes)
+                families["interval"].add_metric([job_id], interval)
+        detected, recovered = recovery_durations(facts)
+        detect[job_id] = detected
+        recover[job_id] = recovered
+
+    def _cluster_families(self, node_mtbf: float | None, now: float) -> Iterator[Metric]:
+        drains = CounterMetricFamily(
+            "resurgo_drains", "Nodes drained by Resurgo, by cause.", labels=["cause"]
+        )
+        counts: dict[str, int] = {}
+        for drain in self._store.drains_since(0):
+            counts[drain.cause] = counts.get(drain.cause, 0) + 1
+        for cause, count in sorted(counts.items()):
+            drains.add_metric([cause], float(count))
+        yield drains
+        yield GaugeMetricFamily(
+            "resurgo_drains_last_hour",
+            "Nodes Resurgo drained in the last hour (the rate limit counts these).",
+            value=float(len(self._store.drains_since(now - 3600.0))),
+        )
+        yield GaugeMetricFamily(
+            "resurgo_drains_allowed_per_hour",
+            "Drains the policy allows per hour (its share of the cluster, rounded down).",
+            value=float(self._drains_allowed_per_hour()),
+        )
+        yield GaugeMetricFamily(
+            "resurgo_drained_nodes",
+            "Nodes Resurgo drained that are not back in service.",
+            value=float(len({d.node for d in self._store.open_drains()})),
+        )
+        if node_mtbf is not None:
+            yield GaugeMetricFamily(
+                "resurgo_node_mtbf_seconds",
+                "Estimated mean time between faults of one node.",
+                value=node_mtbf,
+            )
+        yield GaugeMetricFamily(
+            "resurgo_connected_agents",
+            "Node agents whose lease is current.",
+            value=float(self._connected_agents()),
+        )
+        yield GaugeMetricFamily("resurgo_up", "The supervisor is serving (1).", value=1.0)
+
+
+def build_registry(collector: StoreCollector) -> CollectorRegistry:
+    """An explicit registry with the store collector (and nothing process-global)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The text exposition format of every metric in ``registry``."""
+    return bytes(generate_latest(registry))

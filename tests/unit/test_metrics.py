@@ -1,0 +1,83 @@
+"""The /metrics exposition from a real store: names, values, and `promtool check metrics`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.goodput import Fact, FactKind
+from supervisor.metrics import StoreCollector, build_registry, exposition, recovery_durations
+from supervisor.store import Store
+from tests.unit.test_operator_cli import JOB, state_dir  # noqa: F401 (the fixture)
+
+
+def scrape(state: Path) -> tuple[bytes, dict[str, list[tuple[dict[str, str], float]]]]:
+    with Store.open(state / "resurgo.db") as store:
+        collector = StoreCollector(
+            store,
+            cluster_nodes=lambda: 4,
+            connected_agents=lambda: 2,
+            drains_allowed_per_hour=lambda: 1,
+        )
+        text = exposition(build_registry(collector))
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return text, samples
+
+
+def value(samples: dict, metric: str, **labels: str) -> float:  # type: ignore[type-arg]
+    matching = [
+        v for found, v in samples[metric] if all(found.get(k) == x for k, x in labels.items())
+    ]
+    assert len(matching) == 1, (metric, labels, samples.get(metric))
+    return float(matching[0])
+
+
+def test_every_job_and_cluster_metric_is_exported_from_the_store(state_dir: Path) -> None:  # noqa: F811
+    _, samples = scrape(state_dir)
+    assert value(samples, "resurgo_job_info", job_id=JOB, name="llm") == 1
+    assert value(samples, "resurgo_job_state", job_id=JOB, state="running") == 1
+    assert value(samples, "resurgo_job_state", job_id=JOB, state="failed") == 0
+    assert 0 < value(samples, "resurgo_job_goodput_ratio", job_id=JOB) < 1
+    assert value(samples, "resurgo_job_restarts_total", job_id=JOB, cause="hang") == 1
+    assert value(samples, "resurgo_job_world_size_nodes", job_id=JOB) == 2
+    assert value(samples, "resurgo_job_original_world_size_nodes", job_id=JOB) == 3
+    assert value(samples, "resurgo_job_last_committed_step", job_id=JOB) == 10
+    assert value(samples, "resurgo_job_step", job_id=JOB) == 12
+    assert value(samples, "resurgo_job_checkpoint_age_seconds", job_id=JOB) > 0
+    assert value(samples, "resurgo_job_badput_seconds", job_id=JOB, cause="lost_work") > 0
+    assert value(samples, "resurgo_job_time_to_detect_seconds_count", job_id=JOB) == 1
+    assert value(samples, "resurgo_job_time_to_recover_seconds_count", job_id=JOB) == 1
+    assert value(samples, "resurgo_drains_total", cause="hang") == 1
+    assert value(samples, "resurgo_drained_nodes") == 1
+    assert value(samples, "resurgo_drains_allowed_per_hour") == 1
+    assert value(samples, "resurgo_node_mtbf_seconds") > 0
+    assert value(samples, "resurgo_connected_agents") == 2
+    assert value(samples, "resurgo_up") == 1
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with deploy/setup")
+def test_the_exposition_passes_promtool_check_metrics(state_dir: Path) -> None:  # noqa: F811
+    text, _ = scrape(state_dir)
+    done = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()
+
+
+def test_detection_and_recovery_durations_come_from_the_timeline() -> None:
+    facts = [
+        Fact(10, FactKind.STEP, 5),
+        Fact(12, FactKind.FAULT, cause="hang"),
+        Fact(40, FactKind.DETECTED, cause="hang"),
+        Fact(60, FactKind.RESUMED, 4),
+        Fact(95, FactKind.STEP, 5),
+        Fact(100, FactKind.STEP, 6),
+    ]
+    assert recovery_durations(facts) == ([28.0], [55.0])
