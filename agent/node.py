@@ -381,6 +381,7 @@ class NodeAgent:
             time_unix_s=wall,
             agent_incarnation=self.events.incarnation,
             ranks=self.monitor.rank_statuses(live, wall, self._clocks.monotonic()),
+            attempt=self.config.attempt or None,
         )
         await self.events.heartbeat(report)
         await self._emit_steps()

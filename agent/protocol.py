@@ -170,6 +170,7 @@ class HeartbeatReport:
     time_unix_s: float
     ranks: tuple[RankStatus, ...]
     agent_incarnation: str
+    attempt: int | None = None  # the launch the agent belongs to (given by the in-job driver)
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,7 @@ def encode_heartbeat(report: HeartbeatReport) -> bytes:
         "node": report.node,
         "time_unix_s": report.time_unix_s,
         "agent_incarnation": report.agent_incarnation,
+        **({} if report.attempt is None else {"attempt": report.attempt}),
         "ranks": [
             {
                 "global_rank": rank.global_rank,
@@ -342,12 +344,16 @@ def decode_heartbeat(data: bytes) -> HeartbeatReport:
         raise ProtocolError("heartbeat.ranks lists the same global_rank twice")
     incarnation = _str(document, "agent_incarnation", "heartbeat")
     _check_incarnation(incarnation, "heartbeat.agent_incarnation")
+    attempt = None
+    if document.get("attempt") is not None:
+        attempt = _int(document, "attempt", "heartbeat", minimum=1)
     return HeartbeatReport(
         job_id=_name(document, "job_id", "heartbeat"),
         node=_name(document, "node", "heartbeat"),
         time_unix_s=_float(document, "time_unix_s", "heartbeat"),
         ranks=tuple(ranks),
         agent_incarnation=incarnation,
+        attempt=attempt,
     )
 
 

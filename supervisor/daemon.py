@@ -740,6 +740,8 @@ class Supervisor:
         """Renew the agent's lease; note the job's progress (its slowest rank's step)."""
         job = self.jobs[job_id]
         incarnation = report.agent_incarnation
+        if report.attempt is not None:
+            job.incarnations.setdefault(incarnation, report.attempt)
         if incarnation in job.stopped or not self._current(job, incarnation):
             return
         now = self.clock()
@@ -765,14 +767,16 @@ class Supervisor:
         """
         now = self.clock()
         job = self.jobs[job_id]
-        # An agent not introduced yet (its agent_started is on the way) is a new one.
-        launched = job.incarnations.get(incarnation, job.record.attempt)
+        # Every agent names its attempt (agent_started, heartbeats); one that never
+        # did was started without the driver, and gets every command.
+        launched = job.incarnations.get(incarnation)
         delivered = []
         for command in self.store.pending_commands(job_id, node):
             attempt = command_attempt(command.command_id)
             stale = (
                 command.kind is CommandKind.STOP_RANKS
                 and attempt is not None
+                and launched is not None
                 and launched >= attempt
             )
             if stale:

@@ -106,7 +106,7 @@ def main() -> int:
             "--job-name=demo-train",
             "--ckpt-root", str(out / "ckpt"), "--",
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", str(TOY),
-            "--steps", "24", "--save-every", "4", "--idle-at", "8",
+            "--steps", "24", "--save-every", "4", "--fault", "idle@8:*",
             env=env,
         )  # fmt: skip
         job = submitted.split()[-1]

@@ -117,7 +117,7 @@ def _start_idle_job(
     ckpt = tmp_path / "ckpt"
     spec = toy_spec(
         "toy-recovery", 4, ckpt, output, supervisor.url,
-        "--steps", str(steps), "--save-every", "4", "--idle-at", "8",
+        "--steps", str(steps), "--save-every", "4", "--fault", "idle@8:*",
         min_nodes=2,
     )  # fmt: skip
     job_id = supervisor.submit(spec)
@@ -137,7 +137,7 @@ def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nod
     submitted = supervisor.resurgo(
         "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--comment", "live test",
         "--ckpt-root", str(ckpt), "--parsable", "--",
-        *TORCHRUN, str(TOY), "--steps", "16", "--save-every", "4", "--idle-at", "8",
+        *TORCHRUN, str(TOY), "--steps", "16", "--save-every", "4", "--fault", "idle@8:*",
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     job_id = int(submitted.stdout.strip())
@@ -225,7 +225,7 @@ def test_a_python_exception_at_the_same_step_twice_stops_the_job_as_a_crash_loop
     output = tmp_path / "job.out"
     spec = toy_spec(
         "toy-crash", 2, tmp_path / "ckpt", output, supervisor.url,
-        "--steps", "12", "--save-every", "4", "--raise-at", "6", "--raise-rank", "1",
+        "--steps", "12", "--save-every", "4", "--fault", "exception@6:1!",
     )  # fmt: skip
     job_id = supervisor.submit(spec)
     job = _wait_ended(slurm_cluster, job_id, supervisor, output)

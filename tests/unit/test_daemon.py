@@ -150,9 +150,13 @@ def test_a_stop_for_the_old_launch_never_reaches_the_relaunched_agents(tmp_path:
         stops = supervisor.commands_for(JOB, "node1", old)  # the old agent still calls in
         assert [command.kind for command in stops] == [CommandKind.STOP_RANKS]
         assert supervisor.commands_for(JOB, "node1", old) == []  # once
-        # A node whose old agent is still there gets it.
+        # An agent that named no attempt (started without the driver) gets every command.
         stops = supervisor.commands_for(JOB, "node2", "00000000000000a2")
-        assert [command.kind for command in stops] == []  # unknown agent: taken for a new one
+        assert [command.kind for command in stops] == [CommandKind.STOP_RANKS]
+        # A relaunched agent known only from its heartbeat (its events still on the way).
+        beat = protocol.HeartbeatReport(JOB, "node2", NOW, (), "00000000000000c2", attempt=2)
+        supervisor.accept_heartbeat(JOB, beat)
+        assert supervisor.commands_for(JOB, "node2", "00000000000000c2") == []
         supervisor.accept_events(JOB, [started("node4", "00000000000000a4", 1)])
         stops = supervisor.commands_for(JOB, "node4", "00000000000000a4")
         assert [command.kind for command in stops] == [CommandKind.STOP_RANKS]

@@ -606,3 +606,11 @@ def test_driver_messages_round_trip_and_refuse_what_cannot_be_acted_on() -> None
         )
     with pytest.raises(ProtocolError, match="names its nodes"):
         protocol.encode_driver_answer(protocol.DriverAnswer(protocol.DriverAction.RELAUNCH, 2))
+
+
+def test_a_heartbeat_may_name_its_attempt() -> None:
+    report = HeartbeatReport("4711", "node3", NOW, (), INCARNATION, attempt=3)
+    assert protocol.decode_heartbeat(protocol.encode_heartbeat(report)).attempt == 3
+    without = HeartbeatReport("4711", "node3", NOW, (), INCARNATION)
+    assert b"attempt" not in protocol.encode_heartbeat(without)
+    assert protocol.decode_heartbeat(protocol.encode_heartbeat(without)).attempt is None
