@@ -154,10 +154,31 @@ def _suspicion(s: Suspect) -> tuple[bool, int, bool, float, str, int]:
     )
 
 
-def blame_hang(suspects: tuple[Suspect, ...], lemons: frozenset[str] = frozenset()) -> Blame:
-    """Compare the hung ranks of every node that reported and blame the most suspect one."""
+def blame_hang(
+    suspects: tuple[Suspect, ...],
+    lemons: frozenset[str] = frozenset(),
+    job_nodes: tuple[str, ...] = (),
+) -> Blame:
+    """Compare the hung ranks of every node that reported and blame the most suspect one.
+
+    ``job_nodes`` (the job's nodes): when every reported rank waits inside a
+    collective and exactly one of the job's nodes reported nothing, that node
+    is the one they wait for: a rank that is stopped, or stuck outside any
+    collective, does not look hung to a detector that watches collectives.
+    """
     if not suspects:
         return Blame(None, Cause.HANG, 0.0, ("no hung rank was reported with evidence",))
+    silent = sorted(set(job_nodes) - {s.node for s in suspects})
+    if len(silent) == 1 and all(s.in_collective for s in suspects):
+        waiting = ", ".join(sorted({s.node for s in suspects}))
+        why = (
+            f"every hung rank ({waiting}) waits in a collective and {silent[0]} reported none: "
+            f"its ranks are the ones they wait for"
+        )
+        confidence = CONFIDENCE_HANG_OUTSIDE_COLLECTIVE
+        if silent[0] in lemons:
+            confidence = min(1.0, confidence + LEMON_BONUS)
+        return Blame(silent[0], Cause.HANG, confidence, (why,))
     ranked = sorted(suspects, key=_suspicion)
     top, others = ranked[0], ranked[1:]
     where = f"rank {top.global_rank} on {top.node}"
@@ -229,7 +250,7 @@ def blame(
         return _with_lemon(result, lemons)
     if isinstance(observation, AgentEvent):
         earlier = record.recovery.suspects if record.recovery else ()
-        return blame_hang((*earlier, *suspects_of(observation)), lemons)
+        return blame_hang((*earlier, *suspects_of(observation)), lemons, record.nodes)
     return result
 
 

@@ -368,7 +368,7 @@ def _on_hang(
 
 def _blame_hang(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:
     assert record.recovery is not None
-    verdict = blame_hang(record.recovery.suspects, cluster.lemons)
+    verdict = blame_hang(record.recovery.suspects, cluster.lemons, record.nodes)
     return recovery.start(record, now_s, policy, cluster, verdict)
 
 

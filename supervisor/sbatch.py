@@ -38,6 +38,7 @@ class SbatchRequest:
     sets_nodes: bool
     sets_tasks: bool
     sets_signal: bool
+    sets_open_mode: bool = False
 
 
 def directives_of(script_text: str) -> tuple[str, ...]:
@@ -92,7 +93,7 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
     """Read ``options`` (command line) over ``directives`` (script); ConfigError when refused."""
     nodes: tuple[int, int | None] = (1, None)
     job_name: str | None = None
-    sets_nodes = sets_tasks = sets_signal = False
+    sets_nodes = sets_tasks = sets_signal = sets_open_mode = False
     for name, value in [*_options(directives), *_options(options)]:
         if name in ("-a", "--array"):
             raise ConfigError(
@@ -108,6 +109,8 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
             sets_tasks = True
         elif name == "--signal":
             sets_signal = True
+        elif name == "--open-mode":
+            sets_open_mode = True
     maximum, minimum = nodes
     return SbatchRequest(
         options=tuple(options),
@@ -118,6 +121,7 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
         sets_nodes=sets_nodes,
         sets_tasks=sets_tasks,
         sets_signal=sets_signal,
+        sets_open_mode=sets_open_mode,
     )
 
 
@@ -140,9 +144,13 @@ def _node_range(value: str | None) -> tuple[int, int | None]:
 
 def supervision_options(request: SbatchRequest) -> list[str]:
     """What Resurgo adds: requeue (it must be able to requeue the job), one task per node
-    for the agents unless the user set task counts, and a warning signal before the time
-    limit (``USR1`` to the batch script: the driver stops the ranks gracefully)."""
+    for the agents unless the user set task counts, a warning signal before the time
+    limit (``USR1`` to the batch script: the driver stops the ranks gracefully), and
+    appending to the output files (a requeue would otherwise truncate the log of every
+    attempt before it)."""
     added = ["--requeue"]
+    if not request.sets_open_mode:
+        added.append("--open-mode=append")
     if not request.sets_tasks:
         added.append("--ntasks-per-node=1")
     if not request.sets_signal:

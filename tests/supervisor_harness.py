@@ -47,7 +47,15 @@ def free_port() -> int:
 class SupervisorProcess:
     """``python -m supervisor.daemon`` on a fixed port, its log in ``state_dir/supervisor.log``."""
 
-    def __init__(self, cluster: LiveCluster, state_dir: Path, policy: dict[str, str]) -> None:
+    def __init__(
+        self,
+        cluster: LiveCluster,
+        state_dir: Path,
+        policy: dict[str, str],
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """``extra_env`` reaches the daemon and, through ``resurgo submit``, the job."""
+        self.extra_env = dict(extra_env or {})
         self.cluster = cluster
         self.state_dir = state_dir
         self.port = free_port()
@@ -71,6 +79,7 @@ class SupervisorProcess:
             "RESURGO_SUPERVISOR_LOG_JSON": "no",
             "PYTHONPATH": str(REPO),
             **{f"RESURGO_POLICY_{key.upper()}": value for key, value in self.policy.items()},
+            **self.extra_env,
         }
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
@@ -123,6 +132,7 @@ class SupervisorProcess:
             **AGENT_ENV,
             "RESURGO_STATE_DIR": str(self.state_dir),
             "RESURGO_URL": self.url,
+            **self.extra_env,
         }
 
     def resurgo(self, *args: str) -> subprocess.CompletedProcess[str]:

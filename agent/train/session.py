@@ -275,6 +275,8 @@ class TrainingSession:
             self._sampler.advance()
         if self._reports_steps:
             self._heartbeat.report_step(self.step, loss, cursor)
+        else:
+            self._heartbeat.beat(self.step)  # every rank's progress feeds hang detection
         self._schedule.set_interval(self._interval.current())
         if not due_on_all_ranks(self._schedule, self.step, self._clock(), rank=self.rank):
             return None

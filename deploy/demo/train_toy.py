@@ -120,7 +120,8 @@ class Faults:
                 continue
             self._markers.mkdir(parents=True, exist_ok=True)
             marker.touch()
-            print(f"toy: injecting {fault.kind} at step {step}", flush=True)
+            node = os.environ.get("SLURMD_NODENAME", "?")
+            print(f"toy: injecting {fault.kind} at step {step} on {node}", flush=True)
             if fault.kind == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "hang":

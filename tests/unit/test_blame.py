@@ -214,3 +214,22 @@ def test_probation_returns_a_single_offender_and_keeps_lemons_out(
     assert ("n7" in lemons((history,), now, Policy())) is (
         len([b for b in blames if now - b <= 7 * NODE_DAY]) >= 2
     )
+
+
+def test_the_one_node_that_reports_no_hang_while_all_others_wait_in_a_collective_is_blamed():
+    # A SIGSTOPped or busy rank outside any collective looks hung to no detector;
+    # everybody else waits for it inside the collective.
+    waiting = (
+        s("n1", 0, None, True, 5.0),
+        s("n2", 1, None, True, 5.0),
+        s("n4", 3, None, True, 5.0),
+    )
+    verdict = blame_hang(waiting, job_nodes=("n1", "n2", "n3", "n4"))
+    assert verdict.node == "n3" and verdict.confidence == CONFIDENCE_HANG_OUTSIDE_COLLECTIVE
+    assert "n3 reported none" in verdict.evidence[0]
+    # Two silent nodes: no way to tell which.
+    verdict = blame_hang(waiting[:2], job_nodes=("n1", "n2", "n3", "n4"))
+    assert verdict.node != "n3" or verdict.confidence < CONFIDENCE_HANG_OUTSIDE_COLLECTIVE
+    # A reported rank outside the collective is evidence enough: the usual comparison.
+    mixed = (*waiting[:2], s("n4", 3, None, False, 5.0))
+    assert blame_hang(mixed, job_nodes=("n1", "n2", "n3", "n4")).node == "n4"

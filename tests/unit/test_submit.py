@@ -62,13 +62,15 @@ def test_options_pass_through_verbatim_with_resurgos_additions_after_them() -> N
     assert argv[len(user) :] == [
         "--job-name=llm",
         "--requeue",
+        "--open-mode=append",
         "--ntasks-per-node=1",
         "--signal=B:USR1@180",
     ]
 
 
 def test_the_users_own_name_tasks_and_signal_are_kept() -> None:
-    user = ("-J", "mine", "--ntasks-per-node=8", "--signal=B:USR2@60", "--nodes=2")
+    user = ("-J", "mine", "--ntasks-per-node=8", "--signal=B:USR2@60", "--nodes=2",
+            "--open-mode=truncate")  # fmt: skip
     argv = sbatch_options(spec(sbatch_options=user, directives=()))
     assert argv == [*user, "--requeue"]
 
@@ -118,7 +120,8 @@ def test_dry_run_prints_the_script_and_the_sbatch_command(
     assert status == 0
     assert out.startswith("#!/bin/bash\n")
     assert "-m agent.driver" in out
-    assert "# sbatch --parsable --hold -N 2 --comment 'a b' --job-name=train --requeue" in out
+    assert "# sbatch --parsable --hold -N 2 --comment 'a b' --job-name=train --requeue " in out
+    assert "--open-mode=append" in out
     assert not (tmp_path / "state").exists()  # nothing submitted, nothing written
 
 

@@ -1,0 +1,291 @@
+"""The fault matrix, end to end, on the live 4-node cluster.
+
+Each test runs ``resurgo-supervisor``, submits the demo trainer with
+``resurgo submit``, injects one kind of fault, and checks the outcome: the
+right node drained (or none), the resume from the newest valid checkpoint,
+the final step reached, and against an unfaulted reference run of the same
+job, the exact global sample of every step (every resume) and bitwise-equal
+final parameters (same-size resumes). Already covered elsewhere, on the same
+cluster: a corrupted newest checkpoint, the crash loop and the supervisor
+SIGKILLed during a recovery (tests/integration/test_recovery_live.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CLUSTER_SCRIPT, LiveCluster
+from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
+
+pytestmark = pytest.mark.slurm
+
+POLICY = {
+    "max_drain_share_per_hour": "0.5",  # two drains per hour on 4 nodes
+    "backoff_base_s": "2",
+    "exit_evidence_window_s": "3",
+    "hang_evidence_window_s": "8",
+    "validation_level": "full",
+}
+DAEMON = {"RESURGO_SUPERVISOR_LEASE_S": "8"}
+# Agents: quick reports, short hang floors so a hang is declared within seconds.
+AGENTS = {
+    "RESURGO_AGENT_HANG_FLOOR_S": "8",
+    "RESURGO_AGENT_STACK_SAMPLE_S": "1",
+    "RESURGO_AGENT_STACK_TIMEOUT_S": "8",
+    "RESURGO_AGENT_STOP_GRACE_S": "3",
+}
+STEPS = 16
+ENDED = {"COMPLETED", "FAILED", "CANCELLED"}
+
+
+@dataclass
+class Run:
+    job_id: int
+    output: Path
+    ckpt: Path
+    record: Path
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace") if self.output.exists() else ""
+
+    def steps(self) -> dict[int, dict]:  # type: ignore[type-arg]
+        """Step -> the last record of it (a replayed step's newest run)."""
+        found: dict[int, dict] = {}  # type: ignore[type-arg]
+        for line in (self.record / "steps.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            found[entry["step"]] = entry
+        return found
+
+    def final(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = torch.load(self.record / "final.pt")
+        return state
+
+    def faulted_nodes(self) -> list[str]:
+        return re.findall(r"toy: injecting \w+ at step \d+ on (node\d)", self.text())
+
+
+def submit(supervisor: SupervisorProcess, where: Path, *toy_args: str, nodes: int = 4) -> Run:
+    run = Run(0, where / "job.out", where / "ckpt", where / "record")
+    done = supervisor.resurgo(
+        "submit", "-N", str(nodes), "--min-nodes", "2", f"--output={run.output}",
+        "--ckpt-root", str(run.ckpt), "--parsable", "--",
+        *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
+        "--record", str(run.record), *toy_args,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    run.job_id = int(done.stdout.strip())
+    return run
+
+
+def finish(cluster: LiveCluster, supervisor: SupervisorProcess, run: Run) -> dict:  # type: ignore[type-arg]
+    """Wait until Slurm ended the job and the supervisor recorded it; return Slurm's record."""
+    try:
+        job = cluster.wait_job_state(run.job_id, ENDED, timeout_s=300)
+        cluster.wait_for(
+            "the supervisor to record the end",
+            lambda: (
+                supervisor_state(supervisor, run.job_id) in ("completed", "failed", "cancelled")
+            ),
+            timeout_s=30,
+        )
+    except AssertionError as error:
+        raise AssertionError(
+            f"{error}\n--- job ---\n{run.text()[-4000:]}\n--- supervisor ---\n"
+            f"{supervisor.log()[-6000:]}"
+        ) from None
+    return job
+
+
+def supervisor_state(supervisor: SupervisorProcess, job_id: int) -> str | None:
+    with supervisor.store() as store:
+        row = store.get_job(str(job_id))
+        return None if row is None else row.state
+
+
+def drained(supervisor: SupervisorProcess, job_id: int) -> list[tuple[str, str]]:
+    with supervisor.store() as store:
+        return [(d.node, d.cause) for d in store.drains_since(0) if d.job_id == str(job_id)]
+
+
+def attempts(supervisor: SupervisorProcess, job_id: int) -> list:  # type: ignore[type-arg]
+    with supervisor.store() as store:
+        return list(store.attempts_for(str(job_id)))
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster: LiveCluster, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The same job without faults, on 4 nodes: the samples and parameters to match."""
+    where = tmp_path_factory.mktemp("reference")
+    supervisor = SupervisorProcess(slurm_cluster, where / "state", POLICY)
+    supervisor.start()
+    try:
+        run = submit(supervisor, where)
+        job = finish(slurm_cluster, supervisor, run)
+        assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    finally:
+        supervisor.stop()
+    return run
+
+
+@pytest.fixture
+def supervisor(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[SupervisorProcess]:
+    process = SupervisorProcess(slurm_cluster, tmp_path / "state", POLICY, AGENTS | DAEMON)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+        restore_cluster(slurm_cluster)
+
+
+def restore_cluster(cluster: LiveCluster) -> None:
+    """Cancel leftovers, bring killed nodes back, undo drains: the next test gets 4 nodes."""
+    for job in cluster.json(["squeue", "--json"]).get("jobs", []):
+        if job["job_state"] not in ENDED:
+            cluster.run(["scancel", str(job["job_id"])])
+    for name, node in cluster.nodes().items():
+        flags = node.get("state_flags", [])
+        if node["state"] != "idle" or "DRAIN" in flags or "NOT_RESPONDING" in flags:
+            subprocess.run(
+                [str(CLUSTER_SCRIPT), "start-node", name],
+                env=cluster.env, capture_output=True, timeout=120, check=False,
+            )  # fmt: skip
+
+
+def assert_same_samples(run: Run, reference: Run) -> None:
+    """Every step trained on exactly the reference's global samples, whatever the world size."""
+    got, want = run.steps(), reference.steps()
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert sorted(got[step]["samples"]) == sorted(want[step]["samples"]), f"step {step}"
+
+
+def assert_resumed_from(supervisor: SupervisorProcess, run: Run, step: int) -> None:
+    last = attempts(supervisor, run.job_id)[-1]
+    assert last.resumed_from == str(run.ckpt / f"step-{step}"), last
+
+
+def test_a_sigkilled_rank_drains_its_node_and_the_job_resumes_on_three(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--fault", "sigkill@6:2")
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    (victim,) = run.faulted_nodes()
+    assert drained(supervisor, run.job_id) == [(victim, "rank_signal")]
+    assert_resumed_from(supervisor, run, 4)
+    assert victim not in attempts(supervisor, run.job_id)[-1].nodes
+    assert run.steps()[STEPS]["world"] == 3
+    assert_same_samples(run, reference)
+
+
+def test_an_instrumented_hang_is_blamed_on_the_stopped_ranks_node(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--fault", "hang@6:2")
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    (victim,) = run.faulted_nodes()
+    assert drained(supervisor, run.job_id) == [(victim, "hang")]
+    assert_resumed_from(supervisor, run, 4)
+    assert_same_samples(run, reference)
+
+
+def test_an_uninstrumented_hang_is_found_from_stacks(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--no-heartbeat", "--fault", "hang@6:2")
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    (victim,) = run.faulted_nodes()
+    assert drained(supervisor, run.job_id) == [(victim, "hang")]
+    with supervisor.store() as store:
+        hangs = store.events_for(str(run.job_id), kinds=["hang"])
+        assert any(h["detector"] == "stack" for e in hangs for h in e.payload["hung"])
+    assert_same_samples(run, reference)
+
+
+def test_a_lost_node_is_excluded_and_the_job_resumes_without_it(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--fault", "idle@6:*")
+    slurm_cluster.wait_for("step 6", lambda: "injecting idle at step 6" in run.text(), 180)
+    subprocess.run([str(CLUSTER_SCRIPT), "kill-node", "node3"], env=slurm_cluster.env, check=True)
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    last = attempts(supervisor, run.job_id)[-1]
+    assert "node3" not in last.nodes and len(last.nodes) == 3
+    assert last.resumed_from == str(run.ckpt / "step-4")
+    node3 = slurm_cluster.nodes()["node3"]
+    # Slurm takes a dead node out by itself (DOWN); Resurgo drains it when Slurm has not.
+    assert node3["state"] == "down" or "DRAIN" in node3["state_flags"], node3
+    assert_same_samples(run, reference)
+
+
+def test_a_lost_batch_host_requeues_the_job_without_it(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--fault", "idle@6:*")
+    slurm_cluster.wait_for("step 6", lambda: "injecting idle at step 6" in run.text(), 180)
+    subprocess.run([str(CLUSTER_SCRIPT), "kill-node", "node1"], env=slurm_cluster.env, check=True)
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    assert job["restart_cnt"] >= 1  # requeued: the batch script ran again
+    last = attempts(supervisor, run.job_id)[-1]
+    assert "node1" not in last.nodes
+    assert last.resumed_from == str(run.ckpt / "step-4")
+    assert_same_samples(run, reference)
+
+
+def test_a_python_exception_once_is_retried_on_the_same_nodes_bitwise(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--fault", "exception@6:1")
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    assert drained(supervisor, run.job_id) == []
+    assert len(attempts(supervisor, run.job_id)) == 2
+    assert_resumed_from(supervisor, run, 4)
+    assert run.steps()[STEPS]["world"] == 4
+    assert_same_samples(run, reference)
+    final, expected = run.final(), reference.final()
+    assert final.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
+    with supervisor.store() as store:
+        checks = store.events_for(str(run.job_id), kinds=["resume_verification"])
+        assert [c.payload["verified"] for c in checks] == [True], checks
+
+
+def test_two_faults_in_a_row_shrink_the_job_twice(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--fault", "sigkill@6:1", "--fault", "sigkill@10:2")
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    victims = run.faulted_nodes()
+    assert len(victims) == 2
+    assert sorted(drained(supervisor, run.job_id)) == sorted((v, "rank_signal") for v in victims)
+    sizes = [len(a.nodes) for a in attempts(supervisor, run.job_id)]
+    assert sizes == [4, 3, 2]
+    assert_resumed_from(supervisor, run, 8)
+    assert run.steps()[STEPS]["world"] == 2
+    assert_same_samples(run, reference)
+
+
+def test_the_demo_trainer_resumes_fsdp2_state_across_a_resize(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--model", "fsdp", "--fault", "sigkill@6:3")
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    assert "starting at step 4 from" in run.text()
+    assert run.steps()[STEPS]["world"] == 3  # sharded model and optimizer loaded on 3 ranks
