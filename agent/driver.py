@@ -8,12 +8,16 @@
 2. runs one node agent per node with ``srun`` (explicit counts and node list
    from the current allocation: inherited counts are wrong after a resize),
    each agent launching the user's command (usually torchrun);
-3. when that step fails, asks again (phase ``ended``) and, told so, starts a
+3. while the step runs, asks every few seconds whether the supervisor moved
+   on (phase ``running``): a step with a task on a dead node never ends by
+   itself, so when a relaunch of a later attempt (or a stop) is ordered, the
+   driver ends the step (SIGTERM, then SIGKILL);
+4. when a step fails, asks again (phase ``ended``) and, told so, starts a
    new step on the nodes the supervisor names, with ``RESURGO_RESUME_FROM``
    set through the agent, and confirms the relaunch (phase ``relaunched``);
-4. exits 0 when a step succeeds, and exits 1 with the supervisor's reason
+5. exits 0 when a step succeeds, and exits 1 with the supervisor's reason
    when told to stop;
-5. on Slurm's warning before the time limit (``USR1``, requested by
+6. on Slurm's warning before the time limit (``USR1``, requested by
    ``resurgo submit``) stops the ranks gracefully and lets the limit end the
    job, which the supervisor requeues without blame.
 
@@ -72,6 +76,8 @@ class DriverSettings:
     start_wait_s: float = 60.0
     request_timeout_s: float = 10.0
     start_check_s: float = START_CHECK_S
+    watch_s: float = 2.0
+    kill_grace_s: float = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,7 +242,10 @@ class Driver:
                         return 1
                     answer = asked
                     continue
-                returncode = await self._launch(answer)
+                returncode, told = await self._launch(answer)
+                if told is not None:
+                    answer = told  # the supervisor moved on while the step still ran
+                    continue
                 if returncode == 0:
                     log.info("step finished successfully")
                     return 0
@@ -262,7 +271,44 @@ class Driver:
                 answer = asked
         return 143
 
-    async def _launch(self, answer: DriverAnswer) -> int:
+    async def _launch(self, answer: DriverAnswer) -> tuple[int, DriverAnswer | None]:
+        """Run one step to its end; or, when the supervisor moves on while it runs (a
+        relaunch of a later attempt, a stop), end it and return what it said."""
+        returncode = await self._start(answer)
+        if returncode is not None:
+            return returncode, None
+        assert self._step is not None
+        ended = asyncio.ensure_future(self._step.wait())
+        while True:
+            done, _ = await asyncio.wait({ended}, timeout=self.settings.watch_s)
+            if done:
+                return ended.result(), None
+            told = await self._ask(
+                DriverRequest(self.settings.job_id, DriverPhase.RUNNING, attempt=answer.attempt),
+                wait_s=0.0,
+            )
+            moved_on = told is not None and (
+                told.action is DriverAction.STOP
+                or (told.action is DriverAction.RELAUNCH and told.attempt > answer.attempt)
+            )
+            if moved_on and told is not None:
+                log.warning("the supervisor moved on (%s): ending the step", told.reason)
+                return await self._end_step(ended), told
+
+    async def _end_step(self, ended: asyncio.Future[int]) -> int:
+        """SIGTERM the srun step, SIGKILL it after the grace (a dead node's task never ends)."""
+        assert self._step is not None
+        with contextlib.suppress(ProcessLookupError):
+            self._step.terminate()
+        try:
+            return await asyncio.wait_for(asyncio.shield(ended), self.settings.kill_grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self._step.kill()
+            return await ended
+
+    async def _start(self, answer: DriverAnswer) -> int | None:
+        """Start the step; its exit status when it ended at once, else None (running)."""
         nodes = answer.nodes or await current_nodes(self._environ)
         master = await node_address(nodes[0], self._environ)
         argv = agent_argv(self.settings, nodes, master, answer.attempt, answer.resume_from)
@@ -289,7 +335,7 @@ class Driver:
                     answer, returncode == 0, f"step ended with {returncode} at once"
                 )
                 return returncode
-        return await self._step.wait()
+        return None
 
     async def _confirm(self, answer: DriverAnswer, ok: bool, reason: str) -> None:
         if answer.action is not DriverAction.RELAUNCH:

@@ -406,6 +406,7 @@ class DriverPhase(enum.Enum):
 
     START = "start"  # the batch script (re)started: how to launch?
     ENDED = "ended"  # the agents' srun step ended with a failure: what now?
+    RUNNING = "running"  # the step of ``attempt`` still runs: has the supervisor moved on?
     RELAUNCHED = "relaunched"  # the outcome of starting a relaunch the supervisor ordered
 
 

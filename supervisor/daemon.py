@@ -61,7 +61,7 @@ from supervisor.config import SupervisorConfig, describe, load_config
 from supervisor.errors import SlurmError, StoreError
 from supervisor.executor import ALERT_KIND, Executor, Validator
 from supervisor.goodput import Goodput, interval_push, mtbf_estimate
-from supervisor.intents import DRAIN_REASON_PREFIX, Intent
+from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RelaunchStep
 from supervisor.jobs import JobSpec
 from supervisor.logs import setup_logging
 from supervisor.metrics import StoreCollector, build_registry, exposition
@@ -826,6 +826,11 @@ class Supervisor:
             return DriverAnswer(
                 DriverAction.STOP, record.attempt, reason=record.final_reason or record.state.value
             )
+        if request.phase is DriverPhase.RUNNING:
+            pending = self.executor.pending_relaunch(job_id)
+            if pending is not None and pending.attempt > (request.attempt or 0):
+                return _relaunch_answer(pending)
+            return DriverAnswer(DriverAction.WAIT, record.attempt, reason="carry on")
         if request.phase is DriverPhase.ENDED:
             self.store.record_observation(
                 job_id,
@@ -835,14 +840,7 @@ class Supervisor:
             )
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
-            return DriverAnswer(
-                DriverAction.RELAUNCH,
-                pending.attempt,
-                nodes=pending.nodes,
-                resume_from=pending.resume_from,
-                action_id=pending.action_id,
-                reason=f"relaunch on {len(pending.nodes)} node(s)",
-            )
+            return _relaunch_answer(pending)
         if request.phase is DriverPhase.START:
             recovery = record.recovery
             if recovery is not None and not recovery.validated:
@@ -862,6 +860,17 @@ class Supervisor:
             reason=f"job is {record.state.value}",
             retry_after_s=DRIVER_RETRY_S,
         )
+
+
+def _relaunch_answer(pending: RelaunchStep) -> DriverAnswer:
+    return DriverAnswer(
+        DriverAction.RELAUNCH,
+        pending.attempt,
+        nodes=pending.nodes,
+        resume_from=pending.resume_from,
+        action_id=pending.action_id,
+        reason=f"relaunch on {len(pending.nodes)} node(s)",
+    )
 
 
 class _Reconcile:

@@ -201,4 +201,28 @@ def test_before_the_time_limit_the_ranks_are_stopped_and_no_fault_is_reported(
         signals=[(1.5, signal.SIGUSR1), (1.0, signal.SIGTERM)],
     )
     assert status == 143  # srun ended by the graceful stop; the limit (here SIGTERM) ended it
-    assert [r.phase for r in directory.driver_requests(JOB)] == [DriverPhase.START]
+    phases = [r.phase for r in directory.driver_requests(JOB)]
+    assert DriverPhase.ENDED not in phases  # no fault was reported
+
+
+def test_a_step_the_supervisor_gave_up_on_is_ended_and_relaunched(tmp_path: Path) -> None:
+    # A task on a dead node never ends: the step runs on until the driver ends it.
+    relaunch = DriverAnswer(
+        DriverAction.RELAUNCH, 2, ("node1", "node2"), "/ckpt/step-4", "4711/2/relaunch/2"
+    )
+    status, directory = drive(
+        tmp_path,
+        [0, 0],
+        [DriverAnswer(DriverAction.LAUNCH, 1), relaunch],
+        environ={"FAKE_RUN_S": "4"},
+        watch_s=0.2,
+        start_check_s=0.0,
+        kill_grace_s=2.0,
+    )
+    assert status == 0  # the relaunched step succeeded
+    calls = srun_calls(tmp_path)
+    assert len(calls) == 2 and "--nodelist=node1,node2" in calls[1]
+    phases = [r.phase for r in directory.driver_requests(JOB)]
+    assert phases[:2] == [DriverPhase.START, DriverPhase.RUNNING]
+    assert DriverPhase.RELAUNCHED in phases
+    assert DriverPhase.ENDED not in phases  # it was told, it did not have to ask
