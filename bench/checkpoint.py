@@ -135,8 +135,9 @@ def _flat_tensors(tree: Any) -> list[torch.Tensor]:
     return []
 
 
-def _rank_main(rank: int, world: int, port: int, layers: int, saves: int, work: str,
-               results: Any) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, layers: int, saves: int, work: str, results: Any
+) -> None:
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -152,8 +153,11 @@ def _rank_main(rank: int, world: int, port: int, layers: int, saves: int, work: 
     async_stalls, write_times = [], []
     for step in range(saves):
         outcome: dict[str, Any] = {}
-        stall = _timed(lambda s=step, o=outcome: o.update(
-            result=checkpointer.save(s, _state(model, optimizer), CONTENTS)))
+        stall = _timed(
+            lambda s=step, o=outcome: o.update(
+                result=checkpointer.save(s, _state(model, optimizer), CONTENTS)
+            )
+        )
         assert outcome["result"].mode is SaveMode.ASYNC, outcome["result"]
         checkpointer.wait()
         async_stalls.append(stall)
@@ -165,8 +169,9 @@ def _rank_main(rank: int, world: int, port: int, layers: int, saves: int, work: 
     sync_times = []
     for step in range(saves):
         target = root / "sync" / fmt.step_dir_name(step)
-        sync_times.append(_timed(lambda t=target: dcp.save(_state(model, optimizer),
-                                                           checkpoint_id=t)))
+        sync_times.append(
+            _timed(lambda t=target: dcp.save(_state(model, optimizer), checkpoint_id=t))
+        )
         _remove(target)
 
     naive_times = []
@@ -244,8 +249,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--saves", type=int, default=4, help="saves per method (median)")
     parser.add_argument("--reads", type=int, default=3, help="timed reads per method (median)")
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
-                        help="parent of the scratch directory (removed afterwards)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="parent of the scratch directory (removed afterwards)",
+    )
     args = parser.parse_args()
     per_rank = args.gib * (1 << 30) / args.ranks
     layers = max(1, round(per_rank / BYTES_PER_LAYER_WITH_ADAM + 0.499))
@@ -254,8 +263,12 @@ def main() -> None:
     try:
         with mp.Manager() as manager:
             results = manager.dict()
-            mp.spawn(_rank_main, nprocs=args.ranks, join=True,
-                     args=(args.ranks, _free_port(), layers, args.saves, str(work), results))
+            mp.spawn(
+                _rank_main,
+                nprocs=args.ranks,
+                join=True,
+                args=(args.ranks, _free_port(), layers, args.saves, str(work), results),
+            )
             measured = dict(results)
         validation = _validation(Path(measured["last_checkpoint"]), args.reads)
     finally:
@@ -265,8 +278,10 @@ def main() -> None:
     save_sync = statistics.median(measured["sync_times"])
     stall_naive = statistics.median(measured["naive_times"])
     _say(f"state {measured['state_bytes'] / 2**30:.2f} GiB")
-    _say(f"async stall per save (s): {[round(s, 3) for s in measured['async_stalls']]}"
-         f"  (background write {[round(s, 2) for s in measured['write_times']]})")
+    _say(
+        f"async stall per save (s): {[round(s, 3) for s in measured['async_stalls']]}"
+        f"  (background write {[round(s, 2) for s in measured['write_times']]})"
+    )
     _say(f"sync dcp.save (s):        {[round(s, 3) for s in measured['sync_times']]}")
     _say(f"naive gather+torch.save:  {[round(s, 3) for s in measured['naive_times']]}")
     summary: dict[str, Any] = {
@@ -282,20 +297,29 @@ def main() -> None:
     }
     if "seconds" in validation:
         seconds, size = validation["seconds"], validation["bytes"]
-        _say(f"validation over {size / 1e9:.2f} GB, median s: "
-             f"{ {name: round(value, 3) for name, value in seconds.items()} }; "
-             f"page cache {'dropped' if validation['dropped'] else 'WARM (could not drop)'}")
+        _say(
+            f"validation over {size / 1e9:.2f} GB, median s: "
+            f"{ {name: round(value, 3) for name, value in seconds.items()} }; "
+            f"page cache {'dropped' if validation['dropped'] else 'WARM (could not drop)'}"
+        )
         summary.update(
-            {f"validate_{level}_gbps": size / seconds[level] / 1e9
-             for level in ("quick", "full", "load")},
+            {
+                f"validate_{level}_gbps": size / seconds[level] / 1e9
+                for level in ("quick", "full", "load")
+            },
             raw_read_gbps=size / seconds["raw"] / 1e9,
             full_vs_raw=seconds["raw"] / seconds["full"],
             cache="dropped" if validation["dropped"] else "warm",
         )
     else:
         _say(f"VALIDATION NOT MEASURED: {validation['validate']}")
-        summary.update(validate_quick_gbps=None, validate_full_gbps=None,
-                       validate_load_gbps=None, raw_read_gbps=None, cache=None)
+        summary.update(
+            validate_quick_gbps=None,
+            validate_full_gbps=None,
+            validate_load_gbps=None,
+            raw_read_gbps=None,
+            cache=None,
+        )
     print(json.dumps(summary), flush=True)
 
 

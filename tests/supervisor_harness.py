@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import shutil
 import signal
@@ -29,12 +28,7 @@ AGENT_ENV = {
     "PYTHONPATH": str(REPO),
 }
 TOY = REPO / "deploy" / "demo" / "train_toy.py"
-# The demo's process finder (deploy/demo is scripts, not a package).
-_DEMO = importlib.util.spec_from_file_location("fault_demo", REPO / "deploy/demo/fault_demo.py")
-assert _DEMO is not None and _DEMO.loader is not None
-fault_demo = importlib.util.module_from_spec(_DEMO)
-_DEMO.loader.exec_module(fault_demo)
-rank_pids = fault_demo.rank_pids
+
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1")
 
 
@@ -166,6 +160,28 @@ def toy_spec(
         sbatch_options=(f"--output={output}",),
         min_nodes=kw.get("min_nodes"),
     )
+
+
+def rank_pids(node: str, marker: str = "train_toy.py") -> list[int]:
+    """Pids of training ranks (not their shims or torchrun) running as Slurm node ``node``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not any(part.endswith(marker.encode()) for part in cmdline):
+            continue
+        if b"agent.rankexec" in cmdline or b"torch.distributed.run" in cmdline:
+            continue
+        if f"SLURMD_NODENAME={node}".encode() in environ and any(
+            item.startswith(b"RANK=") for item in environ
+        ):
+            found.append(int(entry.name))
+    return found
 
 
 def kill_rank_on(node: str) -> int:

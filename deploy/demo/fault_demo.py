@@ -1,18 +1,21 @@
-"""The fault demo: a supervised 4-node training job loses a rank on node3 and recovers.
+"""The fault demo: a supervised 4-node FSDP2 training job survives two faults unattended.
 
 Run by ``deploy/demo/fault`` on the local cluster (already up). It starts
-``resurgo-supervisor`` with its state under OUT/state, submits the toy
-training job with ``resurgo submit``, SIGKILLs a training rank on node3 once
-the job idles at step 8, and waits while the supervisor drains node3 and
-relaunches the job on the three other nodes from the newest valid
-checkpoint. Then it prints ``resurgo status`` and ``resurgo events``, writes
-OUT/report.html, returns node3 to service and stops the supervisor.
+``resurgo-supervisor`` (state under OUT/state) and Prometheus scraping it,
+submits the demo trainer with ``resurgo submit``, and lets the trainer's
+fault injection strike: a rank SIGKILLed after step 6 (a node fault), then a
+rank hanging after step 14. The supervisor drains each culprit's node and
+resumes from the newest valid checkpoint on the remaining nodes, 4 -> 3 -> 2,
+until the last step. Then the demo prints ``resurgo status``, ``resurgo
+nodes`` and a summary (faults, detection and recovery times, drains,
+goodput), writes OUT/report.html, returns the nodes to service and stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,28 +25,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "deploy" / "demo" / "train_toy.py"
-
-
-def rank_pids(node: str, marker: str = "train_toy.py") -> list[int]:
-    """Pids of training ranks (not their shims or torchrun) running as Slurm node ``node``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not any(part.endswith(marker.encode()) for part in cmdline):
-            continue
-        if b"agent.rankexec" in cmdline or b"torch.distributed.run" in cmdline:
-            continue
-        if f"SLURMD_NODENAME={node}".encode() in environ and any(
-            item.startswith(b"RANK=") for item in environ
-        ):
-            found.append(int(entry.name))
-    return found
 
 
 def say(text: str) -> None:
@@ -69,10 +50,60 @@ def resurgo(*args: str, env: dict[str, str]) -> str:
     return done.stdout
 
 
+def summary(state: Path, job: str) -> str:
+    """Faults, detection and recovery times, drains and goodput, from the supervisor's store."""
+    sys.path.insert(0, str(REPO))
+    from supervisor.metrics import recovery_durations
+    from supervisor.store import Store
+    from supervisor.timeline import goodput_of, timeline_of
+
+    with Store.open(state / "resurgo.db", create=False) as store:
+        now = time.time()
+        decisions = store.decisions_for(job)
+        faults = [
+            f"{d.cause} ({d.detail.get('explanation', '')[:90]})"
+            for d in decisions
+            if d.from_state == "recovering" and d.to_state == "recovering" and d.cause != "none"
+        ]
+        detect, recover = recovery_durations(timeline_of(store, job, now))
+        drains = [f"{d.node} ({d.cause})" for d in store.drains_since(0) if d.job_id == job]
+        goodput = goodput_of(store, job, now)
+        attempts = store.attempts_for(job)
+    lines = [f"faults handled: {len(faults)}"]
+    lines += [f"  {index}. {fault}" for index, fault in enumerate(faults, 1)]
+    lines.append("time to detect: " + ", ".join(f"{s:.1f} s" for s in detect))
+    lines.append("fault to first step after resume: " + ", ".join(f"{s:.1f} s" for s in recover))
+    lines.append(f"drained: {', '.join(drains) or 'none'}")
+    lines.append(f"world size by attempt: {' -> '.join(str(len(a.nodes)) for a in attempts)}")
+    lines.append(f"goodput: {goodput.ratio * 100:.1f}% of {goodput.wall_s:.0f} s")
+    return "\n".join(lines)
+
+
+def start_prometheus(out: Path, target: str, port: int) -> subprocess.Popen[bytes] | None:
+    """Prometheus scraping the supervisor with Resurgo's rules, when it is installed."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        say("prometheus is not installed (deploy/setup installs it): no metrics this time")
+        return None
+    config = out / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 2s, evaluation_interval: 2s}\n"
+        f"rule_files: [{REPO / 'deploy/prometheus/rules/resurgo.yml'}]\n"
+        f"scrape_configs: [{{job_name: resurgo, static_configs: [{{targets: ['{target}']}}]}}]\n"
+    )
+    log = open(out / "prometheus.log", "wb")  # noqa: SIM115 - open for its life
+    return subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={out / 'prometheus-data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out", type=Path, help="a fresh directory for everything the demo writes")
     parser.add_argument("--port", type=int, default=18740)
+    parser.add_argument("--prometheus-port", type=int, default=19090)
     args = parser.parse_args()
     out: Path = args.out
     state = out / "state"
@@ -87,10 +118,13 @@ def main() -> int:
         "RESURGO_SUPERVISOR_POLL_S": "0.5",
         "RESURGO_SUPERVISOR_TICK_S": "0.5",
         "RESURGO_SUPERVISOR_LOG_JSON": "no",
-        # Four nodes: a drain share of 1/4 per hour allows this one drain.
-        "RESURGO_POLICY_MAX_DRAIN_SHARE_PER_HOUR": "0.25",
+        # Four nodes: a drain share of 1/2 per hour allows the two drains below.
+        "RESURGO_POLICY_MAX_DRAIN_SHARE_PER_HOUR": "0.5",
         "RESURGO_POLICY_BACKOFF_BASE_S": "2",
+        "RESURGO_POLICY_HANG_EVIDENCE_WINDOW_S": "8",
         "RESURGO_AGENT_HEARTBEAT_REPORT_S": "1",
+        "RESURGO_AGENT_HANG_FLOOR_S": "10",
+        "RESURGO_AGENT_STOP_GRACE_S": "3",
         "OMP_NUM_THREADS": "1",
     }
     state.mkdir(parents=True)
@@ -98,50 +132,52 @@ def main() -> int:
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "supervisor.daemon"], env=env, stdout=log, stderr=subprocess.STDOUT
     )
+    prometheus = start_prometheus(out, f"127.0.0.1:{args.port}", args.prometheus_port)
     try:
         wait_for("the supervisor", lambda: _answers(url), 60)
         say(f"supervisor up at {url} (log: {out / 'supervisor.log'})")
+        if prometheus is not None:
+            say(f"prometheus at http://127.0.0.1:{args.prometheus_port} scrapes its /metrics")
+        # An FSDP2 job on 4 nodes: a rank is SIGKILLed after step 6 (a node fault),
+        # then a rank hangs after step 14 (SIGSTOP); it may shrink down to 2 nodes.
         submitted = resurgo(
             "submit", "-N", "4", "--min-nodes", "2", f"--output={out / 'job.out'}",
-            "--job-name=demo-train",
-            "--ckpt-root", str(out / "ckpt"), "--",
+            "--job-name=demo-train", "--ckpt-root", str(out / "ckpt"), "--",
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", str(TOY),
-            "--steps", "24", "--save-every", "4", "--fault", "idle@8:*",
+            "--model", "fsdp", "--steps", "24", "--save-every", "4",
+            "--fault", "sigkill@6:2", "--fault", "hang@14:1",
             env=env,
         )  # fmt: skip
         job = submitted.split()[-1]
-        say(f"{submitted.strip()}: 4 nodes, may shrink to 2; checkpoints every 4 steps")
-        output = out / "job.out"
-        wait_for(
-            "the job to reach step 8",
-            lambda: output.exists() and "idle at step 8" in output.read_text(),
-            300,
+        say(
+            f"{submitted.strip()}: FSDP2 on 4 nodes (may shrink to 2), checkpoints every 4 "
+            "steps; faults: SIGKILL of rank 2 after step 6, rank 1 hangs after step 14"
         )
-        victims = rank_pids("node3")
-        if not victims:
-            raise SystemExit("demo: FAILED: no training rank found on node3")
-        os.kill(victims[0], signal.SIGKILL)
-        say(f"SIGKILLed training rank pid {victims[0]} on node3 (a node fault)")
         wait_for(
-            "the job to finish",
+            "the job to finish unattended",
             lambda: resurgo("status", job, "--json", env=env).count('"state": "completed"') == 1,
-            300,
+            600,
         )
-        say("the job finished; what the supervisor saw and did:")
+        say("the job reached its last step; what the supervisor saw and did:")
         print(resurgo("status", job, env=env))
-        print(resurgo("events", job, env=env))
         print(resurgo("nodes", env=env))
+        print(summary(state, job))
         print(resurgo("report", job, "-o", str(out / "report.html"), env=env).strip())
+        say(f"the full timeline: resurgo events {job} --state-dir {state}")
         say("OK")
         return 0
     finally:
         supervisor.send_signal(signal.SIGTERM)
         supervisor.wait(timeout=30)
         log.close()
-        subprocess.run(
-            ["scontrol", "update", "NodeName=node3", "State=RESUME"],
-            capture_output=True, check=False,
-        )  # fmt: skip
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+        for node in ("node1", "node2", "node3", "node4"):
+            subprocess.run(
+                ["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+                capture_output=True, check=False,
+            )  # fmt: skip
 
 
 def _answers(url: str) -> bool:

@@ -121,7 +121,10 @@ class Faults:
             self._markers.mkdir(parents=True, exist_ok=True)
             marker.touch()
             node = os.environ.get("SLURMD_NODENAME", "?")
-            print(f"toy: injecting {fault.kind} at step {step} on {node}", flush=True)
+            print(
+                f"toy: injecting {fault.kind} at step {step} on {node} at {time.time():.3f}",
+                flush=True,
+            )
             if fault.kind == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "hang":
@@ -165,7 +168,10 @@ def main() -> None:
     session.restore_rng()
     if rank == 0:
         origin = f" from {session.resumed_from}" if session.resumed_from else ""
-        print(f"toy: world {world}, starting at step {start}{origin}", flush=True)
+        print(
+            f"toy: world {world}, starting at step {start}{origin} at {time.time():.3f}",
+            flush=True,
+        )
     weight = loss_weight(GLOBAL_BATCH, world)
     record = None
     if args.record is not None and rank == 0:
@@ -198,7 +204,8 @@ def main() -> None:
                 heartbeat.checkpoint_committed(session.step, saved.path)
         if record is not None:
             flat = [i for part in samples for i in part]
-            line = {"step": session.step, "world": world, "loss": loss.item(), "samples": flat}
+            line = {"step": session.step, "world": world, "loss": loss.item(), "samples": flat,
+                    "time": time.time()}  # fmt: skip
             record.write(json.dumps(line) + "\n")
             record.flush()
         if rank == 0:

@@ -1,0 +1,207 @@
+"""Recovery benchmark: the same injected faults under Resurgo and under today's usual stack.
+
+For each fault, the demo trainer (deploy/demo/train_toy.py, 4 nodes x 1 rank,
+checkpoints every 4 steps, 16 steps) runs on the live local cluster twice:
+
+- **resurgo**: ``resurgo-supervisor`` running, the job submitted with
+  ``resurgo submit`` (node agents, in-job driver);
+- **baseline**: ``sbatch --requeue`` of a batch script running
+  ``torchrun --max-restarts 3`` on every node (c10d rendezvous), no
+  supervisor; the trainer resumes from the newest valid checkpoint itself.
+
+Measured per run, from the trainer's own timestamps and the supervisor's store:
+
+- ``detect_s``: fault -> the first reaction. Resurgo: its decision to recover.
+  Baseline: the restarted trainer's start (torchrun's detection is not
+  visible separately, so this is an upper bound for it);
+- ``recover_s``: fault -> the first training step after the resume;
+- ``steps_lost``: the fault's step minus the step resumed from;
+- ``outcome``: ``recovered`` (the job reached its last step), ``stuck`` (no
+  progress until ``--timeout-s``; the job is cancelled), or ``failed``.
+
+Run on the local cluster (``deploy/slurm/cluster up``)::
+
+    python -m bench.recovery [--timeout-s 150] [--scenario rank_sigkill ...]
+
+The last line printed is one JSON object:
+``{"scenarios": [{"fault", "resurgo": {...}, "baseline": {...}}, ...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if not __package__:
+    sys.exit("run the benchmarks from the repository root as modules: python -m bench.recovery")
+
+from tests.conftest import REPO, LiveCluster, _cluster_conf
+from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
+
+SCENARIOS = {
+    "rank_sigkill": "sigkill@6:2",  # a node fault kills one rank
+    "rank_hang": "hang@6:2",  # one rank stops making progress (SIGSTOP)
+    "exception": "exception@6:1",  # a bug raises once
+}
+STEPS = 16
+POLICY = {
+    "max_drain_share_per_hour": "0.5",
+    "backoff_base_s": "1",
+    "exit_evidence_window_s": "1",
+    "hang_evidence_window_s": "3",
+    "validation_level": "full",
+}
+AGENTS = {
+    "RESURGO_AGENT_HANG_FLOOR_S": "8",
+    "RESURGO_AGENT_STOP_GRACE_S": "3",
+    "RESURGO_AGENT_HEARTBEAT_REPORT_S": "1",
+    "RESURGO_SUPERVISOR_LEASE_S": "8",
+    "OMP_NUM_THREADS": "1",
+}
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+_INJECTED = re.compile(r"toy: injecting \w+ at step (\d+) on \S+ at ([\d.]+)")
+_STARTED = re.compile(r"toy: world \d+, starting at step (\d+).* at ([\d.]+)")
+
+BASELINE_SCRIPT = """#!/bin/bash
+# Today's usual stack: Slurm requeue plus torchrun's in-place restarts, no supervisor.
+nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+count=$(echo "$nodes" | wc -l)
+first=$(echo "$nodes" | head -n 1)
+master=$(scontrol show node "$first" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+srun --nodes="$count" --ntasks="$count" --ntasks-per-node=1 \\
+  {python} -m torch.distributed.run --nnodes="$count" --nproc-per-node=1 --max-restarts=3 \\
+  --rdzv-backend=c10d --rdzv-endpoint="$master:$((29000 + SLURM_JOB_ID % 500))" \\
+  --rdzv-id="$SLURM_JOB_ID" {toy} {args}
+"""
+
+
+def _wait(cluster: LiveCluster, job_id: int, timeout_s: float) -> str | None:
+    """The job's end state, or None when it is still going at ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = cluster.job(job_id)
+        if job is None or job["job_state"] in ENDED:
+            return None if job is None else str(job["job_state"])
+        time.sleep(0.5)
+    return None
+
+
+def _measure(
+    output: Path, record: Path, state: str | None, detect_at: float | None
+) -> dict[str, Any]:
+    text = output.read_text(errors="replace") if output.exists() else ""
+    injected = _INJECTED.search(text)
+    steps = [json.loads(line) for line in (record / "steps.jsonl").read_text().splitlines()] if (
+        record / "steps.jsonl").exists() else []  # fmt: skip
+    outcome = "stuck" if state is None else ("recovered" if state == "COMPLETED" else "failed")
+    if state == "COMPLETED" and not any(s["step"] == STEPS for s in steps):
+        outcome = "failed"
+    result: dict[str, Any] = {"outcome": outcome, "detect_s": None, "recover_s": None,
+                              "steps_lost": None}  # fmt: skip
+    if injected is None:
+        return result
+    fault_step, fault_s = int(injected.group(1)), float(injected.group(2))
+    restarts = [(int(m.group(1)), float(m.group(2))) for m in _STARTED.finditer(text)]
+    after = [(step, at) for step, at in restarts if at > fault_s]
+    reaction = detect_at if detect_at is not None else (after[0][1] if after else None)
+    if reaction is not None:
+        result["detect_s"] = round(reaction - fault_s, 2)
+    if after:
+        resumed_step = after[0][0]
+        result["steps_lost"] = fault_step - resumed_step
+        first = [s["time"] for s in steps if s["time"] > after[0][1] and s["step"] > resumed_step]
+        if first:
+            result["recover_s"] = round(min(first) - fault_s, 2)
+    return result
+
+
+def run_resurgo(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
+    supervisor = SupervisorProcess(cluster, where / "state", POLICY, AGENTS)
+    supervisor.start()
+    output, record = where / "job.out", where / "record"
+    try:
+        done = supervisor.resurgo(
+            "submit", "-N", "4", "--min-nodes", "2", f"--output={output}",
+            "--ckpt-root", str(where / "ckpt"), "--parsable", "--",
+            *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
+            "--record", str(record), "--fault", fault,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"bench: resurgo submit failed: {done.stderr}")
+        job_id = int(done.stdout.strip())
+        state = _wait(cluster, job_id, timeout_s)
+        if state is None:
+            cluster.run(["scancel", str(job_id)])
+        with supervisor.store() as store:
+            reacted = [
+                d.decided_s
+                for d in store.decisions_for(str(job_id))
+                if d.from_state in ("running", "starting") and d.to_state == "recovering"
+            ]
+        return _measure(output, record, state, reacted[0] if reacted else None)
+    finally:
+        supervisor.stop()
+        _restore(cluster)
+
+
+def run_baseline(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
+    output, record, ckpt = where / "job.out", where / "record", where / "ckpt"
+    args = shlex.join(["--steps", str(STEPS), "--save-every", "4", "--record", str(record),
+                       "--fault", fault])  # fmt: skip
+    script = where / "baseline.sh"
+    script.write_text(BASELINE_SCRIPT.format(python=sys.executable, toy=TOY, args=args))
+    job_id = cluster.sbatch(
+        "--nodes=4", "--ntasks-per-node=1", "--requeue", "--open-mode=append",
+        f"--output={output}", "--export=ALL", str(script),
+        env={**AGENTS, "RESURGO_CKPT_ROOT": str(ckpt), "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    state = _wait(cluster, job_id, timeout_s)
+    if state is None:
+        cluster.run(["scancel", str(job_id)])
+        time.sleep(2)
+    _restore(cluster)
+    return _measure(output, record, state, None)
+
+
+def _restore(cluster: LiveCluster) -> None:
+    for job in cluster.json(["squeue", "--json"]).get("jobs", []):
+        if job["job_state"] not in ENDED:
+            cluster.run(["scancel", str(job["job_id"])])
+    for name, node in cluster.nodes().items():
+        if "DRAIN" in node.get("state_flags", []):
+            cluster.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"])
+    time.sleep(1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--timeout-s", type=float, default=150.0)
+    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
+    args = parser.parse_args()
+    cluster = LiveCluster(conf=_cluster_conf())
+    results = []
+    with tempfile.TemporaryDirectory(prefix="resurgo-bench-recovery-") as tmp:
+        for name in args.scenario or list(SCENARIOS):
+            fault = SCENARIOS[name]
+            row: dict[str, Any] = {"fault": name, "inject": fault}
+            for stack, runner in (("resurgo", run_resurgo), ("baseline", run_baseline)):
+                where = Path(tmp) / name / stack
+                where.mkdir(parents=True)
+                started = time.monotonic()
+                row[stack] = runner(cluster, where, fault, args.timeout_s)
+                row[stack]["wall_s"] = round(time.monotonic() - started, 1)
+                print(f"bench: {name} under {stack}: {row[stack]}", flush=True)
+            results.append(row)
+    print(json.dumps({"scenarios": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
