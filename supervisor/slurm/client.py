@@ -41,6 +41,10 @@ _UNREACHABLE = (
     "could not establish a configuration source",
     "slurm_load_jobs error: slurm backup controller in standby mode",
 )
+# slurmctld refusing for now, not for good (seen on 22.05 right after a job's
+# previous update: "Job update not available right now, the DB index is being
+# set, try again in a bit"): retried like an unreachable controller.
+_BUSY = ("try again in a bit", "resource temporarily unavailable")
 
 
 async def subprocess_runner(
@@ -109,6 +113,8 @@ class SlurmClient:
                 raise SlurmUnavailable(
                     f"`{' '.join(argv)}` could not reach the controller: {err.strip()}"
                 )
+            if any(fragment in err.lower() for fragment in _BUSY):
+                raise SlurmUnavailable(f"`{' '.join(argv)}`: slurmctld is busy: {err.strip()}")
             raise SlurmCommandFailed(argv, code, err)
         return out
 

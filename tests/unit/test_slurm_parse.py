@@ -359,3 +359,10 @@ def test_requeue_smaller_failure_names_the_step() -> None:
         asyncio.run(client(fake).requeue_smaller(5, 2, 2))
     assert raised.value.step == "update size"
     assert isinstance(raised.value.__cause__, SlurmCommandFailed)
+
+
+def test_a_busy_controller_is_unavailable_for_now_so_the_action_is_retried() -> None:
+    busy = (1, "", "Job update not available right now, the DB index is being set, "
+                   "try again in a bit for job 122")  # fmt: skip
+    with pytest.raises(SlurmUnavailable, match="busy"):
+        asyncio.run(client(FakeSlurm(busy)).shrink(122, ["node1", "node3"]))
