@@ -53,19 +53,21 @@ def resurgo(*args: str, env: dict[str, str]) -> str:
 def summary(state: Path, job: str) -> str:
     """Faults, detection and recovery times, drains and goodput, from the supervisor's store."""
     sys.path.insert(0, str(REPO))
+    from supervisor.goodput import FactKind
     from supervisor.metrics import recovery_durations
     from supervisor.store import Store
     from supervisor.timeline import goodput_of, timeline_of
 
     with Store.open(state / "resurgo.db", create=False) as store:
         now = time.time()
-        decisions = store.decisions_for(job)
+        facts = timeline_of(store, job, now)
+        start = store.get_job(job).created_s  # type: ignore[union-attr]
         faults = [
-            f"{d.cause} ({d.detail.get('explanation', '')[:90]})"
-            for d in decisions
-            if d.from_state == "recovering" and d.to_state == "recovering" and d.cause != "none"
+            f"{fact.cause} detected {fact.time_s - start:.0f} s after submission"
+            for fact in facts
+            if fact.kind is FactKind.DETECTED
         ]
-        detect, recover = recovery_durations(timeline_of(store, job, now))
+        detect, recover = recovery_durations(facts)
         drains = [f"{d.node} ({d.cause})" for d in store.drains_since(0) if d.job_id == job]
         goodput = goodput_of(store, job, now)
         attempts = store.attempts_for(job)

@@ -213,35 +213,31 @@ def test_an_uninstrumented_hang_is_found_from_stacks(
     assert_same_samples(run, reference)
 
 
+@pytest.mark.parametrize(
+    ("lost", "requeued"),
+    [("node3", False), ("node1", True)],  # node1 runs the batch script: the requeue path
+    ids=["compute-node", "batch-host"],
+)
 def test_a_lost_node_is_excluded_and_the_job_resumes_without_it(
-    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+    slurm_cluster: LiveCluster,
+    supervisor: SupervisorProcess,
+    reference: Run,
+    tmp_path: Path,
+    lost: str,
+    requeued: bool,
 ) -> None:
     run = submit(supervisor, tmp_path, "--fault", "idle@6:*")
     slurm_cluster.wait_for("step 6", lambda: "injecting idle at step 6" in run.text(), 180)
-    subprocess.run([str(CLUSTER_SCRIPT), "kill-node", "node3"], env=slurm_cluster.env, check=True)
+    subprocess.run([str(CLUSTER_SCRIPT), "kill-node", lost], env=slurm_cluster.env, check=True)
     job = finish(slurm_cluster, supervisor, run)
     assert job["job_state"] == "COMPLETED", run.text()[-3000:]
+    assert (job["restart_cnt"] >= 1) is requeued  # the batch script ran again, or not
     last = attempts(supervisor, run.job_id)[-1]
-    assert "node3" not in last.nodes and len(last.nodes) == 3
+    assert lost not in last.nodes and len(last.nodes) == 3
     assert last.resumed_from == str(run.ckpt / "step-4")
-    node3 = slurm_cluster.nodes()["node3"]
+    node = slurm_cluster.nodes()[lost]
     # Slurm takes a dead node out by itself (DOWN); Resurgo drains it when Slurm has not.
-    assert node3["state"] == "down" or "DRAIN" in node3["state_flags"], node3
-    assert_same_samples(run, reference)
-
-
-def test_a_lost_batch_host_requeues_the_job_without_it(
-    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
-) -> None:
-    run = submit(supervisor, tmp_path, "--fault", "idle@6:*")
-    slurm_cluster.wait_for("step 6", lambda: "injecting idle at step 6" in run.text(), 180)
-    subprocess.run([str(CLUSTER_SCRIPT), "kill-node", "node1"], env=slurm_cluster.env, check=True)
-    job = finish(slurm_cluster, supervisor, run)
-    assert job["job_state"] == "COMPLETED", run.text()[-3000:]
-    assert job["restart_cnt"] >= 1  # requeued: the batch script ran again
-    last = attempts(supervisor, run.job_id)[-1]
-    assert "node1" not in last.nodes
-    assert last.resumed_from == str(run.ckpt / "step-4")
+    assert node["state"] == "down" or "DRAIN" in node["state_flags"], node
     assert_same_samples(run, reference)
 
 
