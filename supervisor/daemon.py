@@ -3,8 +3,8 @@
 One asyncio loop holds it together (DESIGN §2-§3):
 
 - the API (:mod:`supervisor.api`) takes agents' events and heartbeats and the
-  in-job drivers' questions; :class:`Supervisor` is its
-  :class:`~supervisor.api.JobDirectory` over the SQLite store;
+  in-job drivers' questions; :class:`Supervisor`'s :class:`~supervisor.intake.Intake`
+  half is its :class:`~supervisor.api.JobDirectory` over the SQLite store;
 - a poll task registers newly submitted jobs (:mod:`supervisor.jobs`) and
   reads Slurm (``squeue``/``sinfo``) every ``poll_s``; a failed read is
   "unknown" and changes nothing;
@@ -34,35 +34,23 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent import protocol
-from agent.checkpoint import files
-from agent.checkpoint import format as fmt
-from agent.checkpoint.format import parse_step_dir_name
-from agent.errors import CheckpointInvalid, ConfigError, ResurgoError
+from agent.errors import ConfigError, ResurgoError
 from agent.periodic import every
 from agent.protocol import (
-    Command,
-    CommandKind,
-    DriverAction,
-    DriverAnswer,
-    DriverPhase,
-    DriverRequest,
-    Event,
     EventKind,
-    HeartbeatReport,
 )
 from supervisor import jobs as jobfiles
 from supervisor.api import bound_port, build_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
-from supervisor.errors import SlurmError, StoreError
-from supervisor.executor import ALERT_KIND, Executor, Validator
-from supervisor.goodput import Goodput, interval_push, mtbf_estimate
-from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RelaunchStep
-from supervisor.jobs import JobSpec
+from supervisor.errors import SlurmError
+from supervisor.executor import Executor, Validator
+from supervisor.goodput import interval_push, mtbf_estimate
+from supervisor.intake import Intake, TrackedJob
+from supervisor.intents import DRAIN_REASON_PREFIX, Intent
 from supervisor.logs import setup_logging
 from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.model import (
@@ -78,50 +66,24 @@ from supervisor.observations import (
     Observation,
     SlurmJobSeen,
     SlurmNodeSeen,
-    StepProgress,
     Tick,
-    from_event,
 )
 from supervisor.policy import Decision, Policy, decide
 from supervisor.probation import NodeHistory, release
-from supervisor.reconcile import command_attempt, intent_of
+from supervisor.reconcile import intent_of
 from supervisor.recovery import drain_limit
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.store import Actor, Store
-from supervisor.timeline import CHECKPOINT_STATS_KIND, goodput_of, node_faults
-from supervisor.verify import check_resume
+from supervisor.timeline import node_faults
 
 log = logging.getLogger("resurgo.supervisor")
 
-_LIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RELAUNCHING})
-# How long the driver is told to wait before asking again.
-DRIVER_RETRY_S = 2.0
 
 
-@dataclass
-class _Job:
-    """What the daemon keeps in memory about one job (the store has the rest)."""
-
-    record: JobRecord
-    secret: bytes
-    spec: JobSpec
-    slurm_nodes: tuple[str, ...] = ()
-    last_seen: tuple[str, tuple[str, ...], int] | None = None
-    nodes_flagged: set[str] = field(default_factory=set)
-    # agent incarnation -> the attempt it was launched for (from agent_started)
-    incarnations: dict[str, int] = field(default_factory=dict)
-    stopped: set[str] = field(default_factory=set)
-    progress_step: int | None = None
-    # attempts whose resume verification has a result (checked once each)
-    verified: set[int] = field(default_factory=set)
-    # (step, stall_s, write_s) of the newest checkpoint's save
-    save_cost: tuple[int, float, float] | None = None
-    interval_s: float | None = None  # the interval last pushed to the agents
-
-
-class Supervisor:
-    """The daemon's state and tasks; also the API's :class:`~supervisor.api.JobDirectory`."""
+class Supervisor(Intake):
+    """The daemon's state and tasks; the API's :class:`~supervisor.api.JobDirectory` is
+    its :class:`~supervisor.intake.Intake` half."""
 
     def __init__(
         self,
@@ -145,7 +107,7 @@ class Supervisor:
             validate_fn=validate_fn,
             clock=clock,
         )
-        self.jobs: dict[str, _Job] = {}
+        self.jobs: dict[str, TrackedJob] = {}
         self.cluster = ClusterView()
         self._queue: asyncio.Queue[tuple[str, Observation, str | None] | _Reconcile | _Act] = (
             asyncio.Queue()
@@ -238,7 +200,7 @@ class Supervisor:
                 if not record.state.terminal:
                     log.error("job %s: its directory is unusable (%s)", row.job_id, error)
                 continue
-            job = _Job(record=record, secret=secret, spec=spec)
+            job = TrackedJob(record=record, secret=secret, spec=spec)
             for event in self.store.events_for(row.job_id, kinds=[EventKind.AGENT_STARTED]):
                 attempt = event.payload.get("attempt")
                 if isinstance(attempt, int):
@@ -298,7 +260,7 @@ class Supervisor:
                 min_nodes=spec.floor,
                 secret_path=str(directory / jobfiles.SECRET_NAME),
             )
-            self.jobs[job_id] = _Job(record=record, secret=secret, spec=spec)
+            self.jobs[job_id] = TrackedJob(record=record, secret=secret, spec=spec)
             log.info(
                 "job %s registered: %s, %d node(s) (min %d, unit %d), checkpoints in %s",
                 job_id, spec.name, spec.nodes, spec.floor, spec.unit, spec.ckpt_root,
@@ -347,7 +309,7 @@ class Supervisor:
             lemons=frozenset(lemon.node for lemon in lemons),
         )
 
-    def _observe_slurm_job(self, job_id: str, job: _Job, seen: SlurmJob) -> None:
+    def _observe_slurm_job(self, job_id: str, job: TrackedJob, seen: SlurmJob) -> None:
         job.slurm_nodes = seen.nodes
         key = (seen.state.value, seen.nodes, seen.restart_count)
         if key == job.last_seen:
@@ -358,7 +320,7 @@ class Supervisor:
             SlurmJobSeen(seen.state.value, seen.nodes, seen.restart_count, seen.state_reason),
         )
 
-    def _observe_nodes(self, job_id: str, job: _Job, nodes: dict[str, SlurmNode]) -> None:
+    def _observe_nodes(self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode]) -> None:
         for name in job.record.nodes:
             node = nodes.get(name)
             bad = node is not None and (node.down or node.not_responding)
@@ -583,90 +545,6 @@ class Supervisor:
         job = self.jobs.get(job_id)
         return None if job is None else Path(job.spec.ckpt_root)
 
-    # ------------------------------------------------------------------
-    # JobDirectory: what the API asks.
-
-    def secret(self, job_id: str) -> bytes | None:
-        """The job's signing secret (None: not registered)."""
-        job = self.jobs.get(job_id)
-        return None if job is None else job.secret
-
-    def allocation(self, job_id: str) -> frozenset[str] | None:
-        """The job's nodes: the record's and Slurm's newest view (a relaunch moves both)."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            return None
-        return frozenset(job.record.nodes) | frozenset(job.slurm_nodes)
-
-    def _current(self, job: _Job, incarnation: str) -> bool:
-        """Whether an agent incarnation belongs to the job's current attempt (or is unknown)."""
-        return job.incarnations.get(incarnation, job.record.attempt) >= job.record.attempt
-
-    def accept_events(self, job_id: str, events: Sequence[Event]) -> Sequence[str]:
-        """Store the batch; decide on the events of current agents."""
-        now = self.clock()
-        accepted = self.store.record_events(job_id, events, now_s=now)
-        job = self.jobs[job_id]
-        for event in events:
-            incarnation = event.incarnation
-            if event.kind is EventKind.AGENT_STARTED:
-                attempt = event.payload.get("attempt")
-                if isinstance(attempt, int):
-                    job.incarnations[incarnation] = attempt
-            if event.kind is EventKind.AGENT_STOPPED:
-                # A clean exit is not a lost node: its lease must not expire into blame.
-                job.stopped.add(incarnation)
-                if any(lease.incarnation == incarnation for lease in self.store.leases_for(job_id)):
-                    self.store.drop_leases(job_id, [event.node])
-            if event.kind is EventKind.CHECKPOINT_COMMITTED:
-                self._note_checkpoint(job_id, job, event, now)
-            if event.kind is EventKind.STEP_LOSSES:
-                attempt = job.incarnations.get(incarnation, job.record.attempt)
-                self.store.record_steps(
-                    job_id, attempt, event.payload["global_rank"], event.payload["steps"], now
-                )
-                if attempt == job.record.attempt:
-                    self._verify_resume(job_id, job, now)
-            if not self._current(job, incarnation):
-                log.info(
-                    "job %s: %s from %s of attempt %d kept, not decided on (attempt %d now)",
-                    job_id, event.kind.value, event.node, job.incarnations[incarnation],
-                    job.record.attempt,
-                )  # fmt: skip
-                continue
-            if event.kind in _DECIDED_KINDS:
-                self._enqueue(job_id, from_event(event), event.event_id)
-        return accepted
-
-    def _note_checkpoint(self, job_id: str, job: _Job, event: Event, now: float) -> None:
-        """Record the commit and its save cost (from the manifest) once per checkpoint."""
-        step, path = int(event.payload["step"]), str(event.payload["path"])
-        self.store.record_checkpoint(job_id, step, path, now)
-        if job.save_cost is not None and job.save_cost[0] >= step:
-            return
-        try:
-            manifest = fmt.manifest_from_bytes(files.read_small(Path(path) / fmt.MANIFEST_NAME))
-        except (OSError, ValueError, CheckpointInvalid) as error:
-            log.warning("job %s: no save statistics from %s: %s", job_id, path, error)
-            return
-        if manifest.stats is None:
-            return
-        stats = manifest.stats
-        job.save_cost = (step, stats.stall_s, stats.write_s)
-        self.store.record_observation(
-            job_id,
-            CHECKPOINT_STATS_KIND,
-            {
-                "step": step,
-                "stall_s": stats.stall_s,
-                "write_s": stats.write_s,
-                "bytes": stats.total_bytes,
-                "mode": stats.mode,
-            },
-            now,
-            observation_id=f"{job_id}/checkpoint_stats/{step}",
-        )
-
     def recommend_intervals(self) -> None:
         """Push the Daly interval from the cluster's MTBF and each job's save cost."""
         now = self.clock()
@@ -693,185 +571,6 @@ class Supervisor:
                 )  # fmt: skip
                 self._queue.put_nowait(_Act(job_id, (push,)))
 
-    def _verify_resume(self, job_id: str, job: _Job, now: float) -> None:
-        """Compare the current attempt's replayed steps with the reports before the fault."""
-        attempt = job.record.attempt
-        if attempt in job.verified:
-            return
-        attempts = {row.attempt: row for row in self.store.attempts_for(job_id)}
-        current = attempts.get(attempt)
-        if current is None or current.resumed_from is None:
-            return
-        resume_step = parse_step_dir_name(Path(current.resumed_from).name)
-        earlier = [row for number, row in attempts.items() if number < attempt]
-        if resume_step is None or not earlier:
-            return
-        same_size = len(earlier[-1].nodes) == len(current.nodes)
-        result = check_resume(
-            self.store, job_id, attempt, resume_step, same_size, self.policy.resume_loss_tolerance
-        )
-        if result is None:
-            return
-        job.verified.add(attempt)
-        payload = {
-            "attempt": attempt,
-            "resume_step": resume_step,
-            "same_size": same_size,
-            "verified": result.verified,
-            "first_diverging_step": result.first_diverging_step,
-            "compared": result.compared,
-            "reason": result.reason,
-        }
-        if result.verified or result.first_diverging_step is None:
-            self.store.record_observation(job_id, "resume_verification", payload, now)
-            log.info("job %s: resume of attempt %d: %s", job_id, attempt, result.reason)
-            return
-        self.store.record_observation(job_id, "nondeterministic_resume", payload, now)
-        message = (
-            f"job {job_id}: nondeterministic resume in attempt {attempt} from step "
-            f"{resume_step}, first diverging step {result.first_diverging_step}: {result.reason}"
-        )
-        self.store.record_observation(
-            job_id, ALERT_KIND, {"severity": "critical", "message": message}, now
-        )
-        log.error("ALERT %s", message, extra={"job_id": job_id, "alert": "nondeterministic_resume"})
-
-    def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
-        """Renew the agent's lease; note the job's progress (its slowest rank's step)."""
-        job = self.jobs[job_id]
-        incarnation = report.agent_incarnation
-        if report.attempt is not None:
-            job.incarnations.setdefault(incarnation, report.attempt)
-        if incarnation in job.stopped or not self._current(job, incarnation):
-            return
-        now = self.clock()
-        self.store.touch_lease(job_id, report.node, incarnation, now)
-        # A rank still loading (phase init) reports step 0: not the job's progress.
-        steps = [r.step for r in report.ranks if r.step is not None and r.phase != "init"]
-        if not steps:
-            return
-        step = min(steps)
-        self.store.record_progress(job_id, step, now)
-        waiting = job.record.state in (JobState.STARTING, JobState.RELAUNCHING)
-        if waiting and step != job.progress_step:
-            self._enqueue(job_id, StepProgress(step))
-        job.progress_step = step
-
-    def commands_for(self, job_id: str, node: str, incarnation: str) -> Sequence[Command]:
-        """Pending commands for this agent, marked delivered as they go out.
-
-        A stop is for the launch it ends: a StopRanks of attempt N (planned as
-        the job moved to attempt N) stops agents of earlier attempts only, so
-        the relaunched agents never receive the stop meant for their
-        predecessors (it stays pending for a predecessor still calling in).
-        """
-        now = self.clock()
-        job = self.jobs[job_id]
-        # Every agent names its attempt (agent_started, heartbeats); one that never
-        # did was started without the driver, and gets every command.
-        launched = job.incarnations.get(incarnation)
-        delivered = []
-        for command in self.store.pending_commands(job_id, node):
-            attempt = command_attempt(command.command_id)
-            stale = (
-                command.kind is CommandKind.STOP_RANKS
-                and attempt is not None
-                and launched is not None
-                and launched >= attempt
-            )
-            if stale:
-                continue  # left pending for the old launch's agent, if it still calls in
-            self.store.ack_command(command.command_id, node, now)
-            delivered.append(command)
-            if len(delivered) == protocol.MAX_COMMANDS:
-                break
-        return delivered
-
-    def status(self, job_id: str) -> dict[str, Any] | None:
-        """A small summary for the CLI."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            return None
-        record = job.record
-        return {
-            "name": job.spec.name,
-            "state": record.state.value,
-            "attempt": record.attempt,
-            "nodes": list(record.nodes),
-            "original_nodes": record.original_nodes,
-            "last_checkpoint_step": record.last_step,
-            "restarts": {cause.value: count for cause, count in record.restarts},
-            "final_reason": record.final_reason,
-            "goodput": _goodput_doc(goodput_of(self.store, job_id, self.clock())),
-            "checkpoint_interval_s": job.interval_s,
-        }
-
-    async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
-        """Tell the in-job driver what to do (see :class:`agent.protocol.DriverPhase`)."""
-        job = self.jobs[job_id]
-        if request.phase is DriverPhase.RELAUNCHED:
-            assert request.action_id is not None and request.ok is not None
-            now = self.clock()
-            try:
-                seen = self.executor.confirm_relaunch(
-                    job_id, request.action_id, request.ok, request.reason, now
-                )
-            except StoreError as error:
-                return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason=str(error))
-            self._enqueue(job_id, seen)
-            return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason="confirmed",
-                                retry_after_s=0.0)  # fmt: skip
-        record = job.record
-        if record.state.terminal:
-            return DriverAnswer(
-                DriverAction.STOP, record.attempt, reason=record.final_reason or record.state.value
-            )
-        if request.phase is DriverPhase.RUNNING:
-            pending = self.executor.pending_relaunch(job_id)
-            if pending is not None and pending.attempt > (request.attempt or 0):
-                return _relaunch_answer(pending)
-            return DriverAnswer(DriverAction.WAIT, record.attempt, reason="carry on")
-        if request.phase is DriverPhase.ENDED:
-            self.store.record_observation(
-                job_id,
-                "driver_step_ended",
-                {"exit_code": request.exit_code, "attempt": request.attempt},
-                self.clock(),
-            )
-        pending = self.executor.pending_relaunch(job_id)
-        if pending is not None:
-            return _relaunch_answer(pending)
-        if request.phase is DriverPhase.START:
-            recovery = record.recovery
-            if recovery is not None and not recovery.validated:
-                return DriverAnswer(
-                    DriverAction.WAIT, record.attempt, reason="choosing a checkpoint",
-                    retry_after_s=DRIVER_RETRY_S,
-                )  # fmt: skip
-            return DriverAnswer(
-                DriverAction.LAUNCH,
-                record.attempt,
-                resume_from=recovery.resume_from if recovery is not None else None,
-                reason="launch on the current allocation",
-            )
-        return DriverAnswer(
-            DriverAction.WAIT,
-            record.attempt,
-            reason=f"job is {record.state.value}",
-            retry_after_s=DRIVER_RETRY_S,
-        )
-
-
-def _relaunch_answer(pending: RelaunchStep) -> DriverAnswer:
-    return DriverAnswer(
-        DriverAction.RELAUNCH,
-        pending.attempt,
-        nodes=pending.nodes,
-        resume_from=pending.resume_from,
-        action_id=pending.action_id,
-        reason=f"relaunch on {len(pending.nodes)} node(s)",
-    )
-
 
 class _Reconcile:
     """A queue item: run the executor's reconcile in the decision task."""
@@ -886,25 +585,6 @@ class _Act:
 
 
 _RECONCILE = _Reconcile()
-
-_DECIDED_KINDS = frozenset(
-    {
-        EventKind.RANK_EXITED,
-        EventKind.HANG,
-        EventKind.HEALTH_CHECK_FAILED,
-        EventKind.STRAGGLER,
-        EventKind.CHECKPOINT_COMMITTED,
-    }
-)
-
-
-def _goodput_doc(goodput: Goodput) -> dict[str, Any]:
-    return {
-        "ratio": round(goodput.ratio, 4),
-        "wall_s": round(goodput.wall_s, 3),
-        "productive_s": round(goodput.productive_s, 3),
-        "badput_s": {kind.value: round(value, 3) for kind, value in goodput.badput_s.items()},
-    }
 
 
 def _doc(record: JobRecord) -> dict[str, Any]:
