@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -84,6 +85,13 @@ class LiveCluster:
             return job if job is not None and job["job_state"] in states else None
 
         return self.wait_for(f"job {job_id} in {sorted(states)}", reached, timeout_s)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a server a test starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _cluster_conf() -> Path:

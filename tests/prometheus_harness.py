@@ -11,8 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from tests.conftest import REPO
-from tests.supervisor_harness import free_port
+from tests.conftest import REPO, free_port
 
 DASHBOARD = REPO / "deploy" / "grafana" / "resurgo-dashboard.json"
 RULES = REPO / "deploy" / "prometheus" / "rules" / "resurgo.yml"

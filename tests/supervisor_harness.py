@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from typing import IO
 from supervisor.jobs import JobSpec, submit
 from supervisor.slurm import SlurmClient
 from supervisor.store import Store
-from tests.conftest import REPO, LiveCluster
+from tests.conftest import REPO, LiveCluster, free_port
 
 # The node agents of test jobs report quickly, so recoveries fit in a test.
 AGENT_ENV = {
@@ -30,12 +29,6 @@ AGENT_ENV = {
 TOY = REPO / "deploy" / "demo" / "train_toy.py"
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class SupervisorProcess:

@@ -122,12 +122,7 @@ def supersede_newer(root: str | os.PathLike[str], step: int, now_unix_s: float) 
         if entry.step <= step:
             continue
         source = Path(entry.path)
-        target = source.with_name(f"{source.name}.superseded-{int(now_unix_s)}")
-        suffix = 1
-        while target.exists():
-            target = source.with_name(f"{source.name}.superseded-{int(now_unix_s)}-{suffix}")
-            suffix += 1
-        source.rename(target)
+        target = files.move_aside(source, "superseded", now_unix_s)
         log.warning("resuming from step %d: %s moved aside to %s", step, source, target.name)
         moved.append(target)
     if moved:

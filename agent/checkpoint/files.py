@@ -68,3 +68,18 @@ def read_small(path: Path, limit_bytes: int = 64 << 20) -> bytes:
     if len(data) > limit_bytes:
         raise ValueError(f"{path} is larger than {limit_bytes} bytes")
     return data
+
+
+def move_aside(path: Path, label: str, now_unix_s: float) -> Path:
+    """Rename ``path`` to ``<name>.<label>-<unix>`` (``-1``, ``-2``... when taken); return it.
+
+    The new name is not a ``step-<N>`` name, so nothing takes it for a
+    checkpoint any more, and nothing is deleted.
+    """
+    target = path.with_name(f"{path.name}.{label}-{int(now_unix_s)}")
+    suffix = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.{label}-{int(now_unix_s)}-{suffix}")
+        suffix += 1
+    path.rename(target)
+    return target

@@ -580,12 +580,7 @@ def prepare_step_dir(path: Path, now_unix_s: float) -> Path:
                 f"{path} is already a committed checkpoint and Resurgo never overwrites one; "
                 "save under a new step, or move it away deliberately"
             )
-        aside = path.with_name(f"{path.name}.aborted-{int(now_unix_s)}")
-        suffix = 1
-        while aside.exists():
-            aside = path.with_name(f"{path.name}.aborted-{int(now_unix_s)}-{suffix}")
-            suffix += 1
-        path.rename(aside)
+        aside = files.move_aside(path, "aborted", now_unix_s)
         logger.warning("uncommitted leftover %s renamed to %s before saving", path, aside.name)
     path.mkdir()
     return path

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +22,12 @@ import pytest
 from agent import protocol
 from agent.client import write_secret
 from agent.protocol import Command, CommandKind, Event, EventKind
-from tests.conftest import REPO, LiveCluster
+from tests.conftest import REPO, LiveCluster, free_port
 from tests.recording_server import RecordingServer
 
 WORKER = REPO / "tests" / "workers" / "agent_worker.py"
 LOSS_WORKER = REPO / "tests" / "workers" / "loss_worker.py"
 AGENT = [sys.executable, "-m", "agent.node"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class RunningAgent:
