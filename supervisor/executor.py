@@ -78,6 +78,8 @@ Validator = Callable[[str, ValidationLevel], tuple[bool, str]]
 # Later intents of a decision depend on these having happened.
 _PREREQUISITES = (StopRanks, ValidateCheckpoints, ShrinkAllocation, RequeueSmaller)
 _UNFINISHED = (ActionState.PLANNED, ActionState.STARTED, ActionState.FAILED)
+# A shrink refused this often (or for good) abandons the fast path: requeue instead.
+SHRINK_ATTEMPTS = 3
 ALERT_KIND = "alert"
 REQUEUE_BASELINE_KIND = "requeue_baseline"
 
@@ -266,11 +268,23 @@ class Executor:
         except SlurmError as error:
             retryable = _retryable(error)
             current = self._store.get_action(intent.action_id)
+            starts = current.starts if current is not None else 1
+            gave_up = isinstance(intent, ShrinkAllocation) and (
+                not retryable or starts >= SHRINK_ATTEMPTS
+            )
+            if gave_up:
+                retryable = False
             if current is not None and current.state is not ActionState.FAILED:
                 self._store.mark_failed(
                     intent.action_id, str(error), self._clock(), retryable=retryable
                 )
             _log_transition(intent, "started", "failed", f"retryable={retryable}: {error}")
+            if gave_up:
+                # The allocation cannot be shrunk (22.05 refused a job's second shrink
+                # for minutes): the fast path failed, the core falls back to a requeue.
+                assert isinstance(intent, ShrinkAllocation)
+                reason = f"shrink to {','.join(intent.keep_nodes)} failed {starts}x: {error}"
+                return _Outcome([RelaunchFinished(intent.attempt, False, reason)], settled=False)
             return _Outcome(settled=False)
         self._finish(intent, result, observations)
         _log_transition(intent, "started", "done", _brief(result))

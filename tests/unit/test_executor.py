@@ -449,3 +449,31 @@ def test_when_no_checkpoint_is_valid_the_last_report_has_no_path(
     )
     assert [(s.step, s.valid) for s in seen] == [(100, False), (None, False)]  # type: ignore[attr-defined]
     assert isinstance(seen[-1], CheckpointValidated) and seen[-1].path is None
+
+
+def test_a_shrink_refused_again_and_again_gives_up_the_fast_path(store: Store) -> None:
+    class Busy(FakeSlurm):
+        async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
+            raise SlurmUnavailable("slurmctld is busy: the DB index is being set")
+
+    ex = executor(store, Busy())
+    assert run_execute(ex, [SHRINK, RELAUNCH]) == []  # first refusal: retried later
+    assert asyncio.run(ex.reconcile(NOW + 5)) == []
+    given_up = asyncio.run(ex.reconcile(NOW + 10))
+    assert [seen for _, seen in given_up] == [
+        RelaunchFinished(SHRINK.attempt, False, given_up[0][1].reason)
+    ]
+    assert "failed 3x" in given_up[0][1].reason
+    row = store.get_action(SHRINK.action_id)
+    assert row is not None and row.state is ActionState.FAILED and not row.retryable
+    assert ex.pending_relaunch(JOB) is None
+    assert asyncio.run(ex.reconcile(NOW + 15)) == []  # given up once, for good
+
+
+def test_slurm_refusing_a_shrink_falls_back_to_the_requeue_path(store: Store) -> None:
+    class Refusing(FakeSlurm):
+        async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
+            raise SlurmCommandFailed(["scontrol"], 1, "Invalid node name")
+
+    seen = run_execute(executor(store, Refusing()), [SHRINK, RELAUNCH])
+    assert [type(s) for s in seen] == [RelaunchFinished] and not seen[0].ok
