@@ -75,7 +75,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -379,13 +379,8 @@ class Heartbeat:
 
     def checkpoint_committed(self, step: int, path: str | os.PathLike[str]) -> None:
         """Tell the agent a checkpoint of ``step`` committed at ``path``; never raises."""
-        if self._path is None:
-            return
-        sock = self._sock if self._sock is not None else self._reconnect()
-        if sock is None:
-            return
-        try:
-            data = encode_checkpoint(
+        self._send(
+            lambda: encode_checkpoint(
                 rank=self._rank,
                 local_rank=self._local_rank,
                 pid=self._pid,
@@ -394,14 +389,7 @@ class Heartbeat:
                 wall_time_s=self._clock(),
                 path=os.fspath(path),
             )
-            sock.send(data)
-        except BlockingIOError:
-            pass
-        except OSError:
-            self._disconnect()
-        except (ValueError, struct.error, TypeError):
-            # Path too long or not a str path; the agent also finds commits on disk.
-            pass
+        )
 
     def report_step(self, step: int, loss: float | None = None, cursor: int | None = None) -> None:
         """Tell the agent this rank finished ``step``, with its loss and data cursor; never raises.
@@ -413,13 +401,8 @@ class Heartbeat:
         """
         self._step = step
         self._phase = Phase.TRAIN
-        if self._path is None:
-            return
-        sock = self._sock if self._sock is not None else self._reconnect()
-        if sock is None:
-            return
-        try:
-            data = encode_step_report(
+        self._send(
+            lambda: encode_step_report(
                 rank=self._rank,
                 local_rank=self._local_rank,
                 pid=self._pid,
@@ -428,13 +411,27 @@ class Heartbeat:
                 cursor=cursor,
                 wall_time_s=self._clock(),
             )
-            sock.send(data)
+        )
+
+    def _send(self, encode: Callable[[], bytes]) -> None:
+        """Send what ``encode`` makes, if an agent is there; never raises, never blocks.
+
+        A full queue drops the datagram; a dead agent closes the socket (retried
+        later); an argument that does not encode (a path too long, a number out
+        of range; the agent also finds commits on disk) is dropped.
+        """
+        if self._path is None:
+            return
+        sock = self._sock if self._sock is not None else self._reconnect()
+        if sock is None:
+            return
+        try:
+            sock.send(encode())
         except BlockingIOError:
             pass
         except OSError:
             self._disconnect()
         except (ValueError, struct.error, TypeError):
-            # Out of range or not numbers: the report is not worth a crash.
             pass
 
     def close(self) -> None:
