@@ -80,7 +80,6 @@ from supervisor.timeline import node_faults
 log = logging.getLogger("resurgo.supervisor")
 
 
-
 class Supervisor(Intake):
     """The daemon's state and tasks; the API's :class:`~supervisor.api.JobDirectory` is
     its :class:`~supervisor.intake.Intake` half."""

@@ -357,6 +357,8 @@ _DECIDED_KINDS = frozenset(
         EventKind.HEALTH_CHECK_FAILED,
         EventKind.STRAGGLER,
         EventKind.CHECKPOINT_COMMITTED,
+        EventKind.LAUNCHER_EXITED,  # closes an exit window early
+        EventKind.AGENT_STOPPED,
     }
 )
 

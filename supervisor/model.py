@@ -192,6 +192,9 @@ class Recovery:
       window: the ranks that failed, earliest death first (at most
       :data:`MAX_EXITS`), so the root cause is the first to die and not the
       first reported; ``cause`` is the cause of the earliest so far.
+      ``settled``: the job's nodes whose launcher ended in this exit window
+      (the agent reports every rank's exit before its launcher's): once all
+      have, no exit is still on its way and the window closes early.
     - ``exclude``: nodes the relaunch must not use (blamed, lost, lemons).
     - ``requeue``: the allocation cannot be reused (batch host died, Slurm
       ended the allocation, the fast path failed) or is given up to grow.
@@ -207,6 +210,7 @@ class Recovery:
     evidence_until_s: float | None = None
     suspects: tuple[Suspect, ...] = ()
     exits: tuple[ExitSeen, ...] = ()
+    settled: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     requeue: bool = False
     validated: bool = False
@@ -364,11 +368,14 @@ def _exit_seen(doc: Mapping[str, Any]) -> ExitSeen:
 def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
     if doc is None:
         return None
-    # A record written before exit windows existed has no ``exits``: none collected.
-    values = {f.name: _get(doc, f.name) for f in fields(Recovery) if f.name != "exits"}
+    # Records written before exit windows (or their early close) existed lack
+    # ``exits`` (``settled``): none collected.
+    later = ("exits", "settled")
+    values = {f.name: _get(doc, f.name) for f in fields(Recovery) if f.name not in later}
     values["cause"] = Cause(values["cause"])
     values["suspects"] = tuple(_suspect(s) for s in values["suspects"])
     values["exits"] = tuple(_exit_seen(e) for e in doc.get("exits", ()))
+    values["settled"] = tuple(doc.get("settled", ()))
     values["exclude"] = tuple(values["exclude"])
     values["rejected"] = tuple(values["rejected"])
     return Recovery(**values)

@@ -6,10 +6,11 @@ here reads a clock or touches the OS; ``now_s`` is an argument.
 
 Per cause (issue 5, items 3-4):
 
-- a rank failed -> collect the other ranks' exits for
-  ``exit_evidence_window_s`` (their peers fail moments later and the reports
-  arrive in any order), then act on the root cause alone: the earliest death,
-  a node signal winning a tie (:func:`supervisor.blame.blame_exits`);
+- a rank failed -> collect the other ranks' exits until every node's
+  launcher has ended, or for at most ``exit_evidence_window_s`` (their peers
+  fail moments later and the reports arrive in any order), then act on the
+  root cause alone: the earliest death, a node signal winning a tie
+  (:func:`supervisor.blame.blame_exits`);
 - rank killed by a node signal -> blame its node, drain (within the hourly
   share, else alert), stop ranks, validate checkpoints, relaunch smaller;
 - Python exception -> no drain, ``user_exception_retries`` retries; the same
@@ -100,9 +101,10 @@ class Policy:
     - ``validation_level``: how deep a checkpoint is validated before resuming.
     - ``hang_evidence_window_s``: how long other nodes' hang reports are
       awaited before blaming.
-    - ``exit_evidence_window_s``: after a rank fails, how long the other
+    - ``exit_evidence_window_s``: after a rank fails, the longest the other
       ranks' exits are awaited before the earliest death is taken as the
-      root cause (0: act on the first exit reported).
+      root cause (0: act on the first exit reported). The window closes
+      sooner once every node's launcher has ended: their exits are all in.
     - ``resume_loss_tolerance``: replayed losses may differ by this much
       (absolute) and the resume still counts as verified (0: exact).
     - ``probation_s``: a node drained once for a transient fault returns to
@@ -126,9 +128,10 @@ class Policy:
     stop_grace_s: float = 30.0
     validation_level: ValidationLevel = ValidationLevel.FULL
     hang_evidence_window_s: float = 30.0
-    # Peers see a dead rank's closed connection within a second or so; the
-    # agents report within their next event flush.
-    exit_evidence_window_s: float = 3.0
+    # Peers see a dead rank's closed connection within a second or so and the
+    # window closes once every launcher ended; the longest wait covers a
+    # loaded node whose agent reports late (peers that hang never end).
+    exit_evidence_window_s: float = 10.0
     resume_loss_tolerance: float = 0.0
     probation_s: float = 1800.0
     lemon_blames: int = 2
@@ -227,6 +230,8 @@ def _on_agent_event(
         return _on_hang(record, event, now_s, policy, cluster)
     if kind is EventKind.HEALTH_CHECK_FAILED and event.node in record.nodes:
         return _on_node_fault(record, blame(event, record, cluster), now_s, policy, cluster)
+    if kind in (EventKind.LAUNCHER_EXITED, EventKind.AGENT_STOPPED):
+        return _on_launcher_end(record, event, now_s, policy, cluster)
     if kind is EventKind.STRAGGLER and record.state is JobState.RUNNING:
         return _on_straggler(record, event, now_s, policy, cluster)
     return _nothing(record, f"{kind.value} from {event.node} needs no action now")
@@ -295,6 +300,24 @@ def _open_exit_window(
         f"collecting the other ranks' exits for {window:g}s"
     )
     return Decision(record, (), cause, explanation)
+
+
+def _on_launcher_end(
+    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    """A node's launcher ended: its ranks' exits are all reported; maybe every node's are."""
+    pending = record.recovery
+    idle = f"{event.kind.value} from {event.node} needs no action now"
+    if record.state is not JobState.RECOVERING or pending is None or not pending.collecting_exits:
+        return _nothing(record, idle)
+    if event.node not in record.nodes or event.node in pending.settled:
+        return _nothing(record, idle)
+    settled = tuple(sorted({*pending.settled, event.node}))
+    record = replace(record, recovery=replace(pending, settled=settled))
+    waiting = [node for node in record.nodes if node not in settled]
+    if not waiting:
+        return _decide_exits(record, now_s, policy, cluster)
+    return _nothing(record, f"launcher on {event.node} ended; exits still due from {waiting}")
 
 
 def _decide_exits(

@@ -34,7 +34,6 @@ POLICY = {
     # Four nodes: a share of 1/4 allows exactly one drain per hour.
     "max_drain_share_per_hour": "0.25",
     "backoff_base_s": "2",
-    "exit_evidence_window_s": "3",
     "validation_level": "full",
 }
 ENDED = {"COMPLETED", "FAILED", "CANCELLED"}

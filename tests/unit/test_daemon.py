@@ -59,7 +59,7 @@ def run(body: Callable[[Supervisor, Slurm, list[float]], Awaitable[None]], tmp_p
         config = SupervisorConfig(state_dir=str(tmp_path / "state"))
         supervisor = Supervisor(
             config,
-            Policy(max_drain_share_per_hour=0.5, exit_evidence_window_s=0, **policy),
+            Policy(**{"max_drain_share_per_hour": 0.5, "exit_evidence_window_s": 0, **policy}),
             slurm=slurm,  # type: ignore[arg-type]
             clock=lambda: clock[0],
         )
@@ -135,6 +135,33 @@ def test_reports_of_an_earlier_attempts_agents_are_kept_but_not_decided_on(tmp_p
         assert len(supervisor.store.events_for(JOB, kinds=[EventKind.RANK_EXITED])) == 2
 
     run(body, tmp_path)
+
+
+def test_an_exit_window_closes_when_every_launcher_ended_not_when_the_clock_says(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        agents = {node: f"00000000000000c{i}" for i, node in enumerate(NODES)}
+        for node, incarnation in agents.items():
+            supervisor.accept_events(JOB, [started(node, incarnation, 1)])
+        supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
+        ended = {"exit_code": 1, "signal": None, "signal_name": None, "pid": 10}
+        for node in NODES[:-1]:
+            launcher = event(EventKind.LAUNCHER_EXITED, node, agents[node], 3, ended)
+            supervisor.accept_events(JOB, [launcher])
+            await supervisor.settle()
+            assert supervisor.jobs[JOB].record.attempt == 1  # still collecting exits
+        last = NODES[-1]
+        supervisor.accept_events(
+            JOB, [event(EventKind.LAUNCHER_EXITED, last, agents[last], 3, ended)]
+        )
+        await supervisor.settle()
+        assert clock == [NOW]  # no time passed: the launchers' ends closed the window
+        assert supervisor.jobs[JOB].record.attempt == 2
+        assert slurm.calls[0][:2] == ("drain", "node3")
+
+    run(body, tmp_path, exit_evidence_window_s=60)
 
 
 def test_a_stop_for_the_old_launch_never_reaches_the_relaunched_agents(tmp_path: Path) -> None:

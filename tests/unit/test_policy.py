@@ -31,6 +31,8 @@ from supervisor.model import (
     JobRecord,
     JobState,
     new_record,
+    record_from_json,
+    record_to_json,
 )
 from supervisor.observations import (
     AgentEvent,
@@ -377,6 +379,59 @@ def test_the_exit_window_keeps_only_the_earliest_exits():
     assert collected.record.recovery is not None
     kept = [seen.died_at_s for seen in collected.record.recovery.exits]
     assert kept == [NOW - i for i in range(MAX_EXITS + 5, 5, -1)]
+
+
+def launcher_ended(node: str, kind: EventKind = EventKind.LAUNCHER_EXITED) -> AgentEvent:
+    return AgentEvent(kind, node, f"42/{node}/abcdef01/9", NOW - 0.5)
+
+
+def test_the_exit_window_closes_once_every_nodes_launcher_ended():
+    """The killed rank's report comes last; the window waits for it, not for the clock."""
+    peers = [rank_exit(n, code=1, digest="gloo", exit_time=NOW - 2.0) for n in ("node1", "node2")]
+    observations = [
+        *peers,
+        launcher_ended("node1"),
+        launcher_ended("node1", EventKind.AGENT_STOPPED),  # the same node: still waiting
+        launcher_ended("node2"),
+        launcher_ended("node4"),  # its rank never failed: a clean launcher end settles it too
+        rank_exit("node3", sig=KILL, exit_time=NOW - 3.0),
+    ]
+    *collecting, last_exit = run(running(), *observations, policy=WINDOW, cluster=FOUR)
+    assert all(d.intents == () for d in collecting) and last_exit.intents == ()
+    assert last_exit.record.recovery is not None
+    assert last_exit.record.recovery.settled == ("node1", "node2", "node4")
+    assert "exits still due from ['node3']" in collecting[-1].explanation
+    (decided,) = run(last_exit.record, launcher_ended("node3"), policy=WINDOW, cluster=FOUR)
+    assert decided.cause is Cause.RANK_SIGNAL  # at NOW: well before the window's end
+    assert kinds(decided) == [DrainNode, StopRanks, ValidateCheckpoints]
+    assert isinstance(decided.intents[0], DrainNode) and decided.intents[0].node == "node3"
+    (after,) = run(decided.record, launcher_ended("node3"), policy=WINDOW, cluster=FOUR)
+    assert after.record == decided.record and after.intents == ()
+
+
+def test_a_launcher_end_outside_an_exit_window_changes_nothing():
+    (ended,) = run(running(), launcher_ended("node2"), policy=WINDOW, cluster=FOUR)
+    assert ended.record == running() and ended.intents == ()
+    opened, stranger = run(
+        running(),
+        rank_exit("node3", sig=KILL, exit_time=NOW - 1.0),
+        launcher_ended("node9"),  # not one of the job's nodes
+        policy=WINDOW,
+        cluster=FOUR,
+    )
+    assert stranger.record == opened.record
+
+
+def test_a_settled_node_survives_the_record_round_trip():
+    _, settled = run(
+        running(),
+        rank_exit("node3", sig=KILL, exit_time=NOW - 1.0),
+        launcher_ended("node3"),
+        policy=WINDOW,
+        cluster=FOUR,
+    )
+    assert settled.record.recovery is not None and settled.record.recovery.settled == ("node3",)
+    assert record_from_json(record_to_json(settled.record)) == settled.record
 
 
 def test_a_hang_report_during_the_exit_window_is_evidence_only():
