@@ -141,7 +141,9 @@ class RankProgress:
 
     ``progress_s`` is when the step or phase last changed (and so where the
     next step-time measurement starts), ``seen_s`` when the last datagram
-    arrived, ``beats`` how many arrived from this pid.
+    arrived, ``beats`` how many arrived from this pid. ``compute_times``: the
+    compute seconds the rank measured itself for its recent steps (beats that
+    carry them), which the supervisor compares across nodes.
     """
 
     rank: int
@@ -153,6 +155,7 @@ class RankProgress:
     seen_s: float
     step_times: StepTimes = field(default_factory=StepTimes)
     beats: int = 1
+    compute_times: StepTimes = field(default_factory=StepTimes)
 
 
 def observe(
@@ -175,6 +178,7 @@ def observe(
             progress_s=now_s,
             seen_s=now_s,
             step_times=StepTimes(window),
+            compute_times=_with_compute(StepTimes(window), beat),
         )
     step_changed = beat.step != previous.step
     phase_changed = beat.phase is not previous.phase
@@ -198,7 +202,12 @@ def observe(
         seen_s=now_s,
         step_times=step_times,
         beats=previous.beats + 1,
+        compute_times=_with_compute(previous.compute_times, beat),
     )
+
+
+def _with_compute(times: StepTimes, beat: RankBeat) -> StepTimes:
+    return times if beat.compute_s is None else times.add(beat.compute_s)
 
 
 class HangReason(enum.Enum):

@@ -147,6 +147,8 @@ class RankStatus:
 
     ``step``, ``phase`` and ``last_progress_unix_s`` are None until the rank's
     first heartbeat; the step-time statistics are None until a step completed.
+    ``compute_p50_s`` is the median of the rank's own measured compute time
+    over its last ``compute_observed`` steps (None, 0: the rank measures none).
     """
 
     global_rank: int
@@ -159,6 +161,8 @@ class RankStatus:
     step_time_p99_s: float | None
     step_time_mean_s: float | None
     steps_observed: int
+    compute_p50_s: float | None = None
+    compute_observed: int = 0
 
 
 @dataclass(frozen=True)
@@ -309,6 +313,14 @@ def encode_heartbeat(report: HeartbeatReport) -> bytes:
                 "step_time_p99_s": rank.step_time_p99_s,
                 "step_time_mean_s": rank.step_time_mean_s,
                 "steps_observed": rank.steps_observed,
+                **(
+                    {}
+                    if rank.compute_p50_s is None
+                    else {
+                        "compute_p50_s": rank.compute_p50_s,
+                        "compute_observed": rank.compute_observed,
+                    }
+                ),
             }
             for rank in report.ranks
         ],
@@ -337,6 +349,15 @@ def decode_heartbeat(data: bytes) -> HeartbeatReport:
                 step_time_p99_s=_optional(rank, "step_time_p99_s", where, _float),
                 step_time_mean_s=_optional(rank, "step_time_mean_s", where, _float),
                 steps_observed=_int(rank, "steps_observed", where),
+                # Absent from agents that measure no compute time (or predate it).
+                compute_p50_s=(
+                    _optional(rank, "compute_p50_s", where, _float)
+                    if "compute_p50_s" in rank
+                    else None
+                ),
+                compute_observed=(
+                    _int(rank, "compute_observed", where) if "compute_observed" in rank else 0
+                ),
             )
         )
     global_ranks = [rank.global_rank for rank in ranks]

@@ -150,6 +150,8 @@ class RankMonitor:
                     step_time_p99_s=times.p99,
                     step_time_mean_s=times.mean,
                     steps_observed=times.count,
+                    compute_p50_s=progress.compute_times.p50,
+                    compute_observed=progress.compute_times.count,
                 )
             )
         return tuple(statuses)

@@ -65,6 +65,8 @@ class SupervisorConfig:
       (``{node}`` is replaced; e.g. ``ssh {node} /usr/sbin/nhc``); empty: the
       node answers Slurm and is not DOWN. Checked every ``interval_check_s``
       for nodes whose probation (``policy.probation_s``) is over.
+    - ``straggler_check_s``: how often each running job's ranks are compared
+      for a straggler (their compute times, from the agents' heartbeats).
     - ``slurm_timeout_s``: the limit on every Slurm command.
     - ``log_json``: one JSON object per log line (default: only when stderr
       is not a terminal).
@@ -81,12 +83,14 @@ class SupervisorConfig:
     reconcile_s: float = 10.0
     interval_check_s: float = 60.0
     probation_check: str = ""
+    straggler_check_s: float = 30.0
     slurm_timeout_s: float = 15.0
     log_json: str = "auto"
 
     def __post_init__(self) -> None:
         for name in (
             "poll_s", "tick_s", "lease_s", "reconcile_s", "interval_check_s", "slurm_timeout_s",
+            "straggler_check_s",
         ):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:

@@ -11,6 +11,9 @@ One asyncio loop holds it together (DESIGN §2-§3):
 - a tick task releases waits (evidence windows, backoff), turns expired
   agent leases into :class:`~supervisor.observations.LeaseExpired` and
   retries unfinished actions every ``reconcile_s``;
+- every ``straggler_check_s`` each running job's ranks are compared by the
+  compute time they measure (:mod:`supervisor.stragglers`): a straggler is
+  reported to the core as long as it lasts;
 - one decision task takes observations in arrival order, runs the pure
   :func:`~supervisor.policy.decide`, stores the new record, the decision and
   the planned actions in ONE transaction, then has the
@@ -40,9 +43,7 @@ from typing import Any
 
 from agent.errors import ConfigError, ResurgoError
 from agent.periodic import every
-from agent.protocol import (
-    EventKind,
-)
+from agent.protocol import EventKind
 from supervisor import jobs as jobfiles
 from supervisor.api import bound_port, build_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
@@ -62,6 +63,7 @@ from supervisor.model import (
     record_to_json,
 )
 from supervisor.observations import (
+    AgentEvent,
     LeaseExpired,
     Observation,
     SlurmJobSeen,
@@ -75,6 +77,7 @@ from supervisor.recovery import drain_limit
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.store import Actor, Store
+from supervisor.stragglers import find_stragglers
 from supervisor.timeline import node_faults
 
 log = logging.getLogger("resurgo.supervisor")
@@ -151,6 +154,10 @@ class Supervisor(Intake):
             ),
             asyncio.create_task(
                 self._every(self.config.interval_check_s, self.probation), name="probation"
+            ),
+            asyncio.create_task(
+                self._every(self.config.straggler_check_s, self.check_stragglers),
+                name="stragglers",
             ),
         ]
         try:
@@ -492,6 +499,7 @@ class Supervisor(Intake):
         job.record = after
         if after.attempt != before.attempt:
             self.store.drop_leases(job_id)
+            job.compute.clear()  # the new launch's ranks measure afresh
         if after.state is not before.state or decision.intents:
             _log_decision(job_id, before, decision)
         for seen in await self.executor.execute(job_id, decision.intents, now):
@@ -569,6 +577,40 @@ class Supervisor(Intake):
                     job_id, push.interval_s, node_mtbf or 0.0, stall_s,
                 )  # fmt: skip
                 self._queue.put_nowait(_Act(job_id, (push,)))
+
+    async def check_stragglers(self) -> None:
+        """Compare each running job's ranks' compute times; report a straggler while it lasts."""
+        now = self.clock()
+        for job_id, job in self.jobs.items():
+            if job.record.state is not JobState.RUNNING:
+                continue
+            found = find_stragglers(
+                job.compute.values(),
+                factor=self.policy.straggler_factor,
+                min_steps=self.policy.straggler_min_steps,
+            )
+            for straggler in found:
+                payload = {
+                    "global_rank": straggler.global_rank,
+                    "compute_p50_s": straggler.p50_s,
+                    "reference_s": straggler.reference_s,
+                    "ratio": round(straggler.ratio, 3),
+                    "steps_observed": straggler.observed,
+                    "attempt": job.record.attempt,
+                }
+                row = self.store.record_observation(
+                    job_id, EventKind.STRAGGLER.value, payload, now, node=straggler.node
+                )
+                log.warning("job %s: straggler on %s: %s", job_id, straggler.node, straggler.detail)
+                seen = AgentEvent(
+                    EventKind.STRAGGLER,
+                    straggler.node,
+                    row.event_id,
+                    now,
+                    global_rank=straggler.global_rank,
+                    detail=straggler.detail,
+                )
+                self._enqueue(job_id, seen, row.event_id)
 
 
 class _Reconcile:

@@ -45,6 +45,7 @@ from supervisor.observations import Observation, StepProgress, from_event
 from supervisor.policy import Policy
 from supervisor.reconcile import command_attempt
 from supervisor.store import Store
+from supervisor.stragglers import ComputeSample
 from supervisor.timeline import CHECKPOINT_STATS_KIND, goodput_of
 from supervisor.verify import check_resume
 
@@ -73,6 +74,8 @@ class TrackedJob:
     # (step, stall_s, write_s) of the newest checkpoint's save
     save_cost: tuple[int, float, float] | None = None
     interval_s: float | None = None  # the interval last pushed to the agents
+    # global rank -> its newest compute median (this attempt's agents only)
+    compute: dict[int, ComputeSample] = field(default_factory=dict)
 
 
 class Intake:
@@ -223,6 +226,11 @@ class Intake:
             return
         now = self.clock()
         self.store.touch_lease(job_id, report.node, incarnation, now)
+        for rank in report.ranks:
+            if rank.compute_p50_s is not None and rank.compute_observed > 0:
+                job.compute[rank.global_rank] = ComputeSample(
+                    report.node, rank.global_rank, rank.compute_p50_s, rank.compute_observed
+                )
         # A rank still loading (phase init) reports step 0: not the job's progress.
         steps = [r.step for r in report.ranks if r.step is not None and r.phase != "init"]
         if not steps:

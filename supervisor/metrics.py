@@ -165,6 +165,10 @@ class StoreCollector(Collector):
                 "resurgo_job_nondeterministic_resumes",
                 "Resumes whose replayed steps differed from the run before the fault.",
                 labels=["job_id"]),
+            "stragglers": CounterMetricFamily(
+                "resurgo_job_straggler_reports",
+                "Times a node of the job was reported as a straggler.",
+                labels=["job_id", "node"]),
             "step": gauge("resurgo_job_last_committed_step",
                           "Step of the newest committed checkpoint.", job),
             "age": gauge("resurgo_job_checkpoint_age_seconds",
@@ -199,6 +203,12 @@ class StoreCollector(Collector):
             families["badput"].add_metric([job_id, kind.value], seconds)
         for cause, count in record.get("restarts", []):
             families["restarts"].add_metric([job_id, cause], float(count))
+        # Every node of the job from the start (at 0): a counter's first report
+        # is then an increase that rate() and increase() can see.
+        reports = {node: 0.0 for node in record.get("nodes", [])}
+        reports.update((node, float(count)) for node, count in record.get("straggler_reports", []))
+        for node, count in sorted(reports.items()):
+            families["stragglers"].add_metric([job_id, node], count)
         progress = self._store.progress_for(job_id)
         if progress:
             families["progress"].add_metric([job_id], float(progress[-1].step))

@@ -92,6 +92,10 @@ class Policy:
     - ``drain_confidence``: the least blame confidence that drains a node.
     - ``straggler_drain`` / ``straggler_reports_to_drain``: drain a straggler's
       node after that many reports (off by default: slow is not broken).
+    - ``straggler_factor`` / ``straggler_min_steps``: a rank whose median
+      compute time over at least that many steps exceeds the factor x the
+      other ranks' median is a straggler (:mod:`supervisor.stragglers`); the
+      daemon reports it at each straggler check while it lasts.
     - ``max_restarts_without_progress``: consecutive restarts with no newer
       committed checkpoint before the job is stopped as FAILED.
     - ``backoff_base_s`` / ``backoff_max_s``: the wait before a relaunch,
@@ -121,6 +125,8 @@ class Policy:
     drain_confidence: float = 0.6
     straggler_drain: bool = False
     straggler_reports_to_drain: int = 3
+    straggler_factor: float = 1.5
+    straggler_min_steps: int = 10
     max_restarts_without_progress: int = 3
     backoff_base_s: float = 10.0
     backoff_max_s: float = 600.0
@@ -154,9 +160,11 @@ class Policy:
             raise ConfigError("policy: max_drain_share_per_hour is a share, at most 1")
         if self.drain_confidence > 1:
             raise ConfigError("policy: drain_confidence is at most 1")
-        for name in ("straggler_reports_to_drain", "lemon_blames"):
+        for name in ("straggler_reports_to_drain", "lemon_blames", "straggler_min_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"policy: {name} must be >= 1")
+        if self.straggler_factor <= 1:
+            raise ConfigError("policy: straggler_factor must be > 1")
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError("policy: backoff_max_s must be >= backoff_base_s")
 
@@ -401,10 +409,14 @@ def _on_straggler(
     counts = dict(record.straggler_reports)
     counts[event.node] = counts.get(event.node, 0) + 1
     record = replace(record, straggler_reports=tuple(sorted(counts.items())))
-    message = f"job {record.job_id}: straggler on {event.node} ({counts[event.node]}x): "
+    count = counts[event.node]
+    message = f"job {record.job_id}: straggler on {event.node} ({count}x): "
     alert = Alert(record.job_id, record.attempt, Severity.WARNING, message + event.detail)
-    if not policy.straggler_drain or counts[event.node] < policy.straggler_reports_to_drain:
-        return Decision(record, (alert,), Cause.STRAGGLER, "straggler reported, not drained")
+    if not policy.straggler_drain or count < policy.straggler_reports_to_drain:
+        # One alert per node; a straggler that lasts is reported again, and counted.
+        alerts = (alert,) if count == 1 else ()
+        why = f"straggler on {event.node} reported ({count}x), not drained: {event.detail}"
+        return Decision(record, alerts, Cause.STRAGGLER, why)
     verdict = blame(event, record, cluster)
     # Persistent and configured: treat as a fault of the node, whatever the score.
     verdict = replace(verdict, confidence=max(verdict.confidence, policy.drain_confidence))

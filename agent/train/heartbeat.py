@@ -4,7 +4,10 @@ A training script calls :func:`beat` (or :meth:`Heartbeat.beat`) once per
 step; the node agent turns the stream into hang and straggler verdicts
 (:mod:`agent.hang`). :meth:`Heartbeat.report_step` is a beat that also carries
 the step's loss and data cursor, which the agent forwards to the supervisor for
-resume verification (``TrainingSession.step_done`` sends it). On every rank::
+resume verification (``TrainingSession.step_done`` sends it). A beat or a report
+may carry the step's compute seconds (``TrainingSession.compute``): the time a
+rank worked before waiting for its peers, from which the supervisor finds a
+straggler that synchronous training otherwise hides. On every rank::
 
     from agent.train.heartbeat import Heartbeat, Phase
 
@@ -50,14 +53,18 @@ offset type  field
 26     f64   wall time of sending, seconds since the epoch (``time.time()``)
 ====== ===== ===================================================================
 
-A beat is exactly those 34 bytes. A checkpoint note appends ``u16`` path
-length and that many bytes of the path (UTF-8, undecodable bytes kept via
+A beat is those 34 bytes, or 42 with ``f64`` compute seconds appended: the
+time the rank spent on its own work in the step just finished, before it
+waited for its peers (NaN: not measured). A checkpoint note appends ``u16``
+path length and that many bytes of the path (UTF-8, undecodable bytes kept via
 ``surrogateescape``), at most :data:`MAX_PATH_BYTES`. A step report (phase
-train; rank, local rank and step >= 0) appends two fields, 50 bytes in all:
+train; rank, local rank and step >= 0) appends three fields, 58 bytes in all
+(a 50-byte report without the compute seconds is read too):
 
 ====== ===== ===================================================================
 34     f64   the step's loss; NaN: no loss (none given, or not a number)
 42     i64   data cursor: global samples consumed before the step; -1: unknown
+50     f64   the step's compute seconds; NaN: not measured
 ====== ===== ===================================================================
 
 The wall time is for reports and latency only: the agent measures progress
@@ -94,9 +101,13 @@ RECONNECT_PERIOD_S = 2.0
 _HEADER = struct.Struct("<2sBBBxiiiqd")
 _PATH_LEN = struct.Struct("<H")
 _STEP_TAIL = struct.Struct("<dq")
+_COMPUTE = struct.Struct("<d")
 BEAT_SIZE = _HEADER.size
-STEP_REPORT_SIZE = BEAT_SIZE + _STEP_TAIL.size
+TIMED_BEAT_SIZE = BEAT_SIZE + _COMPUTE.size
+STEP_REPORT_SIZE = BEAT_SIZE + _STEP_TAIL.size + _COMPUTE.size
+_UNTIMED_STEP_REPORT_SIZE = BEAT_SIZE + _STEP_TAIL.size
 _NO_LOSS = float("nan")
+_NO_COMPUTE = float("nan")
 _NO_CURSOR = -1
 
 
@@ -128,7 +139,10 @@ _CODE_PHASE: dict[int, Phase] = {code: phase for phase, code in _PHASE_CODE.item
 
 @dataclass(frozen=True)
 class RankBeat:
-    """One decoded beat: ``rank`` reached ``step`` in ``phase`` at ``wall_time_s``."""
+    """One decoded beat: ``rank`` reached ``step`` in ``phase`` at ``wall_time_s``.
+
+    ``compute_s``: the rank's own work in the step it just finished, when measured.
+    """
 
     rank: int
     local_rank: int
@@ -136,6 +150,7 @@ class RankBeat:
     step: int
     phase: Phase
     wall_time_s: float
+    compute_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -156,8 +171,9 @@ class StepReport:
     """One decoded step report: ``rank`` finished ``step`` with ``loss`` at data ``cursor``.
 
     ``loss`` is None when the rank gave none (or it was NaN); ``cursor`` (the
-    global samples consumed before the step) is None when unknown. A step
-    report is also a beat in phase train: see :meth:`as_beat`.
+    global samples consumed before the step) is None when unknown; so is
+    ``compute_s`` when not measured. A step report is also a beat in phase
+    train: see :meth:`as_beat`.
     """
 
     rank: int
@@ -167,21 +183,59 @@ class StepReport:
     loss: float | None
     cursor: int | None
     wall_time_s: float
+    compute_s: float | None = None
 
     def as_beat(self) -> RankBeat:
         """The beat this report stands for: ``rank`` reached ``step`` in phase train."""
         return RankBeat(
-            self.rank, self.local_rank, self.pid, self.step, Phase.TRAIN, self.wall_time_s
+            self.rank,
+            self.local_rank,
+            self.pid,
+            self.step,
+            Phase.TRAIN,
+            self.wall_time_s,
+            self.compute_s,
         )
 
 
 def encode_beat(
-    *, rank: int, local_rank: int, pid: int, step: int, phase: Phase, wall_time_s: float
+    *,
+    rank: int,
+    local_rank: int,
+    pid: int,
+    step: int,
+    phase: Phase,
+    wall_time_s: float,
+    compute_s: float | None = None,
 ) -> bytes:
-    """The datagram for one beat (the reference encoder; :class:`Heartbeat` inlines it)."""
-    return _HEADER.pack(
+    """The datagram for one beat (the reference encoder; :class:`Heartbeat` inlines it).
+
+    With ``compute_s`` the 42-byte timed form; ValueError when it is negative
+    or not finite.
+    """
+    header = _HEADER.pack(
         MAGIC, VERSION, Kind.BEAT, _PHASE_CODE[phase], rank, local_rank, pid, step, wall_time_s
     )
+    if compute_s is None:
+        return header
+    return header + _COMPUTE.pack(_checked_compute(compute_s))
+
+
+def _usable(compute_s: float) -> bool:
+    return isinstance(compute_s, int | float) and math.isfinite(compute_s) and compute_s >= 0
+
+
+def _checked_compute(compute_s: float | None) -> float:
+    if compute_s is None:
+        return _NO_COMPUTE
+    if not _usable(compute_s):
+        raise ValueError(f"compute seconds must be finite and >= 0, got {compute_s!r}")
+    return compute_s
+
+
+def _read_compute(data: bytes, offset: int) -> float | None:
+    (compute_s,) = _COMPUTE.unpack_from(data, offset)
+    return compute_s if _usable(compute_s) else None
 
 
 def encode_checkpoint(
@@ -221,8 +275,12 @@ def encode_step_report(
     loss: float | None,
     cursor: int | None,
     wall_time_s: float,
+    compute_s: float | None = None,
 ) -> bytes:
-    """The datagram for a step report; ValueError for a negative rank, step or cursor."""
+    """The datagram for a step report; ValueError for a negative rank, step or cursor.
+
+    ``compute_s`` None: not measured; negative or not finite: ValueError.
+    """
     if min(rank, local_rank, step) < 0 or (cursor is not None and cursor < 0):
         raise ValueError(
             f"step report needs rank, local rank, step and cursor >= 0, got rank {rank}, "
@@ -239,9 +297,10 @@ def encode_step_report(
         step,
         wall_time_s,
     )
-    return header + _STEP_TAIL.pack(
+    tail = _STEP_TAIL.pack(
         _NO_LOSS if loss is None else loss, _NO_CURSOR if cursor is None else cursor
     )
+    return header + tail + _COMPUTE.pack(_checked_compute(compute_s))
 
 
 def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None:
@@ -257,9 +316,12 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None
     if phase is None:
         return None
     if kind == Kind.BEAT:
-        if len(data) != BEAT_SIZE:
-            return None
-        return RankBeat(rank, local_rank, pid, step, phase, wall)
+        if len(data) == BEAT_SIZE:
+            return RankBeat(rank, local_rank, pid, step, phase, wall)
+        if len(data) == TIMED_BEAT_SIZE:
+            compute_s = _read_compute(data, BEAT_SIZE)
+            return RankBeat(rank, local_rank, pid, step, phase, wall, compute_s)
+        return None
     if kind == Kind.STEP:
         return _step_report(data, phase, rank, local_rank, pid, step, wall)
     if kind != Kind.CHECKPOINT or len(data) < BEAT_SIZE + _PATH_LEN.size:
@@ -276,11 +338,13 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None
 def _step_report(
     data: bytes, phase: Phase, rank: int, local_rank: int, pid: int, step: int, wall: float
 ) -> StepReport | None:
-    if len(data) != STEP_REPORT_SIZE or phase is not Phase.TRAIN or min(rank, local_rank, step) < 0:
+    sizes = (STEP_REPORT_SIZE, _UNTIMED_STEP_REPORT_SIZE)
+    if len(data) not in sizes or phase is not Phase.TRAIN or min(rank, local_rank, step) < 0:
         return None
     loss, cursor = _STEP_TAIL.unpack_from(data, BEAT_SIZE)
     if cursor < _NO_CURSOR:
         return None
+    timed = len(data) == STEP_REPORT_SIZE
     return StepReport(
         rank,
         local_rank,
@@ -289,6 +353,7 @@ def _step_report(
         None if math.isnan(loss) else loss,
         None if cursor == _NO_CURSOR else cursor,
         wall,
+        _read_compute(data, _UNTIMED_STEP_REPORT_SIZE) if timed else None,
     )
 
 
@@ -333,11 +398,28 @@ class Heartbeat:
         """Whether a socket to the agent is open now."""
         return self._sock is not None
 
-    def beat(self, step: int, phase: Phase = Phase.TRAIN) -> None:
-        """Tell the agent this rank reached ``step`` in ``phase``; drops it if it cannot."""
+    def beat(self, step: int, phase: Phase = Phase.TRAIN, compute_s: float | None = None) -> None:
+        """Tell the agent this rank reached ``step`` in ``phase``; drops it if it cannot.
+
+        ``compute_s``: the seconds this rank worked in the step before waiting
+        for its peers, when measured (a negative or non-finite value is left out).
+        """
         self._step = step
         self._phase = phase
         if self._path is None:
+            return
+        if compute_s is not None and _usable(compute_s):
+            self._send(
+                lambda: encode_beat(
+                    rank=self._rank,
+                    local_rank=self._local_rank,
+                    pid=self._pid,
+                    step=step,
+                    phase=phase,
+                    wall_time_s=self._clock(),
+                    compute_s=compute_s,
+                )
+            )
             return
         sock = self._sock
         if sock is None:
@@ -391,14 +473,23 @@ class Heartbeat:
             )
         )
 
-    def report_step(self, step: int, loss: float | None = None, cursor: int | None = None) -> None:
+    def report_step(
+        self,
+        step: int,
+        loss: float | None = None,
+        cursor: int | None = None,
+        compute_s: float | None = None,
+    ) -> None:
         """Tell the agent this rank finished ``step``, with its loss and data cursor; never raises.
 
         Counts as a beat of ``step`` in phase train. ``loss`` is a float (call
         ``.item()`` on a tensor), None when there is none; ``cursor`` is the
-        global samples consumed BEFORE the step, None when unknown. A report
-        with a negative step or cursor is dropped.
+        global samples consumed BEFORE the step, None when unknown;
+        ``compute_s`` as for :meth:`beat` (a negative or non-finite value is
+        left out). A report with a negative step or cursor is dropped.
         """
+        if compute_s is not None and not _usable(compute_s):
+            compute_s = None
         self._step = step
         self._phase = Phase.TRAIN
         self._send(
@@ -410,6 +501,7 @@ class Heartbeat:
                 loss=loss,
                 cursor=cursor,
                 wall_time_s=self._clock(),
+                compute_s=compute_s,
             )
         )
 

@@ -12,7 +12,9 @@ schedule from :mod:`agent.train.schedule`. On every rank::
     session.restore_rng()              # so the RNGs are restored after it exists
     while session.step < total_steps:
         batch = next(batches)          # (new iterator at each epoch end)
-        ...forward, backward, optimizer.step(), scheduler.step()...
+        with session.compute():        # this rank's own work, before it waits for peers
+            ...forward, backward...
+        ...gradient all-reduce, optimizer.step(), scheduler.step()...
         session.step_done(loss=loss.item())  # advances the sampler; saves when due
     session.close()                    # waits for the last save to commit
 
@@ -33,6 +35,12 @@ steps' losses; resized: the first step's cursor). Only rank 0 reports unless
 ``report_all_ranks`` is set: the loss a script logs is usually all-reduced,
 so one rank's value speaks for all.
 
+Time spent inside :meth:`TrainingSession.compute` during a step goes with the
+step's beat from every rank. In synchronous training every rank's step takes
+as long as the slowest rank's, so step times cannot tell which rank is slow;
+the compute time before the collective can, and the supervisor compares it
+across nodes to name a straggler. Unmarked, nothing is measured.
+
 The resume source is ``RESURGO_RESUME_FROM`` (set by the supervisor: that
 exact checkpoint, re-validated; invalid is an error) or else the newest
 checkpoint under the root that passes the QUICK validation level. Rank 0
@@ -44,7 +52,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +144,7 @@ class TrainingSession:
         )
         self._interval = interval if interval is not None else IntervalSource(dict(env))
         self.step = 0
+        self._compute_s: float | None = None  # in compute() during this step
         self._schedule = CheckpointSchedule(
             self._interval.current(), start_step=0, start_s=self._clock()
         )
@@ -253,6 +263,23 @@ class TrainingSession:
 
     # -- save ----------------------------------------------------------------
 
+    @contextmanager
+    def compute(self, *, cuda_sync: bool = False) -> Iterator[None]:
+        """Time this rank's own work in the step (forward, backward), before it waits for peers.
+
+        The time (host wall time, summed over every ``compute()`` in the step)
+        goes with the step's report or beat in :meth:`step_done`. On a GPU the
+        host only queues kernels: ``cuda_sync=True`` synchronizes the current
+        device on exit so the time includes them (at the cost of one sync).
+        """
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda_sync and torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            self._compute_s = (self._compute_s or 0.0) + time.perf_counter() - started
+
     def step_done(self, loss: float | None = None) -> SaveResult | None:
         """Record one completed optimizer step; save when the schedule says so.
 
@@ -262,7 +289,8 @@ class TrainingSession:
         (``step`` after this call: the first step after resuming from the
         checkpoint of step S is S + 1), ``loss`` (a float; pass ``loss.item()``,
         or None) and the sampler's cursor before the step (None without a
-        sampler). Reporting never blocks or raises.
+        sampler), with the step's :meth:`compute` time on every rank. Reporting
+        never blocks or raises.
         """
         if self._pending_rng is not None:
             raise CheckpointError(
@@ -273,10 +301,12 @@ class TrainingSession:
         self.step += 1
         if self._sampler is not None:
             self._sampler.advance()
+        compute_s, self._compute_s = self._compute_s, None
         if self._reports_steps:
-            self._heartbeat.report_step(self.step, loss, cursor)
+            self._heartbeat.report_step(self.step, loss, cursor, compute_s)
         else:
-            self._heartbeat.beat(self.step)  # every rank's progress feeds hang detection
+            # Every rank's progress feeds hang detection; its compute time, stragglers.
+            self._heartbeat.beat(self.step, compute_s=compute_s)
         self._schedule.set_interval(self._interval.current())
         if not due_on_all_ranks(self._schedule, self.step, self._clock(), rank=self.rank):
             return None

@@ -7,7 +7,8 @@ is a linear regression with its gradients all-reduced by hand
 (``--model linear``, the default: fast) or a two-layer MLP with dropout under
 FSDP2 (``--model fsdp``: sharded state, resharded on a resize). Rank 0 tells
 its node agent about every step (loss and data cursor) and every committed
-checkpoint, and prints one line per step.
+checkpoint, and prints one line per step; every rank times its forward and
+backward (``session.compute()``), so the supervisor can name a straggler.
 
 Fault injection, ``--fault KIND@STEP[:RANK][!]`` (repeatable; RANK defaults
 to 0, ``*`` means every rank): when rank RANK finishes step STEP it
@@ -15,7 +16,8 @@ to 0, ``*`` means every rank): when rank RANK finishes step STEP it
 - ``sigkill``: SIGKILLs itself (a node fault: the OOM killer, a bad DIMM);
 - ``hang``: SIGSTOPs itself (a hang: no progress, no exit);
 - ``exception``: raises (a bug in the training code);
-- ``slow``: from then on takes 1 s longer per step (a straggler);
+- ``slow``: from then on computes 1 s longer per step (a straggler: the
+  other ranks wait for it in every collective);
 - ``idle``: stops training and waits, reporting the eval phase, until it is
   stopped (a known point at which to inject a fault from outside).
 
@@ -183,8 +185,10 @@ def main() -> None:
         except StopIteration:
             batches = iter(loader)
             inputs, targets, indices = next(batches)
-        per_sample = (model(inputs) - targets).pow(2).squeeze(1)
-        (per_sample.sum() * weight).backward()
+        with session.compute():  # this rank's own work, before it waits for its peers
+            per_sample = (model(inputs) - targets).pow(2).squeeze(1)
+            (per_sample.sum() * weight).backward()
+            time.sleep(args.step_s + faults.extra_s)  # the rest of a real step's compute
         if args.model == "linear":
             for parameter in model.parameters():
                 assert parameter.grad is not None
@@ -195,7 +199,6 @@ def main() -> None:
         dist.all_reduce(loss)
         samples: list[list[int]] = [[] for _ in range(world)]
         dist.all_gather_object(samples, indices.tolist())
-        time.sleep(args.step_s + faults.extra_s)
         saved = session.step_done(loss=loss.item())
         if saved is not None:
             with heartbeat.phase(Phase.CHECKPOINT):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from supervisor.store import EventSource
 from tests.conftest import CLUSTER_SCRIPT, LiveCluster
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
@@ -35,14 +36,16 @@ POLICY = {
     "exit_evidence_window_s": "20",
     "hang_evidence_window_s": "8",
     "validation_level": "full",
+    "straggler_min_steps": "4",  # a 16-step job: judge a straggler after 4 of its steps
 }
-DAEMON = {"RESURGO_SUPERVISOR_LEASE_S": "8"}
+DAEMON = {"RESURGO_SUPERVISOR_LEASE_S": "8", "RESURGO_SUPERVISOR_STRAGGLER_CHECK_S": "2"}
 # Agents: quick reports, short hang floors so a hang is declared within seconds.
 AGENTS = {
     "RESURGO_AGENT_HANG_FLOOR_S": "8",
     "RESURGO_AGENT_STACK_SAMPLE_S": "1",
     "RESURGO_AGENT_STACK_TIMEOUT_S": "8",
     "RESURGO_AGENT_STOP_GRACE_S": "3",
+    "RESURGO_AGENT_HEARTBEAT_REPORT_S": "1",
 }
 STEPS = 16
 ENDED = {"COMPLETED", "FAILED", "CANCELLED"}
@@ -148,8 +151,13 @@ def reference(slurm_cluster: LiveCluster, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture
-def supervisor(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[SupervisorProcess]:
-    process = SupervisorProcess(slurm_cluster, tmp_path / "state", POLICY, AGENTS | DAEMON)
+def supervisor(
+    slurm_cluster: LiveCluster, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[SupervisorProcess]:
+    """The supervisor under test; ``@pytest.mark.policy(name=value)`` changes its policy."""
+    marker = request.node.get_closest_marker("policy")
+    policy = POLICY | (marker.kwargs if marker else {})
+    process = SupervisorProcess(slurm_cluster, tmp_path / "state", policy, AGENTS | DAEMON)
     process.start()
     try:
         yield process
@@ -287,6 +295,49 @@ def test_two_faults_in_a_row_shrink_the_job_twice(
     assert sizes == [4, 3, 2]
     assert_resumed_from(supervisor, run, 8)
     assert run.steps()[STEPS]["world"] == 2
+    assert_same_samples(run, reference)
+
+
+def straggler_reports(supervisor: SupervisorProcess, run: Run) -> list[tuple[str, int]]:
+    """(node, rank) of every straggler the supervisor found, from its own observations."""
+    with supervisor.store() as store:
+        found = store.events_for(str(run.job_id), kinds=["straggler"])
+    return [(e.node, e.payload["global_rank"]) for e in found if e.source is EventSource.SUPERVISOR]
+
+
+def test_a_straggler_is_found_across_nodes_and_alerted_but_not_drained(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    """Synchronous training: every rank's step is as slow as rank 2's; its compute time is not."""
+    run = submit(supervisor, tmp_path, "--fault", "slow@2:2")
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", story(supervisor, run)
+    (victim,) = run.faulted_nodes()
+    reports = straggler_reports(supervisor, run)
+    assert reports and set(reports) == {(victim, 2)}, story(supervisor, run)
+    with supervisor.store() as store:
+        alerts = [a.payload["message"] for a in store.events_for(str(run.job_id), kinds=["alert"])]
+    assert len(alerts) == 1 and f"straggler on {victim}" in alerts[0], alerts
+    assert drained(supervisor, run.job_id) == []  # slow is not broken (straggler_drain off)
+    assert len(attempts(supervisor, run.job_id)) == 1
+    assert_same_samples(run, reference)
+    final, expected = run.final(), reference.final()
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
+
+
+@pytest.mark.policy(straggler_drain="true", straggler_reports_to_drain="2")
+def test_a_persistent_straggler_is_drained_when_the_policy_says_so(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
+) -> None:
+    run = submit(supervisor, tmp_path, "--fault", "slow@2:2")
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", story(supervisor, run)
+    (victim,) = run.faulted_nodes()
+    assert drained(supervisor, run.job_id) == [(victim, "straggler")], story(supervisor, run)
+    last = attempts(supervisor, run.job_id)[-1]
+    assert victim not in last.nodes and len(last.nodes) == 3
+    assert run.steps()[STEPS]["world"] == 3
     assert_same_samples(run, reference)
 
 

@@ -164,6 +164,39 @@ def test_an_exit_window_closes_when_every_launcher_ended_not_when_the_clock_says
     run(body, tmp_path, exit_evidence_window_s=60)
 
 
+def test_a_rank_that_computes_slower_than_the_others_is_reported_while_it_lasts(
+    tmp_path: Path,
+) -> None:
+    def report(node: str, rank: int, compute_s: float) -> protocol.HeartbeatReport:
+        status = protocol.RankStatus(
+            rank, 0, 100 + rank, 12, "train", NOW, 1.0, 1.1, 1.0, 12, compute_s, 12
+        )
+        return protocol.HeartbeatReport(JOB, node, NOW, (status,), f"00000000000000d{rank}", 1)
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        for rank, node in enumerate(NODES):
+            supervisor.accept_heartbeat(JOB, report(node, rank, 0.9 if rank == 2 else 0.2))
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"
+        await supervisor.check_stragglers()
+        await supervisor.settle()
+        await supervisor.check_stragglers()  # still slow: reported again, counted
+        await supervisor.settle()
+        seen = supervisor.store.events_for(JOB, kinds=[EventKind.STRAGGLER])
+        assert [(e.node, e.payload["global_rank"], e.payload["ratio"]) for e in seen] == [
+            ("node3", 2, 4.5),
+            ("node3", 2, 4.5),
+        ]
+        record = supervisor.jobs[JOB].record
+        assert record.straggler_reports == (("node3", 2),)
+        assert record.state.value == "running" and slurm.calls == []  # no drain by default
+        alerts = supervisor.store.events_for(JOB, kinds=["alert"])
+        assert len(alerts) == 1 and "straggler on node3" in alerts[0].payload["message"]
+
+    run(body, tmp_path)
+
+
 def test_a_stop_for_the_old_launch_never_reaches_the_relaunched_agents(tmp_path: Path) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)

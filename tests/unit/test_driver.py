@@ -35,7 +35,8 @@ with open(log, "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 codes = json.loads(open(os.environ["FAKE_CODES"]).read())
 calls = sum(1 for _ in open(log))
-time.sleep(float(os.environ.get("FAKE_RUN_S", "0")))
+runs = os.environ.get("FAKE_RUN_S", "0").split(",")  # seconds, per call
+time.sleep(float(runs[min(calls, len(runs)) - 1]))
 sys.exit(codes[min(calls, len(codes)) - 1])
 """
 FAKE_SCONTROL = """#!/bin/sh
@@ -214,7 +215,7 @@ def test_a_step_the_supervisor_gave_up_on_is_ended_and_relaunched(tmp_path: Path
         tmp_path,
         [0, 0],
         [DriverAnswer(DriverAction.LAUNCH, 1), relaunch],
-        environ={"FAKE_RUN_S": "4"},
+        environ={"FAKE_RUN_S": "60,0"},  # the first step only ends when the driver ends it
         watch_s=0.2,
         start_check_s=0.0,
         kill_grace_s=2.0,

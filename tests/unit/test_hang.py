@@ -47,6 +47,17 @@ def training(rank: int, step_s: float, steps: int, end_s: float, pid: int = 100)
     return feed([(start + i * step_s, b(i, rank=rank, pid=pid)) for i in range(steps + 1)])
 
 
+def test_compute_times_are_kept_per_rank_from_the_beats_that_carry_them() -> None:
+    def timed(step: int, compute_s: float | None, pid: int = 100) -> RankBeat:
+        return RankBeat(0, 0, pid, step, Phase.TRAIN, 0.0, compute_s)
+
+    state = feed([(NOW, timed(1, 0.5)), (NOW + 1, timed(2, None)), (NOW + 2, timed(3, 0.7))])
+    assert state.compute_times.durations == (0.5, 0.7)
+    assert state.compute_times.p50 == 0.5
+    restarted = observe(state, timed(0, 0.1, pid=200), NOW + 3)  # a new process starts afresh
+    assert restarted.compute_times.durations == (0.1,)
+
+
 # --- config ---------------------------------------------------------------------------
 
 

@@ -102,13 +102,47 @@ def test_step_report_round_trips_its_loss_and_cursor() -> None:
     data = encode_step_report(
         rank=4, local_rank=2, pid=99, step=2**40, loss=0.1, cursor=2**50, wall_time_s=1.7e9
     )
-    assert len(data) == STEP_REPORT_SIZE == BEAT_SIZE + 16
+    assert len(data) == STEP_REPORT_SIZE == BEAT_SIZE + 24
     assert data[:5] == b"Rh\x01\x03\x01"  # version 1, kind 3, phase train
-    assert data[34:] == struct.pack("<dq", 0.1, 2**50)
+    assert data[34:50] == struct.pack("<dq", 0.1, 2**50)
+    assert math.isnan(struct.unpack_from("<d", data, 50)[0])  # compute time not measured
     report = parse_datagram(data)
     assert report == StepReport(4, 2, 99, 2**40, 0.1, 2**50, 1.7e9)
     assert isinstance(report, StepReport)
     assert report.as_beat() == RankBeat(4, 2, 99, 2**40, Phase.TRAIN, 1.7e9)
+
+
+def test_compute_seconds_ride_on_a_beat_or_a_step_report() -> None:
+    timed = encode_beat(
+        rank=1, local_rank=1, pid=7, step=3, phase=Phase.TRAIN, wall_time_s=2.0, compute_s=0.25
+    )
+    assert len(timed) == BEAT_SIZE + 8
+    assert parse_datagram(timed) == RankBeat(1, 1, 7, 3, Phase.TRAIN, 2.0, 0.25)
+    report = parse_datagram(step_report(compute_s=1.5))
+    assert isinstance(report, StepReport) and report.compute_s == 1.5
+    assert report.as_beat().compute_s == 1.5
+    # A report without the compute field (the 50-byte form) is still read.
+    untimed = step_report()[:50]
+    old = parse_datagram(untimed)
+    assert isinstance(old, StepReport) and (old.loss, old.compute_s) == (2.5, None)
+    # A NaN or negative compute time on the wire reads as "not measured".
+    for bad in (float("nan"), -1.0):
+        forged = timed[:BEAT_SIZE] + struct.pack("<d", bad)
+        beat = parse_datagram(forged)
+        assert isinstance(beat, RankBeat) and beat.compute_s is None
+    for wrong in (BEAT_SIZE + 4, BEAT_SIZE + 9):
+        assert parse_datagram((timed + b"\0")[:wrong]) is None
+
+
+@pytest.mark.parametrize("compute_s", [-0.1, float("inf"), float("nan")])
+def test_the_encoders_refuse_a_compute_time_that_is_no_duration(compute_s: float) -> None:
+    with pytest.raises(ValueError, match="compute seconds"):
+        step_report(compute_s=compute_s)
+    with pytest.raises(ValueError, match="compute seconds"):
+        encode_beat(
+            rank=0, local_rank=0, pid=1, step=1, phase=Phase.TRAIN, wall_time_s=0.0,
+            compute_s=compute_s,
+        )  # fmt: skip
 
 
 def test_no_loss_travels_as_nan_and_an_unknown_cursor_as_minus_one() -> None:
@@ -229,6 +263,24 @@ def test_report_step_sends_a_step_report_that_is_also_the_current_beat(
     # The phase context returns to train at the reported step, not to init.
     beats = [(m.step, m.phase) for m in got if isinstance(m, RankBeat)]
     assert beats == [(0, Phase.INIT), (2, Phase.CHECKPOINT), (2, Phase.TRAIN)]
+
+
+def test_compute_seconds_are_sent_when_usable_and_left_out_when_not(
+    sock_path: Path, receiver: socket.socket
+) -> None:
+    hb = Heartbeat(str(sock_path), rank=2)
+    hb.beat(1, compute_s=0.5)
+    hb.beat(2, compute_s=-1.0)  # no duration: an untimed beat still goes
+    hb.report_step(3, loss=1.0, cursor=8, compute_s=0.75)
+    hb.report_step(4, loss=2.0, cursor=16, compute_s=float("nan"))
+    got = [parse_datagram(d) for d in receive_all(receiver)]
+    assert [(m.step, m.compute_s) for m in got if isinstance(m, RankBeat | StepReport)] == [
+        (1, 0.5),
+        (2, None),
+        (3, 0.75),
+        (4, None),
+    ]
+    assert [m.loss for m in got if isinstance(m, StepReport)] == [1.0, 2.0]
 
 
 def test_heartbeat_reads_socket_and_ranks_from_the_environment(sock_path: Path) -> None:

@@ -47,6 +47,8 @@ def test_every_job_and_cluster_metric_is_exported_from_the_store(state_dir: Path
     assert 0 < value(samples, "resurgo_job_goodput_ratio", job_id=JOB) < 1
     assert value(samples, "resurgo_job_restarts_total", job_id=JOB, cause="hang") == 1
     assert value(samples, "resurgo_job_world_size_nodes", job_id=JOB) == 2
+    assert value(samples, "resurgo_job_straggler_reports_total", job_id=JOB, node="node2") == 3
+    assert value(samples, "resurgo_job_straggler_reports_total", job_id=JOB, node="node1") == 0
     assert value(samples, "resurgo_job_original_world_size_nodes", job_id=JOB) == 3
     assert value(samples, "resurgo_job_last_committed_step", job_id=JOB) == 10
     assert value(samples, "resurgo_job_step", job_id=JOB) == 12

@@ -27,7 +27,7 @@ def state_dir(tmp_path: Path) -> Path:
     now = time.time() - 600
     with Store.open(state / "resurgo.db") as store:
         record = {"attempt": 2, "nodes": ["node1", "node2"], "restarts": [["hang", 1]],
-                  "final_reason": ""}  # fmt: skip
+                  "final_reason": "", "straggler_reports": [["node2", 3]]}  # fmt: skip
         store.upsert_job(JOB, state="running", record=record, now_s=now, name="llm",
                          original_nodes=3, min_nodes=2)  # fmt: skip
         store.record_decision(

@@ -526,8 +526,12 @@ def straggler(node: str = "node2") -> AgentEvent:
 
 
 def test_straggler_is_reported_and_never_drained_by_default():
-    decisions = run(running(), *[straggler()] * 5)
-    assert all(kinds(d) == [Alert] for d in decisions)
+    decisions = run(running(), *[straggler()] * 5, straggler("node3"))
+    # One alert per node: a straggler that lasts is counted, not alerted again.
+    assert [kinds(d) for d in decisions] == [[Alert], [], [], [], [], [Alert]]
+    assert all(d.cause is Cause.STRAGGLER for d in decisions)
+    assert "reported (5x), not drained: 2x median" in decisions[4].explanation
+    assert decisions[-1].record.straggler_reports == (("node2", 5), ("node3", 1))
     assert decisions[-1].record.state is JobState.RUNNING
 
 
@@ -535,7 +539,10 @@ def test_persistent_straggler_is_drained_when_configured():
     policy = replace(POLICY, straggler_drain=True, straggler_reports_to_drain=3)
     decisions = run(running(), *[straggler()] * 3, policy=policy)
     assert decisions[1].record.state is JobState.RUNNING
-    assert DrainNode in kinds(decisions[2])
+    assert kinds(decisions[2])[:2] == [Alert, DrainNode]
+    drain = decisions[2].intents[1]
+    assert isinstance(drain, DrainNode) and drain.node == "node2"
+    assert drain.cause is Cause.STRAGGLER and "2x median" in drain.reason
 
 
 @pytest.mark.parametrize(
@@ -861,6 +868,8 @@ def test_submitted_job_starts_then_runs():
         ("drain_confidence", float("nan")),
         ("validation_level", "full"),
         ("grow_back", 1),
+        ("straggler_factor", 1.0),
+        ("straggler_min_steps", 0),
     ],
 )
 def test_bad_policy_is_a_config_error_naming_the_field(field, value):

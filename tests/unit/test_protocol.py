@@ -608,6 +608,16 @@ def test_driver_messages_round_trip_and_refuse_what_cannot_be_acted_on() -> None
         protocol.encode_driver_answer(protocol.DriverAnswer(protocol.DriverAction.RELAUNCH, 2))
 
 
+def test_a_heartbeat_carries_a_ranks_compute_median_when_it_measures_one() -> None:
+    timed = RankStatus(4, 0, 4241, 120, "train", NOW - 1.0, 0.5, 0.9, 0.55, 100, 0.125, 40)
+    report = HeartbeatReport("4711", "node3", NOW, (timed,), INCARNATION)
+    decoded = protocol.decode_heartbeat(protocol.encode_heartbeat(report))
+    assert decoded.ranks[0].compute_p50_s == 0.125 and decoded.ranks[0].compute_observed == 40
+    # Without a measurement the fields stay off the wire and read as none.
+    assert b"compute" not in protocol.encode_heartbeat(heartbeat())
+    assert protocol.decode_heartbeat(protocol.encode_heartbeat(heartbeat())) == heartbeat()
+
+
 def test_a_heartbeat_may_name_its_attempt() -> None:
     report = HeartbeatReport("4711", "node3", NOW, (), INCARNATION, attempt=3)
     assert protocol.decode_heartbeat(protocol.encode_heartbeat(report)).attempt == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,31 @@ def test_without_a_sampler_the_cursor_is_unknown(
     finally:
         session.close()
     assert [(r.step, r.loss, r.cursor) for r in received(sock)] == [(1, 2.0, None)]
+
+
+def test_the_time_inside_compute_goes_with_its_step_and_only_that_step(
+    tmp_path: Path, receiver: tuple[Path, socket.socket]
+) -> None:
+    path, sock = receiver
+    session = TrainingSession(
+        tmp_path / "ckpt",
+        model=nn.Linear(2, 1),
+        interval=NeverSave(),
+        environ={},
+        heartbeat=Heartbeat(str(path)),
+    )
+    try:
+        with session.compute():
+            time.sleep(0.05)
+        with session.compute():  # a second region in the same step adds up
+            time.sleep(0.05)
+        session.step_done(loss=1.0)
+        session.step_done(loss=2.0)  # nothing marked: nothing measured
+    finally:
+        session.close()
+    first, second = received(sock)
+    assert first.compute_s is not None and 0.1 <= first.compute_s < 1.0
+    assert second.compute_s is None
 
 
 # ---------------------------------------------------------------------------
