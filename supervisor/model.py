@@ -136,6 +136,10 @@ class Cause(enum.Enum):
 # Causes that are no fault of the job's: the cluster's doing (preemption, the
 # time limit) or a planned grow back to a larger size. They never spend budget.
 NO_BUDGET_CAUSES = frozenset({Cause.PREEMPTED, Cause.TIME_LIMIT, Cause.GROW})
+# Causes that are a fault of a node: they count toward the cluster's MTBF.
+NODE_FAULT_CAUSES = frozenset(
+    {Cause.RANK_SIGNAL, Cause.HANG, Cause.NODE_LOST, Cause.HEALTH_CHECK, Cause.STRAGGLER}
+)
 
 
 @dataclass(frozen=True)

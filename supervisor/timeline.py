@@ -26,13 +26,13 @@ from pathlib import Path
 
 from agent.checkpoint.format import parse_step_dir_name
 from supervisor.goodput import Fact, FactKind, Goodput, account
+from supervisor.model import NODE_FAULT_CAUSES
 from supervisor.store import DecisionRow, Store
 
 CHECKPOINT_STATS_KIND = "checkpoint_stats"
 _LIVE = {"starting", "running", "relaunching"}
 _TERMINAL = {"completed", "failed", "cancelled"}
-# Causes that are a fault of a node (count toward the cluster's MTBF).
-NODE_FAULT_CAUSES = frozenset({"rank_signal", "hang", "node_lost", "health_check", "straggler"})
+_NODE_FAULTS = frozenset(cause.value for cause in NODE_FAULT_CAUSES)
 
 
 def timeline_of(store: Store, job_id: str, now_s: float) -> list[Fact]:
@@ -91,6 +91,6 @@ def node_faults(store: Store) -> list[float]:
         decisions = store.decisions_for(job.job_id)
         for index, decision in enumerate(decisions):
             opened = decision.from_state in _LIVE and decision.to_state == "recovering"
-            if opened and _cause_from(decisions[index:]) in NODE_FAULT_CAUSES:
+            if opened and _cause_from(decisions[index:]) in _NODE_FAULTS:
                 times.append(decision.decided_s)
     return times

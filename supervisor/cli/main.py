@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from supervisor import __version__
-from supervisor.cli import ckpt, events, interval, nodes, report, status, store, submit
+from supervisor.cli import ckpt, events, interval, nodes, report, simulate, status, store, submit
 
-SUBCOMMANDS = (submit, status, events, nodes, report, store, ckpt, interval)
+SUBCOMMANDS = (submit, status, events, nodes, report, store, ckpt, interval, simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:

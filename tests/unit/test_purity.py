@@ -34,6 +34,8 @@ PURE_MODULES = (
     "supervisor/probation.py",
     "supervisor/verify.py",
     "supervisor/sbatch.py",
+    "supervisor/simulate.py",
+    "supervisor/stragglers.py",
     "supervisor/store/rows.py",
     "agent/steps.py",
 )

@@ -1,0 +1,333 @@
+"""`resurgo simulate`: goodput of a supervised job at cluster scale, by simulation.
+
+    resurgo simulate                                   # Llama 3's 54 days on 16,384 GPUs
+    resurgo simulate --interval-policy fixed --interval-s 1560 --json
+    resurgo simulate --preset opt175b --plot goodput.png
+
+A flag left out takes the preset's value (``--preset llama3`` by default; the
+defaults and their sources are in :mod:`supervisor.simulate`). ``--plot``
+sweeps fixed intervals on the same failures and draws goodput against the
+interval, Young's and Daly's optima marked. ``--json`` prints one object:
+``goodput``, ``interval_s`` (the mean interval in force), ``interruptions``
+(the count) and ``interruptions_by_cause``, ``badput_s`` (seconds by badput
+kind: lost_work, detection, recovery, checkpoint_stall, startup, queue_wait)
+and ``badput_by_cause_s`` (the fault-related badput by restart cause), among
+others; with ``--plot``, the ``sweep`` points and ``best_interval_s`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from agent.checkpoint.interval import recommended_interval_s
+from supervisor.cli.common import fail
+from supervisor.simulate import (
+    HOUR_S,
+    PRESETS,
+    BadParameter,
+    Component,
+    IntervalPolicy,
+    Outcome,
+    Params,
+    SweepPoint,
+    best_interval_s,
+    optima_s,
+    simulate,
+    sweep,
+)
+
+_USAGE_ERROR = 2
+_JSON_VERSION = 1
+# The sweep behind --plot: intervals from a quarter to four times the recommended one.
+_SWEEP_SPAN = 4.0
+
+
+class _BadInput(Exception):
+    """One flag's value is unusable; the message names the flag and what is valid."""
+
+
+def _number(flag: str, text: str, *, positive: bool) -> float:
+    """``text`` as a finite number, >0 when ``positive`` else >=0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        wanted = "a positive number" if positive else "a number >= 0"
+        raise _BadInput(f"{flag} must be {wanted}, got {text!r}")
+    return value
+
+
+def _integer(flag: str, text: str, *, least: int) -> int:
+    """``text`` as an integer >= ``least``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise _BadInput(f"{flag} must be a whole number >= {least}, got {text!r}") from None
+    if value < least:
+        raise _BadInput(f"{flag} must be a whole number >= {least}, got {text!r}")
+    return value
+
+
+def _at_least(least: int) -> Callable[[str, str], int]:
+    return lambda flag, text: _integer(flag, text, least=least)
+
+
+def _positive(flag: str, text: str) -> float:
+    return _number(flag, text, positive=True)
+
+
+def _non_negative(flag: str, text: str) -> float:
+    return _number(flag, text, positive=False)
+
+
+def _mix(text: str, preset: Params) -> tuple[Component, ...]:
+    """``NAME=SHARE,...`` over the preset's components, shares scaled to add up to 1."""
+    known = {component.name: component for component in preset.mix}
+    shares: dict[str, float] = {}
+    for item in text.split(","):
+        name, _, share = item.partition("=")
+        name = name.strip()
+        if name not in known:
+            raise _BadInput(
+                f"--mix: unknown component {name!r}; the components are {', '.join(known)}"
+            )
+        shares[name] = _non_negative("--mix", share.strip())
+    total = sum(shares.values())
+    if total <= 0:
+        raise _BadInput("--mix: the shares must not all be 0")
+    return tuple(replace(known[name], share=share / total) for name, share in shares.items())
+
+
+def register(subparsers: Any) -> None:
+    """Add the `simulate` subcommand to `subparsers`."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "simulate",
+        help="simulate goodput of a supervised job at cluster scale",
+        description=(
+            "Simulate one training job under Resurgo: component failures, detection, "
+            "drain, relaunch onto spare nodes or smaller or after a queue wait, lost "
+            "work since the last committed checkpoint. Prints goodput, badput by cause "
+            "and interruptions. Unset flags take the preset's values."
+        ),
+    )
+    add = parser.add_argument
+    add("--preset", choices=sorted(PRESETS), default="llama3", help="defaults (llama3)")
+    add("--gpus", metavar="N", help="GPUs of the job (a multiple of --gpus-per-node)")
+    add("--gpus-per-node", metavar="N", help="GPUs per node (8)")
+    add("--days", metavar="D", help="simulated days")
+    add("--gpu-mtbf-h", metavar="H", help="hours between interruptions per GPU, all causes")
+    add("--mix", metavar="NAME=SHARE,...", help="cause mix over the preset's components")
+    add("--detect-s", metavar="S", help="fault -> decision, every component")
+    add("--recover-s", metavar="S", help="decision -> first step after relaunch, every component")
+    add("--save-stall-s", metavar="S", help="seconds each save blocks training")
+    add("--write-s", metavar="S", help="seconds the background write runs after the stall")
+    add("--spare-nodes", metavar="N", help="idle nodes the job can relaunch onto")
+    add("--repair-h", metavar="H", help="hours a drained node is out")
+    add("--min-nodes", metavar="N", help="smallest size the job may shrink to (default: all)")
+    add("--unit-nodes", metavar="N", help="the job's size stays a multiple of this")
+    add("--queue-median-s", metavar="S", help="median queue wait of a requeue (log-normal)")
+    add("--queue-sigma", metavar="X", help="log-normal shape of the queue wait")
+    add("--interval-policy", choices=[p.value for p in IntervalPolicy], help="(daly)")
+    add("--interval-s", metavar="S", help="interval of the fixed policy; adaptive's first")
+    add("--seed", metavar="N", default="0", help="random seed (0)")
+    add("--plot", metavar="PATH", type=Path, help="write a PNG of goodput against interval")
+    add("--sweep-points", metavar="N", default="25", help="intervals in the --plot sweep (25)")
+    add("--sweep-seeds", metavar="N", default="4", help="runs per interval in the sweep (4)")
+    add("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+# Flags that set one Params field as given: (flag, field, parser).
+_FIELDS: tuple[tuple[str, str, Callable[[str, str], float]], ...] = (
+    ("--gpus", "gpus", _at_least(1)),
+    ("--gpus-per-node", "gpus_per_node", _at_least(1)),
+    ("--days", "days", _positive),
+    ("--gpu-mtbf-h", "gpu_mtbf_h", _positive),
+    ("--save-stall-s", "save_stall_s", _positive),
+    ("--write-s", "write_s", _non_negative),
+    ("--spare-nodes", "spare_nodes", _at_least(0)),
+    ("--min-nodes", "min_nodes", _at_least(1)),
+    ("--unit-nodes", "unit_nodes", _at_least(1)),
+    ("--queue-median-s", "queue_median_s", _positive),
+    ("--queue-sigma", "queue_sigma", _non_negative),
+    ("--interval-s", "interval_s", _positive),
+)
+# The flag behind each Params field, for the checks only the whole set can make.
+_FLAG_OF = {field: flag for flag, field, _ in _FIELDS} | {"mix": "--mix", "repair_s": "--repair-h"}
+
+
+def _params(args: argparse.Namespace) -> Params:
+    """The preset with the given flags applied; raises _BadInput or BadParameter."""
+    preset = PRESETS[args.preset]()
+    given: dict[str, Any] = {
+        field: parse(flag, getattr(args, field))
+        for flag, field, parse in _FIELDS
+        if getattr(args, field) is not None
+    }
+    if args.repair_h is not None:
+        given["repair_s"] = _non_negative("--repair-h", args.repair_h) * HOUR_S
+    if args.interval_policy is not None:
+        given["interval_policy"] = IntervalPolicy(args.interval_policy)
+    mix = preset.mix if args.mix is None else _mix(args.mix, preset)
+    if args.detect_s is not None:
+        detect = _non_negative("--detect-s", args.detect_s)
+        mix = tuple(replace(component, detect_s=detect) for component in mix)
+    if args.recover_s is not None:
+        recover = _non_negative("--recover-s", args.recover_s)
+        mix = tuple(replace(component, recover_s=recover) for component in mix)
+    return replace(preset, mix=mix, **given)
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / HOUR_S:.1f} h"
+
+
+def _summary(params: Params, outcome: Outcome, seed: int) -> dict[str, Any]:
+    young, daly = optima_s(params)
+    accounting = outcome.accounting
+    return {
+        "version": _JSON_VERSION,
+        "gpus": params.gpus,
+        "nodes": params.nodes,
+        "spare_nodes": params.spare_nodes,
+        "days": params.days,
+        "seed": seed,
+        "interval_policy": params.interval_policy.value,
+        "interval_s": outcome.mean_interval_s,
+        "final_interval_s": outcome.final_interval_s,
+        "young_s": young,
+        "daly_s": daly,
+        "job_mtbf_s": params.job_mtbf_s(),
+        "save_stall_s": params.save_stall_s,
+        "write_s": params.write_s,
+        "goodput": outcome.goodput,
+        "useful_work_share": outcome.useful_work_share,
+        "interruptions": sum(outcome.interruptions.values()),
+        "interruptions_by_cause": {c.value: n for c, n in outcome.interruptions.items()},
+        "badput_s": {kind.value: s for kind, s in accounting.badput_s.items()},
+        "badput_by_cause_s": dict(accounting.by_fault_cause_s),
+        "wall_s": accounting.wall_s,
+        "productive_s": accounting.productive_s,
+        "saves": outcome.saves,
+        "grows": outcome.grows,
+        "queued": outcome.queued,
+    }
+
+
+def _human(summary: dict[str, Any]) -> str:
+    wall = summary["wall_s"]
+    causes = ", ".join(
+        f"{cause} {count}"
+        for cause, count in sorted(summary["interruptions_by_cause"].items(), key=lambda kv: -kv[1])
+    )
+    lines = [
+        f"{summary['days']:g} days of {summary['gpus']:,} GPUs ({summary['nodes']:,} nodes, "
+        f"{summary['spare_nodes']} spare), seed {summary['seed']}",
+        f"job MTBF {_hours(summary['job_mtbf_s'])}; save stall {summary['save_stall_s']:g} s, "
+        f"background write {summary['write_s']:g} s",
+        f"interval ({summary['interval_policy']}) {summary['interval_s'] / 60:.1f} min; "
+        f"Young {summary['young_s'] / 60:.1f} min, Daly {summary['daly_s'] / 60:.1f} min",
+        f"interruptions {summary['interruptions']}: {causes}",
+        f"goodput {summary['goodput']:.1%} "
+        f"(useful work at full size {summary['useful_work_share']:.1%})",
+        "badput:",
+    ]
+    for kind, seconds in summary["badput_s"].items():
+        lines.append(f"  {kind:<17}{seconds / wall:6.2%}  {_hours(seconds)}")
+    lines.append(
+        f"saves {summary['saves']}, requeues that waited in the queue {summary['queued']}, "
+        f"grows back {summary['grows']}"
+    )
+    if "best_interval_s" in summary:
+        lines.append(
+            f"sweep: best interval {summary['best_interval_s'] / 60:.1f} min; "
+            f"plot written to {summary['plot']}"
+        )
+    return "\n".join(lines)
+
+
+def _tick(value: float, _position: int) -> str:
+    """Label 1, 2 and 5 times powers of ten on the log axis, plainly; nothing between."""
+    leading = f"{value:.0e}"[0]
+    return f"{value:g}" if leading in "125" else ""
+
+
+def _plot(path: Path, params: Params, points: list[SweepPoint], best: float, chosen: float) -> None:
+    """Goodput against the checkpoint interval, the optima marked, as a PNG at ``path``."""
+    # matplotlib is loaded only by this flag; a bare Figure keeps pyplot's global state out.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    young, daly = optima_s(params)
+    figure = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.plot(
+        [p.interval_s / 60 for p in points],
+        [100 * p.goodput for p in points],
+        marker="o",
+        markersize=3,
+        color="#1f4e79",
+        label="simulated goodput",
+    )
+    axes.axvline(young / 60, color="#ef6c00", linestyle="--", label=f"Young {young / 60:.1f} min")
+    axes.axvline(daly / 60, color="#2e7d32", linestyle="-", label=f"Daly {daly / 60:.1f} min")
+    axes.axvline(best / 60, color="#6a1b9a", linestyle=":", label=f"best {best / 60:.1f} min")
+    axes.axvline(chosen / 60, color="#c62828", linestyle="-.", alpha=0.6,
+                 label=f"policy {params.interval_policy.value}: {chosen / 60:.1f} min")  # fmt: skip
+    axes.set_xscale("log")
+    axes.xaxis.set_major_formatter(FuncFormatter(_tick))
+    axes.xaxis.set_minor_formatter(FuncFormatter(_tick))
+    axes.set_xlabel("checkpoint interval (min)")
+    axes.set_ylabel("goodput (%)")
+    axes.set_title(
+        f"{params.gpus:,} GPUs, {params.days:g} days, "
+        f"job MTBF {params.job_mtbf_s() / HOUR_S:.2f} h, "
+        f"stall {params.save_stall_s:g} s, write {params.write_s:g} s"
+    )
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(loc="lower center", fontsize="small")
+    figure.savefig(path, format="png", dpi=100, bbox_inches="tight")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate and print; 2 on bad input, 1 when the plot cannot be written, else 0."""
+    # Values are parsed here rather than by argparse so that bad input gives one
+    # line naming the flag, not argparse's usage block.
+    try:
+        seed = _integer("--seed", args.seed, least=0)
+        points_n = _integer("--sweep-points", args.sweep_points, least=4)
+        seeds_n = _integer("--sweep-seeds", args.sweep_seeds, least=1)
+        params = _params(args)
+    except _BadInput as error:
+        return fail("simulate", str(error), _USAGE_ERROR)
+    except BadParameter as error:
+        return fail("simulate", f"{_FLAG_OF.get(error.field, error.field)} {error}", _USAGE_ERROR)
+    outcome = simulate(params, seed)
+    summary = _summary(params, outcome, seed)
+    if args.plot is not None:
+        middle = recommended_interval_s(params.save_stall_s, params.write_s, params.job_mtbf_s())
+        # Evenly spaced on a log scale, from middle / span to middle * span.
+        intervals = [middle * _SWEEP_SPAN ** (2 * i / (points_n - 1) - 1) for i in range(points_n)]
+        points = sweep(params, intervals, range(seed, seed + seeds_n))
+        try:
+            best = best_interval_s(points, above_s=params.write_s)
+        except ValueError as error:
+            return fail("simulate", f"{error}: raise --sweep-points", _USAGE_ERROR)
+        try:
+            _plot(args.plot, params, points, best, outcome.mean_interval_s)
+        except OSError as error:
+            return fail("simulate", f"cannot write {args.plot}: {error.strerror or error}")
+        summary["sweep"] = [{"interval_s": p.interval_s, "goodput": p.goodput} for p in points]
+        summary["best_interval_s"] = best
+        summary["plot"] = str(args.plot)
+    print(json.dumps(summary, sort_keys=True) if args.json else _human(summary))
+    return 0

@@ -1,0 +1,631 @@
+"""Goodput at scale: a discrete-event simulation of one supervised training job; pure.
+
+A job of ``gpus`` GPUs (``gpus_per_node`` to a node) trains for ``days`` in a
+partition holding its nodes and ``spare_nodes`` idle ones. Components fail at
+per-GPU rates (:class:`Component`: a share of interruptions, the
+:class:`~supervisor.model.Cause` the supervisor records, whether the node is
+lost). Each interruption goes the way a supervised recovery goes:
+
+1. the fault; the supervisor notices it ``detect_s`` later (DETECTION);
+2. a faulty node is drained; it comes back idle after ``repair_s``;
+3. the relaunch, sized by the supervisor's own rule
+   (:func:`supervisor.recovery.world_size`, as :func:`~supervisor.recovery.relaunch`
+   applies it): onto idle nodes when they make the job larger (a requeue
+   that starts at once), else smaller on the healthy nodes (the fast path)
+   when the job's minimum and unit allow it, else a requeue that waits in
+   Slurm's queue (a log-normal wait) for nodes of other jobs (RECOVERY,
+   QUEUE_WAIT);
+4. the work since the last *committed* checkpoint is replayed (LOST_WORK).
+
+Saves are asynchronous: training stalls ``save_stall_s`` per save
+(CHECKPOINT_STALL), the write then runs ``write_s`` beside training, and the
+checkpoint is committed only when it ends; one save is in flight at a time,
+so a save due before the previous write ended waits for it (a stall too). A
+job running below its size grows back at the first commit after idle nodes
+can make it larger (:data:`~supervisor.model.Cause.GROW`, as
+:func:`supervisor.recovery.grow`). The checkpoint interval follows
+:class:`IntervalPolicy`, from :mod:`agent.checkpoint.interval` and, for the
+adaptive policy, the daemon's own MTBF estimate and interval push
+(:mod:`supervisor.goodput`).
+
+The simulation jumps from event to event: between two interruptions it
+computes the saves in closed form, so 54 days of 16,384 GPUs (about 420
+interruptions) take milliseconds. No clock and no I/O: the random numbers
+come from a seeded NumPy generator, and the same seed gives the same result.
+
+Left out, deliberately: faults while the job is down (the failure clock runs
+only while it trains), the restart budget (it stops a job after several
+restarts without a new checkpoint, which needs several faults within one
+interval), the drain rate limit, and the loss of the batch host (one node in
+thousands).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from agent.checkpoint.interval import daly_interval_s, recommended_interval_s, young_interval_s
+from supervisor.goodput import Badput, Goodput, interval_push, mtbf_estimate
+from supervisor.model import NODE_FAULT_CAUSES, Cause, JobRecord, new_record
+from supervisor.recovery import world_size
+
+if TYPE_CHECKING:
+    import numpy as np
+
+HOUR_S = 3600.0
+DAY_S = 86400.0
+
+# Llama 3 report (Llama Team, "The Llama 3 Herd of Models", 2024, §3.3.4 and
+# Table 5): a 54-day snapshot of pre-training on 16,384 H100 GPUs had 419
+# unexpected interruptions, 58.7% of them GPU issues (faulty GPU, HBM3, SRAM,
+# GPU system processor, silent data corruption, thermal interface).
+LLAMA3_GPUS = 16_384
+LLAMA3_DAYS = 54.0
+LLAMA3_INTERRUPTIONS = 419
+LLAMA3_GPU_SHARE = 0.587
+# The other 41.3%, split by Table 5's counts: software bugs and dependencies
+# (54 + 2), network switches, cables and NICs (35 + 7), host maintenance and
+# host hardware (32 + 3 + 3 + 2 + 2 + 2 + 2), NCCL watchdog timeouts of
+# unknown origin (7).
+_LLAMA3_OTHER_COUNTS = {"software": 56, "network": 42, "host": 46, "unknown": 7}
+
+# OPT-175B (Zhang et al. 2022) trained on 992 A100 GPUs; its logbook (seeds):
+# 35-plus manual and 70-plus automatic restarts, 105 in all, in two months.
+OPT175B_GPUS = 992
+OPT175B_DAYS = 60.0
+OPT175B_RESTARTS = 105
+
+# bench/recovery.py on the local cluster (bench/RESULTS.md, one run): fault ->
+# the supervisor's decision, and fault -> the first step after the resume.
+_BENCH_SIGKILL_S = (0.04, 13.7)
+_BENCH_HANG_S = (8.07, 25.0)
+_BENCH_EXCEPTION_S = (1.07, 18.0)
+# A lost node is noticed when its agent's lease expires: 8 s in that bench's
+# configuration (a setting, not a measurement); the relaunch is a SIGKILL's.
+_BENCH_LEASE_S = 8.0
+
+
+
+class BadParameter(ValueError):
+    """A parameter is unusable; ``field`` names it (the CLI maps it to its flag)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class IntervalPolicy(enum.Enum):
+    """How the checkpoint interval is chosen, at every (re)start of the job.
+
+    - ``FIXED``: ``interval_s``, always.
+    - ``YOUNG``: Young's ``√(2δM)`` for the save stall δ and the job's true MTBF M.
+    - ``DALY``: what the supervisor recommends for the true MTBF: Daly's
+      interval for the stall, raised above the background write.
+    - ``ADAPTIVE``: what the daemon does: ``interval_s`` until a node fault is
+      seen, then the interval it pushes from its MTBF estimate over the faults
+      observed so far (node faults over the partition's nodes, as the daemon
+      counts them over the cluster's).
+    """
+
+    FIXED = "fixed"
+    YOUNG = "young"
+    DALY = "daly"
+    ADAPTIVE = "adaptive"
+
+
+@dataclass(frozen=True)
+class Component:
+    """One kind of interruption and how the supervisor handles it.
+
+    ``share``: its share of all interruptions; ``cause``: the cause recorded;
+    ``takes_node``: the node is drained and repaired (else the job restarts
+    on the same nodes); ``detect_s``: fault -> decision; ``recover_s``:
+    decision -> first step after a relaunch on nodes the job can have at once.
+    """
+
+    name: str
+    share: float
+    cause: Cause
+    takes_node: bool
+    detect_s: float
+    recover_s: float
+
+
+def _component(
+    name: str,
+    share: float,
+    cause: Cause,
+    takes_node: bool,
+    bench: tuple[float, float],
+    detect_s: float | None = None,
+) -> Component:
+    """A component whose detection and recovery times are a bench scenario's."""
+    detected, resumed = bench
+    detect = detected if detect_s is None else detect_s
+    return Component(name, share, cause, takes_node, detect, resumed - detected)
+
+
+_OTHER_SHARE = 1.0 - LLAMA3_GPU_SHARE
+_OTHER_TOTAL = sum(_LLAMA3_OTHER_COUNTS.values())
+
+
+def _other(name: str) -> float:
+    return _OTHER_SHARE * _LLAMA3_OTHER_COUNTS[name] / _OTHER_TOTAL
+
+
+# A GPU fault kills its rank (Xid, ECC): the node is blamed and drained. A
+# switch or NIC fault hangs the collectives and the hang points at a node. A
+# NCCL watchdog timeout of unknown origin hangs with no culprit: same nodes.
+LLAMA3_MIX = (
+    _component("gpu", LLAMA3_GPU_SHARE, Cause.RANK_SIGNAL, True, _BENCH_SIGKILL_S),
+    _component("software", _other("software"), Cause.USER_EXCEPTION, False, _BENCH_EXCEPTION_S),
+    _component("network", _other("network"), Cause.HANG, True, _BENCH_HANG_S),
+    _component("host", _other("host"), Cause.NODE_LOST, True, _BENCH_SIGKILL_S, _BENCH_LEASE_S),
+    _component("unknown", _other("unknown"), Cause.HANG, False, _BENCH_HANG_S),
+)
+
+
+@dataclass(frozen=True)
+class Params:
+    """Everything one simulation needs; durations in seconds unless the name says.
+
+    Defaults: Llama 3's run (see :data:`LLAMA3_MIX` and the constants above),
+    async saves with a 2-minute background write (the seeds' save time) and a
+    5 s stall (the seeds' "a few seconds" device-to-host copy), the
+    supervisor's recommended (Daly) interval. Without a published figure, the
+    spare nodes (16), the repair time (a day), the queue wait (median 10 min,
+    log-normal shape 1) are assumptions: set them for your cluster.
+    ``requeue_start_s``: a requeue that finds its nodes idle starts in about
+    2 s (DESIGN §4); ``grow_recover_s``: stopping and restarting the ranks for
+    a planned grow, as a SIGKILL's relaunch. ``min_nodes`` None: the job
+    needs all its nodes; ``unit_nodes``: its size must stay a multiple of it.
+    """
+
+    gpus: int = LLAMA3_GPUS
+    gpus_per_node: int = 8
+    days: float = LLAMA3_DAYS
+    gpu_mtbf_h: float = LLAMA3_GPUS * LLAMA3_DAYS * 24.0 / LLAMA3_INTERRUPTIONS
+    mix: tuple[Component, ...] = LLAMA3_MIX
+    save_stall_s: float = 5.0
+    write_s: float = 120.0
+    interval_policy: IntervalPolicy = IntervalPolicy.DALY
+    interval_s: float = 1800.0
+    spare_nodes: int = 16
+    repair_s: float = DAY_S
+    min_nodes: int | None = None
+    unit_nodes: int = 1
+    queue_median_s: float = 600.0
+    queue_sigma: float = 1.0
+    requeue_start_s: float = 2.0
+    grow_recover_s: float = _BENCH_SIGKILL_S[1] - _BENCH_SIGKILL_S[0]
+    grow_back: bool = True
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise BadParameter("gpus_per_node", "must be at least 1")
+        if self.gpus < 1 or self.gpus % self.gpus_per_node:
+            raise BadParameter(
+                "gpus",
+                f"must be a positive multiple of {self.gpus_per_node} (GPUs per node), "
+                f"got {self.gpus}",
+            )
+        for name in ("days", "gpu_mtbf_h", "save_stall_s", "interval_s", "queue_median_s"):
+            _positive(name, getattr(self, name))
+        for name in ("write_s", "repair_s", "queue_sigma", "requeue_start_s", "grow_recover_s"):
+            _non_negative(name, getattr(self, name))
+        if self.spare_nodes < 0:
+            raise BadParameter("spare_nodes", "must be 0 or more")
+        if self.unit_nodes < 1 or self.nodes % self.unit_nodes:
+            raise BadParameter("unit_nodes", f"must divide the job's {self.nodes} nodes")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            raise BadParameter("min_nodes", f"must be between 1 and the job's {self.nodes} nodes")
+        _check_mix(self.mix)
+
+    @property
+    def nodes(self) -> int:
+        """The job's full size in nodes."""
+        return self.gpus // self.gpus_per_node
+
+    def job_mtbf_s(self, nodes: int | None = None) -> float:
+        """Mean time between interruptions of the job on ``nodes`` (default: all of them)."""
+        size = self.nodes if nodes is None else nodes
+        return self.gpu_mtbf_h * HOUR_S / (size * self.gpus_per_node)
+
+
+def _positive(name: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise BadParameter(name, f"must be a positive number, got {value!r}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise BadParameter(name, f"must be a number >= 0, got {value!r}")
+
+
+def _check_mix(mix: Sequence[Component]) -> None:
+    if not mix:
+        raise BadParameter("mix", "needs at least one component")
+    for component in mix:
+        _non_negative("mix", component.share)
+        _non_negative("mix", component.detect_s)
+        _non_negative("mix", component.recover_s)
+    if abs(sum(c.share for c in mix) - 1.0) > 1e-6:
+        raise BadParameter("mix", "shares must add up to 1")
+
+
+def llama3() -> Params:
+    """Llama 3's 54-day snapshot: the defaults."""
+    return Params()
+
+
+def opt175b() -> Params:
+    """OPT-175B's two months: 992 GPUs and the logbook's restart rate (Llama 3's mix)."""
+    gpu_mtbf_h = OPT175B_GPUS * OPT175B_DAYS * 24.0 / OPT175B_RESTARTS
+    return Params(gpus=OPT175B_GPUS, days=OPT175B_DAYS, gpu_mtbf_h=gpu_mtbf_h)
+
+
+PRESETS = {"llama3": llama3, "opt175b": opt175b}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one simulation measured.
+
+    ``accounting`` splits the wall time as :func:`supervisor.goodput.account`
+    does (its ``ratio`` is the goodput; ``by_fault_cause_s`` is keyed by
+    cause value). ``useful_work_share`` weighs productive time by the job's
+    size against its full size, so running shrunk counts as lost capacity.
+    ``mean_interval_s`` is the interval weighted by training time.
+    """
+
+    accounting: Goodput
+    interruptions: dict[Cause, int]
+    grows: int
+    queued: int
+    saves: int
+    useful_work_share: float
+    mean_interval_s: float
+    final_interval_s: float
+
+    @property
+    def goodput(self) -> float:
+        """Productive share of wall time."""
+        return self.accounting.ratio
+
+
+@dataclass(frozen=True)
+class _Saves:
+    """The saves of one run, in seconds since its first step.
+
+    Save ``k`` (from 1) is due after ``interval`` of training since the run
+    started or since the previous save's stall ended; training then blocks for
+    ``first_block`` (save 1) or ``block`` (later saves: the stall plus the
+    wait for the previous write, if any). The state of the step reached when
+    the save is due is what commits, ``write`` after the block ends.
+    """
+
+    interval: float
+    first_block: float
+    block: float
+    write: float
+
+    @classmethod
+    def of(cls, interval: float, stall: float, write: float) -> _Saves:
+        """Saves every ``interval``, each stalling ``stall`` then writing ``write``."""
+        return cls(interval, stall, stall + max(0.0, write - interval), write)
+
+    def block_end(self, k: int) -> float:
+        """When save ``k``'s block ends (0 for k = 0: the run's start)."""
+        if k == 0:
+            return 0.0
+        return self.interval + self.first_block + (k - 1) * (self.interval + self.block)
+
+    def due(self, k: int) -> float:
+        """When save ``k`` is due: its step's state is what it saves."""
+        return self.block_end(k - 1) + self.interval
+
+    def blocks_ended(self, t: float) -> int:
+        """How many blocks have ended by ``t``."""
+        first = self.interval + self.first_block
+        if t < first:
+            return 0
+        return 1 + math.floor((t - first) / (self.interval + self.block))
+
+    def stalled(self, t: float) -> float:
+        """Seconds training was blocked in ``[0, t]``."""
+        k = self.blocks_ended(t)
+        whole = 0.0 if k == 0 else self.first_block + (k - 1) * self.block
+        current = self.first_block if k == 0 else self.block
+        return whole + min(max(0.0, t - self.due(k + 1)), current)
+
+    def committed(self, t: float) -> int:
+        """How many saves have committed by ``t`` (their writes ended)."""
+        return self.blocks_ended(t - self.write) if t >= self.write else 0
+
+    def lost(self, t: float, committed: int | None = None) -> float:
+        """Training after the newest committed save's step, up to ``t``: replayed on resume.
+
+        ``committed`` names that save when the caller knows it (``t`` is its
+        commit, where rounding could put ``t`` a hair before it).
+        """
+        k = self.committed(t) if committed is None else committed
+        since = self.due(k) if k else 0.0
+        return (t - since) - (self.stalled(t) - self.stalled(since))
+
+    def first_commit_after(self, t: float) -> tuple[int, float]:
+        """The first save committing at or after ``t``, and when it commits."""
+        first = self.interval + self.first_block + self.write
+        k = 1 if t <= first else 1 + math.ceil((t - first) / (self.interval + self.block))
+        return k, self.block_end(k) + self.write
+
+
+class _Simulation:
+    """Mutable state of one simulation (local to :func:`simulate`)."""
+
+    def __init__(self, params: Params, seed: int) -> None:
+        self.p = params
+        # NumPy loads with the first simulation, not with every `resurgo` command.
+        from numpy.random import SeedSequence, default_rng
+
+        faults, queue = SeedSequence(seed).spawn(2)
+        self.fault_rng: np.random.Generator = default_rng(faults)
+        self.queue_rng: np.random.Generator = default_rng(queue)
+        self.end_s = params.days * DAY_S
+        self.gpu_rate = 1.0 / (params.gpu_mtbf_h * HOUR_S)
+        self.cumulative = list(itertools.accumulate(c.share for c in params.mix))
+        self.record: JobRecord = new_record(
+            "simulated", params.nodes, 0.0, min_nodes=params.min_nodes, unit=params.unit_nodes
+        )
+        self.home = params.nodes + params.spare_nodes
+        self.nodes = params.nodes
+        self.idle = params.spare_nodes
+        self.repairs: list[float] = []
+        self.badput = {kind: 0.0 for kind in Badput}
+        self.by_cause: dict[str, float] = {}
+        self.interruptions = {c.cause: 0 for c in params.mix}
+        self.node_faults: list[float] = []
+        # Faults come as unit-rate exposures spent at the job's failure rate while
+        # it trains: runs with other intervals meet the same faults at the same
+        # training times, so their differences are the interval's, not the dice's.
+        self.exposure = self.fault_rng.exponential()
+        self.interval = params.interval_s
+        self.productive = self.useful = self.trained = self.interval_time = 0.0
+        self.grows = self.queued = self.saves = self.attempt = 0
+
+    def charge(self, kind: Badput, start: float, seconds: float, cause: str | None) -> float:
+        """Charge ``seconds`` from ``start`` (clipped at the end) to ``kind``; the new time."""
+        seconds = max(0.0, min(seconds, self.end_s - start))
+        self.badput[kind] += seconds
+        if cause is not None:
+            self.by_cause[cause] = self.by_cause.get(cause, 0.0) + seconds
+        return start + seconds
+
+    def back_from_repair(self, now: float) -> None:
+        """Repaired nodes come back idle to the job's partition of ``home`` nodes.
+
+        A node the job got from the rest of the cluster (after a queue wait)
+        goes back there instead: the partition never holds more than ``home``.
+        """
+        while self.repairs and self.repairs[0] <= now:
+            heapq.heappop(self.repairs)
+            if self.idle + self.nodes + len(self.repairs) < self.home:
+                self.idle += 1
+
+    def choose_interval(self, now: float) -> float:
+        """The interval for a run starting at ``now``, as :class:`IntervalPolicy` says."""
+        p, policy = self.p, self.p.interval_policy
+        if policy is IntervalPolicy.YOUNG:
+            return young_interval_s(p.save_stall_s, p.job_mtbf_s(self.nodes))
+        if policy is IntervalPolicy.DALY:
+            return recommended_interval_s(p.save_stall_s, p.write_s, p.job_mtbf_s(self.nodes))
+        if policy is IntervalPolicy.ADAPTIVE and now > 0:
+            node_mtbf = mtbf_estimate(self.node_faults, now, self.home)
+            push = interval_push(
+                self.record.job_id, self.attempt, self.interval, node_mtbf, self.nodes,
+                p.save_stall_s, p.write_s,
+            )  # fmt: skip
+            if push is not None:
+                self.interval = push.interval_s
+        return self.interval
+
+    def grow_time(self, start: float, saves: _Saves) -> tuple[int, float]:
+        """When a job below its size grows back: the first save to commit once idle nodes
+        allow it, and when (0 and infinity: not in this run)."""
+        never = (0, math.inf)
+        if not self.p.grow_back or self.nodes >= self.p.nodes:
+            return never
+        ready, idle, pending = start, self.idle, sorted(self.repairs)
+        for index, back_s in enumerate(pending):
+            if self.larger(idle) is not None:
+                break
+            if idle + self.nodes + len(pending) - index - 1 < self.home:
+                idle += 1
+            ready = back_s
+        if self.larger(idle) is None:
+            return never
+        save, commit_s = saves.first_commit_after(ready - start)
+        return save, start + commit_s
+
+    def larger(self, extra: int) -> int | None:
+        """The size ``extra`` idle nodes make, when larger than the job's now (else None)."""
+        size = world_size(self.nodes + extra, self.record)
+        return size if size is not None and size > self.nodes else None
+
+    def run(self) -> Outcome:
+        p, now = self.p, 0.0
+        while now < self.end_s:
+            self.back_from_repair(now)
+            interval = self.choose_interval(now)
+            saves = _Saves.of(interval, p.save_stall_s, p.write_s)
+            rate = self.nodes * p.gpus_per_node * self.gpu_rate
+            fault_at = now + self.exposure / rate
+            grow_save, grow_at = self.grow_time(now, saves)
+            end = min(fault_at, grow_at, self.end_s)
+            elapsed = end - now
+            stalled = saves.stalled(elapsed)
+            if end == self.end_s:
+                lost = 0.0
+            elif end == grow_at:
+                lost = saves.lost(elapsed, committed=grow_save)
+            else:
+                lost = saves.lost(elapsed)
+            self.saves += saves.blocks_ended(elapsed)
+            self.interval_time += interval * (elapsed - stalled)
+            self.trained += elapsed - stalled
+            self.badput[Badput.CHECKPOINT_STALL] += stalled
+            productive = elapsed - stalled - lost
+            self.productive += productive
+            self.useful += productive * self.nodes / p.nodes
+            if end == self.end_s:
+                break
+            if end == fault_at:
+                self.exposure = self.fault_rng.exponential()
+                now = self.fault(end, lost)
+            else:
+                self.exposure -= rate * elapsed
+                now = self.grow(end, lost)
+        return self.outcome()
+
+    def fault(self, at: float, lost: float) -> float:
+        """An interruption at ``at``: detect, drain, relaunch; when the job trains again."""
+        p = self.p
+        draw = self.fault_rng.random() * self.cumulative[-1]
+        component = p.mix[min(bisect.bisect_right(self.cumulative, draw), len(p.mix) - 1)]
+        cause = component.cause.value
+        self.interruptions[component.cause] += 1
+        self.attempt += 1
+        self.badput[Badput.LOST_WORK] += lost
+        self.by_cause[cause] = self.by_cause.get(cause, 0.0) + lost
+        now = self.charge(Badput.DETECTION, at, component.detect_s, cause)
+        if component.cause in NODE_FAULT_CAUSES:
+            self.node_faults.append(now)
+        if component.takes_node:
+            self.nodes -= 1
+            heapq.heappush(self.repairs, at + p.repair_s)
+        self.back_from_repair(now)
+        return self.relaunch(now, component.recover_s, cause)
+
+    def relaunch(self, now: float, recover_s: float, cause: str) -> float:
+        """Relaunch as :func:`supervisor.recovery.relaunch` decides; when the job trains again.
+
+        The fast path when the healthy nodes make a valid size, unless idle
+        nodes make a larger one (then a requeue onto them, which starts at
+        once); else a requeue at full size, which waits in the queue unless
+        idle nodes make up the difference.
+        """
+        p = self.p
+        alone = world_size(self.nodes, self.record)
+        grown = self.larger(self.idle) if alone is not None else None
+        if alone is not None and grown is None:
+            # The healthy nodes, shrunk to a valid size; the rest are idle again.
+            self.idle += self.nodes - alone
+            self.nodes = alone
+            return self.charge(Badput.RECOVERY, now, recover_s, cause)
+        now = self.charge(Badput.RECOVERY, now, recover_s + p.requeue_start_s, cause)
+        if grown is not None:
+            self.idle -= grown - self.nodes
+            self.nodes = grown
+            return now
+        missing = p.nodes - self.nodes
+        self.nodes = p.nodes
+        if missing <= self.idle:
+            self.idle -= missing
+            return now
+        # Too few idle nodes: Slurm's queue, until other jobs end (the idle ones are used too).
+        self.idle = 0
+        self.queued += 1
+        wait = self.queue_rng.lognormal(math.log(p.queue_median_s), p.queue_sigma)
+        return self.charge(Badput.QUEUE_WAIT, now, wait, None)
+
+    def grow(self, at: float, lost: float) -> float:
+        """A planned requeue onto idle nodes right after a commit; when the job trains again."""
+        cause = Cause.GROW
+        self.back_from_repair(at)
+        grown = self.larger(self.idle)
+        assert grown is not None  # grow_time waited for the pool to allow it
+        self.grows += 1
+        self.attempt += 1
+        self.badput[Badput.LOST_WORK] += lost
+        self.by_cause[cause.value] = self.by_cause.get(cause.value, 0.0) + lost
+        self.idle -= grown - self.nodes
+        self.nodes = grown
+        return self.charge(
+            Badput.RECOVERY, at, self.p.grow_recover_s + self.p.requeue_start_s, cause.value
+        )
+
+    def outcome(self) -> Outcome:
+        accounting = Goodput(self.end_s, self.productive, dict(self.badput), dict(self.by_cause))
+        return Outcome(
+            accounting=accounting,
+            interruptions=dict(self.interruptions),
+            grows=self.grows,
+            queued=self.queued,
+            saves=self.saves,
+            useful_work_share=self.useful / self.end_s,
+            mean_interval_s=self.interval_time / self.trained if self.trained else self.interval,
+            final_interval_s=self.choose_interval(self.end_s),
+        )
+
+
+def simulate(params: Params, seed: int = 0) -> Outcome:
+    """Run one simulation of ``params`` with the random numbers of ``seed``."""
+    return _Simulation(params, seed).run()
+
+
+def optima_s(params: Params) -> tuple[float, float]:
+    """Young's and Daly's intervals for the save stall and the job's MTBF at full size."""
+    mtbf = params.job_mtbf_s()
+    return young_interval_s(params.save_stall_s, mtbf), daly_interval_s(params.save_stall_s, mtbf)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """Mean goodput at one fixed interval, over the sweep's seeds."""
+
+    interval_s: float
+    goodput: float
+
+
+def sweep(params: Params, intervals_s: Sequence[float], seeds: Sequence[int]) -> list[SweepPoint]:
+    """Goodput at each fixed interval, averaged over ``seeds``.
+
+    Every interval sees the same seeds, hence the same failures at the same
+    training times (common random numbers): the differences between points
+    are the interval's, not the dice's.
+    """
+    points = []
+    for interval in intervals_s:
+        fixed = replace(params, interval_policy=IntervalPolicy.FIXED, interval_s=interval)
+        runs = [simulate(fixed, seed).goodput for seed in seeds]
+        points.append(SweepPoint(interval, sum(runs) / len(runs)))
+    return points
+
+
+def best_interval_s(points: Sequence[SweepPoint], *, above_s: float = 0.0) -> float:
+    """The interval of highest goodput on a cubic fitted in log(interval) to ``points``.
+
+    Single runs are noisy near the optimum, where the curve is flat, so the
+    fit uses the whole curve; a cubic, because the curve is not symmetric in
+    log(interval) (lost work grows faster past the optimum than stalls grow
+    before it), which would pull a parabola's vertex low. Only points above
+    ``above_s`` are fitted: pass the background write time, below which saves
+    wait for each other and goodput falls off a cliff of another shape. The
+    answer stays within the fitted range.
+    """
+    import numpy as np
+
+    used = [point for point in points if point.interval_s > above_s]
+    if len(used) < 4:
+        raise ValueError(f"a sweep needs at least 4 intervals above {above_s:g} s to fit")
+    x = np.log([point.interval_s for point in used])
+    y = np.array([point.goodput for point in used])
+    fine = np.linspace(x.min(), x.max(), 2001)
+    fitted = np.polyval(np.polyfit(x, y, 3), fine)
+    return float(np.exp(fine[int(np.argmax(fitted))]))
