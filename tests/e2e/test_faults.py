@@ -5,7 +5,10 @@ Each test runs ``resurgo-supervisor``, submits the demo trainer with
 right node drained (or none), the resume from the newest valid checkpoint,
 the final step reached, and against an unfaulted reference run of the same
 job, the exact global sample of every step (every resume) and bitwise-equal
-final parameters (same-size resumes). Already covered elsewhere, on the same
+final parameters (same-size resumes). A straggler slows every rank of a
+synchronous job alike; the supervisor names it from the ranks' own compute
+times, alerts, and drains it only when the policy says so. Already covered
+elsewhere, on the same
 cluster: a corrupted newest checkpoint, the crash loop and the supervisor
 SIGKILLed during a recovery (tests/integration/test_recovery_live.py).
 """
