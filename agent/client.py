@@ -41,13 +41,15 @@ import aiohttp
 import tenacity
 
 from agent import protocol
-from agent.checkpoint.files import fsync_dir, write_durably
+from agent.checkpoint.files import fsync_dir, open_regular, write_durably
 from agent.errors import ConfigError, ResurgoError
 from agent.protocol import Command, Event, EventKind, HeartbeatReport, Reply
 
 logger = logging.getLogger(__name__)
 
 SECRET_BYTES = 32
+# The hex form and a newline, with room for stray whitespace.
+_SECRET_FILE_LIMIT = 4096
 DEFAULT_BACKOFF = tenacity.wait_random_exponential(multiplier=0.5, max=10.0)
 DEFAULT_HEARTBEAT_TIMEOUT_S = 2.0
 
@@ -135,12 +137,25 @@ def write_secret(path: Path, secret: bytes) -> None:
 
 
 def load_secret(path: Path) -> bytes:
-    """Read a job secret written by :func:`write_secret`, refusing a file others can read."""
+    """Read a job secret written by :func:`write_secret`, refusing a file others can read.
+
+    The file sits in a directory its user controls, and the supervisor reads
+    it: anything but a small regular file of hex digits (a FIFO, a device, a
+    huge or binary file) is a :class:`ConfigError`, never a blocked or
+    crashed reader.
+    """
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-        text = path.read_text()
+        with open_regular(path) as handle:
+            mode = stat.S_IMODE(os.fstat(handle.fileno()).st_mode)
+            raw = handle.read(_SECRET_FILE_LIMIT + 1)
     except OSError as error:
         raise ConfigError(f"cannot read the job secret {path}: {error}") from error
+    if len(raw) > _SECRET_FILE_LIMIT:
+        raise ConfigError(f"job secret {path} is larger than {_SECRET_FILE_LIMIT} bytes")
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise ConfigError(f"job secret {path} is not hex text") from None
     if mode & 0o077:
         raise ConfigError(
             f"job secret {path} has mode {mode:04o}, readable by group or others: "

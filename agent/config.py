@@ -14,9 +14,10 @@ not the job's stale count after a resize), ``SLURM_NODEID`` and
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,26 @@ class AgentConfig:
     stop_grace_s: float = 30.0
     drain_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(
+                    f"agent setting {field.name} must be finite and >= 0, got {value}"
+                )
+        for name in _PERIODS:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"agent setting {name} must be > 0: it is a loop's period")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"agent settings: node_rank {self.node_rank} must be in 0..nnodes-1 "
+                f"(nnodes {self.nnodes})"
+            )
+        if not 0 <= self.master_port < 65536:
+            raise ConfigError(f"agent setting master_port {self.master_port} is not a port")
+        if self.restart_count < 0 or self.attempt < 0:
+            raise ConfigError("agent settings restart_count and attempt must be >= 0")
+
     def hang_config(self) -> HangConfig:
         """The hang/straggler thresholds for :mod:`agent.hang`."""
         return HangConfig(
@@ -73,6 +94,11 @@ class AgentConfig:
             eval_grace_s=self.eval_grace_s,
             stack_timeout_s=self.stack_timeout_s,
         )
+
+
+# Periods of the agent's loops: zero would spin.
+_PERIODS = ("heartbeat_report_s", "watch_interval_s", "hang_check_s", "stack_sample_s",
+            "health_check_interval_s")  # fmt: skip
 
 
 def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -29,7 +29,9 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +62,36 @@ STACK_SAMPLES_KEPT = 32
 EXIT_STATUS_UNHEALTHY = 3
 
 
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user can enter, created 0700 if missing.
+
+    The run directory holds the ranks' heartbeat socket, their exit records
+    and the event spool, and its default name under ``/tmp`` is predictable.
+    A directory of that name that another user made (or a symlink) would let
+    them forge exits, read the spool or take the socket: it is left alone and
+    a fresh private directory beside it is used instead (an event spool left
+    in the usual one is then not resumed). One of ours is made 0700.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    found = os.lstat(path)
+    if stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid():
+        if stat.S_IMODE(found.st_mode) & 0o077:
+            os.chmod(path, 0o700)  # ours (an explicit --run-dir, say): made private
+        return path
+    fresh = Path(tempfile.mkdtemp(prefix=f"{path.name}-", dir=path.parent))
+    log.warning(
+        "run directory %s is not this user's (owner uid %d, mode %04o, %s); using %s instead",
+        path,
+        found.st_uid,
+        stat.S_IMODE(found.st_mode),
+        "a directory" if stat.S_ISDIR(found.st_mode) else "not a directory",
+        fresh,
+    )
+    return fresh
+
+
 @dataclass(frozen=True)
 class Clocks:
     """Monotonic time for timeouts, wall time for events; injectable for tests."""
@@ -83,9 +115,11 @@ class NodeAgent:
         self.command = list(command)
         self._environ = dict(os.environ if environ is None else environ)
         self._clocks = clocks or Clocks()
-        self.run_dir = Path(
-            config.run_dir
-            or f"/tmp/resurgo-agent-{config.job_id}-{config.node}-{config.launch_nonce}"
+        self.run_dir = private_dir(
+            Path(
+                config.run_dir
+                or f"/tmp/resurgo-agent-{config.job_id}-{config.node}-{config.launch_nonce}"
+            )
         )
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._process: asyncio.subprocess.Process | None = None
@@ -103,7 +137,6 @@ class NodeAgent:
 
     async def run(self) -> int:
         """Launch, watch until the launcher exits, report, clean up; return the exit status."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "exits").mkdir(exist_ok=True)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
+import reprlib
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,31 +31,50 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 def convert(owner: str, name: str, default: Any, value: Any) -> Any:
-    """``value`` as the type of ``default``; raises ConfigError naming ``owner`` and ``name``."""
+    """``value`` as the type of ``default``; raises ConfigError naming ``owner`` and ``name``.
+
+    Text (environment, flags) is parsed; a TOML value must already be of a
+    fitting kind: no table or array for a single value, no fraction for an
+    integer, and no infinite or NaN number anywhere.
+    """
     kind = type(default)
     try:
-        if isinstance(default, enum.Enum):
+        if isinstance(value, dict | list | tuple):
+            pass  # a TOML table or array where one value belongs
+        elif isinstance(default, enum.Enum):
             return kind(value.value if isinstance(value, enum.Enum) else value)
-        if kind is bool:
+        elif kind is bool:
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()
             if text in _TRUE | _FALSE:
                 return text in _TRUE
-        elif kind is float and not isinstance(value, bool):
-            return float(value)
-        elif kind is int and not isinstance(value, bool):
-            return int(value)
-        elif kind is str:
+        elif kind is float and isinstance(value, str | int | float) and not isinstance(value, bool):
+            number = float(value)
+            if math.isfinite(number):
+                return number
+        elif kind is int and isinstance(value, str | int | float) and not isinstance(value, bool):
+            if not isinstance(value, float) or value.is_integer():
+                return int(value)
+        elif kind is str and isinstance(value, str | int) and not isinstance(value, bool):
             return str(value)
-    except (TypeError, ValueError):
+    # OverflowError: a float or an integer too large for a double.
+    except (TypeError, ValueError, OverflowError):
         pass
     expected = (
         f"one of {', '.join(repr(m.value) for m in kind)}"
         if isinstance(default, enum.Enum)
+        else "a float (finite)"
+        if kind is float
         else f"a {kind.__name__}"
     )
-    raise ConfigError(f"{owner} setting {name} must be {expected}, got {value!r}")
+    raise ConfigError(f"{owner} setting {name} must be {expected}, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    """``value`` for an error message, cut short (a TOML array can be long or deep)."""
+    text = reprlib.repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}..."
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, flag_prefix: str = "") -> None:
@@ -73,7 +94,8 @@ def read_toml(path: Path, owner: str) -> dict[str, Any]:
     """The TOML document at ``path``; ConfigError when it is missing or malformed."""
     try:
         return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+    # RecursionError: arrays or tables nested deeper than the parser's stack.
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise ConfigError(f"cannot read {owner} config {path}: {error}") from error
 
 
@@ -102,7 +124,7 @@ def layered(
         values[name] = convert(owner, name, defaults[name], value)
     for key, value in (document or {}).items():
         if key not in defaults:
-            raise ConfigError(f"unknown {owner} setting {key!r} in {source}")
+            raise ConfigError(f"unknown {owner} setting {key[:100]!r} in {source}")
         values[key] = convert(owner, key, defaults[key], value)
     for name, default in defaults.items():
         variable = env_prefix + name.upper()

@@ -58,7 +58,16 @@ class RankMonitor:
         self._straggling: set[int] = set()
 
     def on_beat(self, beat: RankBeat, now_s: float) -> None:
-        """Fold one heartbeat in; progress after a reported hang starts a new episode."""
+        """Fold one heartbeat in; progress after a reported hang starts a new episode.
+
+        A beat the wire protocol cannot carry to the supervisor (a negative
+        rank or step, a pid below 1) is dropped: kept, it would make every
+        heartbeat report of this node invalid until the rank's next beat (a
+        ``beat(-1)`` before a long setup), and the supervisor would take the
+        silent node for lost.
+        """
+        if min(beat.rank, beat.local_rank, beat.step) < 0 or beat.pid < 1:
+            return
         progress = observe(self.progress.get(beat.rank), beat, now_s, window=self._config.window)
         self.progress[beat.rank] = progress
         reported = self._hang_reported.get(beat.rank)

@@ -21,16 +21,19 @@ a user cannot register a secret for somebody else's job.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pwd
 import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.checkpoint.files import read_small
 from agent.client import load_secret, new_secret, write_secret
 from agent.errors import ConfigError
 from agent.protocol import check_name
@@ -98,17 +101,81 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
-        """Read ``spec.json``; ConfigError naming the problem when it is not one."""
+        """Read ``spec.json``; ConfigError naming the problem when it is not one.
+
+        The file is the user's (the supervisor reads it from the user's job
+        directory), so every field is checked for its type and range before
+        anything is built from it.
+        """
         try:
             document = json.loads(text)
             if not isinstance(document, dict) or document.pop("version", None) != SPEC_VERSION:
                 raise ValueError(f"not a version {SPEC_VERSION} job spec")
-            document["command"] = tuple(document["command"])
-            document["sbatch_options"] = tuple(document.get("sbatch_options", ()))
-            document["directives"] = tuple(document.get("directives", ()))
+            for name in document:
+                if name not in _SPEC_FIELDS:
+                    raise ValueError(f"unknown field {name[:64]!r}")
+            for name, check in _SPEC_FIELDS.items():
+                if name in document:
+                    document[name] = check(name, document[name])
             return cls(**document)
-        except (ValueError, TypeError, KeyError) as error:
+        # RecursionError: JSON nested deeper than the parser's stack.
+        except (ValueError, TypeError, KeyError, RecursionError) as error:
             raise ConfigError(f"job spec is malformed: {error}") from error
+
+
+# Node counts and the like: far above any cluster, far below what SQLite's
+# 64-bit integers or Slurm's 32-bit counts refuse.
+_MAX_COUNT = 1 << 24
+# What the supervisor reads of a spec.json; `resurgo submit` writes a few KiB.
+MAX_SPEC_BYTES = 1 << 20
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string")
+    return value
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
+        raise ValueError(f"{name} must be an integer in 0..{_MAX_COUNT}")
+    return value
+
+
+def _optional_count(name: str, value: Any) -> int | None:
+    return None if value is None else _count(name, value)
+
+
+def _texts(name: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{name} must be a list of strings")
+    return tuple(value)
+
+
+def _time(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be finite and >= 0")
+    return number
+
+
+_SPEC_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "name": _text,
+    "nodes": _count,
+    "command": _texts,
+    "ckpt_root": _text,
+    "min_nodes": _optional_count,
+    "unit": _count,
+    "procs_per_node": _count,
+    "supervisor_url": _text,
+    "sbatch_options": _texts,
+    "directives": _texts,
+    "python": _text,
+    "user": _text,
+    "submitted_s": _time,
+}
 
 
 def job_dir(jobs_dir: Path | str, job_id: str) -> Path:
@@ -117,11 +184,20 @@ def job_dir(jobs_dir: Path | str, job_id: str) -> Path:
 
 
 def read_spec(directory: Path) -> JobSpec:
-    """The spec in a job directory (ConfigError when missing or malformed)."""
+    """The spec in a job directory (ConfigError when missing, malformed, not a regular
+    file, or larger than :data:`MAX_SPEC_BYTES`)."""
+    path = directory / SPEC_NAME
     try:
-        return JobSpec.from_json((directory / SPEC_NAME).read_text())
+        data = read_small(path, MAX_SPEC_BYTES)
     except OSError as error:
-        raise ConfigError(f"cannot read {directory / SPEC_NAME}: {error}") from error
+        raise ConfigError(f"cannot read {path}: {error}") from error
+    except ValueError as error:
+        raise ConfigError(f"{path} is too large: {error}") from error
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text: {error}") from error
+    return JobSpec.from_json(text)
 
 
 def read_secret(directory: Path) -> bytes:

@@ -7,16 +7,38 @@ checksum spelling come from :mod:`agent.checkpoint.format`.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from agent.checkpoint import format as fmt
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """Open ``path`` for reading, refusing (OSError) anything but a regular file.
+
+    Opened non-blocking, so a FIFO or a device put where a file belongs (by
+    whoever owns the directory) costs an error instead of a reader blocked
+    forever; the flag is cleared once the file is known to be regular.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def iter_chunks(path: Path, chunk_bytes: int = fmt.CHUNK_BYTES) -> Iterator[bytes]:
     """Yield the file's bytes in chunks of at most ``chunk_bytes``; memory stays bounded."""
-    with open(path, "rb", buffering=0) as handle:
+    with open_regular(path) as handle:
         while chunk := handle.read(chunk_bytes):
             yield chunk
 
@@ -62,12 +84,26 @@ def write_durably(path: Path, data: bytes) -> None:
 
 
 def read_small(path: Path, limit_bytes: int = 64 << 20) -> bytes:
-    """Read a small file whole, refusing one larger than ``limit_bytes``."""
-    with open(path, "rb") as handle:
-        data = handle.read(limit_bytes + 1)
+    """Read a small regular file whole, refusing one larger than ``limit_bytes``
+    (ValueError) and anything but a regular file (OSError)."""
+    with open_regular(path) as handle:
+        data = _read_up_to(handle, limit_bytes + 1)
     if len(data) > limit_bytes:
         raise ValueError(f"{path} is larger than {limit_bytes} bytes")
     return data
+
+
+def _read_up_to(handle: BinaryIO, count: int) -> bytes:
+    # In pieces: read(n) allocates n bytes up front, whatever the file holds,
+    # so one read of a generous limit would cost the limit for a tiny file.
+    parts, left = [], count
+    while left > 0 and (part := handle.read(min(left, _READ_PIECE_BYTES))):
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+_READ_PIECE_BYTES = 1 << 20
 
 
 def move_aside(path: Path, label: str, now_unix_s: float) -> Path:

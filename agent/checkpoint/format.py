@@ -139,9 +139,15 @@ def check_relative_path(path: str) -> str:
     """
     parts = path.split("/")
     if not path or path.startswith("/") or "\\" in path or "\x00" in path:
-        raise CheckpointInvalid(f"path {path!r} does not name a file inside the checkpoint")
+        raise CheckpointInvalid(f"path {path[:200]!r} does not name a file inside the checkpoint")
     if any(part in ("", ".", "..") for part in parts):
-        raise CheckpointInvalid(f"path {path!r} does not name a file inside the checkpoint")
+        raise CheckpointInvalid(f"path {path[:200]!r} does not name a file inside the checkpoint")
+    try:
+        # What the filesystem call will do with it (os.fsencode on Linux): a
+        # lone surrogate outside the escaped-byte range names no file at all.
+        path.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as error:
+        raise CheckpointInvalid(f"path {path[:200]!r} cannot be a file name: {error}") from error
     return path
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -238,18 +239,79 @@ _UNUSABLE_FLAGS = frozenset(
 # --- hostlists ---------------------------------------------------------------
 
 
+# More names than any cluster has: a list that would expand beyond it is
+# damaged output, refused before a single name is built. python-hostlist
+# bounds each range and each part, not a list of many parts; its recursion
+# goes one level per bracket group, and its int() refuses numbers over 4300
+# digits with a ValueError.
+MAX_HOSTLIST_NAMES = 100_000
+_MAX_BRACKET_GROUPS = 16
+_MAX_RANGE_DIGITS = 18
+_BRACKETS = re.compile(r"\[([^\[\]]*)\]")
+_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+
+
 def expand_hostlist(node_list: str) -> tuple[str, ...]:
     """Expand a Slurm hostlist (``node[1-3,5]``) into names; raise SlurmParseError if bad.
 
-    Slurm prints "" or "(null)" for no nodes.
+    Slurm prints "" or "(null)" for no nodes. A list naming more than
+    :data:`MAX_HOSTLIST_NAMES` nodes is refused as malformed.
     """
     text = node_list.strip()
     if text in ("", "(null)", "None"):
         return ()
+    problem = _hostlist_problem(text)
+    if problem is not None:
+        raise SlurmParseError(f"bad Slurm hostlist {node_list[:200]!r}: {problem}")
     try:
         return tuple(hostlist.expand_hostlist(text))
     except hostlist.BadHostlist as error:
-        raise SlurmParseError(f"bad Slurm hostlist {node_list!r}: {error}") from error
+        raise SlurmParseError(f"bad Slurm hostlist {node_list[:200]!r}: {error}") from error
+
+
+def _hostlist_problem(text: str) -> str | None:
+    """Why ``text`` must not be expanded (too many names, groups or digits); None if it may.
+
+    An upper bound only: syntax errors are python-hostlist's to find.
+    """
+    total = 0
+    for part in _top_level_parts(text):
+        groups = _BRACKETS.findall(part)
+        if len(groups) > _MAX_BRACKET_GROUPS:
+            return f"{len(groups)} bracket groups in one name; at most {_MAX_BRACKET_GROUPS}"
+        names = 1
+        for group in groups:
+            count = 0
+            for item in group.split(","):
+                match = _RANGE.fullmatch(item)
+                if match is None:
+                    continue  # not a range: python-hostlist refuses it
+                low, high = match.group(1), match.group(2) or match.group(1)
+                if max(len(low), len(high)) > _MAX_RANGE_DIGITS:
+                    return f"a number with more than {_MAX_RANGE_DIGITS} digits"
+                count += max(int(high) - int(low) + 1, 0)
+            names *= max(count, 1)
+            if names > MAX_HOSTLIST_NAMES:
+                break
+        total += names
+        if total > MAX_HOSTLIST_NAMES:
+            return f"it names more than {MAX_HOSTLIST_NAMES} nodes"
+    return None
+
+
+def _top_level_parts(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    parts.append(text[start:])
+    return parts
 
 
 def compress_hostlist(nodes: Sequence[str]) -> str:
@@ -263,18 +325,29 @@ def compress_hostlist(nodes: Sequence[str]) -> str:
 def _load(text: str | bytes, key: str, command: str) -> list[Mapping[str, Any]]:
     try:
         document = json.loads(text)
-    except (ValueError, TypeError) as error:
+    # ValueError covers JSONDecodeError, bad UTF-8 and integers beyond Python's
+    # digit limit; RecursionError, nesting deeper than the parser's stack.
+    except (ValueError, TypeError, RecursionError) as error:
         raise SlurmParseError(f"{command} printed no valid JSON: {error}") from error
     if not isinstance(document, dict):
         raise SlurmParseError(f"{command}: top level is {type(document).__name__}, not an object")
     errors = document.get("errors") or []
     if errors:
         # A reply that carries errors is not a trustworthy (possibly empty) list.
-        raise SlurmParseError(f"{command} reported errors: {errors!r}")
+        raise SlurmParseError(f"{command} reported errors: {_show(errors)}")
     records = document.get(key)
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise SlurmParseError(f"{command}: no list of objects under {key!r}")
     return records
+
+
+_SHOW = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 4, 200, 200, 60
+
+
+def _show(value: Any) -> str:
+    """``value`` for an error message: bounded in size and depth, whatever Slurm printed."""
+    return _SHOW.repr(value)
 
 
 def _field(record: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -283,7 +356,7 @@ def _field(record: Mapping[str, Any], key: str, kind: type | tuple[type, ...], w
     value = record[key]
     # bool is an int subclass; a bool where a number belongs is malformed output.
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise SlurmParseError(f"{what}: field {key!r} is {value!r}, not {kind}")
+        raise SlurmParseError(f"{what}: field {key!r} is {_show(value)}, not {kind}")
     return value
 
 
@@ -292,7 +365,7 @@ def _optional(record: Mapping[str, Any], key: str, kind: type, what: str) -> Any
     if value is None:
         return None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise SlurmParseError(f"{what}: field {key!r} is {value!r}, not {kind.__name__}")
+        raise SlurmParseError(f"{what}: field {key!r} is {_show(value)}, not {kind.__name__}")
     return value
 
 
@@ -361,7 +434,7 @@ def _node(record: Mapping[str, Any]) -> SlurmNode:
     state_raw = _field(record, "state", str, what)
     flags_raw = tuple(_field(record, "state_flags", list, what))
     if not all(isinstance(flag, str) for flag in flags_raw):
-        raise SlurmParseError(f"{what}: state_flags {flags_raw!r} are not all strings")
+        raise SlurmParseError(f"{what}: state_flags {_show(flags_raw)} are not all strings")
     partitions = _optional(record, "partitions", list, what) or []
     return SlurmNode(
         name=name,
@@ -391,7 +464,7 @@ def parse_sinfo_json(text: str | bytes) -> dict[str, SlurmNode]:
 # --- drain reasons -------------------------------------------------------------
 
 _REASON_PREFIX = "resurgo:"
-_REASON = re.compile(r"^resurgo: (?P<cause>[A-Za-z0-9_.\-]+) job=(?P<job>\d+)$")
+_REASON = re.compile(r"^resurgo: (?P<cause>[A-Za-z0-9_.\-]+) job=(?P<job>[0-9]{1,18})$")
 
 
 @dataclass(frozen=True)
@@ -503,10 +576,14 @@ def sbatch_argv(options: Sequence[str], script: str) -> list[str]:
     return ["sbatch", "--parsable", "--hold", *options, script]
 
 
+_JOB_ID = re.compile(r"[0-9]{1,18}")
+
+
 def parse_sbatch_id(text: str) -> int:
     """The job id ``sbatch --parsable`` printed (``ID`` or ``ID;cluster``)."""
     first = text.strip().split(";")[0]
-    if not first.isdigit():
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    if not _JOB_ID.fullmatch(first):
         raise SlurmParseError(f"sbatch printed {text.strip()[:200]!r}, not a job id")
     return int(first)
 

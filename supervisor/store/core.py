@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 from supervisor.errors import StoreCorrupt, StoreError, StoreMissing, UnknownJob
-from supervisor.store import schema
+from supervisor.store import schema, wal
 from supervisor.store.rows import Label, LeaseRow, label
 
 logger = logging.getLogger(__name__)
@@ -68,18 +68,34 @@ class StoreCore:
     ) -> _S:
         """Open (or create) the store at ``path``: check it, migrate it, switch to WAL.
 
-        A damaged or non-SQLite file raises :class:`StoreCorrupt` and is left
-        byte for byte as it was; a newer schema raises ``StoreSchemaError``; an
-        older one is backed up next to the file and migrated.
+        A damaged or non-SQLite file, a damaged write-ahead log, or an existing
+        file without the store's tables raises :class:`StoreCorrupt`, and every
+        file is left byte for byte as it was: the checks run on a read-only
+        connection (or before anything writes). A newer schema raises
+        ``StoreSchemaError``; an older one is backed up next to the file and
+        migrated.
         """
         path = Path(path)
-        if path.exists():
+        log = wal.wal_path(path)
+        existed = path.exists()
+        if existed:
             schema.check_header(path)
+            wal.check_wal(path, schema.RESTORE_HINT)
             mode = "rw"
+        elif log.exists() and log.stat().st_size > 0:
+            raise StoreCorrupt(
+                f"store {path} does not exist but its write-ahead log {log} does: the "
+                "database file was moved or deleted, and a new store would lose what the "
+                f"log holds; put the file back, or {schema.RESTORE_HINT}"
+            )
         elif create:
             mode = "rwc"
         else:
             raise StoreMissing(f"store {path} does not exist; check the configured path")
+        checked = existed and _in_wal_mode(path)
+        if checked:
+            with _refusing_damage(path):
+                _check_read_only(path, busy_timeout_s)
         try:
             db = sqlite3.connect(
                 f"{path.resolve().as_uri()}?mode={mode}",
@@ -91,27 +107,21 @@ class StoreCore:
         except sqlite3.Error as error:
             raise StoreError(f"cannot open store {path}: {error}") from error
         try:
-            # Checked before anything writes: switching to WAL rewrites the header.
-            schema.check_integrity(db, path)
-            db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-            mode_set = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if mode_set != "wal":
-                raise StoreError(
-                    f"store {path}: SQLite refused WAL mode (got {mode_set!r}); put the "
-                    "store on a local filesystem (WAL needs shared memory, not NFS)"
-                )
-            db.execute("PRAGMA foreign_keys = ON")
-            schema.migrate(db, path)
-        except sqlite3.OperationalError as error:
-            # Busy, locked, read-only, out of disk: the file may be fine.
-            db.close()
-            raise StoreError(f"cannot use store {path}: {error}") from error
-        except sqlite3.DatabaseError as error:
-            db.close()
-            raise StoreCorrupt(
-                f"store {path} is damaged ({error}); stop the supervisor, move the file "
-                "aside and restore the newest backup"
-            ) from error
+            with _refusing_damage(path):
+                if existed and not checked:
+                    # A rollback-journal file (a store from before WAL, or a copy):
+                    # checked before anything writes, since switching to WAL
+                    # rewrites the header; closing it writes nothing.
+                    _check_existing(db, path)
+                db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+                mode_set = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                if mode_set != "wal":
+                    raise StoreError(
+                        f"store {path}: SQLite refused WAL mode (got {mode_set!r}); put the "
+                        "store on a local filesystem (WAL needs shared memory, not NFS)"
+                    )
+                db.execute("PRAGMA foreign_keys = ON")
+                schema.migrate(db, path)
         except BaseException:
             db.close()
             raise
@@ -301,6 +311,55 @@ class StoreCore:
         if found is not None:
             self._known_jobs.add(job_id)
         return found is not None
+
+
+def _in_wal_mode(path: Path) -> bool:
+    """Whether the database header says WAL (read and write versions 2)."""
+    with path.open("rb") as file:
+        file.seek(18)
+        return file.read(2) == b"\x02\x02"
+
+
+@contextlib.contextmanager
+def _refusing_damage(path: Path) -> Iterator[None]:
+    """SQLite's errors while checking or preparing the store, as the store's errors."""
+    try:
+        yield
+    except sqlite3.OperationalError as error:
+        # Busy, locked, read-only, out of disk: the file may be fine.
+        raise StoreError(f"cannot use store {path}: {error}") from error
+    except sqlite3.DatabaseError as error:
+        raise StoreCorrupt(f"store {path} is damaged ({error}); {schema.RESTORE_HINT}") from error
+
+
+def _check_read_only(path: Path, busy_timeout_s: float) -> None:
+    """:func:`_check_existing` on a read-only connection: a refusal writes nothing.
+
+    A read-write connection would checkpoint the log into the file when it
+    closes, changing the damaged file the operator is told to keep.
+    """
+    db = sqlite3.connect(
+        f"{path.resolve().as_uri()}?mode=ro",
+        uri=True,
+        isolation_level=None,
+        timeout=busy_timeout_s,
+    )
+    try:
+        _check_existing(db, path)
+    finally:
+        db.close()
+
+
+def _check_existing(db: sqlite3.Connection, path: Path) -> None:
+    """Refuse an existing file that is damaged or holds no store (it would be created anew)."""
+    schema.check_integrity(db, path)
+    if schema.stored_version(db, path) is None:
+        raise StoreCorrupt(
+            f"store {path} is an SQLite database without any tables: a store that lost "
+            f"its contents (a damaged write-ahead log, a file copied without it), or one "
+            f"whose first start was interrupted; if it held data, {schema.RESTORE_HINT}; "
+            "if no store existed yet, delete the file and start again"
+        )
 
 
 def rowid(cursor: sqlite3.Cursor) -> int:

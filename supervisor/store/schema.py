@@ -178,9 +178,10 @@ CREATE INDEX step_reports_by_step ON step_reports (job_id, step, attempt);
 MIGRATIONS: tuple[str, ...] = (_V1, _V2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
-_RESTORE_HINT = (
-    "stop every resurgo-supervisor using it, move the file aside (keep it for "
-    "inspection) and restore the newest backup (made by Store.backup) in its place"
+RESTORE_HINT = (
+    "stop every resurgo-supervisor using it, move the file and its -wal and -shm files "
+    "aside (keep them for inspection) and restore the newest backup (written by "
+    "`resurgo store backup`) in its place: docs/operations.md, Backup and restore"
 )
 
 
@@ -195,18 +196,18 @@ def check_header(path: Path) -> None:
     if len(header) == 0:
         raise StoreCorrupt(
             f"store {path} is an empty file, not an SQLite database; if it is a store "
-            f"that lost its contents, {_RESTORE_HINT}; if no store existed yet, delete "
+            f"that lost its contents, {RESTORE_HINT}; if no store existed yet, delete "
             "the empty file and start again"
         )
     if not header.startswith(SQLITE_MAGIC):
         raise StoreCorrupt(
             f"store {path} is not an SQLite database (it starts with {header[:16]!r}); "
-            f"check the configured path, or {_RESTORE_HINT}"
+            f"check the configured path, or {RESTORE_HINT}"
         )
     if len(header) < _HEADER_BYTES:
         raise StoreCorrupt(
             f"store {path} is truncated ({len(header)} bytes, shorter than an SQLite "
-            f"header); {_RESTORE_HINT}"
+            f"header); {RESTORE_HINT}"
         )
 
 
@@ -221,12 +222,12 @@ def check_integrity(db: sqlite3.Connection, path: Path) -> None:
     except sqlite3.OperationalError:
         raise  # busy or locked, not damage: the caller reports it as such
     except sqlite3.DatabaseError as error:
-        raise StoreCorrupt(f"store {path} is damaged ({error}); {_RESTORE_HINT}") from error
+        raise StoreCorrupt(f"store {path} is damaged ({error}); {RESTORE_HINT}") from error
     if problems != ["ok"]:
         shown = "; ".join(str(problem) for problem in problems[:5])
         raise StoreCorrupt(
             f"store {path} failed its integrity check ({len(problems)} problems, first: "
-            f"{shown}); {_RESTORE_HINT}"
+            f"{shown}); {RESTORE_HINT}"
         )
 
 
@@ -243,8 +244,7 @@ def stored_version(db: sqlite3.Connection, path: Path) -> int | None:
     rows = db.execute("SELECT version FROM schema_version").fetchall()
     if len(rows) != 1 or not isinstance(rows[0][0], int):
         raise StoreCorrupt(
-            f"store {path}: schema_version holds {rows[:3]!r}, expected one integer; "
-            f"{_RESTORE_HINT}"
+            f"store {path}: schema_version holds {rows[:3]!r}, expected one integer; {RESTORE_HINT}"
         )
     version: int = rows[0][0]
     return version
