@@ -78,7 +78,7 @@ class Goodput:
 
 @dataclass
 class _Walk:
-    """Mutable state of one pass over a timeline (local to :func:`account`)."""
+    """Mutable state of one pass over a timeline (held by :class:`Accountant`)."""
 
     badput: dict[Badput, float]
     by_cause: dict[str, float]
@@ -105,14 +105,40 @@ def _lost_work(walk: _Walk, resume_step: float) -> float:
     return max(0.0, fault_s - start - stalled)
 
 
-def account(timeline: Sequence[Fact]) -> Goodput:
-    """Goodput and badput of a timeline (sorted by time here; ties keep their order)."""
-    facts = sorted(timeline, key=lambda f: f.time_s)
-    if not facts:
-        return Goodput(0.0, 0.0, {kind: 0.0 for kind in Badput})
-    walk = _Walk(badput={kind: 0.0 for kind in Badput}, by_cause={}, since=facts[0].time_s)
-    for fact in facts:
+def _end_charges(walk: _Walk, t: float) -> list[tuple[Badput, float, bool]]:
+    """What an ENDED fact at ``t`` charges: (kind, seconds, counted for the fault's cause)."""
+    if walk.phase in ("queue", "recovering-queue"):
+        return [(Badput.QUEUE_WAIT, t - walk.since, False)]
+    if walk.phase == "startup":
+        return [(Badput.STARTUP, t - walk.since, False)]
+    if walk.phase in ("recovering", "detecting"):
+        return [(Badput.RECOVERY, t - walk.since, True)]
+    return []
+
+
+class Accountant:
+    """:func:`account` as a fold: feed facts in time order, read the goodput at any point.
+
+    The metrics feed each job's new facts at every scrape instead of walking
+    its whole history again; :meth:`goodput` with ``end_s`` accounts a job
+    still running up to then without changing what was fed.
+    """
+
+    def __init__(self) -> None:
+        self._walk: _Walk | None = None
+        self._first_s: float | None = None
+        self._last_s: float | None = None
+        self._stalled_s = 0.0
+
+    def feed(self, fact: Fact) -> None:
+        """Account one fact; facts come in time order (ties keep their order)."""
         t = fact.time_s
+        if self._walk is None:
+            self._walk = _Walk(badput={kind: 0.0 for kind in Badput}, by_cause={}, since=t)
+            self._first_s = t
+        # A fault is dated at the last progress, which an earlier feed may have passed.
+        self._last_s = t if self._last_s is None else max(self._last_s, t)
+        walk = self._walk
         if fact.kind is FactKind.QUEUED:
             if walk.phase == "recovering":
                 walk.charge(Badput.RECOVERY, t - walk.since, fault=True)
@@ -135,6 +161,7 @@ def account(timeline: Sequence[Fact]) -> Goodput:
             walk.steps.append((t, fact.value or 0.0))
         elif fact.kind is FactKind.SAVE_STALL:
             walk.stalls.append((t, fact.value or 0.0))
+            self._stalled_s += fact.value or 0.0
         elif fact.kind is FactKind.FAULT and walk.phase == "running":
             walk.phase, walk.fault_s, walk.cause = "detecting", t, fact.cause or "unknown"
         elif fact.kind is FactKind.DETECTED and walk.phase in ("running", "detecting"):
@@ -146,20 +173,65 @@ def account(timeline: Sequence[Fact]) -> Goodput:
             walk.charge(Badput.LOST_WORK, _lost_work(walk, fact.value or 0.0), fault=True)
             walk.stalls, walk.steps, walk.fault_s = [], [], None
         elif fact.kind is FactKind.ENDED:
-            if walk.phase in ("queue", "recovering-queue"):
-                walk.charge(Badput.QUEUE_WAIT, t - walk.since)
-            elif walk.phase == "startup":
-                walk.charge(Badput.STARTUP, t - walk.since)
-            elif walk.phase in ("recovering", "detecting"):
-                walk.charge(Badput.RECOVERY, t - walk.since, fault=True)
+            for kind, seconds, fault in _end_charges(walk, t):
+                walk.charge(kind, seconds, fault)
             walk.phase = "idle"
-    # Every stall is checkpoint badput; lost work left the stalls inside it out.
-    walk.badput[Badput.CHECKPOINT_STALL] = sum(
-        f.value or 0.0 for f in facts if f.kind is FactKind.SAVE_STALL
-    )
-    wall = facts[-1].time_s - facts[0].time_s
-    productive = max(0.0, wall - sum(walk.badput.values()))
-    return Goodput(wall, productive, dict(walk.badput), dict(walk.by_cause))
+
+    def goodput(self, end_s: float | None = None) -> Goodput:
+        """The accounting so far; ``end_s``: as if the job ENDED then (a job still running)."""
+        walk = self._walk
+        if walk is None or self._first_s is None or self._last_s is None:
+            return Goodput(0.0, 0.0, {kind: 0.0 for kind in Badput})
+        badput, by_cause = dict(walk.badput), dict(walk.by_cause)
+        last_s = self._last_s
+        if end_s is not None:
+            last_s = max(last_s, end_s)
+            for kind, seconds, fault in _end_charges(walk, last_s):
+                badput[kind] += max(0.0, seconds)
+                if fault:
+                    by_cause[walk.cause] = by_cause.get(walk.cause, 0.0) + max(0.0, seconds)
+        # Every stall is checkpoint badput; lost work left the stalls inside it out.
+        badput[Badput.CHECKPOINT_STALL] = self._stalled_s
+        wall = last_s - self._first_s
+        productive = max(0.0, wall - sum(badput.values()))
+        return Goodput(wall, productive, badput, by_cause)
+
+
+class RecoveryDurations:
+    """Time to detect and time to recover of each recovery, fed fact by fact in time order.
+
+    Detect: the fault (last progress) to the supervisor's detection. Recover:
+    detection to the first training step after the relaunch.
+    """
+
+    def __init__(self) -> None:
+        self.detect_s: list[float] = []
+        self.recover_s: list[float] = []
+        self._fault_s: float | None = None
+        self._detected_s: float | None = None
+        self._resumed = False
+
+    def feed(self, fact: Fact) -> None:
+        """Take one fact (in time order)."""
+        if fact.kind is FactKind.FAULT:
+            self._fault_s = fact.time_s
+        elif fact.kind is FactKind.DETECTED:
+            fault_s = self._fault_s
+            self.detect_s.append(fact.time_s - fault_s if fault_s is not None else 0.0)
+            self._detected_s, self._fault_s, self._resumed = fact.time_s, None, False
+        elif fact.kind in (FactKind.RESUMED, FactKind.ALLOCATED) and self._detected_s is not None:
+            self._resumed = True
+        elif fact.kind is FactKind.STEP and self._detected_s is not None and self._resumed:
+            self.recover_s.append(fact.time_s - self._detected_s)
+            self._detected_s = None
+
+
+def account(timeline: Sequence[Fact]) -> Goodput:
+    """Goodput and badput of a timeline (sorted by time here; ties keep their order)."""
+    accountant = Accountant()
+    for fact in sorted(timeline, key=lambda f: f.time_s):
+        accountant.feed(fact)
+    return accountant.goodput()
 
 
 def mtbf_estimate(

@@ -3,7 +3,10 @@
 One explicit :class:`~prometheus_client.CollectorRegistry` holds one
 collector, :class:`StoreCollector`: nothing is counted in the daemon's hot
 paths, every scrape reads the store (the single source of truth, so a
-restarted supervisor reports the same totals). ``docs/operations.md``
+restarted supervisor reports the same totals). Goodput and the recovery
+durations come from a :class:`~supervisor.timeline.JobTimeline` per job,
+which reads only what is new since the previous scrape: a week-long job
+costs a scrape no more than a new one (``bench/metrics_scrape.py``). ``docs/operations.md``
 lists every metric with its labels; names and units follow Prometheus
 conventions (``_seconds``, ``_ratio``, ``_total``; ``promtool check metrics``
 runs in the tests).
@@ -35,9 +38,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.goodput import Fact, FactKind, account, mtbf_estimate, recommended_interval
+from supervisor.goodput import Fact, RecoveryDurations, mtbf_estimate, recommended_interval
 from supervisor.store import Store
-from supervisor.timeline import CHECKPOINT_STATS_KIND, node_faults, timeline_of
+from supervisor.timeline import CHECKPOINT_STATS_KIND, JobTimeline, node_faults
 
 STATES = (
     "submitted", "starting", "running", "recovering", "relaunching", "requeued",
@@ -50,27 +53,12 @@ RECOVER_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0
 
 
 def recovery_durations(facts: Iterable[Fact]) -> tuple[list[float], list[float]]:
-    """(time to detect, time to recover) of each recovery in a timeline.
-
-    Detect: the fault (last progress) to the supervisor's detection. Recover:
-    detection to the first training step after the relaunch.
-    """
-    detect, recover = [], []
-    fault_s: float | None = None
-    detected_s: float | None = None
-    resumed = False
+    """(time to detect, time to recover) of each recovery in a timeline (see
+    :class:`~supervisor.goodput.RecoveryDurations`)."""
+    durations = RecoveryDurations()
     for fact in sorted(facts, key=lambda f: f.time_s):
-        if fact.kind is FactKind.FAULT:
-            fault_s = fact.time_s
-        elif fact.kind is FactKind.DETECTED:
-            detect.append(fact.time_s - fault_s if fault_s is not None else 0.0)
-            detected_s, fault_s, resumed = fact.time_s, None, False
-        elif fact.kind in (FactKind.RESUMED, FactKind.ALLOCATED) and detected_s is not None:
-            resumed = True
-        elif fact.kind is FactKind.STEP and detected_s is not None and resumed:
-            recover.append(fact.time_s - detected_s)
-            detected_s = None
-    return detect, recover
+        durations.feed(fact)
+    return durations.detect_s, durations.recover_s
 
 
 def _histogram(
@@ -103,6 +91,8 @@ class StoreCollector(Collector):
         self._drains_allowed_per_hour = drains_allowed_per_hour
         self._clock = clock
         self._ended_job_window_s = ended_job_window_s
+        # Per exported job: its timeline so far, so a scrape reads only what is new.
+        self._timelines: dict[str, JobTimeline] = {}
 
     def describe(self) -> list[Metric]:
         """No description up front: the families depend on the store (see collect)."""
@@ -124,6 +114,9 @@ class StoreCollector(Collector):
         span = now - min((row.created_s for row in rows), default=now)
         cluster = self._cluster_nodes()
         node_mtbf = mtbf_estimate(faults, span, cluster) if span > 0 and cluster > 0 else None
+        exported = {row.job_id for row in jobs}
+        for job_id in set(self._timelines) - exported:
+            del self._timelines[job_id]
         for row in jobs:
             self._collect_job(row, now, per_job, node_mtbf, detect, recover)
         yield from per_job.values()
@@ -195,8 +188,9 @@ class StoreCollector(Collector):
         families["info"].add_metric([job_id, row.name], 1.0)
         for state in STATES:
             families["state"].add_metric([job_id, state], 1.0 if row.state == state else 0.0)
-        facts = timeline_of(self._store, job_id, now)
-        goodput = account(facts)
+        timeline = self._timelines.setdefault(job_id, JobTimeline(job_id))
+        timeline.advance(self._store, now)
+        goodput = timeline.goodput(now)
         families["goodput"].add_metric([job_id], goodput.ratio)
         families["productive"].add_metric([job_id], goodput.productive_s)
         for kind, seconds in goodput.badput_s.items():
@@ -209,9 +203,8 @@ class StoreCollector(Collector):
         reports.update((node, float(count)) for node, count in record.get("straggler_reports", []))
         for node, count in sorted(reports.items()):
             families["stragglers"].add_metric([job_id, node], count)
-        progress = self._store.progress_for(job_id)
-        if progress:
-            families["progress"].add_metric([job_id], float(progress[-1].step))
+        if timeline.latest_step is not None:
+            families["progress"].add_metric([job_id], float(timeline.latest_step))
         if row.state in TERMINAL:
             decisions = self._store.decisions_for(job_id)
             cause = decisions[-1].cause if decisions else "unknown"
@@ -234,9 +227,8 @@ class StoreCollector(Collector):
             if node_mtbf is not None and nodes > 0:
                 interval = recommended_interval(stall, write, node_mtbf / nodes)
                 families["interval"].add_metric([job_id], interval)
-        detected, recovered = recovery_durations(facts)
-        detect[job_id] = detected
-        recover[job_id] = recovered
+        detect[job_id] = timeline.durations.detect_s
+        recover[job_id] = timeline.durations.recover_s
 
     def _cluster_families(self, node_mtbf: float | None, now: float) -> Iterator[Metric]:
         drains = CounterMetricFamily(

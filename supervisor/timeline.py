@@ -17,17 +17,21 @@ the :class:`~supervisor.goodput.Fact` list that the pure
 - progress samples are STEP, ``checkpoint_stats`` observations SAVE_STALL;
 - a terminal decision is ENDED; a job still running is accounted up to now.
 
-Reads only; the daemon calls it for ``resurgo status``, metrics and the MTBF.
+Reads only; the daemon calls it for ``resurgo status`` and the MTBF. The
+metrics keep a :class:`JobTimeline` per job, which reads only what is new at
+each scrape.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.checkpoint.format import parse_step_dir_name
-from supervisor.goodput import Fact, FactKind, Goodput, account
+from supervisor.goodput import Accountant, Fact, FactKind, Goodput, RecoveryDurations, account
 from supervisor.model import NODE_FAULT_CAUSES
-from supervisor.store import DecisionRow, Store
+from supervisor.store import DecisionRow, ProgressRow, Store
 
 CHECKPOINT_STATS_KIND = "checkpoint_stats"
 _LIVE = {"starting", "running", "relaunching"}
@@ -40,12 +44,43 @@ def timeline_of(store: Store, job_id: str, now_s: float) -> list[Fact]:
     row = store.get_job(job_id)
     if row is None:
         return []
-    facts = [Fact(row.created_s, FactKind.QUEUED)]
+    window = _Window(-math.inf, math.inf, None, False)
+    facts, _, _ = _facts_in(store, row.job_id, row.created_s, window)
+    if not any(fact.kind is FactKind.ENDED for fact in facts):
+        facts.append(Fact(max(now_s, facts[-1].time_s), FactKind.ENDED))
+    return sorted(facts, key=lambda fact: fact.time_s)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Facts dated in ``(after_s, upto_s]``; what came before it that the facts depend on."""
+
+    after_s: float
+    upto_s: float
+    last_progress_s: float | None  # the newest progress sample at or before ``after_s``
+    ended: bool  # a terminal decision at or before ``after_s``
+    stats_seq: int = 0  # save statistics up to this event seq were read (all dated <= after_s)
+
+
+def _facts_in(
+    store: Store, job_id: str, created_s: float, window: _Window
+) -> tuple[list[Fact], list[ProgressRow], int]:
+    """The facts dated in the window (unsorted), the progress rows read after it starts,
+    and the seq of the last save statistics dated in it."""
+
+    def inside(t: float) -> bool:
+        return window.after_s < t <= window.upto_s
+
+    facts = [Fact(created_s, FactKind.QUEUED)] if inside(created_s) else []
     decisions = store.decisions_for(job_id)
-    progress = store.progress_for(job_id)
-    ended = False
+    since = None if math.isinf(window.after_s) else window.after_s
+    read = [p for p in store.progress_for(job_id, since_s=since) if p.time_s > window.after_s]
+    progress = [p for p in read if p.time_s <= window.upto_s]
+    ended = window.ended
     for index, decision in enumerate(decisions):
         source, target, t = decision.from_state, decision.to_state, decision.decided_s
+        if not inside(t):
+            continue
         if source in ("submitted", "requeued") and target in ("starting", "running"):
             facts.append(Fact(t, FactKind.ALLOCATED))
         elif target == "requeued" and source != "requeued":
@@ -53,30 +88,76 @@ def timeline_of(store: Store, job_id: str, now_s: float) -> list[Fact]:
         elif source in _LIVE and target == "recovering":
             cause = _cause_from(decisions[index:])
             before = [p.time_s for p in progress if p.time_s <= t]
-            if before:
-                facts.append(Fact(before[-1], FactKind.FAULT, cause=cause))
+            fault_s = before[-1] if before else window.last_progress_s
+            if fault_s is not None:
+                facts.append(Fact(fault_s, FactKind.FAULT, cause=cause))
             facts.append(Fact(t, FactKind.DETECTED, cause=cause))
         if target in _TERMINAL and not ended:
             facts.append(Fact(t, FactKind.ENDED))
             ended = True
     for attempt in store.attempts_for(job_id)[1:]:
+        if not inside(attempt.started_s):
+            continue
         step = None
         if attempt.resumed_from is not None:
             step = parse_step_dir_name(Path(attempt.resumed_from).name)
         facts.append(Fact(attempt.started_s, FactKind.RESUMED, float(step or 0)))
     facts.extend(Fact(p.time_s, FactKind.STEP, float(p.step)) for p in progress)
-    for event in store.events_for(job_id, kinds=[CHECKPOINT_STATS_KIND]):
-        facts.append(Fact(event.time_s, FactKind.SAVE_STALL, float(event.payload["stall_s"])))
-    if not ended:
-        facts.append(Fact(max(now_s, facts[-1].time_s), FactKind.ENDED))
-    return sorted(facts, key=lambda fact: fact.time_s)
+    stats_seq = window.stats_seq
+    for event in store.events_for(job_id, window.stats_seq, kinds=[CHECKPOINT_STATS_KIND]):
+        if event.time_s > window.upto_s:
+            break  # recorded in order: the rest is newer still
+        stats_seq = event.seq
+        if inside(event.time_s):
+            facts.append(Fact(event.time_s, FactKind.SAVE_STALL, float(event.payload["stall_s"])))
+    return facts, read, stats_seq
 
 
-def _cause_from(decisions: list[DecisionRow]) -> str:
-    for decision in decisions:
-        if decision.cause not in ("none", ""):
-            return str(decision.cause)
-    return "unknown"
+class JobTimeline:
+    """One job's goodput and recovery durations, kept up to date a window at a time.
+
+    :func:`timeline_of` walks a job's whole history; a scrape every 15 s of a
+    week-long job would walk it again each time. :meth:`advance` reads only
+    what is newer than the last call and feeds it to a
+    :class:`~supervisor.goodput.Accountant`. Facts dated within ``settle_s``
+    of now wait for the next call, so a row written a moment late is never
+    skipped; a fault's cause is the one known when its window is read.
+    """
+
+    def __init__(self, job_id: str, *, settle_s: float = 5.0) -> None:
+        self.job_id = job_id
+        self.settle_s = settle_s
+        self.accountant = Accountant()
+        self.durations = RecoveryDurations()
+        self.latest_step: int | None = None
+        self._window = _Window(-math.inf, -math.inf, None, False)
+
+    def advance(self, store: Store, now_s: float) -> None:
+        """Feed the facts dated up to ``now_s - settle_s`` that were not fed yet."""
+        row = store.get_job(self.job_id)
+        upto_s = now_s - self.settle_s
+        if row is None or upto_s <= self._window.after_s:
+            return
+        window = replace(self._window, upto_s=upto_s)
+        facts, read, stats_seq = _facts_in(store, self.job_id, row.created_s, window)
+        if read:
+            self.latest_step = read[-1].step
+        facts.sort(key=lambda fact: fact.time_s)
+        for fact in facts:
+            self.accountant.feed(fact)
+            self.durations.feed(fact)
+        fed = [p.time_s for p in read if p.time_s <= upto_s]
+        self._window = _Window(
+            upto_s,
+            upto_s,
+            fed[-1] if fed else self._window.last_progress_s,
+            window.ended or any(fact.kind is FactKind.ENDED for fact in facts),
+            stats_seq,
+        )
+
+    def goodput(self, now_s: float) -> Goodput:
+        """The goodput so far; a job that has not ended is accounted up to ``now_s``."""
+        return self.accountant.goodput(None if self._window.ended else now_s)
 
 
 def goodput_of(store: Store, job_id: str, now_s: float) -> Goodput:
@@ -94,3 +175,10 @@ def node_faults(store: Store) -> list[float]:
             if opened and _cause_from(decisions[index:]) in _NODE_FAULTS:
                 times.append(decision.decided_s)
     return times
+
+
+def _cause_from(decisions: list[DecisionRow]) -> str:
+    for decision in decisions:
+        if decision.cause not in ("none", ""):
+            return str(decision.cause)
+    return "unknown"

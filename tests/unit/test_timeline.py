@@ -5,10 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from supervisor.goodput import Badput
+from supervisor.goodput import Badput, account
+from supervisor.metrics import recovery_durations
 from supervisor.store import Store
-from supervisor.timeline import CHECKPOINT_STATS_KIND, goodput_of, node_faults
+from supervisor.timeline import (
+    CHECKPOINT_STATS_KIND,
+    JobTimeline,
+    goodput_of,
+    node_faults,
+    timeline_of,
+)
 
 JOB = "4711"
 
@@ -62,3 +71,58 @@ def test_a_running_job_is_accounted_up_to_now_and_a_user_error_is_no_node_fault(
     assert goodput.wall_s == 50
     assert goodput.badput_s[Badput.RECOVERY] == 30
     assert node_faults(store) == []
+
+
+def _history(store: Store) -> None:
+    """Two faults (one through a requeue), save stalls, and a job still training at 400."""
+    _decide(store, 10, "submitted", "starting")
+    store.start_attempt(JOB, 1, nodes=["n1", "n2"], resumed_from=None, now_s=10)
+    for at in range(20, 120, 7):
+        store.record_progress(JOB, at // 7, at)
+        if at % 3 == 0:
+            store.record_observation(JOB, CHECKPOINT_STATS_KIND, {"stall_s": 0.25}, at + 1.0)
+    _decide(store, 125, "running", "recovering")
+    _decide(store, 128, "recovering", "recovering", "rank_signal")
+    _decide(store, 140, "recovering", "relaunching", "rank_signal")
+    store.start_attempt(JOB, 2, nodes=["n1"], resumed_from="/ckpt/step-9", now_s=140)
+    for at in range(150, 250, 5):
+        store.record_progress(JOB, 9 + (at - 150) // 5, at)
+    _decide(store, 252, "running", "recovering", "hang")
+    _decide(store, 260, "recovering", "requeued", "hang")
+    _decide(store, 300, "requeued", "starting")
+    store.start_attempt(JOB, 3, nodes=["n2", "n3"], resumed_from="/ckpt/step-20", now_s=300)
+    for at in range(320, 400, 4):
+        store.record_progress(JOB, 20 + (at - 320) // 4, at)
+        if at % 5 == 0:
+            store.record_observation(JOB, CHECKPOINT_STATS_KIND, {"stall_s": 0.5}, at + 0.5)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.floats(min_value=0, max_value=420), max_size=12), st.sampled_from([0.0, 5.0]))
+def test_the_incremental_timeline_gives_what_walking_the_whole_history_gives(
+    tmp_path_factory: pytest.TempPathFactory, scrapes: list[float], settle_s: float
+) -> None:
+    """However the scrapes fall, the metrics' per-job timeline ends where timeline_of does."""
+    with Store.open(tmp_path_factory.mktemp("store") / "resurgo.db") as store:
+        store.upsert_job(
+            JOB, state="running", record={}, now_s=0.0, name="llm", original_nodes=4, min_nodes=2
+        )
+        _history(store)
+        timeline = JobTimeline(JOB, settle_s=settle_s)
+        for now in sorted(scrapes):
+            timeline.advance(store, now)
+        now = 500.0
+        timeline.advance(store, now)
+        facts = timeline_of(store, JOB, now)
+        expected = account(facts)
+        got = timeline.goodput(now)
+        assert got.wall_s == pytest.approx(expected.wall_s)
+        assert got.productive_s == pytest.approx(expected.productive_s)
+        for kind in Badput:
+            assert got.badput_s[kind] == pytest.approx(expected.badput_s[kind]), kind
+        assert got.by_fault_cause_s == pytest.approx(expected.by_fault_cause_s)
+        detect, recover = recovery_durations(facts)
+        assert timeline.durations.detect_s == pytest.approx(detect)
+        assert timeline.durations.recover_s == pytest.approx(recover)
+        assert timeline.latest_step == 39
+        assert expected.badput_s[Badput.LOST_WORK] > 0 and expected.badput_s[Badput.QUEUE_WAIT] > 0
