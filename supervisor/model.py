@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any
 
 from supervisor.errors import SupervisorError
@@ -389,7 +389,7 @@ def record_from_json(text: str) -> JobRecord:
     """Read a document :func:`record_to_json` wrote; raises :class:`RecordFormatError`."""
     try:
         doc = json.loads(text)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:
         raise RecordFormatError(f"job record is not JSON: {error}") from error
     if not isinstance(doc, dict) or doc.get("version") != RECORD_VERSION:
         found = doc.get("version") if isinstance(doc, dict) else None
@@ -408,9 +408,39 @@ def record_from_json(text: str) -> JobRecord:
         values["blamed_nodes"] = tuple(values["blamed_nodes"])
         values["straggler_reports"] = tuple((n, int(c)) for n, c in values["straggler_reports"])
         values["recovery"] = _recovery(values["recovery"])
-    except (TypeError, ValueError, AttributeError) as error:
+        record = JobRecord(**values)
+    except (TypeError, ValueError, AttributeError, OverflowError) as error:
         raise RecordFormatError(f"job record is malformed: {error}") from error
-    return JobRecord(**values)
+    _check_types(record, "job record")
+    return record
+
+
+_SCALARS: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+    "int | None": (int, type(None)),
+    "float | None": (int, float, type(None)),
+    "str | None": (str, type(None)),
+}
+
+
+def _check_types(value: Any, where: str) -> None:
+    """Every scalar field of the record (and the dataclasses in it) has its annotated type."""
+    for f in fields(value):
+        item = getattr(value, f.name)
+        allowed = _SCALARS.get(str(f.type))
+        if allowed is not None:
+            wrong_bool = isinstance(item, bool) and bool not in allowed
+            if wrong_bool or not isinstance(item, allowed):
+                raise RecordFormatError(
+                    f"{where}: {f.name} must be {f.type}, got {type(item).__name__}"
+                )
+        nested = item if isinstance(item, tuple) else (item,)
+        for part in nested:
+            if is_dataclass(part) and not isinstance(part, type):
+                _check_types(part, f"{where}.{f.name}")
 
 
 __all__ = [

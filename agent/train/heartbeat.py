@@ -313,7 +313,7 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None
         return None
     _, _, kind, phase_code, rank, local_rank, pid, step, wall = _HEADER.unpack_from(data)
     phase = _CODE_PHASE.get(phase_code)
-    if phase is None:
+    if phase is None or min(rank, local_rank, step) < 0 or pid < 1:
         return None
     if kind == Kind.BEAT:
         if len(data) == BEAT_SIZE:

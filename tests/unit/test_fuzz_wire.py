@@ -463,10 +463,9 @@ def same_float(left: float | None, right: float | None) -> bool:
 
 def assert_well_formed(message: RankBeat | CheckpointNote | StepReport) -> None:
     for value in (message.rank, message.local_rank, message.pid):
-        assert -(2**31) <= value < 2**31
-    assert -(2**63) <= message.step < 2**63
+        assert 0 <= value < 2**31
+    assert 0 <= message.step < 2**63 and message.pid >= 1
     if isinstance(message, StepReport):
-        assert min(message.rank, message.local_rank, message.step) >= 0
         assert message.cursor is None or message.cursor >= 0
         assert message.loss is None or not math.isnan(message.loss)
     if isinstance(message, RankBeat | StepReport) and message.compute_s is not None:
@@ -490,12 +489,17 @@ def test_any_datagram_parses_to_a_well_formed_message_or_none(data: bytes) -> No
         assert_well_formed(message)
 
 
+RANKS = st.integers(0, 2**31 - 1)
+PIDS = st.integers(1, 2**31 - 1)
+STEPS = st.integers(0, 2**63 - 1)
+
+
 @FUZZ
 @given(
-    rank=I32,
-    local_rank=I32,
-    pid=I32,
-    step=I64,
+    rank=RANKS,
+    local_rank=RANKS,
+    pid=PIDS,
+    step=STEPS,
     phase=st.sampled_from(list(Phase)),
     wall=WALL,
     compute_s=st.none() | st.floats(min_value=0, allow_infinity=False),
@@ -518,10 +522,10 @@ def test_any_beat_round_trips(
 
 @FUZZ
 @given(
-    rank=st.integers(0, 2**31 - 1),
-    local_rank=st.integers(0, 2**31 - 1),
-    pid=I32,
-    step=st.integers(0, 2**63 - 1),
+    rank=RANKS,
+    local_rank=RANKS,
+    pid=PIDS,
+    step=STEPS,
     loss=st.none() | st.floats(allow_nan=False),
     cursor=st.none() | st.integers(0, 2**63 - 1),
     wall=WALL,
@@ -556,8 +560,8 @@ def test_any_step_report_round_trips(
 
 @FUZZ
 @given(
-    rank=I32,
-    step=I64,
+    rank=RANKS,
+    step=STEPS,
     phase=st.sampled_from(list(Phase)),
     path=st.text(max_size=60)
     | st.binary(max_size=60).map(lambda raw: raw.decode("utf-8", "surrogateescape")),

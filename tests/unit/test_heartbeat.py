@@ -134,6 +134,14 @@ def test_compute_seconds_ride_on_a_beat_or_a_step_report() -> None:
         assert parse_datagram((timed + b"\0")[:wrong]) is None
 
 
+@pytest.mark.parametrize("field", ["rank", "local_rank", "step", "pid"])
+def test_a_beat_with_a_field_out_of_range_is_dropped(field: str) -> None:
+    values = {"rank": 1, "local_rank": 1, "pid": 7, "step": 3}
+    values[field] = 0 if field == "pid" else -1
+    data = encode_beat(phase=Phase.TRAIN, wall_time_s=0.0, **values)
+    assert parse_datagram(data) is None
+
+
 @pytest.mark.parametrize("compute_s", [-0.1, float("inf"), float("nan")])
 def test_the_encoders_refuse_a_compute_time_that_is_no_duration(compute_s: float) -> None:
     with pytest.raises(ValueError, match="compute seconds"):

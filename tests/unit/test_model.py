@@ -239,3 +239,20 @@ def test_agent_events_become_observations():
     assert from_event(exited).exit_time_s is None
     timed = replace(exited, payload={**exited.payload, "exit_time_unix_s": NOW - 0.5})
     assert from_event(timed).exit_time_s == NOW - 0.5
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda doc: "[" * 100_000,
+        lambda doc: json.dumps({**doc, "restarts": [["hang", float("inf")]]}),
+        lambda doc: json.dumps({**doc, "straggler_reports": [["node1", float("inf")]]}),
+        lambda doc: json.dumps({**doc, "attempt": "x"}),
+        lambda doc: json.dumps({**doc, "attempt": True}),
+        lambda doc: json.dumps({**doc, "job_id": 7}),
+    ],
+)
+def test_a_damaged_record_is_a_record_format_error(mangle) -> None:  # type: ignore[no-untyped-def]
+    doc = json.loads(record_to_json(new_record("1", 4, 1.0)))
+    with pytest.raises(RecordFormatError):
+        record_from_json(mangle(doc))
