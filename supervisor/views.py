@@ -86,6 +86,15 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
         return f"{kind.replace('_', ' ')}" + (f": {detail}" if detail is not None else "")
     if kind == "health_check_failed":
         return f"health check failed: {str(payload.get('output_tail', ''))[-200:]}"
+    if kind == "straggler" and "compute_p50_s" in payload:  # the supervisor's, across nodes
+        try:
+            return (
+                f"rank {payload['global_rank']} computes {float(payload['compute_p50_s']):.3f}s "
+                f"per step, {float(payload['ratio']):.1f}x the other ranks' "
+                f"{float(payload['reference_s']):.3f}s"
+            )
+        except (KeyError, TypeError, ValueError):
+            pass  # not the supervisor's shape: the generic line below
     return ", ".join(
         f"{k}={v}" for k, v in sorted(payload.items()) if not isinstance(v, dict | list)
     )[:300]

@@ -110,6 +110,17 @@ def test_events_collapse_stacks_per_rank_and_expand_them_on_request(
     assert entries == sorted(entries, key=lambda e: e["time_s"])
 
 
+def test_a_straggler_the_supervisor_found_reads_as_one_line(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Store.open(state_dir / "resurgo.db") as store:
+        payload = {"global_rank": 2, "compute_p50_s": 1.2003, "reference_s": 0.2004,
+                   "ratio": 5.989, "steps_observed": 8, "attempt": 2}  # fmt: skip
+        store.record_observation(JOB, "straggler", payload, time.time(), node="node2")
+    _, out, _ = run(capsys, "events", JOB, "--state-dir", str(state_dir))
+    assert "rank 2 computes 1.200s per step, 6.0x the other ranks' 0.200s" in out
+
+
 def test_unknown_jobs_and_a_missing_store_get_one_line_saying_what_to_do(
     state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
