@@ -20,10 +20,17 @@ One asyncio loop holds it together (DESIGN §2-§3):
   :class:`~supervisor.executor.Executor` carry them out, feeding what they
   report back in.
 
-At start the executor reconciles: an action half done when the previous
-daemon died is finished exactly once. Reports from agents of an earlier
-launch (their ``agent_started`` names an older attempt) are stored but not
-decided on: they describe ranks that are already gone.
+At start nothing is decided before Slurm answered once (the cluster view
+decides where a job relaunches). Then the executor reconciles: an action
+half done when the previous daemon died is finished exactly once; each
+unfinished job's last decision is carried on, and the agents' events stored
+after the newest one a decision names are decided on again (they were
+acknowledged, perhaps never decided on). Agents' leases count from the
+start, not from before the daemon went down. A Slurm sighting of a job read
+before the supervisor's requeue of it finished is dropped and read again.
+Reports from agents of an earlier launch (their ``agent_started`` names an
+older attempt) are stored but not decided on: they describe ranks that are
+already gone.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from typing import Any
 
 from agent.errors import ConfigError, ResurgoError
 from agent.periodic import every
-from agent.protocol import EventKind
+from agent.protocol import Event, EventKind
 from supervisor import jobs as jobfiles
 from supervisor.api import bound_port, build_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
@@ -51,7 +58,7 @@ from supervisor.errors import SlurmError
 from supervisor.executor import Executor, Validator
 from supervisor.goodput import interval_push, mtbf_estimate
 from supervisor.intake import Intake, TrackedJob
-from supervisor.intents import DRAIN_REASON_PREFIX, Intent
+from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RequeueSmaller
 from supervisor.logs import setup_logging
 from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.model import (
@@ -69,14 +76,15 @@ from supervisor.observations import (
     SlurmJobSeen,
     SlurmNodeSeen,
     Tick,
+    from_event,
 )
 from supervisor.policy import Decision, Policy, decide
 from supervisor.probation import NodeHistory, release
-from supervisor.reconcile import intent_of
+from supervisor.reconcile import KIND_OF, intent_of
 from supervisor.recovery import drain_limit
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
-from supervisor.store import Actor, Store
+from supervisor.store import ActionState, Actor, EventSource, Store
 from supervisor.stragglers import find_stragglers
 from supervisor.timeline import node_faults
 
@@ -111,11 +119,14 @@ class Supervisor(Intake):
         )
         self.jobs: dict[str, TrackedJob] = {}
         self.cluster = ClusterView()
-        self._queue: asyncio.Queue[tuple[str, Observation, str | None] | _Reconcile | _Act] = (
-            asyncio.Queue()
-        )
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._bad_job_dirs: set[str] = set()
         self._stop = asyncio.Event()
+        # Set by the first poll that read the nodes: no decision is taken before.
+        self._cluster_known = asyncio.Event()
+        # Leases in the store were renewed before this start; their agents
+        # could not call in while no supervisor was up (see tick()).
+        self._started_s = clock()
         self.port: int | None = None
 
     # ------------------------------------------------------------------
@@ -277,6 +288,7 @@ class Supervisor(Intake):
 
     async def poll(self) -> None:
         """Read Slurm once: register new jobs, refresh the cluster view, observe each job."""
+        read_s = self.clock()
         try:
             slurm_jobs = await self.slurm.jobs()
         except SlurmError as error:
@@ -291,13 +303,14 @@ class Supervisor(Intake):
         now = self.clock()
         if nodes is not None:
             self.cluster = self._cluster_view(nodes, now)
+            self._cluster_known.set()
         for job_id, job in self.jobs.items():
             if job.record.state.terminal:
                 continue
             if slurm_jobs is not None:
                 seen = slurm_jobs.get(int(job_id))
                 if seen is not None:
-                    self._observe_slurm_job(job_id, job, seen)
+                    self._observe_slurm_job(job_id, job, seen, read_s)
             if nodes is not None:
                 self._observe_nodes(job_id, job, nodes)
 
@@ -315,16 +328,32 @@ class Supervisor(Intake):
             lemons=frozenset(lemon.node for lemon in lemons),
         )
 
-    def _observe_slurm_job(self, job_id: str, job: TrackedJob, seen: SlurmJob) -> None:
+    def _observe_slurm_job(
+        self, job_id: str, job: TrackedJob, seen: SlurmJob, read_s: float
+    ) -> None:
         job.slurm_nodes = seen.nodes
         key = (seen.state.value, seen.nodes, seen.restart_count)
         if key == job.last_seen:
             return
         job.last_seen = key
-        self._enqueue(
-            job_id,
-            SlurmJobSeen(seen.state.value, seen.nodes, seen.restart_count, seen.state_reason),
+        observation = SlurmJobSeen(
+            seen.state.value, seen.nodes, seen.restart_count, seen.state_reason
         )
+        self._queue.put_nowait(_Sighting(job_id, observation, read_s))
+
+    def _stale(self, sighting: _Sighting) -> bool:
+        """Whether Slurm was read before a requeue of the job finished (or while it runs).
+
+        Such a sighting may show the job still RUNNING on its old nodes, and
+        decided after the requeue it would pass for the requeued job's start:
+        it is dropped, and the next poll reports the job afresh.
+        """
+        for row in self.store.list_actions(sighting.job_id, states=_REQUEUE_TOUCHED):
+            if row.kind != KIND_OF[RequeueSmaller] or row.started_s is None:
+                continue
+            if row.finished_s is None or row.finished_s > sighting.read_s:
+                return True
+        return False
 
     def _observe_nodes(self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode]) -> None:
         for name in job.record.nodes:
@@ -346,11 +375,21 @@ class Supervisor(Intake):
                 job.nodes_flagged.discard(name)
 
     async def tick(self) -> None:
-        """Release waits, expire leases, write leases out."""
+        """Release waits, expire leases, write leases out.
+
+        A lease counts from this daemon's start at the earliest: while no
+        supervisor was up the agents could not renew theirs, and the time
+        the previous one was down is no evidence that a node is lost.
+        """
         now = self.clock()
         for job_id, job in self.jobs.items():
             if job.record.state is JobState.RECOVERING:
                 self._enqueue(job_id, Tick())
+        if now - self._started_s > self.config.lease_s:
+            self._expire_leases(now)
+        self.store.flush_leases()
+
+    def _expire_leases(self, now: float) -> None:
         for lease in self.store.expired_leases(now, self.config.lease_s):
             owner = self.jobs.get(lease.job_id)
             self.store.drop_leases(lease.job_id, [lease.node])
@@ -363,7 +402,6 @@ class Supervisor(Intake):
                 lease.job_id, lease.node, now - lease.last_seen_s, self.config.lease_s,
             )  # fmt: skip
             self._enqueue(lease.job_id, LeaseExpired(lease.node))
-        self.store.flush_leases()
 
     async def _recommend(self) -> None:
         self.recommend_intervals()
@@ -454,6 +492,35 @@ class Supervisor(Intake):
             for seen in await self.executor.execute(job_id, intents, self.clock()):
                 await self.apply(job_id, seen)
 
+    async def replay_undecided(self) -> None:
+        """After a restart: decide again on each unfinished job's agent events stored
+        after the newest one a decision names.
+
+        The API acknowledges an event once it is stored and the decision task
+        takes it up a moment later (seconds, while it carries a recovery out);
+        a supervisor killed in between would never decide on it, and the agent
+        does not send it again. Replaying events already decided on is safe:
+        agents' retries deliver events more than once, and the core keeps what
+        it already knows (a known checkpoint, an exit already collected, a
+        rank that finished). Reports of earlier launches stay undecided, and
+        stragglers are measured again at the next check instead.
+        """
+        for job_id, job in list(self.jobs.items()):
+            if job.record.state.terminal:
+                continue
+            named = {row.event_id for row in self.store.decisions_for(job_id) if row.event_id}
+            events = self.store.events_for(job_id, kinds=_REPLAYED_KINDS)
+            cursor = max((row.seq for row in events if row.event_id in named), default=0)
+            for row in events:
+                if row.seq <= cursor or row.source is not EventSource.AGENT:
+                    continue
+                event = Event(
+                    EventKind(row.kind), job_id, row.node or "", row.event_id,
+                    row.agent_seq or 0, row.time_s, row.payload,
+                )  # fmt: skip
+                if self._current(job, event.incarnation):
+                    await self.apply(job_id, from_event(event), row.event_id)
+
     # ------------------------------------------------------------------
     # Deciding.
 
@@ -461,8 +528,13 @@ class Supervisor(Intake):
         self._queue.put_nowait((job_id, observation, ref))
 
     async def _decide_loop(self) -> None:
+        # Deciding needs the cluster view (usable, idle and drained nodes): a
+        # relaunch decided on an empty view would requeue the job with the few
+        # nodes it still holds. Until Slurm answers once, observations wait.
+        await self._cluster_known.wait()
         await self.reconcile()
         await self.resume_recoveries()
+        await self.replay_undecided()
         while True:
             await self._handle(await self._queue.get())
 
@@ -471,10 +543,20 @@ class Supervisor(Intake):
         while not self._queue.empty():
             await self._handle(self._queue.get_nowait())
 
-    async def _handle(self, item: tuple[str, Observation, str | None] | _Reconcile | _Act) -> None:
+    async def _handle(self, item: _Item) -> None:
         try:
             if isinstance(item, _Reconcile):
                 await self.reconcile()
+            elif isinstance(item, _Sighting):
+                job = self.jobs.get(item.job_id)
+                if job is not None and self._stale(item):
+                    log.info(
+                        "job %s: Slurm's %s from before a requeue finished ignored; "
+                        "polling again", item.job_id, item.observation.state,
+                    )  # fmt: skip
+                    job.last_seen = None
+                else:
+                    await self.apply(item.job_id, item.observation)
             elif isinstance(item, _Act):
                 for seen in await self.executor.execute(item.job_id, item.intents, self.clock()):
                     await self.apply(item.job_id, seen)
@@ -625,7 +707,28 @@ class _Act:
     intents: tuple[Intent, ...]
 
 
+@dataclass(frozen=True)
+class _Sighting:
+    """A queue item: the job as a poll that began at ``read_s`` saw it in Slurm."""
+
+    job_id: str
+    observation: SlurmJobSeen
+    read_s: float
+
+
 _RECONCILE = _Reconcile()
+# A requeue touched the job once it started: started, done or failed.
+_REQUEUE_TOUCHED = (ActionState.STARTED, ActionState.DONE, ActionState.FAILED)
+_Item = tuple[str, Observation, str | None] | _Reconcile | _Act | _Sighting
+# Agents' events the core decides on, replayed after a restart (replay_undecided).
+_REPLAYED_KINDS = (
+    EventKind.RANK_EXITED,
+    EventKind.HANG,
+    EventKind.HEALTH_CHECK_FAILED,
+    EventKind.CHECKPOINT_COMMITTED,
+    EventKind.LAUNCHER_EXITED,
+    EventKind.AGENT_STOPPED,
+)
 
 
 def _doc(record: JobRecord) -> dict[str, Any]:

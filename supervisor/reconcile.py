@@ -39,6 +39,7 @@ from supervisor.intents import (
 )
 from supervisor.model import Cause, JobState
 from supervisor.observations import CheckpointValidated, Observation, RelaunchFinished
+from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.slurm.parse import SlurmJob, SlurmNode, parse_drain_reason
 from supervisor.store import ActionRow, ActionState
 
@@ -257,9 +258,12 @@ def _requeue_effect(
 ) -> Found:
     detail = f"job {job.state_raw} ({job.state_reason}) on {job.node_count} nodes, "
     detail += f"restart_count {job.restart_count}"
-    # A held job is a requeue stopped between requeuehold and release:
-    # requeue_smaller resumes it from there without requeueing twice.
-    if job.held:
+    # A held job is a requeue stopped between requeuehold and release, and a
+    # COMPLETING one was most likely stopped right after requeuehold (22.05
+    # shows it COMPLETING, restart count already incremented, until its
+    # epilog ends; held only once PENDING). requeue_smaller resumes either
+    # from there without requeueing twice: it holds only a RUNNING job.
+    if job.held or job.state is SlurmState.COMPLETING:
         return Found(Verdict.NOT_YET, detail)
     before = None if baseline is None else baseline.get("restart_count")
     advanced = isinstance(before, int) and job.restart_count > before

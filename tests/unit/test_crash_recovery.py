@@ -1,0 +1,236 @@
+"""What a supervisor restarted after a SIGKILL must get right: one test per bug that
+tests/integration/test_crash_consistency.py found by killing the real daemon.
+
+A restart is modelled as the real thing leaves it: the store closed where the
+previous process stopped (or a :class:`Crash` raised out of the fake Slurm
+right after it applied a change), and a new :class:`Supervisor` on the same
+state directory whose clock starts later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import protocol
+from supervisor.config import SupervisorConfig
+from supervisor.daemon import Supervisor
+from supervisor.executor import Executor
+from supervisor.model import JobState
+from supervisor.observations import LeaseExpired
+from supervisor.policy import Policy
+from supervisor.slurm.parse import JobState as SlurmState
+from supervisor.store import ActionState, Store
+from tests.unit.test_daemon import Slurm, killed, me, registered_and_running, started
+from tests.unit.test_executor import JOB, NOW, REQUEUE, Crash, FakeSlurm, job
+
+Body = Callable[[Supervisor, Slurm, list[float]], Awaitable[None]]
+
+
+def life(tmp_path: Path, start_s: float, body: Body, **policy: Any) -> None:
+    """One run of the supervisor on ``tmp_path``'s state, its clock starting at ``start_s``;
+    the store is closed at the end as a SIGKILL leaves it (nothing flushed beyond it)."""
+
+    async def scenario() -> None:
+        clock = [start_s]
+        slurm = Slurm(me())
+        config = SupervisorConfig(state_dir=str(tmp_path / "state"))
+        supervisor = Supervisor(
+            config,
+            Policy(**{"max_drain_share_per_hour": 0.5, "exit_evidence_window_s": 0, **policy}),
+            slurm=slurm,  # type: ignore[arg-type]
+            clock=lambda: clock[0],
+        )
+        try:
+            await body(supervisor, slurm, clock)
+        finally:
+            supervisor.store.close()
+
+    asyncio.run(scenario())
+
+
+async def first_life(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+    await registered_and_running(supervisor)
+
+
+def test_leases_count_from_the_restart_not_from_before_the_supervisor_went_down(
+    tmp_path: Path,
+) -> None:
+    agent = "00000000000000a2"
+
+    async def before(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        supervisor.accept_events(JOB, [started("node2", agent, 1)])
+        supervisor.accept_heartbeat(JOB, protocol.HeartbeatReport(JOB, "node2", NOW, (), agent, 1))
+
+    async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        supervisor._load_jobs()
+        lease_s = supervisor.config.lease_s
+        # Down for 300 s: no agent could call in, so no lease says anything yet.
+        await supervisor.tick()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state is JobState.STARTING
+        clock[0] += lease_s  # still inside the grace the restart gives
+        await supervisor.tick()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state is JobState.STARTING
+        clock[0] += 1  # node2's agent stayed silent a whole lease after the restart: lost
+        await supervisor.tick()
+        await supervisor.settle()
+        record = supervisor.jobs[JOB].record
+        assert record.state is JobState.RECOVERING and "node2" in record.blamed_nodes
+
+    life(tmp_path, NOW, before)
+    life(tmp_path, NOW + 300, after)
+
+
+def test_after_a_restart_nothing_is_decided_before_slurm_was_read_once(tmp_path: Path) -> None:
+    agent = "00000000000000a3"
+
+    async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        supervisor._load_jobs()
+        supervisor.accept_events(JOB, [started("node3", agent, 1), killed("node3", agent, 2)])
+        deciding = asyncio.create_task(supervisor._decide_loop())
+        try:
+            await asyncio.sleep(0.05)
+            # Decided now, on an empty cluster view, the drain share of 0 nodes
+            # would forbid draining node3 (an alert instead).
+            assert supervisor.jobs[JOB].record.state is JobState.STARTING
+            await supervisor.poll()
+            for _ in range(600):
+                if supervisor.jobs[JOB].record.attempt == 2 and supervisor._queue.empty():
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            deciding.cancel()
+        assert supervisor.jobs[JOB].record.state is JobState.RECOVERING
+        assert slurm.calls[0][:2] == ("drain", "node3")
+
+    life(tmp_path, NOW, first_life)
+    life(tmp_path, NOW + 5, after)
+
+
+def test_an_event_acknowledged_but_not_decided_on_before_a_kill_is_decided_after_restart(
+    tmp_path: Path,
+) -> None:
+    agent = "00000000000000a4"
+
+    async def before(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        # The API stored and acknowledged these; the decision task never took them up.
+        supervisor.accept_events(JOB, [started("node3", agent, 1), killed("node3", agent, 2)])
+
+    async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        supervisor._load_jobs()
+        await supervisor.poll()
+        await supervisor.reconcile()
+        await supervisor.resume_recoveries()
+        await supervisor.replay_undecided()
+        await supervisor.settle()
+        record = supervisor.jobs[JOB].record
+        assert record.state is JobState.RECOVERING and record.attempt == 2
+        assert slurm.calls[0][:2] == ("drain", "node3")
+        # Once decided, a later restart does not decide on it again.
+        await supervisor.replay_undecided()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.attempt == 2
+        assert [call[0] for call in slurm.calls].count("drain") == 1
+
+    life(tmp_path, NOW, before)
+    life(tmp_path, NOW + 5, after)
+
+
+def test_a_slurm_sighting_read_before_our_requeue_finished_is_not_taken_for_its_start(
+    tmp_path: Path,
+) -> None:
+    elsewhere = ("node2", "node3", "node4")
+
+    async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        supervisor._load_jobs()
+        await supervisor.poll()  # the first poll of a restart reports the job RUNNING on NODES
+        clock[0] += 1
+        # Meanwhile the recovery goes on: node1, the batch host, is lost -> requeue.
+        await supervisor.apply(JOB, LeaseExpired("node1"))
+        assert supervisor.jobs[JOB].record.state is JobState.REQUEUED
+        assert slurm.the_job is not None and slurm.the_job.state is SlurmState.PENDING
+        await supervisor.settle()  # the RUNNING sighting from before the requeue
+        assert supervisor.jobs[JOB].record.state is JobState.REQUEUED
+        clock[0] += 1
+        slurm.the_job = replace(job(elsewhere), restart_count=1)
+        await supervisor.poll()
+        await supervisor.settle()
+        record = supervisor.jobs[JOB].record
+        assert record.state is JobState.STARTING and record.nodes == elsewhere
+        assert supervisor.store.attempts_for(JOB)[-1].nodes == elsewhere
+
+    life(tmp_path, NOW, first_life)
+    life(tmp_path, NOW + 5, after, backoff_base_s=0.0)
+
+
+class HoldsLikeSlurm(FakeSlurm):
+    """``requeue_smaller`` as slurmctld 22.05 runs it: requeuehold leaves the job COMPLETING
+    (restart count already incremented) before it is PENDING; the supervisor is killed
+    right after the hold, once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holds = 0
+        self.crash_after_hold = True
+
+    async def requeue_smaller(
+        self, job_id: int, n_nodes: int, n_tasks: int, exclude_nodes: Sequence[str] = ()
+    ) -> None:
+        self.calls.append(("requeue_smaller", job_id, n_nodes, n_tasks, tuple(exclude_nodes)))
+        assert self.the_job is not None
+        if self.the_job.state is SlurmState.RUNNING:  # the adapter holds a running job only
+            self.holds += 1
+            self.the_job = replace(
+                self.the_job,
+                state=SlurmState.COMPLETING,
+                state_raw="COMPLETING",
+                state_reason="JobHeldUser",
+                restart_count=self.the_job.restart_count + 1,
+            )
+            if self.crash_after_hold:
+                self.crash_after_hold = False
+                raise Crash("killed right after requeuehold")
+        self.the_job = replace(
+            self.the_job,
+            state=SlurmState.PENDING,
+            state_raw="PENDING",
+            state_reason="None",
+            nodes=(),
+            node_count=n_nodes,
+        )
+
+
+def test_a_requeue_killed_right_after_requeuehold_is_finished_not_taken_for_done(
+    tmp_path: Path,
+) -> None:
+    store = Store.open(tmp_path / "store.db")
+    store.upsert_job(
+        JOB, state="running", record={}, now_s=NOW, name="toy", original_nodes=4, min_nodes=2
+    )
+    slurm = HoldsLikeSlurm()
+
+    def executor() -> Executor:
+        return Executor(store, slurm, checkpoint_root_of=lambda job_id: None, clock=lambda: NOW)
+
+    with pytest.raises(Crash):
+        asyncio.run(executor().execute(JOB, [REQUEUE], NOW))
+    row = store.get_action(REQUEUE.action_id)
+    assert row is not None and row.state is ActionState.STARTED
+    assert slurm.the_job is not None and slurm.the_job.state is SlurmState.COMPLETING
+
+    asyncio.run(executor().reconcile(NOW + 5))  # the restarted supervisor
+    row = store.get_action(REQUEUE.action_id)
+    assert row is not None and row.state is ActionState.DONE
+    assert slurm.holds == 1  # requeued once, then resized and released
+    assert slurm.the_job.state is SlurmState.PENDING and not slurm.the_job.held
+    assert slurm.the_job.node_count == REQUEUE.n_nodes
+    store.close()
