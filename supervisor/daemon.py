@@ -246,18 +246,19 @@ class Supervisor(Intake):
                     log.error("job %s not registered: %s", job_id, error)
                     self._bad_job_dirs.add(job_id)
                 continue  # still being written
-            if slurm_jobs is not None:
-                slurm_job = slurm_jobs.get(int(job_id))
-                owner = jobfiles.owner_name(directory)
-                if slurm_job is None:
-                    continue  # not visible yet; decide once Slurm lists it
-                if slurm_job.user_name and owner != slurm_job.user_name:
-                    log.error(
-                        "job %s not registered: %s is owned by %s but Slurm runs the job "
-                        "for %s", job_id, directory, owner, slurm_job.user_name,
-                    )  # fmt: skip
-                    self._bad_job_dirs.add(job_id)
-                    continue
+            # Registered only once Slurm lists the job and says whose it is: a
+            # failed squeue or an unnamed user decides nothing (next poll).
+            slurm_job = None if slurm_jobs is None else slurm_jobs.get(int(job_id))
+            if slurm_job is None or not slurm_job.user_name:
+                continue
+            owner = jobfiles.owner_name(directory)
+            if owner != slurm_job.user_name:
+                log.error(
+                    "job %s not registered: %s is owned by %s but Slurm runs the job "
+                    "for %s", job_id, directory, owner, slurm_job.user_name,
+                )  # fmt: skip
+                self._bad_job_dirs.add(job_id)
+                continue
             now = self.clock()
             record = new_record(
                 job_id,

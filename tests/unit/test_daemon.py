@@ -18,6 +18,7 @@ from agent import protocol
 from agent.protocol import CommandKind, EventKind
 from supervisor.config import SupervisorConfig
 from supervisor.daemon import Supervisor
+from supervisor.errors import SlurmUnavailable
 from supervisor.jobs import JobSpec, write_job_dir
 from supervisor.policy import Policy
 from supervisor.store import Actor
@@ -113,6 +114,24 @@ def test_a_job_directory_owned_by_someone_else_than_the_jobs_user_is_refused(
         await supervisor.poll()
         assert JOB not in supervisor.jobs
         assert supervisor.store.get_job(JOB) is None
+
+    run(body, tmp_path, user="mallory")
+
+
+def test_no_job_is_registered_while_slurm_cannot_say_whose_it_is(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        write_job_dir(supervisor.config.jobs_path, JOB, spec())
+        real_jobs = slurm.jobs
+
+        async def unavailable() -> dict[int, Any]:
+            raise SlurmUnavailable("squeue: slurmctld is down")
+
+        slurm.jobs = unavailable  # type: ignore[method-assign]
+        await supervisor.poll()
+        assert JOB not in supervisor.jobs  # the owner cannot be checked: wait
+        slurm.jobs = real_jobs  # type: ignore[method-assign]
+        await supervisor.poll()
+        assert JOB not in supervisor.jobs  # Slurm runs it for mallory: refused
 
     run(body, tmp_path, user="mallory")
 
