@@ -60,6 +60,8 @@ MAX_TEXT_CHARS = 256 << 10
 MAX_SHORT_TEXT_CHARS = 4096
 MAX_ARGV_ITEMS = 1024
 MAX_STEPS_PER_EVENT = 4096
+# Integers are 64-bit signed on the wire: SQLite stores them as such.
+_INT_LIMIT = 1 << 63
 
 _SIGNATURE_SCHEME = "RESURGO-HMAC-SHA256"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
@@ -229,6 +231,8 @@ def make_event(
 
 def check_name(value: str, what: str) -> str:
     """Return ``value`` if it is a valid job id or node name, else raise :class:`ProtocolError`."""
+    if type(value) is str and _NAME.fullmatch(value):
+        return value
     return _name({what: value}, what, "name")
 
 
@@ -333,33 +337,10 @@ def encode_heartbeat(report: HeartbeatReport) -> bytes:
 def decode_heartbeat(data: bytes) -> HeartbeatReport:
     """Parse the body of ``POST /v1/heartbeat``."""
     document = _envelope(_load(data, "heartbeat"), "heartbeat")
-    ranks = []
-    for index, item in enumerate(_list(document, "ranks", "heartbeat", max_items=MAX_RANKS)):
-        where = f"heartbeat.ranks[{index}]"
-        rank = _object(item, where)
-        ranks.append(
-            RankStatus(
-                global_rank=_int(rank, "global_rank", where),
-                local_rank=_int(rank, "local_rank", where),
-                pid=_int(rank, "pid", where, minimum=1),
-                step=_optional(rank, "step", where, _int),
-                phase=_optional(rank, "phase", where, _str),
-                last_progress_unix_s=_optional(rank, "last_progress_unix_s", where, _float),
-                step_time_p50_s=_optional(rank, "step_time_p50_s", where, _float),
-                step_time_p99_s=_optional(rank, "step_time_p99_s", where, _float),
-                step_time_mean_s=_optional(rank, "step_time_mean_s", where, _float),
-                steps_observed=_int(rank, "steps_observed", where),
-                # Absent from agents that measure no compute time (or predate it).
-                compute_p50_s=(
-                    _optional(rank, "compute_p50_s", where, _float)
-                    if "compute_p50_s" in rank
-                    else None
-                ),
-                compute_observed=(
-                    _int(rank, "compute_observed", where) if "compute_observed" in rank else 0
-                ),
-            )
-        )
+    ranks = [
+        _plain_rank(item) or _checked_rank(item, f"heartbeat.ranks[{index}]")
+        for index, item in enumerate(_list(document, "ranks", "heartbeat", max_items=MAX_RANKS))
+    ]
     global_ranks = [rank.global_rank for rank in ranks]
     if len(set(global_ranks)) != len(global_ranks):
         raise ProtocolError("heartbeat.ranks lists the same global_rank twice")
@@ -376,6 +357,72 @@ def decode_heartbeat(data: bytes) -> HeartbeatReport:
         agent_incarnation=incarnation,
         attempt=attempt,
     )
+
+
+def _checked_rank(item: Any, where: str) -> RankStatus:
+    """One heartbeat rank, checked field by field: the error names the field and the rule."""
+    rank = _object(item, where)
+    return RankStatus(
+        global_rank=_int(rank, "global_rank", where),
+        local_rank=_int(rank, "local_rank", where),
+        pid=_int(rank, "pid", where, minimum=1),
+        step=_optional(rank, "step", where, _int),
+        phase=_optional(rank, "phase", where, _str),
+        last_progress_unix_s=_optional(rank, "last_progress_unix_s", where, _float),
+        step_time_p50_s=_optional(rank, "step_time_p50_s", where, _float),
+        step_time_p99_s=_optional(rank, "step_time_p99_s", where, _float),
+        step_time_mean_s=_optional(rank, "step_time_mean_s", where, _float),
+        steps_observed=_int(rank, "steps_observed", where),
+        # Absent from agents that measure no compute time (or predate it).
+        compute_p50_s=(
+            _optional(rank, "compute_p50_s", where, _float) if "compute_p50_s" in rank else None
+        ),
+        compute_observed=(
+            _int(rank, "compute_observed", where) if "compute_observed" in rank else 0
+        ),
+    )
+
+
+def _plain_rank(item: Any) -> RankStatus | None:
+    """One heartbeat rank as every agent sends it, checked without a call per field.
+
+    A supervisor decodes thousands of heartbeats a second, each with a rank per
+    local GPU. This accepts only what :func:`_checked_rank` accepts, with the
+    same values: counts as JSON integers in range, times as finite JSON floats
+    >= 0, or null where allowed. Anything else (a time written as an integer,
+    a missing field, a value out of range) returns None, and the checked path
+    decides, naming the field when it refuses.
+    """
+    if type(item) is not dict:
+        return None
+    try:
+        global_rank, local_rank = item["global_rank"], item["local_rank"]
+        pid, steps_observed = item["pid"], item["steps_observed"]
+        step, phase = item["step"], item["phase"]
+        last_progress, p50 = item["last_progress_unix_s"], item["step_time_p50_s"]
+        p99, mean = item["step_time_p99_s"], item["step_time_mean_s"]
+    except KeyError:
+        return None
+    compute_p50 = item.get("compute_p50_s")
+    compute_observed = item.get("compute_observed", 0)
+    # type() is: bool is an int subclass, and true/false are not counts.
+    for count in (global_rank, local_rank, steps_observed, compute_observed):
+        if type(count) is not int or not 0 <= count < _INT_LIMIT:
+            return None
+    if type(pid) is not int or not 1 <= pid < _INT_LIMIT:
+        return None
+    if step is not None and (type(step) is not int or not 0 <= step < _INT_LIMIT):
+        return None
+    if phase is not None and (type(phase) is not str or len(phase) > MAX_SHORT_TEXT_CHARS):
+        return None
+    for seconds in (last_progress, p50, p99, mean, compute_p50):
+        # NaN fails the comparison and infinity the bound: both go the checked way.
+        if seconds is not None and (type(seconds) is not float or not 0.0 <= seconds < math.inf):
+            return None
+    return RankStatus(
+        global_rank, local_rank, pid, step, phase, last_progress, p50, p99, mean,
+        steps_observed, compute_p50, compute_observed,
+    )  # fmt: skip
 
 
 def encode_reply(reply: Reply) -> bytes:
@@ -646,7 +693,7 @@ def _int(document: Mapping[str, Any], key: str, where: str, minimum: int = 0) ->
     # bool is an int subclass; true/false are not counts.
     if not isinstance(value, int) or isinstance(value, bool):
         _fail(f"{where}.{key} must be an integer, got {type(value).__name__}")
-    if value < minimum or value >= 1 << 63:
+    if value < minimum or value >= _INT_LIMIT:
         _fail(f"{where}.{key} must be an integer in [{minimum}, 2**63), got {value}")
     return value
 

@@ -76,6 +76,23 @@ class TrackedJob:
     interval_s: float | None = None  # the interval last pushed to the agents
     # global rank -> its newest compute median (this attempt's agents only)
     compute: dict[int, ComputeSample] = field(default_factory=dict)
+    # (record nodes, Slurm's nodes, their union) as of the last allocation() call
+    _allocation: tuple[tuple[str, ...], tuple[str, ...], frozenset[str]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def allocation(self) -> frozenset[str]:
+        """The record's nodes and Slurm's newest view (a relaunch moves both).
+
+        Every request checks its node against it, so the set is built again only
+        when either tuple is replaced.
+        """
+        nodes, seen = self.record.nodes, self.slurm_nodes
+        cached = self._allocation
+        if cached is None or cached[0] is not nodes or cached[1] is not seen:
+            cached = (nodes, seen, frozenset(nodes) | frozenset(seen))
+            self._allocation = cached
+        return cached[2]
 
 
 class Intake:
@@ -100,9 +117,7 @@ class Intake:
     def allocation(self, job_id: str) -> frozenset[str] | None:
         """The job's nodes: the record's and Slurm's newest view (a relaunch moves both)."""
         job = self.jobs.get(job_id)
-        if job is None:
-            return None
-        return frozenset(job.record.nodes) | frozenset(job.slurm_nodes)
+        return None if job is None else job.allocation()
 
     def _current(self, job: TrackedJob, incarnation: str) -> bool:
         """Whether an agent incarnation belongs to the job's current attempt (or is unknown)."""
@@ -227,7 +242,15 @@ class Intake:
         now = self.clock()
         self.store.touch_lease(job_id, report.node, incarnation, now)
         for rank in report.ranks:
-            if rank.compute_p50_s is not None and rank.compute_observed > 0:
+            if rank.compute_p50_s is None or rank.compute_observed <= 0:
+                continue
+            known = job.compute.get(rank.global_rank)
+            if (
+                known is None
+                or known.p50_s != rank.compute_p50_s
+                or known.observed != rank.compute_observed
+                or known.node != report.node
+            ):
                 job.compute[rank.global_rank] = ComputeSample(
                     report.node, rank.global_rank, rank.compute_p50_s, rank.compute_observed
                 )

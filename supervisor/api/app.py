@@ -58,6 +58,8 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REFUSALS = web.AppKey("refusals", RefusalLog)
+# The answer to nearly every heartbeat (nothing acknowledged, no commands), encoded once.
+_EMPTY_REPLY = protocol.encode_reply(Reply())
 
 
 def build_app(
@@ -382,6 +384,8 @@ def _reply(accepted: Sequence[str], commands: Sequence[Command]) -> web.Response
             len(commands),
             protocol.MAX_COMMANDS,
         )
+    if not accepted and not commands:
+        return web.Response(body=_EMPTY_REPLY, content_type="application/json")
     reply = Reply(
         commands=tuple(commands[: protocol.MAX_COMMANDS]), accepted_event_ids=tuple(accepted)
     )

@@ -38,6 +38,12 @@ seconds and :meth:`Store.close` calls last; after a restart the flushed
 times are up to one flush interval old, so grant a grace before trusting
 ``expired_leases``.
 
+Every agent asks for its pending commands on every heartbeat, and nearly
+always there are none: the store remembers which agents (job, node) have
+none, and forgets a job's agents when a command is queued for the job (or a
+transaction is rolled back). Commands are queued through this object (the
+executor's), never by another process writing the same file.
+
 Threads: the daemon uses the store from its asyncio thread. Every public
 method and :meth:`Store.transaction` holds one re-entrant lock, so calling
 from a worker thread (``asyncio.to_thread``) is safe too; a transaction
@@ -48,7 +54,9 @@ time is an argument.
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from agent.protocol import Command, CommandKind
@@ -74,10 +82,23 @@ logger = logging.getLogger(__name__)
 
 _PLANNED, _STARTED = ActionState.PLANNED.value, ActionState.STARTED.value
 _DONE, _FAILED = ActionState.DONE.value, ActionState.FAILED.value
+# Jobs whose agents without pending commands are remembered: more than run at
+# once; beyond it (finished jobs pile up) the memory starts afresh.
+_QUIET_JOBS_REMEMBERED = 10_000
 
 
 class Store(History, StepReports):
     """The supervisor's store; open it with :meth:`Store.open`. See the module docstring."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
+        """Wrap an open, checked and migrated connection; use :meth:`open` instead."""
+        super().__init__(db, path)
+        # job -> its nodes known to have no pending command
+        self._quiet: dict[str, set[str]] = {}
+
+    def _forget_caches(self) -> None:
+        super()._forget_caches()
+        self._quiet.clear()
 
     # ------------------------------------------------------------------
     # Actions: the exactly-once backbone.
@@ -291,6 +312,8 @@ class Store(History, StepReports):
 
         Idempotent by ``command_id``; returns whether it was new.
         """
+        # Forgotten before the write: a rollback then costs a query, never a command.
+        self._quiet.pop(job_id, None)
         with self._tx(durable=True), self._job_must_exist(job_id):
             cursor = self._db.execute(
                 "INSERT INTO commands (command_id, job_id, node, kind, args, queued_s)"
@@ -305,6 +328,8 @@ class Store(History, StepReports):
     @locked
     def pending_commands(self, job_id: str, node: str) -> list[Command]:
         """Commands for ``node`` of the job that ``node`` has not acknowledged, oldest first."""
+        if node in self._quiet.get(job_id, ()):
+            return []
         rows = self._db.execute(
             "SELECT kind, command_id, args FROM commands AS c"
             " WHERE job_id = ? AND (node IS NULL OR node = ?) AND NOT EXISTS"
@@ -312,9 +337,14 @@ class Store(History, StepReports):
             " AND a.node = ?) ORDER BY seq",
             (job_id, node, node),
         )
-        return [
+        commands = [
             Command(CommandKind(kind), command_id, loads(args)) for kind, command_id, args in rows
         ]
+        if not commands:
+            if job_id not in self._quiet and len(self._quiet) >= _QUIET_JOBS_REMEMBERED:
+                self._quiet.clear()
+            self._quiet.setdefault(job_id, set()).add(node)
+        return commands
 
     @locked
     def ack_command(self, command_id: str, node: str, now_s: float) -> bool:
