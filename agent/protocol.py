@@ -317,9 +317,10 @@ def encode_heartbeat(report: HeartbeatReport) -> bytes:
                 "step_time_p99_s": rank.step_time_p99_s,
                 "step_time_mean_s": rank.step_time_mean_s,
                 "steps_observed": rank.steps_observed,
+                # Only from ranks that measure their compute time (older agents never).
                 **(
                     {}
-                    if rank.compute_p50_s is None
+                    if rank.compute_p50_s is None and rank.compute_observed == 0
                     else {
                         "compute_p50_s": rank.compute_p50_s,
                         "compute_observed": rank.compute_observed,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import shlex
@@ -765,6 +766,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"resurgo-supervisor: {error}", file=sys.stderr)
         return 2
     setup_logging(config.log_json)
+    # The daemon holds ~10^5 long-lived objects per thousand agents; CPython's
+    # default thresholds ran a full collection every few seconds, each a
+    # 25-120 ms stop of the event loop (bench/RESULTS.md: p99 at 1,024 agents
+    # 39 -> 11 ms). Young collections every 50,000 allocations, full ones rare.
+    gc.set_threshold(50_000, 50, 1000)
     try:
         supervisor = Supervisor(config, policy)
     except (ResurgoError, OSError) as error:
