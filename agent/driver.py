@@ -228,6 +228,7 @@ class Driver:
             if answer is None:
                 log.warning("supervisor unreachable: launching; the ranks resume by themselves")
                 answer = DriverAnswer(DriverAction.LAUNCH, 1, reason="supervisor unreachable")
+            launched = False
             while not self._stopping:
                 if answer.action is DriverAction.STOP:
                     print(f"resurgo: job stopped by the supervisor: {answer.reason}", flush=True)
@@ -235,13 +236,18 @@ class Driver:
                 if answer.action is DriverAction.WAIT:
                     log.info("waiting: %s", answer.reason)
                     await asyncio.sleep(answer.retry_after_s)
-                    asked = await self._ask(DriverRequest(
-                        self.settings.job_id, DriverPhase.ENDED, attempt=answer.attempt,
-                    ))  # fmt: skip
+                    # Told to wait before the first launch (a checkpoint is still
+                    # being chosen): ask to start again, not about a step never run.
+                    phase = DriverPhase.ENDED if launched else DriverPhase.START
+                    attempt = answer.attempt if launched else None
+                    asked = await self._ask(
+                        DriverRequest(self.settings.job_id, phase, attempt=attempt)
+                    )
                     if asked is None:
                         return 1
                     answer = asked
                     continue
+                launched = True
                 returncode, told = await self._launch(answer)
                 if told is not None:
                     answer = told  # the supervisor moved on while the step still ran

@@ -147,6 +147,20 @@ def test_after_a_failure_the_driver_relaunches_where_told_and_confirms(tmp_path:
     ]
 
 
+def test_told_to_wait_before_its_first_launch_the_driver_asks_to_start_again(
+    tmp_path: Path,
+) -> None:
+    # Slurm started a requeued job while the supervisor still chooses the checkpoint.
+    wait = DriverAnswer(DriverAction.WAIT, 3, reason="choosing a checkpoint", retry_after_s=0.05)
+    launch = DriverAnswer(DriverAction.LAUNCH, 3, resume_from="/ckpt/step-8")
+    status, directory = drive(tmp_path, [0], [wait, launch], start_check_s=0.0)
+    assert status == 0
+    (call,) = srun_calls(tmp_path)
+    assert call[call.index("--resume-from") + 1] == "/ckpt/step-8"
+    phases = [(r.phase, r.attempt) for r in directory.driver_requests(JOB)]
+    assert phases == [(DriverPhase.START, None), (DriverPhase.START, None)]
+
+
 def test_told_to_stop_the_driver_exits_with_a_failure_and_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
