@@ -334,7 +334,9 @@ class Supervisor(Intake):
         self, job_id: str, job: TrackedJob, seen: SlurmJob, read_s: float
     ) -> None:
         job.slurm_nodes = seen.nodes
-        key = (seen.state.value, seen.nodes, seen.restart_count)
+        # The same sighting is news again once the record moved (Slurm's own
+        # requeue adopted while Slurm already runs the job again: now it starts).
+        key = (seen.state.value, seen.nodes, seen.restart_count, job.record.state.value)
         if key == job.last_seen:
             return
         job.last_seen = key

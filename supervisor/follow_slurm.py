@@ -48,6 +48,11 @@ def on_job_seen(
         if record.state in (JobState.SUBMITTED, JobState.REQUEUED):
             started = replace(recovery.to_state(record, JobState.STARTING, now_s), nodes=seen.nodes)
             return _nothing(started, f"Slurm runs it on {len(seen.nodes)} node(s)")
+        if requeued_by_slurm:
+            # Slurm requeued and restarted it between two sightings (the supervisor
+            # was down, or the queue wait was shorter than a poll): adopt the
+            # requeue; the next sighting starts the job on its new allocation.
+            return _adopt(record, seen, now_s, policy, cluster)
         return _nothing(record, "running")
     pending = record.recovery
     if record.state is JobState.REQUEUED and pending is not None and not pending.requeue_seen:

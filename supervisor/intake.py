@@ -63,7 +63,7 @@ class TrackedJob:
     secret: bytes
     spec: JobSpec
     slurm_nodes: tuple[str, ...] = ()
-    last_seen: tuple[str, tuple[str, ...], int] | None = None
+    last_seen: tuple[str, tuple[str, ...], int, str] | None = None
     nodes_flagged: set[str] = field(default_factory=set)
     # agent incarnation -> the attempt it was launched for (from agent_started)
     incarnations: dict[str, int] = field(default_factory=dict)

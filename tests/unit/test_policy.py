@@ -577,6 +577,21 @@ def test_slurm_requeue_is_adopted_not_fought():
     )
 
 
+def test_a_slurm_requeue_missed_between_sightings_is_adopted_then_followed():
+    # The supervisor was down while Slurm requeued the job and started it again.
+    moved = ("node4", "node6", "node7", "node8")
+    adopted, chosen, started = run(
+        running(),
+        SlurmJobSeen("RUNNING", moved, 1),
+        CheckpointValidated(100, CKPT, True),
+        SlurmJobSeen("RUNNING", moved, 1),  # the next poll: the same sighting
+    )
+    assert adopted.record.state is JobState.REQUEUED and adopted.cause is Cause.SLURM_REQUEUE
+    assert not any(isinstance(i, RequeueSmaller | StopRanks) for i in adopted.intents)
+    assert chosen.record.recovery is not None and chosen.record.recovery.resume_from == CKPT
+    assert started.record.state is JobState.STARTING and started.record.nodes == moved
+
+
 def test_restart_without_progress_consumes_budget_and_exhaustion_stops_the_job():
     policy = replace(POLICY, max_restarts_without_progress=2)
     record = running(step_at_last_restart=100, restarts_without_progress=1)
