@@ -220,11 +220,15 @@ def write_job_dir(jobs_dir: Path | str, job_id: str, spec: JobSpec) -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     directory.mkdir(mode=0o700)
     write_secret(directory / SECRET_NAME, new_secret())
-    fd = os.open(directory / SPEC_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    # The spec appears whole or not at all: the supervisor polls the directory
+    # and sets aside a job whose spec it finds malformed.
+    partial = directory / f".{SPEC_NAME}.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(spec.to_json())
         handle.flush()
         os.fsync(handle.fileno())
+    os.rename(partial, directory / SPEC_NAME)
     return directory
 
 
