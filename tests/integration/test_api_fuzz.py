@@ -31,6 +31,7 @@ from agent import protocol
 from agent.client import new_secret
 from agent.protocol import EventKind
 from supervisor.api import MemoryDirectory, bound_port, build_app, serve, shutdown
+from tests.json_slots import slots
 
 NOW = 1_760_000_000
 JOB = "4711"
@@ -273,34 +274,20 @@ JSON_VALUES = st.recursive(
 )
 
 
-def locations(document: Any) -> list[tuple[Any, Any]]:
-    """Every (container, key) slot in a JSON document."""
-    found: list[tuple[Any, Any]] = []
-    if isinstance(document, dict):
-        for key, value in document.items():
-            found.append((document, key))
-            found.extend(locations(value))
-    elif isinstance(document, list):
-        for index, value in enumerate(document):
-            found.append((document, index))
-            found.extend(locations(value))
-    return found
-
-
 @st.composite
 def json_mutated(draw: st.DrawFn) -> tuple[str, bytes]:
     """A valid body with one to four JSON-level edits: replace, delete, add, duplicate, retarget."""
     path = draw(PATHS)
     document = copy.deepcopy(json.loads(VALID[path]))
     for _ in range(draw(st.integers(1, 4))):
-        slots = locations(document)
-        if not slots:
+        places = slots(document)
+        if not places:
             break  # every field deleted: the empty object is the mutation
-        container, key = draw(st.sampled_from(slots))
+        container, key = draw(st.sampled_from(places))
         operation = draw(st.sampled_from(["replace", "delete", "add", "duplicate", "retarget"]))
         if operation == "retarget":
             # Aim at what must be 403: another job, or a node outside the allocation.
-            for slot in locations(document):
+            for slot in slots(document):
                 if slot[1] in ("job_id", "node") and draw(st.booleans()):
                     slot[0][slot[1]] = draw(st.sampled_from([OTHER_JOB, "node7", "node3"]))
         elif operation == "replace":

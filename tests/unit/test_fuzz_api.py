@@ -44,6 +44,7 @@ from agent.protocol import (
     RankStatus,
 )
 from supervisor.api import MemoryDirectory, build_app
+from tests.json_slots import slots
 
 FUZZ = settings(
     max_examples=120,
@@ -301,17 +302,6 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
     max_leaves=8,
 )
-
-
-def slots(document: Any) -> list[tuple[Any, Any]]:
-    found: list[tuple[Any, Any]] = []
-    if isinstance(document, dict):
-        for key, value in document.items():
-            found += [(document, key), *slots(value)]
-    elif isinstance(document, list):
-        for index, value in enumerate(document):
-            found += [(document, index), *slots(value)]
-    return found
 
 
 @st.composite

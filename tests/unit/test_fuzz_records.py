@@ -12,7 +12,6 @@ import contextlib
 import copy
 import json
 from dataclasses import replace
-from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,6 +29,7 @@ from supervisor.model import (
     record_from_json,
     record_to_json,
 )
+from tests.json_slots import slots
 
 FUZZ = settings(
     max_examples=150,
@@ -122,17 +122,6 @@ def test_any_record_round_trips_through_its_json(record: JobRecord) -> None:
     text = record_to_json(record)
     assert record_from_json(text) == record
     assert record_to_json(record_from_json(text)) == text
-
-
-def slots(document: Any) -> list[tuple[Any, Any]]:
-    found: list[tuple[Any, Any]] = []
-    if isinstance(document, dict):
-        for key, value in document.items():
-            found += [(document, key), *slots(value)]
-    elif isinstance(document, list):
-        for index, value in enumerate(document):
-            found += [(document, index), *slots(value)]
-    return found
 
 
 @FUZZ

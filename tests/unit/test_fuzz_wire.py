@@ -37,6 +37,7 @@ from agent.protocol import (
 )
 from agent.train import heartbeat as hb
 from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, StepReport
+from tests.json_slots import slots
 
 FUZZ = settings(
     max_examples=150,
@@ -267,18 +268,6 @@ VALID = [
         )
     ),
 ]
-
-
-def slots(document: Any) -> list[tuple[Any, Any]]:
-    """Every (container, key) of a JSON document."""
-    found: list[tuple[Any, Any]] = []
-    if isinstance(document, dict):
-        for key, value in document.items():
-            found += [(document, key), *slots(value)]
-    elif isinstance(document, list):
-        for index, value in enumerate(document):
-            found += [(document, index), *slots(value)]
-    return found
 
 
 def canonical(name: str, message: Any) -> None:
