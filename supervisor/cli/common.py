@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -16,6 +17,22 @@ from supervisor.store import Store
 
 ENV_STATE_DIR = "RESURGO_STATE_DIR"
 ENV_JOBS_DIR = "RESURGO_JOBS_DIR"
+
+
+class BadInput(Exception):
+    """One flag's value is unusable; the message names the flag and what is valid."""
+
+
+def number(flag: str, text: str, *, positive: bool) -> float:
+    """``text`` as a finite number, >0 when ``positive`` else >=0; BadInput otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        wanted = "a positive number" if positive else "a number >= 0"
+        raise BadInput(f"{flag} must be {wanted}, got {text!r}")
+    return value
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: bool = False) -> str:

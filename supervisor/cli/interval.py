@@ -12,31 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict
 from typing import Any
 
 from agent.checkpoint.interval import IntervalAdvice, advise
+from supervisor.cli.common import BadInput, number
 
 _USAGE_ERROR = 2
-
-
-class _BadInput(Exception):
-    """One flag's value is unusable; the message names the flag and what is valid."""
-
-
-def _number(flag: str, text: str, *, positive: bool) -> float:
-    """Parse ``text`` as a finite number, >0 when ``positive`` else >=0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    valid = math.isfinite(value) and (value > 0 if positive else value >= 0)
-    if not valid:
-        wanted = "a positive number" if positive else "a number >= 0"
-        raise _BadInput(f"{flag} must be {wanted}, got {text!r}")
-    return value
 
 
 def register(subparsers: Any) -> None:
@@ -92,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
     # Values are parsed here rather than by argparse so that bad input gives one
     # line naming the flag, not argparse's usage block.
     try:
-        save_s = _number("--save-s", args.save_s, positive=False)
-        mtbf_h = _number("--mtbf-h", args.mtbf_h, positive=True)
-        write_s = _number("--write-s", args.write_s, positive=False)
+        save_s = number("--save-s", args.save_s, positive=False)
+        mtbf_h = number("--mtbf-h", args.mtbf_h, positive=True)
+        write_s = number("--write-s", args.write_s, positive=False)
         advice = advise(save_s, mtbf_h * 3600.0, write_s)
-    except (_BadInput, ValueError) as error:
+    except (BadInput, ValueError) as error:
         print(f"resurgo interval: {error}", file=sys.stderr)
         return _USAGE_ERROR
     if args.json:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from agent.checkpoint.interval import recommended_interval_s
-from supervisor.cli.common import fail
+from supervisor.cli.common import BadInput, fail, number
 from supervisor.simulate import (
     HOUR_S,
     PRESETS,
@@ -48,30 +47,14 @@ _JSON_VERSION = 1
 _SWEEP_SPAN = 4.0
 
 
-class _BadInput(Exception):
-    """One flag's value is unusable; the message names the flag and what is valid."""
-
-
-def _number(flag: str, text: str, *, positive: bool) -> float:
-    """``text`` as a finite number, >0 when ``positive`` else >=0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
-        wanted = "a positive number" if positive else "a number >= 0"
-        raise _BadInput(f"{flag} must be {wanted}, got {text!r}")
-    return value
-
-
 def _integer(flag: str, text: str, *, least: int) -> int:
     """``text`` as an integer >= ``least``."""
     try:
         value = int(text)
     except ValueError:
-        raise _BadInput(f"{flag} must be a whole number >= {least}, got {text!r}") from None
+        raise BadInput(f"{flag} must be a whole number >= {least}, got {text!r}") from None
     if value < least:
-        raise _BadInput(f"{flag} must be a whole number >= {least}, got {text!r}")
+        raise BadInput(f"{flag} must be a whole number >= {least}, got {text!r}")
     return value
 
 
@@ -80,11 +63,11 @@ def _at_least(least: int) -> Callable[[str, str], int]:
 
 
 def _positive(flag: str, text: str) -> float:
-    return _number(flag, text, positive=True)
+    return number(flag, text, positive=True)
 
 
 def _non_negative(flag: str, text: str) -> float:
-    return _number(flag, text, positive=False)
+    return number(flag, text, positive=False)
 
 
 def _mix(text: str, preset: Params) -> tuple[Component, ...]:
@@ -95,13 +78,13 @@ def _mix(text: str, preset: Params) -> tuple[Component, ...]:
         name, _, share = item.partition("=")
         name = name.strip()
         if name not in known:
-            raise _BadInput(
+            raise BadInput(
                 f"--mix: unknown component {name!r}; the components are {', '.join(known)}"
             )
         shares[name] = _non_negative("--mix", share.strip())
     total = sum(shares.values())
     if total <= 0:
-        raise _BadInput("--mix: the shares must not all be 0")
+        raise BadInput("--mix: the shares must not all be 0")
     return tuple(replace(known[name], share=share / total) for name, share in shares.items())
 
 
@@ -164,7 +147,7 @@ _FLAG_OF = {field: flag for flag, field, _ in _FIELDS} | {"mix": "--mix", "repai
 
 
 def _params(args: argparse.Namespace) -> Params:
-    """The preset with the given flags applied; raises _BadInput or BadParameter."""
+    """The preset with the given flags applied; raises BadInput or BadParameter."""
     preset = PRESETS[args.preset]()
     given: dict[str, Any] = {
         field: parse(flag, getattr(args, field))
@@ -307,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         points_n = _integer("--sweep-points", args.sweep_points, least=4)
         seeds_n = _integer("--sweep-seeds", args.sweep_seeds, least=1)
         params = _params(args)
-    except _BadInput as error:
+    except BadInput as error:
         return fail("simulate", str(error), _USAGE_ERROR)
     except BadParameter as error:
         return fail("simulate", f"{_FLAG_OF.get(error.field, error.field)} {error}", _USAGE_ERROR)
