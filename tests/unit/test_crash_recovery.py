@@ -18,40 +18,21 @@ from typing import Any
 import pytest
 
 from agent import protocol
-from supervisor.config import SupervisorConfig
 from supervisor.daemon import Supervisor
 from supervisor.executor import Executor
 from supervisor.model import JobState
 from supervisor.observations import LeaseExpired
-from supervisor.policy import Policy
 from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.store import ActionState, Store
-from tests.unit.test_daemon import Slurm, killed, me, registered_and_running, started
+from tests.unit.test_daemon import Slurm, killed, registered_and_running, run, started
 from tests.unit.test_executor import JOB, NOW, REQUEUE, Crash, FakeSlurm, job
 
 Body = Callable[[Supervisor, Slurm, list[float]], Awaitable[None]]
 
 
 def life(tmp_path: Path, start_s: float, body: Body, **policy: Any) -> None:
-    """One run of the supervisor on ``tmp_path``'s state, its clock starting at ``start_s``;
-    the store is closed at the end as a SIGKILL leaves it (nothing flushed beyond it)."""
-
-    async def scenario() -> None:
-        clock = [start_s]
-        slurm = Slurm(me())
-        config = SupervisorConfig(state_dir=str(tmp_path / "state"))
-        supervisor = Supervisor(
-            config,
-            Policy(**{"max_drain_share_per_hour": 0.5, "exit_evidence_window_s": 0, **policy}),
-            slurm=slurm,  # type: ignore[arg-type]
-            clock=lambda: clock[0],
-        )
-        try:
-            await body(supervisor, slurm, clock)
-        finally:
-            supervisor.store.close()
-
-    asyncio.run(scenario())
+    """One run of the supervisor on ``tmp_path``'s state, its clock starting at ``start_s``."""
+    run(body, tmp_path, start_s=start_s, **policy)
 
 
 async def first_life(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:

@@ -53,9 +53,12 @@ def me() -> str:
 
 
 def run(body: Callable[[Supervisor, Slurm, list[float]], Awaitable[None]], tmp_path: Path,
-        user: str | None = None, **policy: Any) -> None:  # fmt: skip
+        user: str | None = None, start_s: float = NOW, **policy: Any) -> None:  # fmt: skip
+    """One life of a supervisor on ``tmp_path``'s state, its clock starting at ``start_s``;
+    the store is closed at the end as a SIGKILL leaves it (nothing flushed beyond it)."""
+
     async def scenario() -> None:
-        clock = [NOW]
+        clock = [start_s]
         slurm = Slurm(user or me())
         config = SupervisorConfig(state_dir=str(tmp_path / "state"))
         supervisor = Supervisor(
