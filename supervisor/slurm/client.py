@@ -142,7 +142,9 @@ class SlurmClient:
     async def jobs(self) -> dict[int, SlurmJob]:
         """Every job Slurm knows, by id."""
         text = await self._query(parse.squeue_argv())
-        return parse.parse_squeue_json(text)
+        # Megabytes on a large cluster: parsed off the event loop, which keeps
+        # serving agents meanwhile (json.loads still holds the GIL, in shorter runs).
+        return await asyncio.to_thread(parse.parse_squeue_json, text)
 
     async def job(self, job_id: int) -> SlurmJob | None:
         """The job, or None when Slurm answered and does not list it.
@@ -153,7 +155,8 @@ class SlurmClient:
 
     async def nodes(self) -> dict[str, SlurmNode]:
         """Every node, by name."""
-        return parse.parse_sinfo_json(await self._query(parse.sinfo_argv()))
+        text = await self._query(parse.sinfo_argv())
+        return await asyncio.to_thread(parse.parse_sinfo_json, text)  # as for jobs()
 
     async def hostnames(self, node_list: str) -> tuple[str, ...]:
         """Slurm's own expansion of a hostlist, cached per distinct list."""
