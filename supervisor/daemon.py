@@ -44,6 +44,7 @@ import shlex
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,11 @@ class Supervisor(Intake):
         # Leases in the store were renewed before this start; their agents
         # could not call in while no supervisor was up (see tick()).
         self._started_s = clock()
+        # When this process itself was held up (an overloaded or stalled event
+        # loop), agents' heartbeats waited in its sockets: (monotonic time,
+        # seconds late) of each late tick, so leases get that time back.
+        self._stalls: deque[tuple[float, float]] = deque()
+        self._last_tick_mono: float | None = None
         self.port: int | None = None
 
     # ------------------------------------------------------------------
@@ -389,12 +395,31 @@ class Supervisor(Intake):
         for job_id, job in self.jobs.items():
             if job.record.state is JobState.RECOVERING:
                 self._enqueue(job_id, Tick())
+        held_up_s = self._stalled_s(time.monotonic())
         if now - self._started_s > self.config.lease_s:
-            self._expire_leases(now)
+            self._expire_leases(now, self.config.lease_s + held_up_s)
         self.store.flush_leases()
 
-    def _expire_leases(self, now: float) -> None:
-        for lease in self.store.expired_leases(now, self.config.lease_s):
+    def _stalled_s(self, mono_s: float) -> float:
+        """Seconds this process was held up within the last lease period (late ticks).
+
+        An overloaded supervisor answers heartbeats late; without this it
+        would take its own slowness for lost nodes and recover (even drain)
+        healthy ones.
+        """
+        tick_s = self.config.tick_s
+        if self._last_tick_mono is not None:
+            late = mono_s - self._last_tick_mono - tick_s
+            if late > max(tick_s, 1.0):
+                self._stalls.append((mono_s, late))
+                log.warning("supervisor held up %.1f s: leases get the time back", late)
+        self._last_tick_mono = mono_s
+        while self._stalls and mono_s - self._stalls[0][0] > self.config.lease_s:
+            self._stalls.popleft()
+        return sum(late for _, late in self._stalls)
+
+    def _expire_leases(self, now: float, lease_s: float) -> None:
+        for lease in self.store.expired_leases(now, lease_s):
             owner = self.jobs.get(lease.job_id)
             self.store.drop_leases(lease.job_id, [lease.node])
             if owner is None or owner.record.state.terminal or lease.incarnation in owner.stopped:
@@ -403,7 +428,7 @@ class Supervisor(Intake):
                 continue
             log.warning(
                 "job %s: agent on %s silent for %.0f s (lease %.0f s)",
-                lease.job_id, lease.node, now - lease.last_seen_s, self.config.lease_s,
+                lease.job_id, lease.node, now - lease.last_seen_s, lease_s,
             )  # fmt: skip
             self._enqueue(lease.job_id, LeaseExpired(lease.node))
 

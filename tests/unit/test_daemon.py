@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -215,6 +216,25 @@ def test_a_rank_that_computes_slower_than_the_others_is_reported_while_it_lasts(
         assert record.state.value == "running" and slurm.calls == []  # no drain by default
         alerts = supervisor.store.events_for(JOB, kinds=["alert"])
         assert len(alerts) == 1 and "straggler on node3" in alerts[0].payload["message"]
+
+    run(body, tmp_path)
+
+
+def test_a_supervisor_held_up_gives_leases_the_time_back(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        status = protocol.RankStatus(0, 0, 100, 5, "train", NOW, 1.0, 1.1, 1.0, 5)
+        report = protocol.HeartbeatReport(JOB, "node2", NOW, (status,), "00000000000000e1", 1)
+        supervisor.accept_heartbeat(JOB, report)
+        await supervisor.tick()
+        # The loop was held up 20 s (an overload): the lease (30 s) gets them back.
+        supervisor._last_tick_mono = time.monotonic() - 20.0
+        clock[0] = NOW + 40.0
+        await supervisor.tick()
+        assert [lease.node for lease in supervisor.store.leases_for(JOB)] == ["node2"]
+        clock[0] = NOW + 55.0  # 30 s + the 19 s held up are over: the node is lost
+        await supervisor.tick()
+        assert supervisor.store.leases_for(JOB) == []
 
     run(body, tmp_path)
 
