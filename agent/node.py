@@ -137,7 +137,15 @@ class NodeAgent:
 
     async def run(self) -> int:
         """Launch, watch until the launcher exits, report, clean up; return the exit status."""
-        (self.run_dir / "exits").mkdir(exist_ok=True)
+        exits = self.run_dir / "exits"
+        exits.mkdir(exist_ok=True)
+        # Records left by an earlier life of this run directory (the same job id,
+        # node and launch after a Slurm state reset, or an agent restarted) are
+        # not this launch's ranks': read, they would date a death hours back and
+        # win the root cause.
+        for stale in exits.iterdir():
+            with contextlib.suppress(OSError):
+                stale.unlink()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._queue.put_nowait, ("signal", {"signum": signum}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -240,3 +241,17 @@ def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path
             ],
         }
     ]
+
+
+def test_exit_records_left_by_an_earlier_life_of_the_run_directory_are_removed(
+    tmp_path: Path,
+) -> None:
+    """A stale rank-N.json would date a death hours back and be taken for the root cause."""
+    stale = tmp_path / "exits" / "rank-3.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"global_rank": 3, "exit_code": 1, "time_unix_s": 1.0}')
+    config, command = load_config(
+        ["--job-id", "77", "--node", "node1", "--run-dir", str(tmp_path), "--", "true"], {}
+    )
+    assert asyncio.run(NodeAgent(config, command).run()) == 0
+    assert not stale.exists()
