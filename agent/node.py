@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -92,6 +93,22 @@ def private_dir(path: Path) -> Path:
     return fresh
 
 
+def default_run_dir(config: AgentConfig) -> str:
+    """``/tmp/resurgo-agent-<job>-<node>-<launch>[-<job secret tag>]``.
+
+    Job ids start over when a cluster's Slurm state is reset; the tag (from
+    the job's secret, new at every submission) keeps a later job with the
+    same id from resuming an earlier one's event spool, which the new
+    secret would sign and the supervisor would take for this job's events.
+    """
+    name = f"/tmp/resurgo-agent-{config.job_id}-{config.node}-{config.launch_nonce}"
+    if config.secret_file:
+        with contextlib.suppress(OSError):
+            digest = hashlib.sha256(Path(config.secret_file).read_bytes()).hexdigest()
+            name += f"-{digest[:12]}"
+    return name
+
+
 @dataclass(frozen=True)
 class Clocks:
     """Monotonic time for timeouts, wall time for events; injectable for tests."""
@@ -115,12 +132,7 @@ class NodeAgent:
         self.command = list(command)
         self._environ = dict(os.environ if environ is None else environ)
         self._clocks = clocks or Clocks()
-        self.run_dir = private_dir(
-            Path(
-                config.run_dir
-                or f"/tmp/resurgo-agent-{config.job_id}-{config.node}-{config.launch_nonce}"
-            )
-        )
+        self.run_dir = private_dir(Path(config.run_dir or default_run_dir(config)))
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._process: asyncio.subprocess.Process | None = None
         self._watcher: RankWatcher | None = None

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from agent import protocol
+from agent.client import new_secret, write_secret
 from agent.config import load_config
-from agent.node import Clocks, NodeAgent
+from agent.node import Clocks, NodeAgent, default_run_dir
 from agent.steps import StepBuffer
 from agent.train.heartbeat import (
     Heartbeat,
@@ -255,3 +256,18 @@ def test_exit_records_left_by_an_earlier_life_of_the_run_directory_are_removed(
     )
     assert asyncio.run(NodeAgent(config, command).run()) == 0
     assert not stale.exists()
+
+
+def test_a_later_job_with_the_same_id_gets_another_run_directory(tmp_path: Path) -> None:
+    """Job ids start over after a Slurm state reset; an old spool must not be resumed."""
+    dirs = []
+    for name in ("first", "second"):
+        secret = tmp_path / name
+        write_secret(secret, new_secret())
+        config, _ = load_config(
+            ["--job-id", "7", "--node", "node1", "--launch-nonce", "1",
+             "--secret-file", str(secret), "--", "true"], {},
+        )  # fmt: skip
+        dirs.append(default_run_dir(config))
+    assert dirs[0] != dirs[1]
+    assert all(d.startswith("/tmp/resurgo-agent-7-node1-1-") for d in dirs)
