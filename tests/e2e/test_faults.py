@@ -203,7 +203,7 @@ def test_a_sigkilled_rank_drains_its_node_and_the_job_resumes_on_three(
     job = finish(slurm_cluster, supervisor, run)
     assert job["job_state"] == "COMPLETED", story(supervisor, run)
     (victim,) = run.faulted_nodes()
-    assert drained(supervisor, run.job_id) == [(victim, "rank_signal")]
+    assert drained(supervisor, run.job_id) == [(victim, "rank_signal")], story(supervisor, run)
     assert_resumed_from(supervisor, run, 4)
     assert victim not in attempts(supervisor, run.job_id)[-1].nodes
     assert run.steps()[STEPS]["world"] == 3
@@ -217,7 +217,7 @@ def test_an_instrumented_hang_is_blamed_on_the_stopped_ranks_node(
     job = finish(slurm_cluster, supervisor, run)
     assert job["job_state"] == "COMPLETED", story(supervisor, run)
     (victim,) = run.faulted_nodes()
-    assert drained(supervisor, run.job_id) == [(victim, "hang")]
+    assert drained(supervisor, run.job_id) == [(victim, "hang")], story(supervisor, run)
     assert_resumed_from(supervisor, run, 4)
     assert_same_samples(run, reference)
 
@@ -229,7 +229,7 @@ def test_an_uninstrumented_hang_is_found_from_stacks(
     job = finish(slurm_cluster, supervisor, run)
     assert job["job_state"] == "COMPLETED", story(supervisor, run)
     (victim,) = run.faulted_nodes()
-    assert drained(supervisor, run.job_id) == [(victim, "hang")]
+    assert drained(supervisor, run.job_id) == [(victim, "hang")], story(supervisor, run)
     with supervisor.store() as store:
         hangs = store.events_for(str(run.job_id), kinds=["hang"])
         assert any(h["detector"] == "stack" for e in hangs for h in e.payload["hung"])
@@ -270,7 +270,7 @@ def test_a_python_exception_once_is_retried_on_the_same_nodes_bitwise(
     run = submit(supervisor, tmp_path, "--fault", "exception@6:1")
     job = finish(slurm_cluster, supervisor, run)
     assert job["job_state"] == "COMPLETED", story(supervisor, run)
-    assert drained(supervisor, run.job_id) == []
+    assert drained(supervisor, run.job_id) == [], story(supervisor, run)
     assert len(attempts(supervisor, run.job_id)) == 2
     assert_resumed_from(supervisor, run, 4)
     assert run.steps()[STEPS]["world"] == 4
@@ -321,7 +321,8 @@ def test_a_straggler_is_found_across_nodes_and_alerted_but_not_drained(
     with supervisor.store() as store:
         alerts = [a.payload["message"] for a in store.events_for(str(run.job_id), kinds=["alert"])]
     assert len(alerts) == 1 and f"straggler on {victim}" in alerts[0], alerts
-    assert drained(supervisor, run.job_id) == []  # slow is not broken (straggler_drain off)
+    # Slow is not broken: straggler_drain is off.
+    assert drained(supervisor, run.job_id) == [], story(supervisor, run)
     assert len(attempts(supervisor, run.job_id)) == 1
     assert_same_samples(run, reference)
     final, expected = run.final(), reference.final()
