@@ -75,6 +75,7 @@ from supervisor.observations import (
     AgentEvent,
     LeaseExpired,
     Observation,
+    RelaunchFinished,
     SlurmJobSeen,
     SlurmNodeSeen,
     Tick,
@@ -83,7 +84,7 @@ from supervisor.observations import (
 from supervisor.policy import Decision, Policy, decide
 from supervisor.probation import NodeHistory, release
 from supervisor.reconcile import KIND_OF, intent_of
-from supervisor.recovery import drain_limit
+from supervisor.recovery import drain_limit, fast_path_started
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.store import ActionState, Actor, EventSource, Store
@@ -395,10 +396,26 @@ class Supervisor(Intake):
         for job_id, job in self.jobs.items():
             if job.record.state is JobState.RECOVERING:
                 self._enqueue(job_id, Tick())
+            elif self._relaunch_never_started(job, now):
+                reason = (
+                    f"no agent of attempt {job.record.attempt} called in within "
+                    f"{self.policy.relaunch_start_timeout_s:.0f} s of the relaunch"
+                )
+                log.warning("job %s: %s", job_id, reason)
+                self._enqueue(job_id, RelaunchFinished(job.record.attempt, False, reason))
         held_up_s = self._stalled_s(time.monotonic())
         if now - self._started_s > self.config.lease_s:
             self._expire_leases(now, self.config.lease_s + held_up_s)
         self.store.flush_leases()
+
+    def _relaunch_never_started(self, job: TrackedJob, now: float) -> bool:
+        """A relaunched step whose agents never called in (Slurm kept its nodes busy)."""
+        record = job.record
+        if record.state is not JobState.STARTING or not fast_path_started(record):
+            return False
+        if now - record.state_since_s < self.policy.relaunch_start_timeout_s:
+            return False
+        return record.attempt not in job.incarnations.values()
 
     def _stalled_s(self, mono_s: float) -> float:
         """Seconds this process was held up within the last lease period (late ticks).

@@ -117,6 +117,9 @@ class Policy:
       the window (across jobs) is a lemon: it stays out and no job uses it.
     - ``grow_back``: a job running below its original size is requeued at a
       larger one from a checkpoint it just committed when idle nodes allow it.
+    - ``relaunch_start_timeout_s``: a relaunched step none of whose agents
+      called in by then never started (Slurm kept its nodes busy): the job
+      falls back to the requeue path.
 
     Job sizes (original, minimum, unit) are the job's, on its record.
     """
@@ -143,6 +146,7 @@ class Policy:
     lemon_blames: int = 2
     lemon_window_s: float = 7 * 86400.0
     grow_back: bool = True
+    relaunch_start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -514,18 +518,22 @@ def _on_checkpoint(
 def _on_relaunch(
     record: JobRecord, seen: RelaunchFinished, now_s: float, cluster: ClusterView
 ) -> Decision:
-    if record.state is not JobState.RELAUNCHING or seen.attempt != record.attempt:
+    relaunched = record.state is JobState.STARTING and recovery.fast_path_started(record)
+    if seen.attempt != record.attempt or not (record.state is JobState.RELAUNCHING or relaunched):
         return _nothing(record, f"report on attempt {seen.attempt} is stale")
     if seen.ok:
+        if relaunched:
+            return _nothing(record, "new step already started")
         return _nothing(recovery.to_state(record, JobState.STARTING, now_s), "new step started")
     assert record.recovery is not None
-    # The fast path failed: fall back to the requeue path with the same checkpoint.
+    # The fast path failed (or its step never started: its agents never called
+    # in): fall back to the requeue path with the same checkpoint.
     failing = replace(
         recovery.to_state(record, JobState.RECOVERING, now_s),
         recovery=replace(record.recovery, requeue=True),
     )
-    relaunched = recovery.relaunch(failing, now_s, cluster)
-    return replace(relaunched, cause=Cause.RELAUNCH_FAILED)
+    fallback = recovery.relaunch(failing, now_s, cluster)
+    return replace(fallback, cause=Cause.RELAUNCH_FAILED)
 
 
 def _on_tick(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:

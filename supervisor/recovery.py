@@ -99,6 +99,12 @@ def drains_allowed(policy: Policy, cluster: ClusterView) -> int:
     return max(0, drain_limit(policy, cluster.size) - cluster.drains_last_hour)
 
 
+def fast_path_started(record: JobRecord) -> bool:
+    """The recovery relaunched a step inside the allocation (not through a requeue)."""
+    pending = record.recovery
+    return pending is not None and pending.validated and not pending.requeue
+
+
 def made_progress(record: JobRecord) -> bool:
     """A checkpoint newer than the one at the previous restart was committed."""
     if record.last_step is None:

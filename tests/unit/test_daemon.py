@@ -21,6 +21,7 @@ from supervisor.config import SupervisorConfig
 from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmUnavailable
 from supervisor.jobs import JobSpec, write_job_dir
+from supervisor.observations import RelaunchFinished
 from supervisor.policy import Policy
 from supervisor.store import Actor
 from tests.unit.test_executor import JOB, NODES, FakeSlurm
@@ -237,6 +238,33 @@ def test_a_supervisor_held_up_gives_leases_the_time_back(tmp_path: Path) -> None
         assert supervisor.store.leases_for(JOB) == []
 
     run(body, tmp_path)
+
+
+def test_a_relaunch_whose_agents_never_call_in_falls_back_to_requeue(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        first = "00000000000000f1"
+        supervisor.accept_events(JOB, [started("node3", first, 1), killed("node3", first, 2)])
+        await supervisor.settle()
+        clock[0] += 11.0  # past the backoff
+        await supervisor.tick()
+        await supervisor.settle()
+        record = supervisor.jobs[JOB].record
+        assert (record.attempt, record.state.value) == (2, "relaunching")
+        # The driver confirms the new step, but Slurm keeps its nodes busy: no agent starts.
+        await supervisor.apply(JOB, RelaunchFinished(2, True))
+        assert supervisor.jobs[JOB].record.state.value == "starting"
+        clock[0] += 59.0
+        await supervisor.tick()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "starting"  # not yet
+        clock[0] += 2.0
+        await supervisor.tick()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "requeued"
+        assert slurm.calls[-1][0] == "requeue_smaller", slurm.calls  # without node3
+
+    run(body, tmp_path, relaunch_start_timeout_s=60.0)
 
 
 def test_a_stop_for_the_old_launch_never_reaches_the_relaunched_agents(tmp_path: Path) -> None:

@@ -674,6 +674,21 @@ def test_failed_fast_path_falls_back_to_requeue():
     assert failed.record.state is JobState.REQUEUED and kinds(failed) == [RequeueSmaller]
 
 
+def test_a_relaunched_step_that_never_started_falls_back_to_requeue_once():
+    _, _, started, never, again = run(
+        running(),
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(100, CKPT, True),
+        RelaunchFinished(2, True),
+        RelaunchFinished(2, False, "no agent of attempt 2 called in"),
+        RelaunchFinished(2, False, "no agent of attempt 2 called in"),
+    )
+    assert started.record.state is JobState.STARTING
+    assert never.record.state is JobState.REQUEUED and kinds(never) == [RequeueSmaller]
+    assert never.cause is Cause.RELAUNCH_FAILED
+    assert again.record == never.record and again.intents == ()  # reported twice: once
+
+
 def test_lemons_are_never_used_again():
     cluster = replace(CLUSTER, lemons=frozenset({"node2"}))
     _, chosen = run(
