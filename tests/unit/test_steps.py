@@ -137,20 +137,27 @@ def received(sock: socket.socket) -> list[StepReport]:
         out.append(message)
 
 
+def reporting_session(
+    tmp_path: Path, socket_path: Path, sampler: GlobalBatchSampler | None = None
+) -> TrainingSession:
+    """A rank-0 session that never saves and reports its steps to ``socket_path``."""
+    return TrainingSession(
+        tmp_path / "ckpt",
+        model=nn.Linear(2, 1),
+        sampler=sampler,
+        interval=NeverSave(),
+        environ={},
+        heartbeat=Heartbeat(str(socket_path)),
+    )
+
+
 def test_step_done_reports_the_step_its_loss_and_the_cursor_before_it(
     tmp_path: Path, receiver: tuple[Path, socket.socket]
 ) -> None:
     path, sock = receiver
     # 10 samples, batches of 4: two batches per epoch, so step 3 starts epoch 1.
     sampler = GlobalBatchSampler(10, 4, rank=0, world_size=1, seed=1)
-    session = TrainingSession(
-        tmp_path / "ckpt",
-        model=nn.Linear(2, 1),
-        sampler=sampler,
-        interval=NeverSave(),
-        environ={},
-        heartbeat=Heartbeat(str(path)),
-    )
+    session = reporting_session(tmp_path, path, sampler)
     try:
         for loss in (0.5, None, 0.125):
             session.step_done(loss=loss)
@@ -166,13 +173,7 @@ def test_without_a_sampler_the_cursor_is_unknown(
     tmp_path: Path, receiver: tuple[Path, socket.socket]
 ) -> None:
     path, sock = receiver
-    session = TrainingSession(
-        tmp_path / "ckpt",
-        model=nn.Linear(2, 1),
-        interval=NeverSave(),
-        environ={},
-        heartbeat=Heartbeat(str(path)),
-    )
+    session = reporting_session(tmp_path, path)
     try:
         session.step_done(loss=float(torch.tensor(2.0)))
     finally:
@@ -184,13 +185,7 @@ def test_the_time_inside_compute_goes_with_its_step_and_only_that_step(
     tmp_path: Path, receiver: tuple[Path, socket.socket]
 ) -> None:
     path, sock = receiver
-    session = TrainingSession(
-        tmp_path / "ckpt",
-        model=nn.Linear(2, 1),
-        interval=NeverSave(),
-        environ={},
-        heartbeat=Heartbeat(str(path)),
-    )
+    session = reporting_session(tmp_path, path)
     try:
         with session.compute():
             time.sleep(0.05)
