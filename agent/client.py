@@ -15,8 +15,11 @@ supervisor outage loses nothing:
    earlier incarnation's unacknowledged events first, with their original
    ids, so the supervisor records each exactly once.
 
-Heartbeats are best effort and never spooled: only the newest matters.
-The wire format and signing live in :mod:`agent.protocol`.
+Heartbeats are best effort and never spooled: only the newest matters. They
+go over one WebSocket to the supervisor's heartbeat stream, opened with a
+signed upgrade request and kept open (a request per heartbeat costs the
+supervisor several times more), and are sent as POSTs to a supervisor that
+has no stream. The wire format and signing live in :mod:`agent.protocol`.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import tenacity
 from agent import protocol
 from agent.checkpoint.files import fsync_dir, open_regular, write_durably
 from agent.errors import ConfigError, ResurgoError
-from agent.protocol import Command, Event, EventKind, HeartbeatReport, Reply
+from agent.protocol import Command, Event, EventKind, HeartbeatReport, Refusal, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,13 @@ _SEGMENT_PREFIX = "events-"
 _SEGMENT_SUFFIX = ".jsonl"
 _CURSOR_NAME = "cursor.json"
 _LOCK_NAME = "lock"
+# Upgrade refusals that mean "no heartbeat stream here" (an older supervisor,
+# a proxy without WebSockets): heartbeats go as POSTs instead.
+_NO_STREAM_STATUSES = frozenset({400, 404, 405, 426, 501})
+# A heartbeat that failed for one of these may have left the stream out of step.
+_UNDELIVERED = (aiohttp.ClientError, TimeoutError, ConnectionError, protocol.ProtocolError)
+# How long closing a broken stream may wait for the supervisor's close frame.
+_STREAM_CLOSE_S = 1.0
 
 
 class SpoolLocked(ResurgoError):
@@ -382,6 +392,7 @@ class Reporter:
         timeout_s: float = 5.0,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         backoff: tenacity.wait.wait_base = DEFAULT_BACKOFF,
+        heartbeat_stream: bool = True,
     ) -> None:
         if len(secret) < 16:
             raise ConfigError(f"job secret is {len(secret)} bytes; use new_secret() (32 bytes)")
@@ -402,6 +413,8 @@ class Reporter:
         self._seq = 0
         self._seen_commands: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._session: aiohttp.ClientSession | None = None
+        self._stream: aiohttp.ClientWebSocketResponse | None = None
+        self._use_stream = heartbeat_stream
         self._sender: asyncio.Task[None] | None = None
         self._closed = False
         self._wake = asyncio.Event()
@@ -410,6 +423,7 @@ class Reporter:
         self.heartbeats_sent = 0
         self.heartbeat_failures = 0
         self.events_delivered = 0
+        self.streams_opened = 0
 
     @property
     def pending(self) -> int:
@@ -476,19 +490,87 @@ class Reporter:
 
         Failures are counted in ``heartbeat_failures`` and logged at debug: the
         next heartbeat supersedes this one, and events carry what must not be
-        lost. An invalid ``report`` raises :class:`~agent.protocol.ProtocolError`
-        (a bug in the caller, not a delivery failure).
+        lost. A stream that failed (closed, timed out, garbled) is dropped and
+        the next heartbeat opens a new one; a refused heartbeat leaves it open.
+        An invalid ``report`` raises :class:`~agent.protocol.ProtocolError` (a
+        bug in the caller, not a delivery failure).
         """
         body = protocol.encode_heartbeat(report)
         try:
-            reply = await self._post(protocol.HEARTBEAT_PATH, body, self._heartbeat_timeout_s)
-        except (aiohttp.ClientError, TimeoutError, Rejected, protocol.ProtocolError) as error:
+            async with asyncio.timeout(self._heartbeat_timeout_s):
+                reply = await self._send_heartbeat(body)
+        except Rejected as error:
+            self.heartbeat_failures += 1
+            logger.debug("heartbeat refused: %s", _describe(error))
+            return False
+        except _UNDELIVERED as error:
+            await self._drop_stream()
             self.heartbeat_failures += 1
             logger.debug("heartbeat not delivered: %s", _describe(error))
             return False
         self.heartbeats_sent += 1
         self._dispatch(reply.commands)
         return True
+
+    async def _send_heartbeat(self, body: bytes) -> Reply:
+        """One heartbeat over the stream (opened if need be), or POSTed where there is none."""
+        stream = self._stream
+        if stream is None or stream.closed:
+            stream = await self._open_stream() if self._use_stream else None
+        if stream is None:
+            return await self._post(protocol.HEARTBEAT_PATH, body, self._heartbeat_timeout_s)
+        await stream.send_bytes(
+            protocol.sign_frame(self._secret, self.job_id, int(self._clock()), body)
+        )
+        message = await stream.receive()
+        if message.type is aiohttp.WSMsgType.BINARY:
+            data = message.data
+        elif message.type is aiohttp.WSMsgType.TEXT:
+            data = message.data.encode()
+        else:
+            raise ConnectionError(
+                f"the supervisor closed the heartbeat stream ({stream.close_code}: "
+                f"{protocol.clip_text(str(message.extra or ''), 200)})"
+            )
+        answer = protocol.decode_stream_answer(data)
+        if isinstance(answer, Refusal):
+            raise Rejected(answer.status, f"{answer.cause}: {answer.reason}")
+        return answer
+
+    async def _open_stream(self) -> aiohttp.ClientWebSocketResponse | None:
+        """Open the heartbeat stream with a signed upgrade; None if the supervisor has none."""
+        if self._session is None:
+            raise RuntimeError("Reporter.start() was not called")
+        path = protocol.HEARTBEAT_STREAM_PATH
+        headers = protocol.signed_headers(
+            self._secret, "GET", path, self.job_id, int(self._clock()), b""
+        )
+        try:
+            stream = await self._session.ws_connect(
+                self._base_url + path,
+                headers=headers,
+                max_msg_size=protocol.MAX_BODY_BYTES,
+                timeout=aiohttp.ClientWSTimeout(ws_close=_STREAM_CLOSE_S),
+            )
+        except aiohttp.WSServerHandshakeError as error:
+            if error.status in _NO_STREAM_STATUSES:
+                logger.info(
+                    "the supervisor has no heartbeat stream (%d %s); heartbeats go as POSTs",
+                    error.status,
+                    error.message,
+                )
+                self._use_stream = False
+                return None
+            raise Rejected(error.status, error.message) from None
+        self._stream = stream
+        self.streams_opened += 1
+        return stream
+
+    async def _drop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None and not stream.closed:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError):
+                await stream.close()
 
     async def close(self, drain_timeout_s: float = 5.0) -> None:
         """Deliver what is spooled within ``drain_timeout_s``, then stop; the rest stays spooled."""
@@ -509,6 +591,7 @@ class Reporter:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._sender
         finally:
+            await self._drop_stream()
             if self._session is not None:
                 await self._session.close()
             self._spool.close()

@@ -3,7 +3,11 @@
 The node agent POSTs signed JSON to the supervisor: batches of events
 (:data:`EVENTS_PATH`) and heartbeat summaries (:data:`HEARTBEAT_PATH`). Every
 reply is a :class:`Reply` that acknowledges events by id and carries commands
-back. ``docs/protocol.md`` is the contract in prose; this module is the one
+back. Heartbeats may instead go over one long-lived WebSocket per agent
+(:data:`HEARTBEAT_STREAM_PATH`): the upgrade request is signed like a POST,
+each frame holds one heartbeat body, and each is answered by one frame, a
+:class:`Reply` or a :class:`Refusal` (:func:`decode_stream_answer`).
+``docs/protocol.md`` is the contract in prose; this module is the one
 implementation of it that both sides import.
 
 Decoding is strict: a wrong protocol version, an unknown event or command
@@ -42,6 +46,8 @@ HEADER_PROTOCOL = "X-Resurgo-Protocol"
 METHOD = "POST"
 EVENTS_PATH = "/v1/events"
 HEARTBEAT_PATH = "/v1/heartbeat"
+# GET, upgraded to a WebSocket: heartbeats without a request's cost each.
+HEARTBEAT_STREAM_PATH = "/v1/heartbeat/stream"
 DRIVER_PATH = "/v1/driver"
 
 # Requests whose timestamp is further than this from the verifier's clock are
@@ -67,6 +73,9 @@ _SIGNATURE_SCHEME = "RESURGO-HMAC-SHA256"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
 _INCARNATION = re.compile(r"[0-9a-f]{8,64}")
 _SIGNATURE = re.compile(r"[0-9a-f]{64}")
+# A heartbeat stream frame's first line: the timestamp (as the header's) and the signature.
+_FRAME_HEAD = re.compile(rb"([0-9]{1,12}) ([0-9a-f]{64})")
+_FRAME_HEAD_BYTES = 12 + 1 + 64 + 1
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
 _SEQ = re.compile(r"[1-9][0-9]{0,18}")
 
@@ -79,6 +88,10 @@ class ProtocolError(ResurgoError):
 
 class AuthError(ResurgoError):
     """A request's signature is wrong or its timestamp is outside the replay window."""
+
+
+class StaleTimestamp(AuthError):
+    """A request's timestamp is outside the replay window (its signature was not checked)."""
 
 
 class EventKind(enum.Enum):
@@ -194,6 +207,19 @@ class Reply:
 
     commands: tuple[Command, ...] = ()
     accepted_event_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A heartbeat refused on the stream: what the HTTP answer would have said.
+
+    ``status`` is the HTTP status a POST of the same body would get, ``cause``
+    the refusal's code (as in an HTTP answer's ``error``), ``reason`` for humans.
+    """
+
+    status: int
+    cause: str
+    reason: str
 
 
 def event_id_for(job_id: str, node: str, incarnation: str, seq: int) -> str:
@@ -444,7 +470,40 @@ def encode_reply(reply: Reply) -> bytes:
 
 def decode_reply(data: bytes) -> Reply:
     """Parse a supervisor's 200 answer."""
-    document = _envelope(_load(data, "reply"), "reply")
+    return _reply_from(_envelope(_load(data, "reply"), "reply"))
+
+
+def encode_refusal(refusal: Refusal) -> bytes:
+    """A heartbeat stream's answer to a frame the supervisor refused."""
+    document = {
+        "protocol": PROTOCOL_VERSION,
+        "type": "refusal",
+        "status": refusal.status,
+        "error": refusal.cause,
+        "reason": refusal.reason,
+    }
+    data = _dump(document)
+    decode_stream_answer(data)
+    return data
+
+
+def decode_stream_answer(data: bytes) -> Reply | Refusal:
+    """Parse one frame the supervisor sent on the heartbeat stream: a reply or a refusal."""
+    document = _object(_load(data, "stream answer"), "stream answer")
+    if document.get("type") != "refusal":
+        return _reply_from(_envelope(document, "reply"))
+    document = _envelope(document, "refusal")
+    status = _int(document, "status", "refusal", minimum=400)
+    if status > 599:
+        _fail(f"refusal.status {status} is not an HTTP error status")
+    return Refusal(
+        status=status,
+        cause=_name(document, "error", "refusal"),
+        reason=_str(document, "reason", "refusal"),
+    )
+
+
+def _reply_from(document: dict[str, Any]) -> Reply:
     accepted = tuple(
         _check_event_id_shape(value, f"reply.accepted_event_ids[{index}]")
         for index, value in enumerate(
@@ -637,13 +696,14 @@ def verify(
 ) -> None:
     """Return if ``signature`` signs this request and the timestamp is fresh; else raise.
 
-    Raises :class:`AuthError` when the timestamp is more than ``window_s`` away
-    from ``now_s`` (either direction: clocks drift both ways) or when the
-    signature does not match (compared in constant time).
+    Raises :class:`StaleTimestamp` (an :class:`AuthError`) when the timestamp
+    is more than ``window_s`` away from ``now_s`` (either direction: clocks
+    drift both ways), :class:`AuthError` when the signature does not match
+    (compared in constant time).
     """
     skew = int(timestamp_s) - int(now_s)
     if abs(skew) > window_s:
-        raise AuthError(
+        raise StaleTimestamp(
             f"request timestamp {timestamp_s} is {skew:+d} s from the verifier's clock "
             f"{now_s}; the window is ±{window_s} s: check the node's clock (NTP)"
         )
@@ -658,6 +718,40 @@ def verify(
             f"bad signature for job {job_id!r}: the agent and the supervisor do not share "
             "the same job secret, or the request was altered"
         )
+
+
+def sign_frame(secret: bytes, job_id: str, timestamp_s: int, body: bytes) -> bytes:
+    """One heartbeat stream frame: ``<timestamp> <signature>\\n`` and the heartbeat body.
+
+    The signature is the one a ``POST`` of ``body`` to
+    :data:`HEARTBEAT_STREAM_PATH` would carry, so each frame is authenticated
+    and bounded by the replay window exactly like a request, and a frame can
+    never pass for a request to another path, nor a request for a frame.
+    """
+    signature = sign(secret, METHOD, HEARTBEAT_STREAM_PATH, job_id, timestamp_s, body)
+    return f"{timestamp_s} {signature}\n".encode() + body
+
+
+def open_frame(
+    secret: bytes, job_id: str, frame: bytes, now_s: int, window_s: int = REPLAY_WINDOW_S
+) -> bytes:
+    """The heartbeat body of a frame :func:`sign_frame` made for ``job_id``; else raise.
+
+    Raises :class:`AuthError` (a missing or malformed signing line, a stale
+    timestamp, a bad signature), as :func:`verify` does for a request.
+    """
+    end = frame.find(b"\n", 0, _FRAME_HEAD_BYTES)
+    match = None if end < 0 else _FRAME_HEAD.fullmatch(frame, 0, end)
+    if match is None:
+        raise AuthError(
+            "a heartbeat frame starts with a line '<timestamp> <signature>' "
+            "(protocol.sign_frame; docs/protocol.md, Heartbeat stream)"
+        )
+    body = frame[end + 1 :]
+    timestamp_s = int(match[1])
+    verify(secret, METHOD, HEARTBEAT_STREAM_PATH, job_id, timestamp_s, body,
+           match[2].decode("ascii"), now_s=now_s, window_s=window_s)  # fmt: skip
+    return body
 
 
 def signed_headers(

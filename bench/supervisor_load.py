@@ -22,7 +22,10 @@ CPU). Each agent:
 - sends ``agent_started`` (attempt 1) when it starts (start times jittered
   over the first second);
 - sends a heartbeat every second: ``--ranks-per-node`` ranks, all at the
-  job's current step (synchronous training), with step and compute times;
+  job's current step (synchronous training), with step and compute times.
+  ``--heartbeats stream`` (the default, what the real agent does) sends them
+  over one WebSocket per agent to the heartbeat stream, opened with a signed
+  upgrade; ``--heartbeats post`` POSTs each, as agents did before the stream;
 - emits benign events at random (``--events-per-agent-min`` a minute on
   average): ``step_losses``, ``checkpoint_committed`` (after writing the
   checkpoint's manifest, which the supervisor reads) and ``straggler``, with
@@ -45,12 +48,14 @@ plus events still unacknowledged when the drain ended
 (``never_acknowledged``: a real agent keeps those spooled and resends them).
 
 ``--floor`` runs the same heartbeats against a bare aiohttp server that
-answers every request with an empty reply: what HTTP alone costs here.
+answers every request (or every frame on a stream) with an empty reply: what
+HTTP or a WebSocket alone costs here.
 ``--pin`` keeps the supervisor on the first CPU and the generators on the
 others. ``--profile PREFIX`` records the supervisor with py-spy.
 
     python -m bench.supervisor_load --agents 4096
     python -m bench.supervisor_load --all        # 256, 1024 and 4096
+    python -m bench.supervisor_load --agents 1024 --heartbeats post
 
 One JSON line per run; the last line printed is one JSON object (the run
 itself, or the largest run's figures with ``"runs": [...]``, every run).
@@ -91,7 +96,7 @@ import psutil
 from agent import protocol
 from agent.checkpoint import format as fmt
 from agent.client import Rejected, load_secret, signed_post
-from agent.protocol import EventKind, HeartbeatReport, RankStatus
+from agent.protocol import EventKind, HeartbeatReport, RankStatus, Refusal
 from supervisor.jobs import SECRET_NAME, JobSpec, write_job_dir
 from supervisor.slurm.parse import compress_hostlist
 from supervisor.store import EventSource, Store
@@ -301,6 +306,7 @@ class WorkerStats:
     event_ms: list[float]
     heartbeats_sent: int = 0
     heartbeat_failures: int = 0
+    streams_opened: int = 0
     event_posts: int = 0
     event_failures: int = 0
     first_failure: str = ""
@@ -322,6 +328,7 @@ class SimulatedAgent:
         stats: WorkerStats,
         window: tuple[float, float],
         events: bool,
+        streams: aiohttp.ClientSession | None,
     ) -> None:
         self.plan = plan
         self.url = url
@@ -345,6 +352,9 @@ class SimulatedAgent:
             for path in (protocol.HEARTBEAT_PATH, protocol.EVENTS_PATH)
         }
         self.checked_encoding = False
+        # With a session: heartbeats over the stream, opened in it.
+        self.streams = streams
+        self.stream: aiohttp.ClientWebSocketResponse | None = None
 
     def step(self, now: float) -> int:
         """The job's current step: every rank of a synchronous job is at the same one."""
@@ -480,17 +490,50 @@ class SimulatedAgent:
             await asyncio.gather(sender, return_exceptions=True)
             for connection in self.connections.values():
                 connection.close()
+            if self.stream is not None:
+                await self.stream.close()
             if self.session is not None:
                 await self.session.close()
+
+    async def exchange(self, body: bytes) -> protocol.Reply:
+        """One heartbeat over this agent's stream (opened first if need be), as the agent does."""
+        assert self.streams is not None
+        stream = self.stream
+        if stream is None or stream.closed:
+            path = protocol.HEARTBEAT_STREAM_PATH
+            headers = protocol.signed_headers(self.secret, "GET", path, self.plan.job_id,
+                                              int(time.time()), b"")  # fmt: skip
+            stream = self.stream = await self.streams.ws_connect(
+                self.url + path, headers=headers, max_msg_size=protocol.MAX_BODY_BYTES,
+                timeout=aiohttp.ClientWSTimeout(ws_close=1.0),
+            )  # fmt: skip
+            self.stats.streams_opened += 1
+        await stream.send_bytes(
+            protocol.sign_frame(self.secret, self.plan.job_id, int(time.time()), body)
+        )
+        message = await stream.receive()
+        if message.type is not aiohttp.WSMsgType.BINARY:
+            raise ConnectionError(f"stream closed: {message.type.name} {message.extra!r}")
+        answer = protocol.decode_stream_answer(message.data)
+        if isinstance(answer, Refusal):
+            raise Rejected(answer.status, f"{answer.cause}: {answer.reason}")
+        return answer
 
     async def heartbeat(self, now: float) -> None:
         body = self.heartbeat_body(now)
         started = time.time()
         clock = time.perf_counter()
         try:
-            await self.post(protocol.HEARTBEAT_PATH, body, HEARTBEAT_TIMEOUT_S)
+            if self.streams is None:
+                await self.post(protocol.HEARTBEAT_PATH, body, HEARTBEAT_TIMEOUT_S)
+            else:
+                async with asyncio.timeout(HEARTBEAT_TIMEOUT_S):
+                    await self.exchange(body)
         except (aiohttp.ClientError, OSError, TimeoutError, Rejected, ValueError,
                 asyncio.IncompleteReadError, protocol.ProtocolError) as error:  # fmt: skip
+            if self.stream is not None:
+                stream, self.stream = self.stream, None
+                await stream.close()
             self.stats.heartbeat_failures += 1
             self.stats.first_failure = self.stats.first_failure or f"heartbeat: {error!r}"[:300]
             return
@@ -540,9 +583,13 @@ async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, 
     stats = WorkerStats(heartbeat_ms=[], event_ms=[])
     rng = random.Random(config["seed"])
     window = (go["measure_from"], go["measure_until"])
+    # One session holds every agent's stream (each its own connection).
+    streams = None
+    if config["heartbeats"] == "stream":
+        streams = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     agents = [
         SimulatedAgent(AgentPlan(**plan), config["url"], config["client"],
-                       random.Random(rng.random()), stats, window, config["events"])
+                       random.Random(rng.random()), stats, window, config["events"], streams)
         for plan in config["agents"]
     ]  # fmt: skip
     events_per_s = config["events_per_agent_min"] / 60.0
@@ -560,6 +607,8 @@ async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, 
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    if streams is not None:
+        await streams.close()
     return {
         **asdict(stats),
         "heartbeat_ms": [round(value, 3) for value in stats.heartbeat_ms],
@@ -584,10 +633,10 @@ def worker_main() -> int:
 
 
 def floor_main(port: int) -> int:
-    """``--floor-server``: aiohttp answering every POST with an empty Reply, nothing else.
+    """``--floor-server``: aiohttp answering every POST or frame with an empty Reply, nothing else.
 
-    What serving HTTP alone costs (aiohttp, the kernel's loopback TCP): the
-    floor under the supervisor's own cost per request.
+    What serving HTTP or a WebSocket alone costs (aiohttp, the kernel's
+    loopback TCP): the floor under the supervisor's own cost per heartbeat.
     """
     from aiohttp import web
 
@@ -597,9 +646,17 @@ def floor_main(port: int) -> int:
         await request.read()
         return web.Response(body=reply, content_type="application/json")
 
+    async def stream(request: web.Request) -> web.WebSocketResponse:
+        socket = web.WebSocketResponse(compress=False)
+        await socket.prepare(request)
+        async for _ in socket:
+            await socket.send_bytes(reply)
+        return socket
+
     app = web.Application()
     app.router.add_post(protocol.HEARTBEAT_PATH, answer)
     app.router.add_post(protocol.EVENTS_PATH, answer)
+    app.router.add_get(protocol.HEARTBEAT_STREAM_PATH, stream)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
     return 0
 
@@ -747,6 +804,7 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
                 assert worker.stdin is not None and worker.stdout is not None
                 config = {
                     "url": url, "seed": rng.random(), "client": args.client,
+                    "heartbeats": args.heartbeats,
                     "events": not args.floor,
                     "events_per_agent_min": args.events_per_agent_min,
                     "agents": [asdict(plan) for plan in plans[index : index + per]],
@@ -872,6 +930,7 @@ def _figures(
 
     return {
         "agents": agents,
+        "heartbeats": args.heartbeats,
         "jobs": jobs,
         "ranks_per_node": args.ranks_per_node,
         "window_s": round(wall, 1),
@@ -908,6 +967,7 @@ def _figures(
         "never_acknowledged": len(sent - acked),
         "heartbeats_sent": sum(result["heartbeats_sent"] for result in results),
         "heartbeat_failures": sum(result["heartbeat_failures"] for result in results),
+        "streams_opened": sum(result["streams_opened"] for result in results),
         "event_post_failures": sum(result["event_failures"] for result in results),
         "first_failure": next((r["first_failure"] for r in results if r["first_failure"]), ""),
         "jobs_not_running": sum(1 for state in job_states.values() if state != "running"),
@@ -929,7 +989,9 @@ def main() -> int:
     parser.add_argument("--drain-s", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--client", choices=("lean", "aiohttp"), default="lean",
-                        help="the generators' HTTP client (see Connection)")  # fmt: skip
+                        help="the generators' HTTP client for POSTs (see Connection)")  # fmt: skip
+    parser.add_argument("--heartbeats", choices=("stream", "post"), default="stream",
+                        help="heartbeats on one WebSocket per agent, or a POST each")  # fmt: skip
     parser.add_argument(
         "--profile",
         metavar="PREFIX",

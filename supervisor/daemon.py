@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 from agent.errors import ConfigError, ResurgoError
 from agent.periodic import every
 from agent.protocol import Event, EventKind
@@ -821,7 +823,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"resurgo-supervisor: {error}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(supervisor.run())
+        # uvloop's loop and transports cost about half of asyncio's per
+        # heartbeat frame (bench/RESULTS.md), which is most of what the
+        # supervisor does; nothing in it depends on which loop runs it.
+        uvloop.run(supervisor.run())
     return 0
 
 

@@ -11,7 +11,15 @@
 This package touches the network; it holds no job state of its own.
 """
 
-from supervisor.api.app import HEALTH_PATH, JOB_STATUS_PATH, bound_port, build_app, serve, shutdown
+from supervisor.api.app import (
+    HEALTH_PATH,
+    JOB_STATUS_PATH,
+    bound_port,
+    build_app,
+    open_streams,
+    serve,
+    shutdown,
+)
 from supervisor.api.directory import JobDirectory, MemoryDirectory
 from supervisor.api.refusals import Cause, RefusalLog
 
@@ -24,6 +32,7 @@ __all__ = [
     "RefusalLog",
     "bound_port",
     "build_app",
+    "open_streams",
     "serve",
     "shutdown",
 ]

@@ -14,6 +14,20 @@ failure answers (statuses in :class:`~supervisor.api.refusals.Cause`):
 5. every event or heartbeat names the header's job (403) and a node of the
    job's *current* allocation (403).
 
+The heartbeat stream (``GET /v1/heartbeat/stream``, a WebSocket) passes
+checks 1-4 on its signed upgrade request (an unsigned or stale upgrade is
+refused with the same HTTP answers, and nothing is upgraded). Each frame then
+holds one heartbeat body after a line with its own timestamp and signature
+(:func:`agent.protocol.sign_frame`, over the stream's path), so a frame is
+checked like a POST: replay window, signature, strict decoding, step 5. It
+is answered by one frame: the reply, or a refusal carrying the status and
+cause an HTTP answer would have had (the stream stays open). A captured
+upgrade therefore lets nobody speak for the job without its secret. The
+stream is closed when its job is no longer known, or known with another
+secret (a job id reused by Slurm), and when the server shuts down. What a
+request costs aiohttp (parsing, routing, a response) is paid once per
+connection instead of once a second per agent.
+
 Replays. A captured request can be replayed only inside the window (±300 s
 by default), and a replay changes nothing: events are idempotent by
 ``event_id`` in the directory, and a heartbeat older than a node's newest is
@@ -37,11 +51,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from aiohttp import web
+from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from agent import protocol
-from agent.protocol import AuthError, Command, ProtocolError, Reply
+from agent.protocol import AuthError, Command, ProtocolError, Refusal, Reply, StaleTimestamp
 from supervisor.api.directory import JobDirectory
 from supervisor.api.refusals import Cause, RefusalLog
 from supervisor.errors import RequestRefused
@@ -58,6 +72,9 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REFUSALS = web.AppKey("refusals", RefusalLog)
+# A stream whose agent went away without closing it is noticed by a ping
+# unanswered for this long (agents send heartbeats far more often).
+STREAM_PING_S = 60.0
 # The answer to nearly every heartbeat (nothing acknowledged, no commands), encoded once.
 _EMPTY_REPLY = protocol.encode_reply(Reply())
 
@@ -73,8 +90,8 @@ def build_app(
 ) -> web.Application:
     """The supervisor's HTTP API over ``directory``.
 
-    Routes: ``POST /v1/events``, ``POST /v1/heartbeat`` (agents), ``POST /v1/driver``
-    (the in-job driver),
+    Routes: ``POST /v1/events``, ``POST /v1/heartbeat`` and
+    ``GET /v1/heartbeat/stream`` (agents), ``POST /v1/driver`` (the in-job driver),
     ``GET /v1/jobs/{job_id}`` (the CLI; signed like the rest),
     ``GET /healthz`` and, given ``metrics`` (the exposition text, produced in
     a worker thread since it reads the store), ``GET /metrics`` for Prometheus
@@ -90,8 +107,11 @@ def build_app(
     )
     app = web.Application(client_max_size=max_body_bytes, middlewares=[api.guard])
     app[_REFUSALS] = api.refusals
+    app[_API] = api
+    app.on_shutdown.append(api.close_streams)
     app.router.add_post(protocol.EVENTS_PATH, api.events)
     app.router.add_post(protocol.HEARTBEAT_PATH, api.heartbeat)
+    app.router.add_get(protocol.HEARTBEAT_STREAM_PATH, api.heartbeat_stream)
     app.router.add_post(protocol.DRIVER_PATH, api.driver)
     app.router.add_get(JOB_STATUS_PATH, api.job_status)
     app.router.add_get(HEALTH_PATH, api.health)
@@ -131,6 +151,11 @@ async def serve(
     return runner
 
 
+def open_streams(app: web.Application) -> int:
+    """How many heartbeat streams are open now."""
+    return len(app[_API].streams)
+
+
 def bound_port(runner: web.AppRunner) -> int:
     """The TCP port the runner listens on (the one picked when :func:`serve` was given 0)."""
     return int(runner.addresses[0][1])
@@ -139,6 +164,12 @@ def bound_port(runner: web.AppRunner) -> int:
 async def shutdown(runner: web.AppRunner) -> None:
     """Stop accepting, let in-flight requests finish (up to the shutdown timeout), close."""
     await runner.cleanup()
+
+
+def _auth_refusal(error: AuthError) -> RequestRefused:
+    """The 401 for a signature that did not verify: stale, or wrong."""
+    cause = Cause.STALE_TIMESTAMP if isinstance(error, StaleTimestamp) else Cause.BAD_SIGNATURE
+    return cause.refuse(str(error))
 
 
 def _error(status: int, cause: str, reason: str) -> web.Response:
@@ -183,6 +214,7 @@ class _Api:
         self._window_s = window_s
         self._max_body_bytes = max_body_bytes
         self.refusals = refusals
+        self.streams: set[web.WebSocketResponse] = set()
 
     @web.middleware
     async def guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -250,6 +282,64 @@ class _Api:
     async def heartbeat(self, request: web.Request) -> web.Response:
         """``POST /v1/heartbeat``: take a node's heartbeat; return its pending commands."""
         job_id, body = await self._authenticate(request)
+        return _answer(self._take_heartbeat(job_id, body))
+
+    async def heartbeat_stream(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/heartbeat/stream``: one agent's heartbeats over a WebSocket, each answered."""
+        job_id, _ = await self._authenticate(request)
+        secret = self._directory.secret(job_id)
+        if secret is None:  # unregistered while the upgrade was read
+            raise Cause.UNKNOWN_JOB.refuse(f"job {job_id!r} is not known to this supervisor")
+        stream = web.WebSocketResponse(
+            heartbeat=STREAM_PING_S, max_msg_size=self._max_body_bytes, compress=False
+        )
+        await stream.prepare(request)
+        self.streams.add(stream)
+        try:
+            async for message in stream:
+                if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                    break  # an error frame; closing ones end the iteration themselves
+                if self._directory.secret(job_id) is not secret:
+                    await stream.close(
+                        code=WSCloseCode.POLICY_VIOLATION,
+                        message=f"job {job_id} is no longer known; reconnect".encode(),
+                    )
+                    break
+                data = message.data
+                await stream.send_bytes(
+                    self._stream_answer(
+                        job_id, secret, data if type(data) is bytes else data.encode()
+                    )
+                )
+        finally:
+            self.streams.discard(stream)
+        return stream
+
+    def _stream_answer(self, job_id: str, secret: bytes, frame: bytes) -> bytes:
+        """One frame's answer: the reply, or the refusal an HTTP answer would carry."""
+        now_s = int(self._clock())
+        try:
+            try:
+                body = protocol.open_frame(secret, job_id, frame, now_s, self._window_s)
+            except AuthError as error:
+                raise _auth_refusal(error) from None
+            return self._take_heartbeat(job_id, body)
+        except RequestRefused as refused:
+            self.refusals.record(refused.status, refused.cause, refused.reason, job_id)
+            return protocol.encode_refusal(Refusal(refused.status, refused.cause, refused.reason))
+        except Exception:
+            logger.exception("unexpected error taking a streamed heartbeat (job %r)", job_id)
+            return protocol.encode_refusal(
+                Refusal(500, "internal", "internal error; the supervisor's log has details")
+            )
+
+    async def close_streams(self, app: web.Application) -> None:
+        """At shutdown: close every heartbeat stream (their agents reconnect or fall back)."""
+        for stream in list(self.streams):
+            await stream.close(code=WSCloseCode.GOING_AWAY, message=b"supervisor shutting down")
+
+    def _take_heartbeat(self, job_id: str, body: bytes) -> bytes:
+        """Decode, check and take one heartbeat of ``job_id``; the encoded reply."""
         try:
             report = protocol.decode_heartbeat(body)
         except ProtocolError as error:
@@ -261,7 +351,7 @@ class _Api:
             )
         self._check_nodes(job_id, [report.node])
         self._directory.accept_heartbeat(job_id, report)
-        return _reply(
+        return _encoded_reply(
             (), self._directory.commands_for(job_id, report.node, report.agent_incarnation)
         )
 
@@ -339,9 +429,7 @@ class _Api:
                 window_s=self._window_s,
             )
         except AuthError as error:
-            stale = abs(int(timestamp) - now_s) > self._window_s
-            cause = Cause.STALE_TIMESTAMP if stale else Cause.BAD_SIGNATURE
-            raise cause.refuse(str(error)) from None
+            raise _auth_refusal(error) from None
         version = headers.get(protocol.HEADER_PROTOCOL)
         if version != str(protocol.PROTOCOL_VERSION):
             raise Cause.UNSUPPORTED_PROTOCOL.refuse(
@@ -376,8 +464,20 @@ class _Api:
                 )
 
 
+_API = web.AppKey("api", _Api)
+
+
 def _reply(accepted: Sequence[str], commands: Sequence[Command]) -> web.Response:
     """A 200 with a protocol Reply; commands beyond the protocol's limit wait for the next one."""
+    return _answer(_encoded_reply(accepted, commands))
+
+
+def _answer(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="application/json")
+
+
+def _encoded_reply(accepted: Sequence[str], commands: Sequence[Command]) -> bytes:
+    """The Reply's bytes, with at most the protocol's limit of commands."""
     if len(commands) > protocol.MAX_COMMANDS:
         logger.warning(
             "directory offered %d commands; sending the first %d",
@@ -385,8 +485,8 @@ def _reply(accepted: Sequence[str], commands: Sequence[Command]) -> web.Response
             protocol.MAX_COMMANDS,
         )
     if not accepted and not commands:
-        return web.Response(body=_EMPTY_REPLY, content_type="application/json")
+        return _EMPTY_REPLY
     reply = Reply(
         commands=tuple(commands[: protocol.MAX_COMMANDS]), accepted_event_ids=tuple(accepted)
     )
-    return web.Response(body=protocol.encode_reply(reply), content_type="application/json")
+    return protocol.encode_reply(reply)

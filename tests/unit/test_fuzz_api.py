@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
+from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -156,6 +156,25 @@ class Api:
                 return Answer(response.status, await response.read())
 
         return self.loop.run_until_complete(request())
+
+    def frames(self, frames: Sequence[bytes]) -> list[bytes | None]:
+        """Send each frame on one signed heartbeat stream; each answer (None: stream closed)."""
+
+        async def exchange() -> list[bytes | None]:
+            path = protocol.HEARTBEAT_STREAM_PATH
+            headers = protocol.signed_headers(SECRET, "GET", path, JOB, NOW, b"")
+            answers: list[bytes | None] = []
+            async with self.client.ws_connect(path, headers=headers) as stream:
+                for frame in frames:
+                    await stream.send_bytes(frame)
+                    message = await stream.receive(timeout=10)
+                    if message.type is not WSMsgType.BINARY:
+                        answers.append(None)
+                        break
+                    answers.append(message.data)
+            return answers
+
+        return self.loop.run_until_complete(exchange())
 
     def close(self) -> None:
         logging.getLogger("supervisor.api").removeHandler(self.errors)
@@ -339,6 +358,43 @@ def test_mutated_messages_validly_signed_are_taken_or_refused_recording_nothing(
     document = assert_refusal(answer)
     assert answer.status in (400, 403, 413), document
     assert_nothing_recorded(directory, before)
+
+
+@FUZZ
+@given(
+    frames=st.lists(
+        st.one_of(
+            st.binary(max_size=2048),
+            mutated().map(lambda case: protocol.sign_frame(SECRET, JOB, NOW, case[1])),
+            st.binary(max_size=512).map(lambda body: protocol.sign_frame(SECRET, JOB, NOW, body)),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_frame_on_the_heartbeat_stream_is_taken_or_refused_and_the_stream_goes_on(
+    api: Api, directory: RecordingDirectory, frames: list[bytes]
+) -> None:
+    """Garbage, unsigned and mutated frames: each answered, a refusal records nothing."""
+    answers = api.frames([*frames, protocol.sign_frame(SECRET, JOB, NOW, heartbeat_body())])
+    assert len(answers) == len(frames) + 1 and None not in answers  # never closed on us
+    for answer in answers:
+        assert answer is not None
+        decoded = protocol.decode_stream_answer(answer)
+        if isinstance(decoded, protocol.Refusal):
+            assert decoded.status in DOCUMENTED - {200, 404, 405}, decoded
+            assert "Traceback" not in decoded.reason and SECRET.hex() not in decoded.reason
+    # The refusals alone changed nothing: replaying only them leaves the directory as it is.
+    refused = [
+        frame
+        for frame, answer in zip(frames, answers, strict=False)
+        if answer is not None
+        and isinstance(protocol.decode_stream_answer(answer), protocol.Refusal)
+    ]
+    if refused:
+        before = directory.state()
+        api.frames(refused)
+        assert_nothing_recorded(directory, before)
 
 
 @pytest.mark.parametrize(
