@@ -32,7 +32,9 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, Literal, NoReturn, TypeVar
+
+import msgspec
 
 from agent.errors import ResurgoError
 
@@ -362,7 +364,12 @@ def encode_heartbeat(report: HeartbeatReport) -> bytes:
 
 
 def decode_heartbeat(data: bytes) -> HeartbeatReport:
-    """Parse the body of ``POST /v1/heartbeat``."""
+    """Parse the body of ``POST /v1/heartbeat`` (and of each heartbeat stream frame)."""
+    report = _canonical_heartbeat(data)
+    return report if report is not None else _checked_heartbeat(data)
+
+
+def _checked_heartbeat(data: bytes) -> HeartbeatReport:
     document = _envelope(_load(data, "heartbeat"), "heartbeat")
     ranks = [
         _plain_rank(item) or _checked_rank(item, f"heartbeat.ranks[{index}]")
@@ -383,6 +390,86 @@ def decode_heartbeat(data: bytes) -> HeartbeatReport:
         ranks=tuple(ranks),
         agent_incarnation=incarnation,
         attempt=attempt,
+    )
+
+
+# The heartbeat as :func:`encode_heartbeat` writes it, for msgspec: field
+# order, omitted defaults and every bound as the checked path's.
+_Count = Annotated[int, msgspec.Meta(ge=0, le=_INT_LIMIT - 1)]
+_Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+_WireName = Annotated[str, msgspec.Meta(pattern=rf"\A(?:{_NAME.pattern})\Z")]
+
+
+class _WireRank(msgspec.Struct, kw_only=True, omit_defaults=True):
+    global_rank: _Count
+    local_rank: _Count
+    pid: Annotated[int, msgspec.Meta(ge=1, le=_INT_LIMIT - 1)]
+    step: _Count | None
+    phase: Annotated[str, msgspec.Meta(max_length=MAX_SHORT_TEXT_CHARS)] | None
+    last_progress_unix_s: _Seconds | None
+    step_time_p50_s: _Seconds | None
+    step_time_p99_s: _Seconds | None
+    step_time_mean_s: _Seconds | None
+    steps_observed: _Count
+    compute_p50_s: _Seconds | None = None
+    compute_observed: _Count = 0
+
+
+class _WireHeartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    protocol: Literal[1]
+    type: Literal["heartbeat"]
+    job_id: _WireName
+    node: _WireName
+    time_unix_s: _Seconds
+    agent_incarnation: Annotated[str, msgspec.Meta(pattern=rf"\A(?:{_INCARNATION.pattern})\Z")]
+    attempt: Annotated[int, msgspec.Meta(ge=1, le=_INT_LIMIT - 1)] | None = None
+    ranks: Annotated[list[_WireRank], msgspec.Meta(max_length=MAX_RANKS)]
+
+
+_WIRE_HEARTBEAT = msgspec.json.Decoder(_WireHeartbeat)
+_WIRE_ENCODER = msgspec.json.Encoder()
+
+
+def _canonical_heartbeat(data: bytes) -> HeartbeatReport | None:
+    """The report, if ``data`` is byte for byte what :func:`encode_heartbeat` makes of one.
+
+    A supervisor decodes thousands of heartbeats a second; this is about ten
+    times cheaper than the checked path. It takes a body only if msgspec
+    decodes it under the checked path's bounds *and* encodes the result back
+    to the very same bytes: so no duplicate or unknown key, no integer where
+    a float belongs, no escaped text, nothing the checked path could read
+    differently. Anything else returns None, and the checked path decides,
+    naming the field when it refuses.
+    """
+    if type(data) is not bytes or len(data) > MAX_BODY_BYTES:
+        return None
+    try:
+        wire = _WIRE_HEARTBEAT.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if _WIRE_ENCODER.encode(wire) != data:
+        return None
+    ranks = tuple(
+        RankStatus(
+            rank.global_rank,
+            rank.local_rank,
+            rank.pid,
+            rank.step,
+            rank.phase,
+            rank.last_progress_unix_s,
+            rank.step_time_p50_s,
+            rank.step_time_p99_s,
+            rank.step_time_mean_s,
+            rank.steps_observed,
+            rank.compute_p50_s,
+            rank.compute_observed,
+        )
+        for rank in wire.ranks
+    )
+    if len({rank.global_rank for rank in ranks}) != len(ranks):
+        return None
+    return HeartbeatReport(
+        wire.job_id, wire.node, wire.time_unix_s, ranks, wire.agent_incarnation, wire.attempt
     )
 
 

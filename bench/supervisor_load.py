@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import contextlib
 import copy
@@ -92,6 +93,7 @@ if not __package__:
 
 import aiohttp
 import psutil
+import uvloop
 
 from agent import protocol
 from agent.checkpoint import format as fmt
@@ -298,6 +300,83 @@ class Connection:
         self.reader = self.writer = None
 
 
+class StreamConnection:
+    """One agent's heartbeat stream: a WebSocket, as the agent's aiohttp session keeps one.
+
+    The generators' own client, for the reason :class:`Connection` gives: it
+    sends the signed upgrade request aiohttp sends, then masked binary frames
+    (RFC 6455: a fresh random key per frame, as every client must), and reads
+    the supervisor's unmasked answers by their length. ``--client aiohttp``
+    uses aiohttp's WebSocket client instead.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.opened = 0
+
+    async def exchange(self, job_id: str, secret: bytes, frame: bytes) -> bytes:
+        """Send one frame (opening the stream first if need be); the answer frame's payload."""
+        if self.writer is None:
+            await self._open(job_id, secret)
+        assert self.reader is not None and self.writer is not None
+        try:
+            self.writer.write(_masked_frame(frame))
+            head = await self.reader.readexactly(2)
+            if head[0] & 0x0F != 0x2:  # anything but a binary frame: a close, most likely
+                raise ConnectionError(f"stream answered with opcode {head[0] & 0x0F}")
+            length = head[1] & 0x7F
+            if length == 126:
+                length = int.from_bytes(await self.reader.readexactly(2))
+            elif length == 127:
+                length = int.from_bytes(await self.reader.readexactly(8))
+            return await self.reader.readexactly(length)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _open(self, job_id: str, secret: bytes) -> None:
+        path = protocol.HEARTBEAT_STREAM_PATH
+        headers = protocol.signed_headers(secret, "GET", path, job_id, int(time.time()), b"")
+        key = base64.b64encode(secrets.token_bytes(16)).decode()
+        lines = [f"GET {path} HTTP/1.1", f"Host: {self.host}:{self.port}",
+                 "Upgrade: websocket", "Connection: Upgrade", f"Sec-WebSocket-Key: {key}",
+                 "Sec-WebSocket-Version: 13",
+                 *(f"{name}: {value}" for name, value in headers.items())]  # fmt: skip
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+            head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+            status = int(head.split(" ", 2)[1])
+            if status != 101:
+                raise Rejected(status, head.split("\r\n", 1)[0])
+            self.opened += 1
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+def _masked_frame(payload: bytes) -> bytes:
+    """A final binary client frame holding ``payload``, masked with a fresh random key."""
+    size = len(payload)
+    if size < 126:
+        head = bytes((0x82, 0x80 | size))
+    elif size < 1 << 16:
+        head = bytes((0x82, 0x80 | 126)) + size.to_bytes(2)
+    else:
+        head = bytes((0x82, 0x80 | 127)) + size.to_bytes(8)
+    key = secrets.token_bytes(4)
+    keystream = (key * (size // 4 + 1))[:size]
+    masked = (int.from_bytes(payload) ^ int.from_bytes(keystream)).to_bytes(size)
+    return head + key + masked
+
+
 @dataclass
 class WorkerStats:
     """What one load generator measured."""
@@ -328,9 +407,11 @@ class SimulatedAgent:
         stats: WorkerStats,
         window: tuple[float, float],
         events: bool,
+        streaming: bool,
         streams: aiohttp.ClientSession | None,
     ) -> None:
         self.plan = plan
+        self.streaming = streaming
         self.url = url
         self.client = client
         self.rng = rng
@@ -352,9 +433,11 @@ class SimulatedAgent:
             for path in (protocol.HEARTBEAT_PATH, protocol.EVENTS_PATH)
         }
         self.checked_encoding = False
-        # With a session: heartbeats over the stream, opened in it.
+        # With --client aiohttp: the session the streams are opened in.
         self.streams = streams
         self.stream: aiohttp.ClientWebSocketResponse | None = None
+        self.lean_stream = StreamConnection(address.hostname, address.port)
+        self.ranks_cache: tuple[int, bytes] | None = None  # (step, the ranks' JSON)
 
     def step(self, now: float) -> int:
         """The job's current step: every rank of a synchronous job is at the same one."""
@@ -421,19 +504,24 @@ class SimulatedAgent:
         """The bytes :func:`agent.protocol.encode_heartbeat` makes of this agent's report.
 
         Built directly (the protocol's encoder also decodes its output to check
-        it, a cost of the agent, not of the supervisor); the first body of each
-        agent is compared with the encoder's, byte for byte.
+        it, a cost of the agent, not of the supervisor), from the ranks' JSON of
+        the current step, made once per step; the first body of each agent is
+        compared with the encoder's, byte for byte.
         """
         plan = self.plan
-        ranks = self.heartbeat_ranks(now)
-        document = {
-            "protocol": protocol.PROTOCOL_VERSION, "type": "heartbeat", "job_id": plan.job_id,
-            "node": plan.node, "time_unix_s": now, "agent_incarnation": self.incarnation,
-            "attempt": 1, "ranks": ranks,
-        }  # fmt: skip
-        body = json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+        step = self.step(now)
+        if self.ranks_cache is None or self.ranks_cache[0] != step:
+            ranks = json.dumps(self.heartbeat_ranks(now), separators=(",", ":"), allow_nan=False)
+            self.ranks_cache = (step, ranks.encode())
+        body = b"".join((
+            b'{"protocol":%d,"type":"heartbeat","job_id":"%s","node":"%s","time_unix_s":%s,'
+            % (protocol.PROTOCOL_VERSION, plan.job_id.encode(), plan.node.encode(),
+               repr(now).encode()),
+            b'"agent_incarnation":"%s","attempt":1,"ranks":%s}'
+            % (self.incarnation.encode(), self.ranks_cache[1]),
+        ))  # fmt: skip
         if not self.checked_encoding:
-            statuses = tuple(RankStatus(**rank) for rank in ranks)
+            statuses = tuple(RankStatus(**rank) for rank in self.heartbeat_ranks(now))
             report = HeartbeatReport(plan.job_id, plan.node, now, statuses, self.incarnation, 1)
             assert body == protocol.encode_heartbeat(report), "heartbeat encoding differs"
             self.checked_encoding = True
@@ -497,6 +585,13 @@ class SimulatedAgent:
 
     async def exchange(self, body: bytes) -> protocol.Reply:
         """One heartbeat over this agent's stream (opened first if need be), as the agent does."""
+        if self.client == "lean":
+            frame = protocol.sign_frame(self.secret, self.plan.job_id, int(time.time()), body)
+            data = await self.lean_stream.exchange(self.plan.job_id, self.secret, frame)
+            answer = protocol.decode_stream_answer(data)
+            if isinstance(answer, Refusal):
+                raise Rejected(answer.status, f"{answer.cause}: {answer.reason}")
+            return answer
         assert self.streams is not None
         stream = self.stream
         if stream is None or stream.closed:
@@ -524,7 +619,7 @@ class SimulatedAgent:
         started = time.time()
         clock = time.perf_counter()
         try:
-            if self.streams is None:
+            if not self.streaming:
                 await self.post(protocol.HEARTBEAT_PATH, body, HEARTBEAT_TIMEOUT_S)
             else:
                 async with asyncio.timeout(HEARTBEAT_TIMEOUT_S):
@@ -585,11 +680,12 @@ async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, 
     window = (go["measure_from"], go["measure_until"])
     # One session holds every agent's stream (each its own connection).
     streams = None
-    if config["heartbeats"] == "stream":
+    if config["heartbeats"] == "stream" and config["client"] == "aiohttp":
         streams = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     agents = [
         SimulatedAgent(AgentPlan(**plan), config["url"], config["client"],
-                       random.Random(rng.random()), stats, window, config["events"], streams)
+                       random.Random(rng.random()), stats, window, config["events"],
+                       config["heartbeats"] == "stream", streams)
         for plan in config["agents"]
     ]  # fmt: skip
     events_per_s = config["events_per_agent_min"] / 60.0
@@ -609,6 +705,7 @@ async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, 
     await asyncio.gather(*tasks, return_exceptions=True)
     if streams is not None:
         await streams.close()
+    stats.streams_opened += sum(agent.lean_stream.opened for agent in agents)
     return {
         **asdict(stats),
         "heartbeat_ms": [round(value, 3) for value in stats.heartbeat_ms],
@@ -619,12 +716,16 @@ async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, 
 
 
 def worker_main() -> int:
-    """``--worker``: the config on stdin's first line; "ready"; the times; results on stdout."""
+    """``--worker``: the config on stdin's first line; "ready"; the times; results to a file."""
     config = json.loads(sys.stdin.readline())
     print("ready", flush=True)
     go = json.loads(sys.stdin.readline())
-    result = asyncio.run(run_worker(config, go))
-    sys.stdout.write(json.dumps(result) + "\n")
+    # uvloop, as the supervisor runs: on a small machine the generators must
+    # leave it the CPUs (asyncio costs about twice as much per message).
+    result = uvloop.run(run_worker(config, go))
+    # A file, not stdout: hundreds of kilobytes through the pipe arrived cut
+    # short once uvloop had run in this process.
+    Path(config["results"]).write_text(json.dumps(result))
     return 0
 
 
@@ -805,6 +906,7 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
                 config = {
                     "url": url, "seed": rng.random(), "client": args.client,
                     "heartbeats": args.heartbeats,
+                    "results": str(where / f"worker-{len(workers)}.json"),
                     "events": not args.floor,
                     "events_per_agent_min": args.events_per_agent_min,
                     "agents": [asdict(plan) for plan in plans[index : index + per]],
@@ -841,11 +943,11 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
             if profiler is not None:
                 profiler.wait(timeout=60)
             results = []
-            for worker in workers:
-                out, _ = worker.communicate(timeout=args.drain_s + 120)
+            for number, worker in enumerate(workers):
+                worker.communicate(timeout=args.drain_s + 120)
                 if worker.returncode != 0:
                     raise RuntimeError(f"a load generator failed (exit {worker.returncode})")
-                results.append(json.loads(out.strip().splitlines()[-1]))
+                results.append(json.loads((where / f"worker-{number}.json").read_text()))
         except BaseException:
             print(f"bench: supervisor log tail:\n{supervisor.log_tail()}", file=sys.stderr)
             raise
@@ -989,7 +1091,7 @@ def main() -> int:
     parser.add_argument("--drain-s", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--client", choices=("lean", "aiohttp"), default="lean",
-                        help="the generators' HTTP client for POSTs (see Connection)")  # fmt: skip
+                        help="the generators' client (Connection, StreamConnection)")  # fmt: skip
     parser.add_argument("--heartbeats", choices=("stream", "post"), default="stream",
                         help="heartbeats on one WebSocket per agent, or a POST each")  # fmt: skip
     parser.add_argument(

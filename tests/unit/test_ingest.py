@@ -122,6 +122,162 @@ def test_a_well_formed_rank_takes_the_fast_path_and_an_odd_one_the_checked_path(
         )  # fmt: skip
 
 
+def pairs_json(value: Any) -> str:
+    """JSON of ``value``, where a list of (key, value) pairs is an object (keys may repeat)."""
+    if isinstance(value, list) and value and all(isinstance(item, tuple) for item in value):
+        return "{" + ",".join(f"{json.dumps(k)}:{pairs_json(v)}" for k, v in value) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(pairs_json(item) for item in value) + "]"
+    return json.dumps(value, separators=(",", ":"))
+
+
+def as_pairs(value: Any) -> Any:
+    if isinstance(value, dict):
+        return [(key, as_pairs(item)) for key, item in value.items()]
+    if isinstance(value, list):
+        return [as_pairs(item) for item in value]
+    return value
+
+
+WIRE_RANKS = st.builds(
+    RankStatus,
+    global_rank=st.integers(0, 4096),
+    local_rank=st.integers(0, 64),
+    pid=st.integers(1, 2**40),
+    step=st.none() | st.integers(0, 2**63 - 1),
+    phase=st.none() | st.sampled_from(["init", "train", "checkpoint"]),
+    last_progress_unix_s=st.none() | st.floats(0, 2e9),
+    step_time_p50_s=st.none() | st.floats(0, 1e4),
+    step_time_p99_s=st.none() | st.floats(0, 1e4),
+    step_time_mean_s=st.none() | st.floats(0, 1e4),
+    steps_observed=st.integers(0, 10**6),
+    compute_p50_s=st.none() | st.floats(0, 1e4),
+    compute_observed=st.integers(0, 10**6),
+)
+WIRE_REPORTS = st.builds(
+    HeartbeatReport,
+    job_id=st.sampled_from([JOB, "4711.3", "a-b_c"]),
+    node=st.sampled_from(["n1", "node-07", "gpu001.cluster"]),
+    time_unix_s=st.floats(0, 2e9),
+    ranks=st.lists(WIRE_RANKS, max_size=8, unique_by=lambda rank: rank.global_rank).map(tuple),
+    agent_incarnation=st.sampled_from(["0123abcd", "9f2c1ab04d7e3310"]),
+    attempt=st.none() | st.integers(1, 2**62),
+)
+
+
+def checked_or_error(raw: bytes) -> HeartbeatReport | str:
+    try:
+        return protocol._checked_heartbeat(raw)
+    except ProtocolError as error:
+        return str(error)
+
+
+def field_types(report: HeartbeatReport) -> list[Any]:
+    return [type(v) for v in vars(report).values()] + [
+        type(v) for rank in report.ranks for v in vars(rank).values()
+    ]
+
+
+@settings(max_examples=800, deadline=None)
+@given(report=WIRE_REPORTS, data=st.data())
+def test_a_heartbeat_body_is_decoded_alike_by_the_canonical_and_the_checked_path(
+    report: HeartbeatReport, data: st.DataObject
+) -> None:
+    """Edits of an encoder's body, duplicate keys included: the fast path never differs."""
+    document = as_pairs(json.loads(protocol.encode_heartbeat(report)))
+    ranks = next(value for key, value in document if key == "ranks")
+    objects = [document, *ranks]
+    for _ in range(data.draw(st.integers(0, 3))):
+        target = data.draw(st.sampled_from(objects))
+        if not target:
+            continue
+        index = data.draw(st.integers(0, len(target) - 1))
+        key, value = target[index]
+        if key == "ranks":
+            continue
+        operation = data.draw(st.sampled_from(["replace", "delete", "repeat", "extra", "swap"]))
+        if operation == "replace":
+            target[index] = (key, data.draw(WIRE_VALUES))
+        elif operation == "delete":
+            del target[index]
+        elif operation == "repeat":  # the same key again, with its value or another
+            target.append((key, data.draw(st.just(value) | WIRE_VALUES)))
+        elif operation == "extra":
+            target.insert(index, (data.draw(st.text(max_size=6)), data.draw(WIRE_VALUES)))
+        elif len(target) > 1:
+            other = data.draw(st.integers(0, len(target) - 1))
+            target[index], target[other] = target[other], target[index]
+    raw = pairs_json(document).encode()
+    fast = protocol._canonical_heartbeat(raw)
+    checked = checked_or_error(raw)
+    if fast is not None:
+        assert fast == checked
+        assert isinstance(checked, HeartbeatReport)
+        assert field_types(fast) == field_types(checked)
+    assert protocol.decode_heartbeat(raw) == checked if not isinstance(checked, str) else True
+
+
+# What agents send: times of this era, durations from a millisecond to hours,
+# and a compute time only with its count.
+DURATIONS = st.none() | st.floats(1e-3, 1e4)
+AGENT_RANKS = st.builds(
+    RankStatus,
+    global_rank=st.integers(0, 4096),
+    local_rank=st.integers(0, 64),
+    pid=st.integers(1, 2**22),
+    step=st.none() | st.integers(0, 10**9),
+    phase=st.none() | st.sampled_from(["init", "train", "checkpoint"]),
+    last_progress_unix_s=st.none() | st.floats(1.6e9, 2e9),
+    step_time_p50_s=DURATIONS,
+    step_time_p99_s=DURATIONS,
+    step_time_mean_s=DURATIONS,
+    steps_observed=st.integers(0, 10**6),
+).flatmap(
+    lambda rank: st.sampled_from([rank, replace(rank, compute_p50_s=0.25, compute_observed=50)])
+)
+AGENT_REPORTS = st.builds(
+    HeartbeatReport,
+    job_id=st.sampled_from([JOB, "4711.3"]),
+    node=st.sampled_from(["n1", "node-07"]),
+    time_unix_s=st.floats(1.6e9, 2e9),
+    ranks=st.lists(AGENT_RANKS, max_size=8, unique_by=lambda rank: rank.global_rank).map(tuple),
+    agent_incarnation=st.sampled_from(["0123abcd", "9f2c1ab04d7e3310"]),
+    attempt=st.none() | st.integers(1, 1000),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(report=AGENT_REPORTS)
+def test_what_agents_send_takes_the_canonical_path(report: HeartbeatReport) -> None:
+    raw = protocol.encode_heartbeat(report)
+    assert protocol._canonical_heartbeat(raw) == report
+
+
+def test_a_repeated_key_or_an_integer_time_leaves_the_canonical_path() -> None:
+    rank = protocol._plain_rank(RANK)
+    assert rank is not None
+    body = protocol.encode_heartbeat(HeartbeatReport(JOB, "n1", NOW, (rank,), "0123abcd", 2))
+    assert protocol._canonical_heartbeat(body) is not None
+    repeated = body.replace(b'"pid":4242', b'"pid":4242,"pid":7', 1)
+    assert protocol._canonical_heartbeat(repeated) is None
+    with pytest.raises(ProtocolError, match="twice"):
+        protocol.decode_heartbeat(repeated)
+    integer_time = body.replace(b'"step_time_p50_s":0.5', b'"step_time_p50_s":1', 1)
+    assert protocol._canonical_heartbeat(integer_time) is None
+    assert protocol.decode_heartbeat(integer_time).ranks[0].step_time_p50_s == 1.0
+    two = protocol.encode_heartbeat(
+        HeartbeatReport(JOB, "n1", NOW, (rank, replace(rank, global_rank=9)), "0123abcd", 2)
+    )
+    assert protocol._canonical_heartbeat(two) is not None
+    twice = two.replace(b'"global_rank":9', b'"global_rank":8', 1)
+    assert protocol._canonical_heartbeat(twice) is None
+    with pytest.raises(ProtocolError, match="same global_rank twice"):
+        protocol.decode_heartbeat(twice)
+    unknown = body.replace(b'"pid":4242', b'"pid":4242,"gpu":"a100"', 1)
+    assert protocol._canonical_heartbeat(unknown) is None
+    assert protocol.decode_heartbeat(unknown) == protocol.decode_heartbeat(body)
+
+
 def test_check_name_refuses_what_it_refused_before() -> None:
     assert protocol.check_name("node-1.a", "node") == "node-1.a"
     for bad in ("", "-x", "a b", "x" * 129, "nœud"):
