@@ -385,6 +385,7 @@ class WorkerStats:
     event_ms: list[float]
     heartbeats_sent: int = 0
     heartbeat_failures: int = 0
+    window_heartbeat_failures: int = 0
     streams_opened: int = 0
     event_posts: int = 0
     event_failures: int = 0
@@ -630,6 +631,7 @@ class SimulatedAgent:
                 stream, self.stream = self.stream, None
                 await stream.close()
             self.stats.heartbeat_failures += 1
+            self.stats.window_heartbeat_failures += self.in_window(started)
             self.stats.first_failure = self.stats.first_failure or f"heartbeat: {error!r}"[:300]
             return
         self.stats.heartbeats_sent += 1
@@ -1069,6 +1071,9 @@ def _figures(
         "never_acknowledged": len(sent - acked),
         "heartbeats_sent": sum(result["heartbeats_sent"] for result in results),
         "heartbeat_failures": sum(result["heartbeat_failures"] for result in results),
+        # Of those, in the measured window (the rest: the start, when every
+        # agent connects within a second).
+        "window_heartbeat_failures": sum(r["window_heartbeat_failures"] for r in results),
         "streams_opened": sum(result["streams_opened"] for result in results),
         "event_post_failures": sum(result["event_failures"] for result in results),
         "first_failure": next((r["first_failure"] for r in results if r["first_failure"]), ""),

@@ -293,7 +293,13 @@ class _Api:
         stream = web.WebSocketResponse(
             heartbeat=STREAM_PING_S, max_msg_size=self._max_body_bytes, compress=False
         )
-        await stream.prepare(request)
+        try:
+            await stream.prepare(request)
+        except ConnectionResetError:
+            # The agent hung up while the upgrade was answered (it gave up waiting;
+            # its next heartbeat opens another stream). This answer is never sent.
+            logger.debug("job %s: an agent left before its stream was opened", job_id)
+            return web.Response(status=400)
         self.streams.add(stream)
         try:
             async for message in stream:
@@ -311,6 +317,10 @@ class _Api:
                         job_id, secret, data if type(data) is bytes else data.encode()
                     )
                 )
+        except ConnectionResetError:
+            # The agent hung up before its answer was written: it opens a new
+            # stream with its next heartbeat. Nothing to answer, nothing wrong here.
+            logger.debug("job %s: an agent left its stream before its answer", job_id)
         finally:
             self.streams.discard(stream)
         return stream

@@ -862,3 +862,38 @@ def test_a_stream_that_does_not_answer_times_out_and_is_replaced(tmp_path: Path)
             await runner.cleanup()
 
     run(test)
+
+
+def test_an_agent_going_away_mid_answer_is_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Upgrades and frames whose sender hung up before the answer: nothing logged as an error."""
+
+    async def abandon(api: Api, *, upgraded: bool) -> None:
+        host, port = api.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        path = protocol.HEARTBEAT_STREAM_PATH
+        headers = protocol.signed_headers(SECRET, "GET", path, JOB, NOW, b"")
+        lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Upgrade: websocket",
+                 "Connection: Upgrade", "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+                 "Sec-WebSocket-Version: 13",
+                 *(f"{k}: {v}" for k, v in headers.items())]  # fmt: skip
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        if upgraded:  # the stream is open: a frame (masked with a zero key), then gone
+            assert b" 101 " in await reader.readuntil(b"\r\n\r\n")
+            payload = frame(heartbeat())
+            writer.write(bytes((0x82, 0x80 | 126)) + len(payload).to_bytes(2) + bytes(4) + payload)
+        await writer.drain()
+        writer.transport.abort()  # gone before any answer is written
+
+    async def test(api: Api) -> None:
+        for attempt in range(40):
+            await abandon(api, upgraded=attempt % 2 == 1)
+        assert await streams_closed(api.app)
+        async with await open_stream(api) as stream:  # and the server serves on
+            assert await exchange(stream, heartbeat()) == protocol.Reply()
+
+    with caplog.at_level(logging.DEBUG, logger="supervisor.api"):
+        run(scenario(test))
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert errors == [], [record.getMessage() for record in errors]
+    left = [record.getMessage() for record in caplog.records]
+    assert any("before its stream was opened" in message for message in left)
