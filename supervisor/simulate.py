@@ -92,7 +92,6 @@ _BENCH_EXCEPTION_S = (1.07, 18.0)
 _BENCH_LEASE_S = 8.0
 
 
-
 class BadParameter(ValueError):
     """A parameter is unusable; ``field`` names it (the CLI maps it to its flag)."""
 
