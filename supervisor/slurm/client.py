@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
@@ -50,22 +51,33 @@ _BUSY = ("try again in a bit", "resource temporarily unavailable")
 async def subprocess_runner(
     argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None
 ) -> tuple[int, str, str]:
-    """Run ``argv`` without a shell; kill it and raise TimeoutError past ``timeout_s``."""
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=None if env is None else dict(env),
-    )
+    """Run ``argv`` without a shell; kill it and raise TimeoutError past ``timeout_s``.
+
+    The command runs from a worker thread through :func:`subprocess.run`,
+    which starts it with vfork: the event loop's own subprocesses (uvloop's)
+    fork the whole supervisor, a stop of 16-19 ms at 200 MB of memory, twice
+    every poll.
+    """
+
+    def run() -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=None if env is None else dict(env),
+            timeout=timeout_s,
+            check=False,
+        )
+
     try:
-        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise
-    assert process.returncode is not None  # communicate() waited for the exit
-    return process.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")
+        done = await asyncio.to_thread(run)
+    except subprocess.TimeoutExpired:  # run() killed it and waited
+        raise TimeoutError(f"{argv[0]} did not finish in {timeout_s} s") from None
+    return (
+        done.returncode,
+        done.stdout.decode(errors="replace"),
+        done.stderr.decode(errors="replace"),
+    )
 
 
 class SlurmClient:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from supervisor.errors import (
     SlurmUnavailable,
 )
 from supervisor.slurm import parse
-from supervisor.slurm.client import SlurmClient
+from supervisor.slurm.client import SlurmClient, subprocess_runner
 from supervisor.slurm.parse import JobState, NodeFlag, NodeState
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
@@ -366,3 +367,22 @@ def test_a_busy_controller_is_unavailable_for_now_so_the_action_is_retried() -> 
                    "try again in a bit for job 122")  # fmt: skip
     with pytest.raises(SlurmUnavailable, match="busy"):
         asyncio.run(client(FakeSlurm(busy)).shrink(122, ["node1", "node3"]))
+
+
+# --- running the commands ---------------------------------------------------------
+
+
+def test_the_runner_returns_status_and_both_outputs_of_a_real_command() -> None:
+    argv = ["sh", "-c", "echo out; echo err >&2; exit 3"]
+    assert asyncio.run(subprocess_runner(argv, 10.0)) == (3, "out\n", "err\n")
+
+
+def test_the_runner_kills_a_command_past_its_timeout() -> None:
+    async def scenario() -> float:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not finish"):
+            await subprocess_runner(["sleep", "30"], 0.3)
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 5.0
+
