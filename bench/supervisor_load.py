@@ -40,7 +40,11 @@ the wall time, i.e. the cores it used, and per request; the generators' CPU
 the same way; the machine's busy cores (what neither used is other work);
 and the share of the window the supervisor was runnable but waited for a
 CPU (``/proc/<pid>/task/*/schedstat``): above a few percent it was starved.
-RSS is read at the end of the window. After the window, agents stop emitting
+RSS is read at the end of the window. The supervisor's own
+``resurgo_supervisor_loop_lag_seconds`` histogram, scraped at both ends of
+the window, bounds how late its event loop ran (``supervisor_loop_lag_*``,
+bucket upper bounds): the supervisor's share of the latencies, which on a
+small machine also hold the generators' waits for their CPU. After the window, agents stop emitting
 and resend what is unacknowledged for up to ``--drain-s``; the supervisor is
 stopped (SIGTERM) and its store is read: ``lost_events`` is events
 acknowledged but not stored (``acknowledged_not_stored``: a broken promise)
@@ -81,6 +85,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +99,7 @@ if not __package__:
 import aiohttp
 import psutil
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent import protocol
 from agent.checkpoint import format as fmt
@@ -939,8 +945,10 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(max(0.0, go["measure_from"] - time.time()))
             profiler = _start_profiler(args.profile, agents, supervisor.process.pid, args)
             before = _sample(supervisor, generators)
+            lag_before = {} if args.floor else loop_lag_buckets(url)
             time.sleep(max(0.0, go["measure_until"] - time.time()))
             after = _sample(supervisor, generators)
+            lag_after = {} if args.floor else loop_lag_buckets(url)
             rss_mib = supervisor.ps.memory_info().rss / (1 << 20)
             if profiler is not None:
                 profiler.wait(timeout=60)
@@ -964,8 +972,15 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
             Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
             shutil.copy(supervisor.log_path, Path(args.keep_logs) / f"supervisor-{agents}.log")
         logs = supervisor.log_counts()
-    return _figures(agents, len(jobs), args, before, after, rss_mib, results, stored, job_states,
-                    logs)  # fmt: skip
+    figures = _figures(agents, len(jobs), args, before, after, rss_mib, results, stored,
+                       job_states, logs)  # fmt: skip
+    if lag_after:
+        # The supervisor's own delay (its loop held), apart from the generators'
+        # scheduling, which the latencies above include on a machine they share.
+        figures["supervisor_loop_lag_p50_ms_at_most"] = lag_quantile_ms(lag_before, lag_after, 0.5)
+        figures["supervisor_loop_lag_p99_ms_at_most"] = lag_quantile_ms(lag_before, lag_after, 0.99)
+        figures["supervisor_loop_lag_max_ms_at_most"] = lag_quantile_ms(lag_before, lag_after, 1.0)
+    return figures
 
 
 def _start_profiler(
@@ -982,6 +997,28 @@ def _start_profiler(
          "--output", output, "--nonblocking"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+
+
+def loop_lag_buckets(url: str) -> dict[float, float]:
+    """The supervisor's loop lag histogram from its /metrics: upper bound -> cumulative count."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "resurgo_supervisor_loop_lag_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    }
+
+
+def lag_quantile_ms(before: dict[float, float], after: dict[float, float], share: float) -> float:
+    """The upper bound (ms) of the bucket holding the ``share`` quantile of the window's lags."""
+    counts = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
+    total = counts[math.inf] if counts else 0.0
+    for bound, count in counts.items():
+        if total and count >= share * total:
+            return bound * 1000
+    return math.nan
 
 
 def _sample(supervisor: Supervisor, generators: list[psutil.Process]) -> dict[str, float]:

@@ -64,6 +64,7 @@ from supervisor.goodput import interval_push, mtbf_estimate
 from supervisor.intake import Intake, TrackedJob
 from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RequeueSmaller
 from supervisor.logs import setup_logging
+from supervisor.looplag import LoopLag
 from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.model import (
     ClusterView,
@@ -156,6 +157,7 @@ class Supervisor(Intake):
             clock=self.clock,
         )
         registry = build_registry(collector)
+        lag = LoopLag(registry)
         app = build_app(self, metrics=lambda: exposition(registry))
         runner = await serve(app, self.config.listen_host, self.config.listen_port)
         self.port = bound_port(runner)
@@ -164,6 +166,7 @@ class Supervisor(Intake):
             json.dumps({**describe(self.config, self.policy), "url": self.url}),
         )
         tasks = [
+            asyncio.create_task(lag.run(), name="loop-lag"),
             asyncio.create_task(self._decide_loop(), name="decide"),
             asyncio.create_task(self._every(self.config.poll_s, self.poll), name="poll"),
             asyncio.create_task(self._every(self.config.tick_s, self.tick), name="tick"),

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.goodput import Fact, FactKind
+from supervisor.looplag import LoopLag
 from supervisor.metrics import StoreCollector, build_registry, exposition, recovery_durations
 from supervisor.store import Store
 from tests.unit.test_operator_cli import JOB, state_dir  # noqa: F401 (the fixture)
@@ -83,3 +87,23 @@ def test_detection_and_recovery_durations_come_from_the_timeline() -> None:
         Fact(100, FactKind.STEP, 6),
     ]
     assert recovery_durations(facts) == ([28.0], [55.0])
+
+
+def test_the_loop_lag_histogram_records_how_long_the_loop_was_held() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    lag = LoopLag(registry, period_s=0.01)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(lag.run())
+        await asyncio.sleep(0.1)
+        time.sleep(0.3)  # the loop held, as by a long parse
+        await asyncio.sleep(0.1)
+        task.cancel()
+
+    asyncio.run(scenario())
+    value = registry.get_sample_value
+    count = value("resurgo_supervisor_loop_lag_seconds_count")
+    assert count is not None and count >= 10
+    held = count - (value("resurgo_supervisor_loop_lag_seconds_bucket", {"le": "0.25"}) or 0)
+    assert held == 1  # exactly the one late timer
+    assert (value("resurgo_supervisor_loop_lag_seconds_sum") or 0) >= 0.25
