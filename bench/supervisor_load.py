@@ -250,7 +250,21 @@ def write_manifest(root: Path, step: int, world_size: int) -> Path:
 # One load-generator process: many agents on one asyncio loop.
 
 
-class Connection:
+class _Socket:
+    """A TCP connection to the supervisor, opened by its user and closed on any failure."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+class Connection(_Socket):
     """One keep-alive HTTP/1.1 connection to the supervisor, as an agent's session keeps.
 
     The generators' own client: it sends what aiohttp's client sends (request
@@ -261,11 +275,6 @@ class Connection:
     A request on a reused connection that the server closed meanwhile (idle
     keep-alive timeout) is sent again once on a new one, as aiohttp does.
     """
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str, headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
         """Status and body of the answer to ``POST path``."""
@@ -300,13 +309,8 @@ class Connection:
             self.close()
             raise
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
 
-
-class StreamConnection:
+class StreamConnection(_Socket):
     """One agent's heartbeat stream: a WebSocket, as the agent's aiohttp session keeps one.
 
     The generators' own client, for the reason :class:`Connection` gives: it
@@ -317,9 +321,7 @@ class StreamConnection:
     """
 
     def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        super().__init__(host, port)
         self.opened = 0
 
     async def exchange(self, job_id: str, secret: bytes, frame: bytes) -> bytes:
@@ -361,11 +363,6 @@ class StreamConnection:
         except BaseException:
             self.close()
             raise
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
 
 
 def _masked_frame(payload: bytes) -> bytes:
