@@ -75,6 +75,8 @@ _REFUSALS = web.AppKey("refusals", RefusalLog)
 # A stream whose agent went away without closing it is noticed by a ping
 # unanswered for this long (agents send heartbeats far more often).
 STREAM_PING_S = 60.0
+# How long closing a stream waits for the agent's close frame (a dead node never sends it).
+STREAM_CLOSE_S = 2.0
 # The answer to nearly every heartbeat (nothing acknowledged, no commands), encoded once.
 _EMPTY_REPLY = protocol.encode_reply(Reply())
 
@@ -291,7 +293,10 @@ class _Api:
         if secret is None:  # unregistered while the upgrade was read
             raise Cause.UNKNOWN_JOB.refuse(f"job {job_id!r} is not known to this supervisor")
         stream = web.WebSocketResponse(
-            heartbeat=STREAM_PING_S, max_msg_size=self._max_body_bytes, compress=False
+            heartbeat=STREAM_PING_S,
+            timeout=STREAM_CLOSE_S,
+            max_msg_size=self._max_body_bytes,
+            compress=False,
         )
         try:
             await stream.prepare(request)
@@ -344,9 +349,19 @@ class _Api:
             )
 
     async def close_streams(self, app: web.Application) -> None:
-        """At shutdown: close every heartbeat stream (their agents reconnect or fall back)."""
-        for stream in list(self.streams):
-            await stream.close(code=WSCloseCode.GOING_AWAY, message=b"supervisor shutting down")
+        """At shutdown: close every heartbeat stream (their agents reconnect later).
+
+        All at once, and a close that waits for the agent's close frame waits
+        at most ``STREAM_CLOSE_S``: thousands of streams must not hold the
+        shutdown one after the other.
+        """
+        await asyncio.gather(
+            *(
+                stream.close(code=WSCloseCode.GOING_AWAY, message=b"supervisor shutting down")
+                for stream in list(self.streams)
+            ),
+            return_exceptions=True,
+        )
 
     def _take_heartbeat(self, job_id: str, body: bytes) -> bytes:
         """Decode, check and take one heartbeat of ``job_id``; the encoded reply."""

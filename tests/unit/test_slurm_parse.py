@@ -385,4 +385,3 @@ def test_the_runner_kills_a_command_past_its_timeout() -> None:
         return time.monotonic() - started
 
     assert asyncio.run(scenario()) < 5.0
-
