@@ -28,18 +28,11 @@ from hypothesis import HealthCheck, currently_in_test_context, event, given, set
 from hypothesis import strategies as st
 
 from agent import protocol
-from agent.client import new_secret
 from agent.protocol import EventKind
 from supervisor.api import MemoryDirectory, bound_port, build_app, serve, shutdown
 from tests.json_slots import slots
+from tests.unit.test_api import INCARNATION, JOB, NODES, NOW, OTHER_JOB, OTHER_SECRET, SECRET
 
-NOW = 1_760_000_000
-JOB = "4711"
-OTHER_JOB = "4712"
-NODES = ("node1", "node2")
-SECRET = new_secret()
-OTHER_SECRET = new_secret()
-INCARNATION = "9f2c1ab04d7e3310"
 MAX_BODY_BYTES = 64 << 10
 DOCUMENTED = {200, 400, 401, 403, 405, 413}
 FUZZ = settings(

@@ -32,7 +32,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent import protocol
-from agent.client import new_secret
 from agent.protocol import (
     Command,
     CommandKind,
@@ -45,6 +44,7 @@ from agent.protocol import (
 )
 from supervisor.api import MemoryDirectory, build_app
 from tests.json_slots import slots
+from tests.unit.test_api import INCARNATION, JOB, NODES, NOW, OTHER_JOB, OTHER_SECRET, SECRET
 
 FUZZ = settings(
     max_examples=120,
@@ -53,13 +53,6 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-NOW = 1_760_000_000
-JOB = "4711"
-OTHER_JOB = "4712"
-NODES = ("node1", "node2")
-SECRET = new_secret()
-OTHER_SECRET = new_secret()
-INCARNATION = "9f2c1ab04d7e3310"
 MAX_BODY_BYTES = 16 << 10
 DOCUMENTED = {200, 400, 401, 403, 404, 405, 413}
 STOP = Command(CommandKind.STOP_RANKS, "c-1", {"grace_s": 5.0})
