@@ -114,6 +114,7 @@ class SlurmClient:
         self._requeue_settle_s = requeue_settle_s
         self._sleep = sleep
         self._hostnames: dict[str, tuple[str, ...]] = {}
+        self._sinfo = parse.SinfoParser()
 
     # --- the choke point ---------------------------------------------------------
 
@@ -180,7 +181,8 @@ class SlurmClient:
     async def nodes(self) -> dict[str, SlurmNode]:
         """Every node, by name."""
         text = await self._query(parse.sinfo_argv())
-        return await asyncio.to_thread(parse.parse_sinfo_json, text)  # as for jobs()
+        # As for jobs(); unchanged nodes are not built again (SinfoParser).
+        return await asyncio.to_thread(self._sinfo.parse, text)
 
     async def hostnames(self, node_list: str) -> tuple[str, ...]:
         """Slurm's own expansion of a hostlist, cached per distinct list."""

@@ -479,16 +479,40 @@ def parse_sinfo_json(text: str | bytes) -> dict[str, SlurmNode]:
     sinfo lists a node once per partition it belongs to; the records agree on
     node state, so the last one wins.
     """
-    try:
-        reply = _SINFO.decode(text)
-    except msgspec.ValidationError as error:
-        raise SlurmParseError(f"sinfo --json: {error}") from error
-    except (msgspec.DecodeError, RecursionError) as error:
-        raise SlurmParseError(f"sinfo --json printed no valid JSON: {error}") from error
-    if reply.errors:
-        # A reply that carries errors is not a trustworthy (possibly empty) list.
-        raise SlurmParseError(f"sinfo --json reported errors: {_show(reply.errors)}")
-    return {node.name: node for node in map(_node, reply.nodes)}
+    return SinfoParser().parse(text)
+
+
+class SinfoParser:
+    """:func:`parse_sinfo_json` for a poller: a node record equal to the one the last
+    reply held gives back the same :class:`SlurmNode`, not a new one.
+
+    Between two polls few nodes change; building 4,096 nodes anew took 15 ms of
+    the GIL each poll, comparing the decoded records (in C) takes about 1 ms.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[_SinfoNode, SlurmNode]] = {}
+
+    def parse(self, text: str | bytes) -> dict[str, SlurmNode]:
+        """Node name -> node, as :func:`parse_sinfo_json`."""
+        try:
+            reply = _SINFO.decode(text)
+        except msgspec.ValidationError as error:
+            raise SlurmParseError(f"sinfo --json: {error}") from error
+        except (msgspec.DecodeError, RecursionError) as error:
+            raise SlurmParseError(f"sinfo --json printed no valid JSON: {error}") from error
+        if reply.errors:
+            # A reply that carries errors is not a trustworthy (possibly empty) list.
+            raise SlurmParseError(f"sinfo --json reported errors: {_show(reply.errors)}")
+        last = self._last
+        kept: dict[str, tuple[_SinfoNode, SlurmNode]] = {}
+        for record in reply.nodes:
+            known = last.get(record.name)
+            kept[record.name] = (
+                known if known is not None and known[0] == record else (record, _node(record))
+            )
+        self._last = kept
+        return {name: node for name, (_, node) in kept.items()}
 
 
 # --- drain reasons -------------------------------------------------------------

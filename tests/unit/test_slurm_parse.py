@@ -141,6 +141,21 @@ def test_our_drain_is_recognised_from_sinfo_reason() -> None:
     assert NodeFlag.NOT_RESPONDING in down.flags
 
 
+def test_a_poller_parser_rebuilds_only_nodes_that_changed() -> None:
+    parser = parse.SinfoParser()
+    drained, down = fixture("sinfo_drained.json"), fixture("sinfo_down.json")
+    first = parser.parse(drained)
+    again = parser.parse(drained)
+    assert again == first == parse.parse_sinfo_json(drained)
+    assert all(again[name] is first[name] for name in first)
+    changed = parser.parse(down)
+    assert changed == parse.parse_sinfo_json(down)
+    assert changed["node2"].down and not first["node2"].down
+    with pytest.raises(SlurmParseError):
+        parser.parse("not json")
+    assert parser.parse(down) == changed  # a refused reply leaves the last one known
+
+
 # --- malformed output ---------------------------------------------------------------
 
 
