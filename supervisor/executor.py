@@ -122,6 +122,8 @@ class Executor:
 
     def plan(self, job_id: str, intents: Sequence[Intent], now_s: float) -> list[ActionRow]:
         """Plan every intent (idempotent by action id); call inside the decision's transaction."""
+        if not intents:
+            return []  # no transaction: an empty one still costs a fsynced commit's locks
         with self._store.transaction():
             return [self._plan_one(job_id, intent, now_s) for intent in intents]
 

@@ -22,6 +22,9 @@ from supervisor.store.rows import Label, LeaseRow, label
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUSY_TIMEOUT_S = 10.0
+# With checkpoints left to a worker thread, the log checkpoints inline only past
+# this many pages (about 40 MB at SQLite's 4 KiB pages): bounded if they stop.
+BACKGROUND_FALLBACK_PAGES = 10_000
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -49,14 +52,18 @@ class StoreCore:
         self.path = path
         self._db = db
         self._lock = threading.RLock()
+        # WAL checkpoints run on their own connection (see checkpoint_in_background).
+        self._checkpointer: sqlite3.Connection | None = None
+        self._checkpoint_lock = threading.Lock()
         self._depth = 0
         self._synchronous = ""
         self._known_jobs: set[str] = set()
         self._last_step: dict[str, int | None] = {}
-        self._leases: dict[tuple[str, str], LeaseRow] = {}
-        self._dirty_leases: set[tuple[str, str]] = set()
+        # job -> node -> lease; leases new or of a new incarnation since the last flush
+        self._leases: dict[str, dict[str, LeaseRow]] = {}
+        self._unwritten_leases: set[tuple[str, str]] = set()
         for row in db.execute("SELECT job_id, node, incarnation, last_seen_s FROM leases"):
-            self._leases[(row[0], row[1])] = LeaseRow(*row)
+            self._leases.setdefault(row[0], {})[row[1]] = LeaseRow(*row)
 
     @classmethod
     def open(
@@ -129,12 +136,51 @@ class StoreCore:
 
     @locked
     def close(self) -> None:
-        """Flush leases and close; the store is unusable afterwards (closing twice is fine)."""
+        """Write every lease out and close; the store is unusable afterwards (twice is fine)."""
+        with self._checkpoint_lock:
+            if self._checkpointer is not None:
+                self._checkpointer.close()
+                self._checkpointer = None
         try:
-            self.flush_leases()
+            self.flush_leases(renewals=True)
         except sqlite3.ProgrammingError:
             return  # already closed
         self._db.close()
+
+    @locked
+    def checkpoint_in_background(self, fallback_pages: int = BACKGROUND_FALLBACK_PAGES) -> None:
+        """Leave WAL checkpoints to :meth:`checkpoint_wal`, called from a worker thread.
+
+        SQLite otherwise copies the log into the database, and fsyncs it, in the
+        commit that takes the log past 1,000 pages: on a busy supervisor that
+        commit runs on the event loop and held it for tens of milliseconds.
+        Should the caller stop checkpointing, the commit that takes the log
+        past ``fallback_pages`` checkpoints as before, so the log stays bounded.
+        """
+        self._db.execute(f"PRAGMA wal_autocheckpoint = {int(fallback_pages)}")
+
+    def checkpoint_wal(self) -> tuple[int, int]:
+        """Copy what the write-ahead log holds into the database (a passive checkpoint).
+
+        Runs on a connection of its own and never takes the store's lock, so a
+        worker thread can run it while the store is in use (it waits for no
+        reader or writer: what it cannot copy yet, the next one does). Returns
+        the log's pages and how many of them are now in the database.
+        """
+        with self._checkpoint_lock:
+            if self._checkpointer is None:
+                self._checkpointer = sqlite3.connect(
+                    f"{self.path.resolve().as_uri()}?mode=rw",
+                    uri=True,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
+            # fetchall() finishes the statement: one left open would hold a read
+            # snapshot, and the log could then never start over from its beginning.
+            ((busy, pages, copied),) = self._checkpointer.execute(
+                "PRAGMA wal_checkpoint(PASSIVE)"
+            ).fetchall()
+            return (pages, copied) if not busy else (pages, 0)
 
     def __enter__(self: _S) -> _S:
         return self
@@ -146,14 +192,16 @@ class StoreCore:
     # Transactions and backup.
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
+    def transaction(self, *, durable: bool = True) -> Iterator[None]:
         """Run the block's writes atomically and durably (BEGIN IMMEDIATE, fsynced COMMIT).
 
         An exception rolls every write of the block back and propagates.
         Nested blocks are savepoints: an exception caught inside the outer
-        block undoes only the inner block's writes.
+        block undoes only the inner block's writes. ``durable=False`` commits
+        without the fsync, as the high-volume writes do (see store.py): for
+        writes that drive no side effect and that a power loss may take back.
         """
-        with self._lock, self._tx(durable=True):
+        with self._lock, self._tx(durable=durable):
             yield
 
     @contextlib.contextmanager
@@ -211,11 +259,11 @@ class StoreCore:
             raise StoreError("backup() inside a transaction: call it after the block ends")
         if dest.resolve() == self.path.resolve():
             raise StoreError(f"backup destination {dest} is the store itself; pick another path")
-        self.flush_leases()
+        self.flush_leases(renewals=True)
         schema.copy_database(self._db, dest)
 
     # ------------------------------------------------------------------
-    # Heartbeat leases: in memory, flushed in batches (see store.py's docstring).
+    # Heartbeat leases: in memory, written out in batches (see store.py's docstring).
 
     @locked
     def touch_lease(
@@ -223,18 +271,22 @@ class StoreCore:
     ) -> LeaseRow | None:
         """Renew the lease of ``job_id``'s agent on ``node``; return the previous one (or None).
 
-        No SQL runs: the lease is written by the next :meth:`flush_leases`. A
+        No SQL runs: a new lease (or a new incarnation) is written by the next
+        :meth:`flush_leases`, a renewal only by a flush with ``renewals``. A
         report older than the stored one is ignored. A different
         ``incarnation`` in the returned row means the agent restarted.
         """
-        key = (job_id, node)
-        previous = self._leases.get(key)
+        nodes = self._leases.get(job_id)
+        previous = None if nodes is None else nodes.get(node)
         if previous is not None and now_s < previous.last_seen_s:
             return previous
-        if previous is None and not self._job_exists(job_id):
-            raise UnknownJob(f"job {job_id} is not in the store; upsert_job() it first")
-        self._leases[key] = LeaseRow(job_id, node, incarnation, now_s)
-        self._dirty_leases.add(key)
+        if nodes is None:
+            if not self._job_exists(job_id):
+                raise UnknownJob(f"job {job_id} is not in the store; upsert_job() it first")
+            nodes = self._leases[job_id] = {}
+        nodes[node] = LeaseRow(job_id, node, incarnation, now_s)
+        if previous is None or previous.incarnation != incarnation:
+            self._unwritten_leases.add((job_id, node))
         return previous
 
     @locked
@@ -242,42 +294,67 @@ class StoreCore:
         self, now_s: float, lease_s: float, *, job_id: str | None = None
     ) -> list[LeaseRow]:
         """Leases not renewed for more than ``lease_s`` (of one job, or all), oldest first."""
+        jobs = self._leases.values() if job_id is None else [self._leases.get(job_id, {})]
         expired = [
             lease
-            for lease in self._leases.values()
-            if now_s - lease.last_seen_s > lease_s and (job_id is None or lease.job_id == job_id)
+            for nodes in jobs
+            for lease in nodes.values()
+            if now_s - lease.last_seen_s > lease_s
         ]
         return sorted(expired, key=lambda lease: (lease.last_seen_s, lease.job_id, lease.node))
 
     @locked
     def leases_for(self, job_id: str) -> list[LeaseRow]:
         """Every lease of the job, by node."""
-        return sorted(
-            (lease for lease in self._leases.values() if lease.job_id == job_id),
-            key=lambda lease: lease.node,
+        nodes = self._leases.get(job_id, {})
+        return [nodes[node] for node in sorted(nodes)]
+
+    @locked
+    def lease_count(self, job_ids: Iterable[str], since_s: float) -> int:
+        """How many leases of ``job_ids`` were renewed at ``since_s`` or later."""
+        return sum(
+            1
+            for job_id in job_ids
+            for lease in self._leases.get(job_id, {}).values()
+            if lease.last_seen_s >= since_s
         )
 
     @locked
     def drop_leases(self, job_id: str, nodes: Iterable[str] | None = None) -> None:
         """Forget the job's leases (on ``nodes``, or all): the job ended or left those nodes."""
-        chosen = None if nodes is None else set(nodes)
-        keys = [
-            key for key in self._leases if key[0] == job_id and (chosen is None or key[1] in chosen)
-        ]
+        held = self._leases.get(job_id, {})
+        chosen = list(held) if nodes is None else [node for node in set(nodes) if node in held]
+        if not chosen:
+            return
         with self._tx(durable=False):
-            self._db.executemany("DELETE FROM leases WHERE job_id = ? AND node = ?", keys)
-        for key in keys:
-            del self._leases[key]
-            self._dirty_leases.discard(key)
+            self._db.executemany(
+                "DELETE FROM leases WHERE job_id = ? AND node = ?",
+                [(job_id, node) for node in chosen],
+            )
+        for node in chosen:
+            del held[node]
+            self._unwritten_leases.discard((job_id, node))
+        if not held:
+            del self._leases[job_id]
 
     @locked
-    def flush_leases(self) -> int:
-        """Write the leases renewed since the last flush in one transaction; return how many."""
+    def flush_leases(self, *, renewals: bool = False) -> int:
+        """Write the leases that are new (or of a new incarnation) since the last flush, and
+        with ``renewals`` every lease's last renewal, in one transaction; return how many.
+
+        Only which agent incarnation holds each lease must survive a crash:
+        leases count from the daemon's start after a restart, so a renewal
+        time is needed in memory alone. Renewals are written at a clean close.
+        """
         if self._depth:
             raise StoreError("flush_leases() inside a transaction: call it after the block ends")
-        if not self._dirty_leases:
+        if renewals:
+            rows = [lease for nodes in self._leases.values() for lease in nodes.values()]
+        else:
+            rows = [self._leases[job][node] for job, node in self._unwritten_leases]
+        if not rows:
             return 0
-        rows = [self._leases[key] for key in sorted(self._dirty_leases)]
+        rows.sort(key=lambda lease: (lease.job_id, lease.node))
         with self._tx(durable=False):
             self._db.executemany(
                 "INSERT INTO leases (job_id, node, incarnation, last_seen_s) VALUES (?, ?, ?, ?)"
@@ -285,7 +362,7 @@ class StoreCore:
                 " last_seen_s = excluded.last_seen_s",
                 [(r.job_id, r.node, r.incarnation, r.last_seen_s) for r in rows],
             )
-        self._dirty_leases.clear()
+        self._unwritten_leases.clear()
         return len(rows)
 
     # ------------------------------------------------------------------

@@ -31,12 +31,18 @@ actions, drains, commands, and every :meth:`Store.transaction`) commits with
 ``synchronous=FULL``, which fsyncs the WAL: after a power loss the store never
 forgets that a drain or a requeue already happened. Agents' events are
 re-observable (Slurm and the agents report the state again), drains are not.
+The daemon opens ``transaction(durable=False)`` for a job record that only
+took such news in (a newer checkpoint) and decides nothing. The WAL is
+written in order, so a power loss takes back only the newest commits, never
+one before an fsynced commit.
 
-Heartbeat leases live in memory (a dict update per heartbeat, no SQL) and are
-written out by :meth:`Store.flush_leases`, which the daemon calls every few
-seconds and :meth:`Store.close` calls last; after a restart the flushed
-times are up to one flush interval old, so grant a grace before trusting
-``expired_leases``.
+Heartbeat leases live in memory (a dict update per heartbeat, no SQL). What
+must survive a crash is which agent incarnation holds each lease: a new lease
+or incarnation is written by the next :meth:`Store.flush_leases`, which the
+daemon calls every tick. Renewal times are written only at a clean
+:meth:`Store.close` (and before a backup), so after a crash the stored times
+are when each lease was taken: grant a grace of one lease period from the
+start before trusting ``expired_leases`` (the daemon does).
 
 Every agent asks for its pending commands on every heartbeat, and nearly
 always there are none: the store remembers which agents (job, node) have

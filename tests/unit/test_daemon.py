@@ -24,6 +24,7 @@ from supervisor.jobs import JobSpec, write_job_dir
 from supervisor.observations import RelaunchFinished
 from supervisor.policy import Policy
 from supervisor.store import Actor
+from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
 from tests.unit.test_executor import JOB, NODES, FakeSlurm
 
 NOW = 1_760_000_000.0
@@ -217,6 +218,46 @@ def test_a_rank_that_computes_slower_than_the_others_is_reported_while_it_lasts(
         assert record.state.value == "running" and slurm.calls == []  # no drain by default
         alerts = supervisor.store.events_for(JOB, kinds=["alert"])
         assert len(alerts) == 1 and "straggler on node3" in alerts[0].payload["message"]
+
+    run(body, tmp_path)
+
+
+def test_only_records_that_move_the_job_are_fsynced_and_the_wal_is_left_to_a_thread(
+    tmp_path: Path,
+) -> None:
+    def committed(seq: int, step: int):  # type: ignore[no-untyped-def]
+        payload = {"step": step, "path": f"/nowhere/step_{step:08d}"}
+        return event(EventKind.CHECKPOINT_COMMITTED, "node1", "00000000000000a1", seq, payload)
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        # Each COMMIT under the synchronous mode set last: FULL fsyncs, NORMAL does not.
+        commits: list[str] = []
+        mode = ["FULL"]
+
+        def trace(statement: str) -> None:
+            if statement.startswith("PRAGMA synchronous = "):
+                mode[0] = statement.rsplit(" ", 1)[1]
+            elif statement == "COMMIT":
+                commits.append(mode[0])
+
+        mode[0] = supervisor.store._synchronous or "FULL"
+        supervisor.store._db.set_trace_callback(trace)
+        supervisor.accept_events(JOB, [committed(1, 10)])  # starting -> running
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running" and "FULL" in commits
+        commits.clear()
+        supervisor.accept_events(JOB, [committed(2, 20)])  # news only: no fsync
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.last_step == 20
+        assert commits and set(commits) == {"NORMAL"}
+        supervisor.store._db.set_trace_callback(None)
+        assert supervisor.store.get_job(JOB).record["last_step"] == 20  # type: ignore[union-attr]
+        fallback = supervisor.store._db.execute("PRAGMA wal_autocheckpoint").fetchall()
+        assert fallback == [(BACKGROUND_FALLBACK_PAGES,)]
+        await supervisor.checkpoint_wal()
+        pages, copied = supervisor.store.checkpoint_wal()
+        assert pages == copied
 
     run(body, tmp_path)
 

@@ -583,6 +583,31 @@ def test_a_command_for_every_node_stays_pending_on_each_until_it_acks(store: Sto
     assert store.ack_command("ghost", "node1", NOW) is False
 
 
+def test_wal_checkpoints_can_be_left_to_a_worker_thread(store: Store, path: Path) -> None:
+    wal = path.with_name(path.name + "-wal")
+
+    def fill(first: int) -> None:
+        for batch in range(first, first + 80):
+            events = [event(batch * 50 + seq + 1, node=f"node{seq}") for seq in range(50)]
+            store.record_events(JOB, events, now_s=NOW)
+
+    store.checkpoint_in_background()
+    fill(0)
+    assert wal.stat().st_size > 1500 * 4096  # well past the 1,000 pages SQLite checkpoints at
+    one_fill, copied = store.checkpoint_wal()
+    assert one_fill > 1000 and copied == one_fill
+    done: list[tuple[int, int]] = []
+    worker = threading.Thread(target=lambda: done.append(store.checkpoint_wal()))
+    worker.start()
+    fill(80)  # the store stays usable meanwhile
+    worker.join()
+    assert done and store.checkpoint_wal()[0] == store.checkpoint_wal()[1]  # all copied now
+    # Once copied, the log is written again from its start, not grown without end.
+    store.record_events(JOB, [event(99_999)], now_s=NOW)
+    assert store.checkpoint_wal()[0] < 100
+    assert len(store.events_for(JOB)) == 160 * 50 + 1
+
+
 # ---------------------------------------------------------------------------
 # Leases.
 
@@ -620,6 +645,50 @@ def test_leases_cost_no_sql_until_flushed_and_are_dropped_with_the_job(
     assert [lease.node for lease in store.leases_for(JOB)] == ["node2"]
     assert other.execute("SELECT node FROM leases").fetchall() == [("node2",)]
     other.close()
+
+
+def test_only_new_holders_of_a_lease_are_flushed_and_close_writes_every_renewal(
+    store: Store, path: Path
+) -> None:
+    # At thousands of agents a renewal per heartbeat written every tick held
+    # the event loop for 10-25 ms a second; only who holds a lease must
+    # survive a crash (leases count from the daemon's start).
+    store.touch_lease(JOB, "node1", INCARNATION, NOW)
+    store.touch_lease(JOB, "node2", INCARNATION, NOW)
+    assert store.flush_leases() == 2
+    store.touch_lease(JOB, "node1", INCARNATION, NOW + 1)
+    store.touch_lease(JOB, "node2", "ffff0000", NOW + 1)
+    assert store.flush_leases() == 1
+    other = sqlite3.connect(path)
+    query = "SELECT node, incarnation, last_seen_s FROM leases ORDER BY node"
+    assert other.execute(query).fetchall() == [
+        ("node1", INCARNATION, NOW), ("node2", "ffff0000", NOW + 1),
+    ]  # fmt: skip
+    store.touch_lease(JOB, "node1", INCARNATION, NOW + 2)
+    store.close()
+    assert other.execute(query).fetchall() == [
+        ("node1", INCARNATION, NOW + 2), ("node2", "ffff0000", NOW + 1),
+    ]  # fmt: skip
+    other.close()
+    with Store.open(path) as again:
+        assert [(lease.node, lease.last_seen_s) for lease in again.leases_for(JOB)] == [
+            ("node1", NOW + 2), ("node2", NOW + 1),
+        ]  # fmt: skip
+
+
+def test_leases_are_counted_by_job_and_renewal(store: Store) -> None:
+    store.upsert_job(
+        "77", state="running", record={}, now_s=NOW, name="t", original_nodes=1, min_nodes=1
+    )
+    store.touch_lease(JOB, "node1", INCARNATION, NOW - 50)
+    store.touch_lease(JOB, "node2", INCARNATION, NOW)
+    store.touch_lease("77", "node3", INCARNATION, NOW)
+    assert store.lease_count([JOB], NOW - 30) == 1
+    assert store.lease_count([JOB, "77"], NOW - 30) == 2
+    assert store.lease_count([JOB, "77"], NOW - 60) == 3
+    assert store.lease_count(["missing"], NOW - 60) == 0
+    store.drop_leases(JOB)
+    assert store.leases_for(JOB) == [] and store.lease_count([JOB], 0) == 0
 
 
 def test_a_lease_of_an_unknown_job_is_refused(store: Store) -> None:
