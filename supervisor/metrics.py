@@ -101,16 +101,16 @@ class StoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Read the store once and yield every family."""
         now = self._clock()
+        rows = self._store.list_jobs()
         jobs = [
             row
-            for row in self._store.list_jobs()
+            for row in rows
             if row.state not in TERMINAL or now - row.updated_s <= self._ended_job_window_s
         ]
         per_job = self._job_families()
         detect: dict[str, list[float]] = {}
         recover: dict[str, list[float]] = {}
-        faults = node_faults(self._store)
-        rows = self._store.list_jobs()
+        faults = node_faults(self._store, rows)
         span = now - min((row.created_s for row in rows), default=now)
         cluster = self._cluster_nodes()
         node_mtbf = mtbf_estimate(faults, span, cluster) if span > 0 and cluster > 0 else None

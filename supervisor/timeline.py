@@ -25,13 +25,14 @@ each scrape.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.checkpoint.format import parse_step_dir_name
 from supervisor.goodput import Accountant, Fact, FactKind, Goodput, RecoveryDurations, account
 from supervisor.model import NODE_FAULT_CAUSES
-from supervisor.store import DecisionRow, ProgressRow, Store
+from supervisor.store import DecisionRow, JobRow, ProgressRow, Store
 
 CHECKPOINT_STATS_KIND = "checkpoint_stats"
 _LIVE = {"starting", "running", "relaunching"}
@@ -165,10 +166,11 @@ def goodput_of(store: Store, job_id: str, now_s: float) -> Goodput:
     return account(timeline_of(store, job_id, now_s))
 
 
-def node_faults(store: Store) -> list[float]:
-    """When Resurgo decided a node was at fault, across all jobs (for the MTBF)."""
+def node_faults(store: Store, jobs: Sequence[JobRow] | None = None) -> list[float]:
+    """When Resurgo decided a node was at fault, across all jobs (or ``jobs``, the
+    store's job rows as the caller read them), for the MTBF."""
     times = []
-    for job in store.list_jobs():
+    for job in store.list_jobs() if jobs is None else jobs:
         decisions = store.decisions_for(job.job_id)
         for index, decision in enumerate(decisions):
             opened = decision.from_state in _LIVE and decision.to_state == "recovering"
