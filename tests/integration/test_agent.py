@@ -132,7 +132,8 @@ def test_sigkilled_rank_is_reported_with_signal_9_within_2_s(agent_factory) -> N
 def test_sigstopped_instrumented_rank_is_reported_hung_with_every_stack(agent_factory) -> None:  # type: ignore[no-untyped-def]
     timeout_s = 5.0
     agent = agent_factory(
-        ["--hang-floor-s", str(timeout_s), "--hang-check-s", "0.5"],
+        # A SIGSTOPped rank cannot end on SIGTERM: a short grace ends the test sooner.
+        ["--hang-floor-s", str(timeout_s), "--hang-check-s", "0.5", "--stop-grace-s", "2"],
         ["--instrumented", "--stop-rank", "1", "--stop-step", "30"],
     )
     agent.wait_file("stopped.1")
@@ -151,8 +152,9 @@ def test_sigstopped_instrumented_rank_is_reported_hung_with_every_stack(agent_fa
 
 def test_hang_in_an_uninstrumented_script_is_found_from_stacks(agent_factory) -> None:  # type: ignore[no-untyped-def]
     timeout_s = 5.0
+    stacks = ["--stack-timeout-s", str(timeout_s), "--stack-sample-s", "1"]
     agent = agent_factory(
-        ["--stack-timeout-s", str(timeout_s), "--stack-sample-s", "1", "--hang-check-s", "0.5"],
+        [*stacks, "--hang-check-s", "0.5", "--stop-grace-s", "2"],
         ["--stop-rank", "1", "--stop-step", "30"],
     )
     agent.wait_file("stopped.1")
