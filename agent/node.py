@@ -397,6 +397,11 @@ class NodeAgent:
             await asyncio.sleep(0.1)
 
     async def _emit_exit(self, rank_exit: RankExit) -> None:
+        # What the rank sent before it died may still wait in the socket: read it
+        # first, or its last step depends on which the loop happened to take
+        # first, and the same crash reads as two (a crash loop seen one attempt late).
+        if self._socket is not None:
+            self._drain_socket()
         progress = self.monitor.forget(rank_exit.rank.global_rank)
         await self.events.emit(
             protocol.EventKind.RANK_EXITED,

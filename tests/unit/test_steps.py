@@ -18,6 +18,7 @@ from agent import protocol
 from agent.client import new_secret, write_secret
 from agent.config import load_config
 from agent.node import Clocks, NodeAgent, default_run_dir
+from agent.procs import RankExit, RankProcess
 from agent.steps import StepBuffer
 from agent.train.heartbeat import (
     Heartbeat,
@@ -237,6 +238,33 @@ def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path
             ],
         }
     ]
+
+
+def test_a_rank_exit_carries_the_last_step_the_rank_sent_before_it_died(tmp_path: Path) -> None:
+    config, command = load_config(
+        ["--job-id", "77", "--node", "node1", "--run-dir", str(tmp_path), "--", "true"], {}
+    )
+    agent = NodeAgent(config, command, clocks=Clocks(monotonic=lambda: 50.0, wall=lambda: 1.0))
+    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.setblocking(False)
+    agent._socket = receiver
+    emitted: list[dict[str, Any]] = []
+
+    async def emit(kind: protocol.EventKind, payload: dict[str, Any]) -> None:
+        emitted.append(payload)
+
+    agent.events.emit = emit  # type: ignore[method-assign]
+    try:
+        for step in (5, 6):  # the second still in the socket when the exit is seen
+            sender.send(encode_beat(rank=1, local_rank=1, pid=9, step=step, phase=Phase.TRAIN,
+                                    wall_time_s=0.0))  # fmt: skip
+            if step == 5:
+                agent._drain_socket()
+        asyncio.run(agent._emit_exit(RankExit(RankProcess(1, 1, 9), 1, None, 1.0)))
+    finally:
+        receiver.close()
+        sender.close()
+    assert [payload["last_step"] for payload in emitted] == [6]
 
 
 def test_exit_records_left_by_an_earlier_life_of_the_run_directory_are_removed(
