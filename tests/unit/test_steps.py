@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -205,7 +206,9 @@ def test_the_time_inside_compute_goes_with_its_step_and_only_that_step(
 # The agent's socket: a step report is buffered and counts as a beat.
 
 
-def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def agent_with_socket(tmp_path: Path) -> Iterator[tuple[NodeAgent, socket.socket]]:
+    """An agent (clocks fixed) whose heartbeat socket is one end of a pair; the other end."""
     config, command = load_config(
         ["--job-id", "77", "--node", "node1", "--run-dir", str(tmp_path), "--", "true"], {}
     )
@@ -214,6 +217,14 @@ def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path
     receiver.setblocking(False)
     agent._socket = receiver
     try:
+        yield agent, sender
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path) -> None:
+    with agent_with_socket(tmp_path) as (agent, sender):
         sender.send(encode_beat(rank=1, local_rank=1, pid=9, step=3, phase=Phase.INIT,
                                 wall_time_s=0.0))  # fmt: skip
         for step, value in ((4, 0.5), (5, float("inf"))):
@@ -222,9 +233,6 @@ def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path
                                    cursor=step * 8, wall_time_s=0.0)
             )  # fmt: skip
         agent._drain_socket()
-    finally:
-        receiver.close()
-        sender.close()
     progress = agent.monitor.progress[1]
     assert (progress.step, progress.phase, progress.progress_s) == (5, Phase.TRAIN, 50.0)
     payloads, dropped = agent._steps.drain()
@@ -241,29 +249,19 @@ def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path
 
 
 def test_a_rank_exit_carries_the_last_step_the_rank_sent_before_it_died(tmp_path: Path) -> None:
-    config, command = load_config(
-        ["--job-id", "77", "--node", "node1", "--run-dir", str(tmp_path), "--", "true"], {}
-    )
-    agent = NodeAgent(config, command, clocks=Clocks(monotonic=lambda: 50.0, wall=lambda: 1.0))
-    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    receiver.setblocking(False)
-    agent._socket = receiver
     emitted: list[dict[str, Any]] = []
 
     async def emit(kind: protocol.EventKind, payload: dict[str, Any]) -> None:
         emitted.append(payload)
 
-    agent.events.emit = emit  # type: ignore[method-assign]
-    try:
+    with agent_with_socket(tmp_path) as (agent, sender):
+        agent.events.emit = emit  # type: ignore[method-assign]
         for step in (5, 6):  # the second still in the socket when the exit is seen
             sender.send(encode_beat(rank=1, local_rank=1, pid=9, step=step, phase=Phase.TRAIN,
                                     wall_time_s=0.0))  # fmt: skip
             if step == 5:
                 agent._drain_socket()
         asyncio.run(agent._emit_exit(RankExit(RankProcess(1, 1, 9), 1, None, 1.0)))
-    finally:
-        receiver.close()
-        sender.close()
     assert [payload["last_step"] for payload in emitted] == [6]
 
 
