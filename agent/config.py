@@ -63,6 +63,9 @@ class AgentConfig:
     health_check_timeout_s: float = 60.0
     stop_grace_s: float = 30.0
     drain_timeout_s: float = 10.0
+    # The driver's time-limit notice (agent.timelimit), polled this often.
+    time_limit_file: str = ""
+    time_limit_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -98,7 +101,7 @@ class AgentConfig:
 
 # Periods of the agent's loops: zero would spin.
 _PERIODS = ("heartbeat_report_s", "watch_interval_s", "hang_check_s", "stack_sample_s",
-            "health_check_interval_s")  # fmt: skip
+            "health_check_interval_s", "time_limit_poll_s")  # fmt: skip
 
 
 def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -17,9 +17,12 @@
    set through the agent, and confirms the relaunch (phase ``relaunched``);
 5. exits 0 when a step succeeds, and exits 1 with the supervisor's reason
    when told to stop;
-6. on Slurm's warning before the time limit (``USR1``, requested by
-   ``resurgo submit``) stops the ranks gracefully and lets the limit end the
-   job, which the supervisor requeues without blame.
+6. before the time limit (Slurm's ``USR1``, requested by ``resurgo submit``,
+   or its own timer from the job's time left and the measured save time)
+   runs the planned stop of :mod:`agent.timelimit`: a notice to the agents
+   (final checkpoint, then a graceful stop) and to the supervisor, which
+   requeues the job at its size before Slurm ends it; a supervisor that does
+   not do so in time is replaced by ``scontrol requeue`` of the job itself.
 
 A supervisor that does not answer is retried with jittered backoff
 (tenacity) for ``--supervisor-wait-s``; the running step never depends on it.
@@ -46,14 +49,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import tenacity
 
 from agent import protocol
+from agent.checkpoint.catalog import list_checkpoints
 from agent.client import Rejected, load_secret, signed_post
 from agent.errors import ConfigError, ResurgoError
 from agent.protocol import DriverAction, DriverAnswer, DriverPhase, DriverRequest
+from agent.stopfiles import clear_notice, write_notice
+from agent.timelimit import REQUEUE_MARGIN_S, Notice, parse_slurm_duration, warning_lead_s
 
 log = logging.getLogger("resurgo.driver")
 
@@ -78,6 +85,10 @@ class DriverSettings:
     start_check_s: float = START_CHECK_S
     watch_s: float = 2.0
     kill_grace_s: float = 10.0
+    # The agents' SIGTERM-to-SIGKILL grace, counted into the time-limit warning.
+    stop_grace_s: float = 30.0
+    # Seconds before the time limit to start the planned stop (None: computed).
+    time_limit_lead_s: float | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="at start, how long to wait for the supervisor before launching unsupervised",
     )
+    parser.add_argument(
+        "--time-limit-lead-s",
+        type=float,
+        default=None,
+        help="start the planned stop this many seconds before the time limit (default: "
+        "room for two saves of the measured size, the stop grace and the requeue, at "
+        "most a quarter of the limit)",
+    )
+    parser.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=30.0,
+        help="the agents' SIGTERM-to-SIGKILL grace (counted into the time-limit warning)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser
 
@@ -129,6 +154,8 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         command=tuple(command),
         supervisor_wait_s=args.supervisor_wait_s,
         start_wait_s=args.start_wait_s,
+        stop_grace_s=args.stop_grace_s,
+        time_limit_lead_s=args.time_limit_lead_s,
     )
 
 
@@ -162,6 +189,8 @@ def agent_argv(
         "--launch-nonce", str(attempt),
         "--attempt", str(attempt),
         "--ckpt-root", settings.ckpt_root,
+        "--time-limit-file", str(settings.job_dir / "time-limit.json"),
+        "--stop-grace-s", str(settings.stop_grace_s),
         *(["--resume-from", resume_from] if resume_from else []),
         "--", *settings.command,
     ]  # fmt: skip
@@ -212,6 +241,9 @@ class Driver:
         self._step: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._time_limit = False
+        self._attempt = 1
+        self._end_unix_s: float | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> int:
         """Launch, watch, relaunch as told; see the module docstring."""
@@ -219,8 +251,11 @@ class Driver:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
         loop.add_signal_handler(signal.SIGUSR1, self._on_time_limit)
+        # A notice from an earlier run of this job (requeued) is not this run's.
+        clear_notice(self.settings.job_dir)
         async with aiohttp.ClientSession() as session:
             self._session = session
+            self._spawn(self._time_limit_timer())
             answer = await self._ask(
                 DriverRequest(self.settings.job_id, DriverPhase.START),
                 self.settings.start_wait_s,
@@ -233,6 +268,8 @@ class Driver:
                 if answer.action is DriverAction.STOP:
                     print(f"resurgo: job stopped by the supervisor: {answer.reason}", flush=True)
                     return 1
+                if answer.action is DriverAction.WAIT and self._time_limit:
+                    return await self._await_requeue(None)
                 if answer.action is DriverAction.WAIT:
                     log.info("waiting: %s", answer.reason)
                     await asyncio.sleep(answer.retry_after_s)
@@ -256,13 +293,7 @@ class Driver:
                     log.info("step finished successfully")
                     return 0
                 if self._time_limit:
-                    # Slurm ends the job at its limit (TIMEOUT); the supervisor
-                    # requeues it without blame. Asking now would look like a fault.
-                    log.info(
-                        "ranks stopped before the time limit; waiting for Slurm to end the job"
-                    )
-                    await self._wait_for_end()
-                    return returncode
+                    return await self._await_requeue(returncode)
                 if self._stopping:
                     break
                 log.warning("step of attempt %d ended with %d; asking", answer.attempt, returncode)
@@ -315,6 +346,7 @@ class Driver:
 
     async def _start(self, answer: DriverAnswer) -> int | None:
         """Start the step; its exit status when it ended at once, else None (running)."""
+        self._attempt = answer.attempt
         nodes = answer.nodes or await current_nodes(self._environ)
         master = await node_address(nodes[0], self._environ)
         argv = agent_argv(self.settings, nodes, master, answer.attempt, answer.resume_from)
@@ -387,19 +419,130 @@ class Driver:
             )
         return None
 
-    async def _wait_for_end(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(1.0)
+    # -- the time limit: a planned stop (agent.timelimit) -------------------------
+
+    def _spawn(self, coroutine: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _time_left(self) -> tuple[float | None, float | None]:
+        """(seconds left, the time limit) of this job as Slurm has them now; None unknown."""
+        argv = ["squeue", "-h", "-j", self.settings.job_id, "-o", "%L %l"]
+        try:
+            words = (await _capture(argv, self._environ)).split()
+        except (ResurgoError, OSError, TimeoutError) as error:
+            log.warning("could not read the job's time left: %s", error)
+            return None, None
+        if len(words) != 2:
+            return None, None
+        return parse_slurm_duration(words[0]), parse_slurm_duration(words[1])
+
+    def _measured_save_s(self) -> float | None:
+        """The newest committed checkpoint's save time (stall + background write)."""
+        try:
+            entries = list_checkpoints(self.settings.ckpt_root)
+        except OSError:
+            return None
+        for entry in entries:
+            if entry.committed and entry.stats is not None:
+                return entry.stats.stall_s + entry.stats.write_s
+        return None
+
+    def _lead_s(self, limit_s: float | None) -> float:
+        return warning_lead_s(
+            limit_s,
+            self._measured_save_s(),
+            self.settings.stop_grace_s,
+            self.settings.time_limit_lead_s,
+        )
+
+    async def _time_limit_timer(self) -> None:
+        """Start the planned stop when the time left reaches the lead: Slurm's USR1 was
+        set at submit from the limit alone; this one also knows the measured save time
+        (and a limit an operator changed since)."""
+        while not self._time_limit and not self._stopping:
+            left_s, limit_s = await self._time_left()
+            if left_s is None:
+                if limit_s is None:
+                    return  # no limit (UNLIMITED): nothing to time
+                await asyncio.sleep(60.0)
+                continue
+            lead_s = self._lead_s(limit_s)
+            if left_s <= lead_s:
+                log.info("%.0f s left of the time limit (%.0f s): planned stop", left_s,
+                         limit_s or 0.0)  # fmt: skip
+                self._on_time_limit()
+                return
+            await asyncio.sleep(min(60.0, max(1.0, left_s - lead_s)))
 
     def _on_time_limit(self) -> None:
-        """Slurm's warning before the time limit (``--signal=B:USR1@...``): stop the ranks
-        gracefully now (SIGTERM through srun to the agents, which give them their grace
-        period), so they are not killed mid-step when the limit strikes."""
-        log.warning("time limit near: stopping the ranks gracefully")
+        """The time limit is near (Slurm's USR1 or the timer): begin the planned stop once."""
+        if self._time_limit:
+            return
+        log.warning("time limit near: final checkpoint, graceful stop, requeue")
         self._time_limit = True
-        if self._step is not None and self._step.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._step.send_signal(signal.SIGTERM)
+        self._spawn(self._announce_time_limit())
+
+    async def _announce_time_limit(self) -> None:
+        """Write the agents' notice, then tell the supervisor (which may be away)."""
+        now = self._clock()
+        left_s, limit_s = await self._time_left()
+        if left_s is None:
+            left_s = self._lead_s(limit_s)  # USR1 came: about the lead is left
+        self._end_unix_s = now + left_s
+        save_by = now + max(0.0, left_s - self.settings.stop_grace_s - REQUEUE_MARGIN_S)
+        notice = Notice(self._attempt, now, save_by, self._end_unix_s)
+        try:
+            write_notice(self.settings.job_dir, notice)
+        except OSError as error:
+            log.error("could not write the time-limit notice (%s): stopping the ranks now", error)
+            if self._step is not None and self._step.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._step.send_signal(signal.SIGTERM)
+        await self._ask(
+            DriverRequest(
+                self.settings.job_id, DriverPhase.TIME_LIMIT, attempt=self._attempt,
+                time_left_s=left_s, reason="time limit near",
+            ),
+            wait_s=min(10.0, left_s / 4),
+        )  # fmt: skip
+
+    async def _await_requeue(self, returncode: int | None) -> int:
+        """The ranks stopped for the time limit: the supervisor requeues the job (which
+        ends this script); if it has not by shortly before the end, requeue it here."""
+        end_unix_s = self._end_unix_s
+        if end_unix_s is None:
+            left_s, limit_s = await self._time_left()
+            end_unix_s = self._clock() + (left_s if left_s is not None else self._lead_s(limit_s))
+        if returncode is not None:
+            log.info("ranks stopped for the time limit (step exit %d); the supervisor "
+                     "requeues the job", returncode)  # fmt: skip
+            await self._ask(
+                DriverRequest(
+                    self.settings.job_id, DriverPhase.TIME_LIMIT, attempt=self._attempt,
+                    exit_code=returncode, time_left_s=max(0.0, end_unix_s - self._clock()),
+                    reason="stopped for the time limit",
+                ),
+                wait_s=max(0.0, end_unix_s - self._clock() - REQUEUE_MARGIN_S / 2) / 2,
+            )  # fmt: skip
+        self_requeue_at = end_unix_s - REQUEUE_MARGIN_S / 2
+        while not self._stopping and self._clock() < self_requeue_at:
+            await asyncio.sleep(min(1.0, max(0.0, self_requeue_at - self._clock())))
+        if self._stopping:
+            return 143
+        left = end_unix_s - self._clock()
+        log.warning("not requeued by the supervisor with %.0f s left: requeueing the job", left)
+        try:
+            await _capture(["scontrol", "requeue", self.settings.job_id], self._environ)
+        except (ResurgoError, OSError, TimeoutError) as error:
+            print(f"resurgo: could not requeue the job before its time limit: {error}; "
+                  "resubmit it with `resurgo submit`: it resumes from its newest valid "
+                  "checkpoint", flush=True)  # fmt: skip
+            return 1
+        while not self._stopping:  # Slurm ends this script as it requeues the job
+            await asyncio.sleep(1.0)
+        return 143
 
     def _on_signal(self, signum: int) -> None:
         self._stopping = True

@@ -34,6 +34,7 @@ ENV_RESUME_FROM = "RESURGO_RESUME_FROM"
 ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 ENV_CKPT_INTERVAL_S = "RESURGO_CKPT_INTERVAL_S"
 ENV_CKPT_INTERVAL_FILE = "RESURGO_CKPT_INTERVAL_FILE"
+ENV_SAVE_REQUEST_FILE = "RESURGO_SAVE_REQUEST_FILE"
 
 # torchrun options the agent sets itself; the user's values are dropped.
 _CONTROLLED = {
@@ -100,6 +101,7 @@ class LaunchSettings:
     ckpt_root: str | None = None
     ckpt_interval_s: float | None = None
     ckpt_interval_file: str | None = None
+    save_request_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,7 @@ def _resurgo_env(allocation: Allocation, settings: LaunchSettings) -> dict[str, 
         if settings.ckpt_interval_s is None
         else repr(settings.ckpt_interval_s),
         ENV_CKPT_INTERVAL_FILE: settings.ckpt_interval_file,
+        ENV_SAVE_REQUEST_FILE: settings.save_request_file,
     }
     env.update({name: value for name, value in optional.items() if value is not None})
     return env

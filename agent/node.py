@@ -41,6 +41,7 @@ from typing import Any
 
 from agent import protocol
 from agent.checkpoint import files
+from agent.checkpoint.catalog import newest_committed_step
 from agent.config import AgentConfig, build_parser, load_config
 from agent.errors import ResurgoError
 from agent.events import EventOut
@@ -49,6 +50,8 @@ from agent.launch import Allocation, LaunchPlan, LaunchSettings, plan_launch
 from agent.periodic import every
 from agent.procs import RankExit, RankWatcher, pid_alive
 from agent.steps import StepBuffer
+from agent.stopfiles import read_notice, write_save_request
+from agent.timelimit import Notice
 from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
 from agent.train.schedule import CheckpointInterval, format_override
 from agent.watch import RankMonitor
@@ -142,6 +145,8 @@ class NodeAgent:
         self._exits: dict[int, RankExit] = {}
         self._socket: socket.socket | None = None
         self._steps = StepBuffer()
+        self._time_limit: asyncio.Task[None] | None = None
+        self._started_unix_s = self._clocks.wall()
         self.events = EventOut(config, self.run_dir, self._on_command)
         self.monitor = RankMonitor(config.hang_config(), config.stack_sample_s, self.events.emit)
 
@@ -158,6 +163,9 @@ class NodeAgent:
         for stale in exits.iterdir():
             with contextlib.suppress(OSError):
                 stale.unlink()
+        # A request left by an earlier launch would make the new ranks save at once.
+        with contextlib.suppress(FileNotFoundError):
+            self._save_request_path().unlink()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._queue.put_nowait, ("signal", {"signum": signum}))
@@ -215,6 +223,8 @@ class NodeAgent:
         ]
         if self.config.health_check:
             ticks.append(self._every(self.config.health_check_interval_s, self._health_tick))
+        if self.config.time_limit_file:
+            ticks.append(self._every(self.config.time_limit_poll_s, self._time_limit_tick))
         tasks = [asyncio.create_task(tick) for tick in ticks]
         commands = asyncio.create_task(self._serve_queue())
         try:
@@ -223,6 +233,8 @@ class NodeAgent:
             commands.cancel()
             for task in tasks:
                 task.cancel()
+            if self._time_limit is not None:
+                self._time_limit.cancel()
             await asyncio.gather(commands, *tasks, return_exceptions=True)
         if self._stop_task is not None:
             await self._stop_task
@@ -262,10 +274,14 @@ class NodeAgent:
             ckpt_root=config.ckpt_root or None,
             ckpt_interval_s=config.ckpt_interval_s or None,
             ckpt_interval_file=str(self.run_dir / "checkpoint-interval.json"),
+            save_request_file=str(self._save_request_path()),
         )
         return plan_launch(
             self.command, allocation, settings, self._environ, sys.executable, get_args_parser()
         )
+
+    def _save_request_path(self) -> Path:
+        return self.run_dir / "save-request.json"
 
     async def _every(self, period_s: float, tick: Callable[[], Awaitable[None]]) -> None:
         await every(period_s, tick, log, "agent")
@@ -418,6 +434,52 @@ class NodeAgent:
             },
         )
         self._exits[rank_exit.rank.global_rank] = rank_exit
+
+    # -- the time limit --------------------------------------------------------
+
+    async def _time_limit_tick(self) -> None:
+        if self._time_limit is not None or self._stopping:
+            return
+        notice = read_notice(Path(self.config.time_limit_file))
+        if notice is None or not self._notice_is_ours(notice):
+            return
+        self._time_limit = asyncio.create_task(self._stop_for_time_limit(notice))
+
+    def _notice_is_ours(self, notice: Notice) -> bool:
+        """A notice for this launch: its attempt (when the driver named one), and never
+        one written before this agent started (left by an earlier run of the job)."""
+        if self.config.attempt and notice.attempt != self.config.attempt:
+            return False
+        return notice.warned_unix_s >= self._started_unix_s - 1.0
+
+    async def _stop_for_time_limit(self, notice: Notice) -> None:
+        """Final checkpoint, then a graceful stop (agent.timelimit): ask the ranks to save at
+        their next step boundary, wait for a checkpoint newer than the notice (or the
+        notice's ``save_by``), then stop them with the usual grace."""
+        await self.events.emit(
+            protocol.EventKind.TIME_LIMIT_NEAR,
+            {
+                "end_unix_s": notice.end_unix_s,
+                "save_by_unix_s": notice.save_by_unix_s,
+                "attempt": notice.attempt,
+            },
+        )
+        root = self.config.ckpt_root
+        before = newest_committed_step(root) if root else None
+        instrumented = bool(self.monitor.progress)
+        outcome = "the ranks send no heartbeats: stopping them at once"
+        if root and instrumented:
+            write_save_request(self._save_request_path(), int(notice.warned_unix_s * 1000))
+            log.info("time limit near: final checkpoint requested (newest committed: %s)", before)
+            outcome = f"no checkpoint newer than step {before} committed by the deadline"
+            while self._clocks.wall() < notice.save_by_unix_s:
+                step = newest_committed_step(root)
+                if step is not None and (before is None or step > before):
+                    outcome = f"final checkpoint at step {step} committed"
+                    break
+                await asyncio.sleep(0.25)
+        log.info("time limit near: %s; stopping the ranks", outcome)
+        self._start_stop(f"time limit: {outcome}", None)
 
     # -- hangs and stragglers --------------------------------------------------
 

@@ -109,6 +109,8 @@ class EventKind(enum.Enum):
     AGENT_STARTED = "agent_started"  # an agent process started on the node
     AGENT_STOPPED = "agent_stopped"  # an agent process is about to exit
     STEP_LOSSES = "step_losses"  # per-step loss and data cursor, for resume verification
+    # The time limit is near: the agent asks its ranks for a final checkpoint, then stops them.
+    TIME_LIMIT_NEAR = "time_limit_near"
 
 
 class HangDetector(enum.Enum):
@@ -623,6 +625,8 @@ class DriverPhase(enum.Enum):
     ENDED = "ended"  # the agents' srun step ended with a failure: what now?
     RUNNING = "running"  # the step of ``attempt`` still runs: has the supervisor moved on?
     RELAUNCHED = "relaunched"  # the outcome of starting a relaunch the supervisor ordered
+    # The time limit is near (``time_left_s``); with ``exit_code``, the step stopped for it.
+    TIME_LIMIT = "time_limit"
 
 
 class DriverAction(enum.Enum):
@@ -645,6 +649,7 @@ class DriverRequest:
     action_id: str | None = None
     ok: bool | None = None
     reason: str = ""
+    time_left_s: float | None = None  # with TIME_LIMIT: seconds until Slurm ends the job
 
 
 @dataclass(frozen=True)
@@ -673,6 +678,8 @@ def encode_driver_request(request: DriverRequest) -> bytes:
         "ok": request.ok,
         "reason": request.reason,
     }
+    if request.time_left_s is not None:
+        document["time_left_s"] = request.time_left_s
     data = _dump(document)
     decode_driver_request(data)
     return data
@@ -690,6 +697,10 @@ def decode_driver_request(data: bytes) -> DriverRequest:
         action_id=_optional(document, "action_id", where, _str),
         ok=_optional(document, "ok", where, _bool),
         reason=_optional(document, "reason", where, _str) or "",
+        # Newer than the first drivers: absent means unknown.
+        time_left_s=(
+            _optional(document, "time_left_s", where, _float) if "time_left_s" in document else None
+        ),
     )
     if request.phase is DriverPhase.RELAUNCHED and (
         request.action_id is None or request.ok is None
@@ -1145,6 +1156,11 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("attempt", lambda d, k, w: _int(d, k, w, minimum=1), required=False),
     ),
     EventKind.AGENT_STOPPED: (_Spec("reason", _str),),
+    EventKind.TIME_LIMIT_NEAR: (
+        _Spec("end_unix_s", _float),
+        _Spec("save_by_unix_s", _float),
+        _Spec("attempt", _int),
+    ),
     EventKind.STEP_LOSSES: (
         _Spec("global_rank", _int),
         _Spec(

@@ -234,12 +234,15 @@ def write_job_dir(jobs_dir: Path | str, job_id: str, spec: JobSpec) -> Path:
 
 def batch_script(spec: JobSpec, jobs_dir: Path | str) -> str:
     """The batch script: the in-job driver, which runs ``spec.command`` under the agents."""
+    # The user's own --signal lead times the planned stop before the time limit.
+    lead = parse_request(spec.sbatch_options, spec.directives).signal_lead_s
     driver = [
         spec.python, "-m", "agent.driver",
         "--jobs-dir", str(Path(jobs_dir).resolve()),
         "--supervisor-url", spec.supervisor_url,
         "--ckpt-root", spec.ckpt_root,
         "--procs-per-node", str(spec.procs_per_node),
+        *(["--time-limit-lead-s", f"{lead:g}"] if lead is not None else []),
         "--", *spec.command,
     ]  # fmt: skip
     directives = "".join(f"#SBATCH {shlex.quote(option)}\n" for option in spec.directives)

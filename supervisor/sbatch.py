@@ -4,7 +4,8 @@ The user's sbatch options pass through to ``sbatch`` unchanged, as argv (no
 shell in between, so spaces, quotes and ``=`` arrive exactly as typed).
 Resurgo reads only a few of them: the node count (``-N``/``--nodes``, a
 ``MIN-MAX`` range becomes the minimum size the job may shrink to), the job
-name, whether the user set task counts, and it refuses job arrays. The same
+name, whether the user set task counts, the time limit (for the warning
+before it) and a ``--signal`` of the user's own, and it refuses job arrays. The same
 reading applies to ``#SBATCH`` lines of a script given with ``--script``;
 command-line options win over them, as in sbatch.
 """
@@ -17,13 +18,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from agent.errors import ConfigError
+from agent.timelimit import parse_slurm_duration, warning_lead_s
 
 _DIRECTIVE = re.compile(r"^#SBATCH\s+(.*)$")
 _NODES = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 # Options Resurgo adds for supervision (the user's own settings of these win
 # where it makes sense, see :func:`supervision_options`).
-SIGNAL_BEFORE_END_S = 180
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class SbatchRequest:
     sets_tasks: bool
     sets_signal: bool
     sets_open_mode: bool = False
+    # ``--time``/``-t`` in seconds (None: the partition's limit); the lead of the
+    # user's own ``--signal=...@N``, which then times the planned stop.
+    time_limit_s: float | None = None
+    signal_lead_s: float | None = None
 
 
 def directives_of(script_text: str) -> tuple[str, ...]:
@@ -94,6 +99,8 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
     nodes: tuple[int, int | None] = (1, None)
     job_name: str | None = None
     sets_nodes = sets_tasks = sets_signal = sets_open_mode = False
+    time_limit_s: float | None = None
+    signal_lead_s: float | None = None
     for name, value in [*_options(directives), *_options(options)]:
         if name in ("-a", "--array"):
             raise ConfigError(
@@ -109,6 +116,10 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
             sets_tasks = True
         elif name == "--signal":
             sets_signal = True
+            lead = (value or "").rpartition("@")[2]
+            signal_lead_s = float(lead) if lead.isdigit() else None
+        elif name in ("-t", "--time"):
+            time_limit_s = parse_slurm_duration(value or "")
         elif name == "--open-mode":
             sets_open_mode = True
     maximum, minimum = nodes
@@ -122,6 +133,8 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
         sets_tasks=sets_tasks,
         sets_signal=sets_signal,
         sets_open_mode=sets_open_mode,
+        time_limit_s=time_limit_s,
+        signal_lead_s=signal_lead_s,
     )
 
 
@@ -154,7 +167,10 @@ def supervision_options(request: SbatchRequest) -> list[str]:
     if not request.sets_tasks:
         added.append("--ntasks-per-node=1")
     if not request.sets_signal:
-        added.append(f"--signal=B:USR1@{SIGNAL_BEFORE_END_S}")
+        # The lead for the limit asked for (a quarter of a short one at most); the
+        # driver's own timer moves it earlier once a save has been measured.
+        lead = int(warning_lead_s(request.time_limit_s))
+        added.append(f"--signal=B:USR1@{lead}")
     return added
 
 

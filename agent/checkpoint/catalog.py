@@ -62,6 +62,22 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:
     return entries
 
 
+def newest_committed_step(root: str | os.PathLike[str]) -> int | None:
+    """The newest step under ``root`` with a commit marker (not validated), cheaply: one
+    directory listing and a stat per step directory, newest first; None when none."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    steps = sorted(
+        (step for step in map(fmt.parse_step_dir_name, names) if step is not None), reverse=True
+    )
+    for step in steps:
+        if (Path(root) / fmt.step_dir_name(step) / fmt.MARKER_NAME).is_file():
+            return step
+    return None
+
+
 def newest_valid(
     root: str | os.PathLike[str], level: Level = Level.FULL
 ) -> tuple[Report | None, list[Report]]:

@@ -168,6 +168,7 @@ def due_on_all_ranks(
     rank: int,
     broadcast: Callable[[bool], bool] = broadcast_from_rank0,
     check_every_steps: int = 1,
+    force: bool = False,
 ) -> bool:
     """The save decision, identical on every rank: rank 0 decides, ``broadcast`` shares it.
 
@@ -176,12 +177,14 @@ def due_on_all_ranks(
     by ``k`` — every rank skips the same steps, so they stay in agreement —
     which trades a save up to ``k - 1`` steps late for one sync per ``k`` steps.
     ``broadcast`` is injectable so tests (and other frameworks) can pass their own.
+    ``force`` (rank 0's) makes a save due now whatever the schedule says: the node
+    agent asked for one before the time limit.
     """
     if check_every_steps < 1:
         raise ValueError(f"check_every_steps must be >= 1, got {check_every_steps!r}")
     if step % check_every_steps:
         return False
-    return broadcast(schedule.due(step, now_s) if rank == 0 else False)
+    return broadcast((force or schedule.due(step, now_s)) if rank == 0 else False)
 
 
 def _env_interval_s(environ: Mapping[str, str]) -> float | None:

@@ -68,10 +68,16 @@ from agent.checkpoint.retention import RetentionPolicy, apply_retention
 from agent.checkpoint.save import Checkpointer, SaveResult, WhenBusy
 from agent.checkpoint.validate import Level, validate
 from agent.errors import CheckpointError, CheckpointInvalid, ConfigError
-from agent.train.heartbeat import Heartbeat, default_heartbeat
+from agent.stopfiles import SaveRequest
+from agent.train.heartbeat import Heartbeat, Phase, default_heartbeat
 from agent.train.rng import capture_rng_state, restore_rng_state
 from agent.train.sampler import GlobalBatchSampler
-from agent.train.schedule import CheckpointSchedule, IntervalSource, due_on_all_ranks
+from agent.train.schedule import (
+    CheckpointSchedule,
+    IntervalSource,
+    broadcast_from_rank0,
+    due_on_all_ranks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,9 @@ ENV_RESUME_FROM = "RESURGO_RESUME_FROM"
 ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 # Keep the last 3 committed checkpoints (a bug can take two saves to show).
 DEFAULT_RETENTION = RetentionPolicy()
+# After a checkpoint the node agent asked for (the time limit is near), how long
+# the ranks wait for the agent's stop before they train on.
+HOLD_FOR_STOP_S = 120.0
 
 
 class TrainingSession:
@@ -143,6 +152,9 @@ class TrainingSession:
             after_commit=self._after_commit if retention is not None else None,
         )
         self._interval = interval if interval is not None else IntervalSource(dict(env))
+        # The node agent's "checkpoint now" (before the time limit): rank 0 reads it.
+        self._save_request = SaveRequest.from_env(env)
+        self._hold_next = False
         self.step = 0
         self._compute_s: float | None = None  # in compute() during this step
         self._schedule = CheckpointSchedule(
@@ -297,6 +309,8 @@ class TrainingSession:
                 "restored RNG state was never applied: call session.restore_rng() after "
                 "creating the data iterator and before the first training step"
             )
+        if self._hold_next:
+            self._hold_for_stop()
         cursor = self._sampler.consumed_total if self._sampler is not None else None
         self.step += 1
         if self._sampler is not None:
@@ -308,9 +322,37 @@ class TrainingSession:
             # Every rank's progress feeds hang detection; its compute time, stragglers.
             self._heartbeat.beat(self.step, compute_s=compute_s)
         self._schedule.set_interval(self._interval.current())
-        if not due_on_all_ranks(self._schedule, self.step, self._clock(), rank=self.rank):
+        now = self._clock()
+        requested = self.rank == 0 and self._save_request.pending(now)
+        if not due_on_all_ranks(self._schedule, self.step, now, rank=self.rank, force=requested):
             return None
-        return self.save()
+        # Rare (once per save): every rank learns whether it was the requested one.
+        requested = broadcast_from_rank0(requested)
+        result = self.save()
+        if requested:
+            # Held at the next step's end, so what the script does with this
+            # step (its log line, its metrics) still happens.
+            self._save_request.honoured()
+            self._hold_next = True
+        return result
+
+    def _hold_for_stop(self) -> None:
+        """After the checkpoint the node agent asked for: commit it, then wait to be stopped.
+
+        The agent asks only before the time limit, and stops the ranks once it
+        sees the commit, so a step trained now would be lost. The wait is
+        bounded: if no stop comes, training goes on.
+        """
+        self._hold_next = False
+        log.info("final checkpoint before the time limit at step %d: waiting to be stopped",
+                 self.step)  # fmt: skip
+        self.wait()
+        deadline = time.monotonic() + HOLD_FOR_STOP_S
+        while time.monotonic() < deadline:
+            self._heartbeat.beat(self.step, Phase.CHECKPOINT)
+            time.sleep(0.5)
+        log.warning("no stop came %.0f s after the requested checkpoint: training on",
+                    HOLD_FOR_STOP_S)  # fmt: skip
 
     def save(self) -> SaveResult:
         """Save the current state as ``step-<step>/`` now (every rank)."""

@@ -117,6 +117,7 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
         "node_rank": 0,
     },
     EventKind.AGENT_STOPPED: {"reason": "done"},
+    EventKind.TIME_LIMIT_NEAR: {"end_unix_s": 1.7e9, "save_by_unix_s": 1.7e9 - 60, "attempt": 1},
 }
 
 

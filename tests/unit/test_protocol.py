@@ -106,6 +106,7 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
         "node_rank": 2,
     },
     EventKind.AGENT_STOPPED: {"reason": "SIGTERM from Slurm"},
+    EventKind.TIME_LIMIT_NEAR: {"end_unix_s": 1.7e9, "save_by_unix_s": 1.7e9 - 60, "attempt": 1},
     EventKind.STEP_LOSSES: {
         "global_rank": 0,
         "steps": [

@@ -20,6 +20,7 @@ PURE_MODULES = (
     "agent/protocol.py",
     "agent/launch.py",
     "agent/hang.py",
+    "agent/timelimit.py",
     "agent/train/sampler.py",
     "supervisor/errors.py",
     "supervisor/slurm/parse.py",
