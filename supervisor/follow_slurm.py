@@ -104,6 +104,10 @@ def _adopt(
     """Slurm requeued the job itself: follow it into REQUEUED; never requeue on top of it."""
     preempted = "preempt" in seen.reason.lower()
     cause = Cause.PREEMPTED if preempted else Cause.SLURM_REQUEUE
+    if record.time_limit_end_s is not None:
+        # The driver requeued its own job before the time limit (the supervisor
+        # was away or late): the planned stop, no fault.
+        cause = Cause.TIME_LIMIT
     pending = record.recovery
     if (
         record.state in (JobState.RECOVERING, JobState.RELAUNCHING)

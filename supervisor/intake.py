@@ -41,7 +41,7 @@ from supervisor.goodput import Goodput
 from supervisor.intents import RelaunchStep
 from supervisor.jobs import JobSpec
 from supervisor.model import JobRecord, JobState
-from supervisor.observations import Observation, StepProgress, from_event
+from supervisor.observations import Observation, StepProgress, TimeLimitNear, from_event
 from supervisor.policy import Policy
 from supervisor.reconcile import command_attempt
 from supervisor.store import Store
@@ -334,6 +334,15 @@ class Intake:
             return DriverAnswer(
                 DriverAction.STOP, record.attempt, reason=record.final_reason or record.state.value
             )
+        if request.phase is DriverPhase.TIME_LIMIT:
+            stopped = request.exit_code is not None
+            self._enqueue(job_id, TimeLimitNear(request.time_left_s, stopped, request.attempt))
+            return DriverAnswer(
+                DriverAction.WAIT,
+                record.attempt,
+                reason="requeueing for the time limit" if stopped else "planned stop noted",
+                retry_after_s=DRIVER_RETRY_S,
+            )
         if request.phase is DriverPhase.RUNNING:
             pending = self.executor.pending_relaunch(job_id)
             if pending is not None and pending.attempt > (request.attempt or 0):
@@ -390,6 +399,7 @@ _DECIDED_KINDS = frozenset(
         EventKind.CHECKPOINT_COMMITTED,
         EventKind.LAUNCHER_EXITED,  # closes an exit window early
         EventKind.AGENT_STOPPED,
+        EventKind.TIME_LIMIT_NEAR,  # the ranks stop for the time limit: no fault
     }
 )
 

@@ -265,6 +265,9 @@ class JobRecord:
     not_before_s: float | None = None
     recovery: Recovery | None = None
     final_reason: str = ""
+    # A planned stop for the time limit is under way: Slurm ends the job then
+    # (the supervisor's clock). The ranks save and stop; nothing is a fault.
+    time_limit_end_s: float | None = None
 
     def restarts_for(self, cause: Cause) -> int:
         """How many restarts ``cause`` has caused so far."""
@@ -397,7 +400,12 @@ def record_from_json(text: str) -> JobRecord:
             f"job record version {found!r} is not {RECORD_VERSION}: "
             "migrate the store with the Resurgo version that wrote it"
         )
-    values = {f.name: _get(doc, f.name) for f in fields(JobRecord)}
+    # Fields newer than the record format: absent in records written before them.
+    later: dict[str, Any] = {"time_limit_end_s": None}
+    values: dict[str, Any] = {
+        f.name: doc.get(f.name, later[f.name]) if f.name in later else _get(doc, f.name)
+        for f in fields(JobRecord)
+    }
     try:
         values["state"] = JobState(values["state"])
         values["nodes"] = tuple(values["nodes"])

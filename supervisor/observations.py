@@ -50,6 +50,7 @@ class AgentEvent:
     error_digest: str | None = None
     detail: str = ""
     exit_time_s: float | None = None
+    time_left_s: float | None = None  # TIME_LIMIT_NEAR: until Slurm ends the job
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,16 @@ class CancelRequested:
 
 
 @dataclass(frozen=True)
+class TimeLimitNear:
+    """The in-job driver's word: the time limit is ``time_left_s`` away (None: unknown);
+    with ``stopped``, the ranks stopped for it (the step of ``attempt`` ended)."""
+
+    time_left_s: float | None
+    stopped: bool = False
+    attempt: int | None = None
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed; closes the hang and rank exit evidence windows, releases the backoff."""
 
@@ -130,6 +141,7 @@ Observation = (
     | RelaunchFinished
     | StepProgress
     | CancelRequested
+    | TimeLimitNear
     | Tick
 )
 
@@ -190,4 +202,14 @@ def from_event(event: Event) -> AgentEvent:
         error_digest=digest if isinstance(digest, str) else None,
         detail=detail,
         exit_time_s=_opt_float(payload, "exit_time_unix_s"),
+        time_left_s=_time_left(event),
     )
+
+
+def _time_left(event: Event) -> float | None:
+    """Seconds from the event to the job's end, both by the agent's clock (so the
+    supervisor's own clock needs no agreement with the node's)."""
+    end = _opt_float(event.payload, "end_unix_s")
+    if event.kind is not EventKind.TIME_LIMIT_NEAR or end is None:
+        return None
+    return max(0.0, end - event.time_unix_s)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, fields, replace
 
 from agent.errors import ConfigError
 from agent.protocol import EventKind
-from supervisor import follow_slurm, recovery
+from supervisor import follow_slurm, planned_stop, recovery
 from supervisor.blame import (
     Blame,
     blame,
@@ -76,6 +76,7 @@ from supervisor.observations import (
     SlurmJobSeen,
     SlurmNodeSeen,
     StepProgress,
+    TimeLimitNear,
 )
 
 __all__ = ["ClusterView", "Decision", "Policy", "decide"]
@@ -208,6 +209,10 @@ def decide(
         return _on_relaunch(record, observation, now_s, cluster)
     if isinstance(observation, StepProgress):
         return _on_progress(record, now_s)
+    if isinstance(observation, TimeLimitNear):
+        return planned_stop.on_notice(
+            record, observation.time_left_s, observation.stopped, now_s, policy, cluster
+        )
     if isinstance(observation, CancelRequested):
         reason = observation.reason or "cancelled on request"
         return recovery.stop(record, now_s, JobState.CANCELLED, Cause.OPERATOR, reason)
@@ -236,6 +241,10 @@ def _on_agent_event(
     kind = event.kind
     if kind is EventKind.CHECKPOINT_COMMITTED:
         return _on_commit(record, event, now_s, policy, cluster)
+    if kind is EventKind.TIME_LIMIT_NEAR:
+        return planned_stop.on_notice(record, event.time_left_s, False, now_s, policy, cluster)
+    if record.time_limit_end_s is not None and kind in (EventKind.RANK_EXITED, EventKind.HANG):
+        return planned_stop.during_stop(record, f"{kind.value} on {event.node}")
     if kind is EventKind.RANK_EXITED:
         return _on_rank_exit(record, event, now_s, policy, cluster)
     if kind is EventKind.HANG:
@@ -260,6 +269,8 @@ def _on_commit(
     committed = _nothing(record, f"checkpoint committed at step {event.step}")
     if not policy.grow_back or record.state is not JobState.RUNNING or event.path is None:
         return committed
+    if record.time_limit_end_s is not None:
+        return committed  # the planned stop requeues the job anyway
     # Right after a commit a restart loses no work: the moment to grow back.
     grown = recovery.grow(record, now_s, policy, cluster, event.path, event.step)
     return grown or committed
@@ -537,6 +548,9 @@ def _on_relaunch(
 
 
 def _on_tick(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:
+    deadline = planned_stop.on_tick(record, now_s, policy, cluster)
+    if deadline is not None:
+        return deadline
     pending = record.recovery
     if record.state is not JobState.RECOVERING or pending is None:
         return _nothing(record, "nothing waits")

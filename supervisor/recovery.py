@@ -28,6 +28,7 @@ from supervisor.intents import (
     StopJob,
     StopRanks,
     ValidateCheckpoints,
+    ValidationLevel,
 )
 from supervisor.model import (
     MAX_SIGNATURES,
@@ -162,8 +163,15 @@ def start(
     slurm_took_it: bool = False,
     stop_ranks: bool = True,
 ) -> Decision:
-    """Begin a recovery for ``blame.cause``: budget, drain, stop ranks, validate checkpoints."""
+    """Begin a recovery for ``blame.cause``: budget, drain, stop ranks, validate checkpoints.
+
+    During a planned stop for the time limit the allocation is about to end:
+    whatever the cause, the job is requeued, never relaunched inside it.
+    """
     cause = blame.cause
+    if record.time_limit_end_s is not None:
+        requeue = True
+        record = replace(record, time_limit_end_s=None)
     progress = made_progress(record)
     if cause in NO_BUDGET_CAUSES:
         not_before = None
@@ -198,7 +206,10 @@ def start(
     intents: list[Intent] = list(drain_intents)
     if stop_ranks and not requeue:
         intents.append(StopRanks(record.job_id, record.attempt, policy.stop_grace_s))
-    intents.append(ValidateCheckpoints(record.job_id, record.attempt, policy.validation_level))
+    # Before the time limit, a full read of a large checkpoint takes longer than the
+    # time left, and healthy ranks just wrote it (supervisor.planned_stop).
+    level = ValidationLevel.QUICK if cause is Cause.TIME_LIMIT else policy.validation_level
+    intents.append(ValidateCheckpoints(record.job_id, record.attempt, level))
     return decision(record, tuple(intents), cause, f"{cause.value}: {drained}")
 
 

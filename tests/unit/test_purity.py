@@ -35,6 +35,7 @@ PURE_MODULES = (
     "supervisor/probation.py",
     "supervisor/verify.py",
     "supervisor/sbatch.py",
+    "supervisor/planned_stop.py",
     "supervisor/simulate.py",
     "supervisor/stragglers.py",
     "supervisor/store/rows.py",

@@ -1,0 +1,98 @@
+"""The time limit as a planned stop, in the decision core; pure.
+
+The agents and the driver carry the stop out by themselves (:mod:`agent.timelimit`):
+a final checkpoint, a graceful stop, and, when the supervisor does not, a
+requeue by the driver. The core's part:
+
+- the driver's or an agent's notice (:func:`on_notice`) marks the job as
+  stopping (``JobRecord.time_limit_end_s``): from then on the ranks' exits and
+  hang reports are the stop, not faults (:func:`during_stop`);
+- when the ranks have stopped, or the end is close (:data:`REQUEUE_MARGIN_S`),
+  the job is requeued at its size (:func:`requeue`): cause ``time_limit``, no
+  blame, no drain, no budget, and a QUICK validation (marker, manifest, DCP
+  metadata), because a full read of a large checkpoint takes longer than the
+  time left and the ranks that wrote it were healthy. A save cut short by the
+  limit has no commit marker, so the previous committed checkpoint is chosen.
+
+A notice during a fault's recovery only turns it to the requeue path: the
+allocation is about to end, so the fast path inside it is pointless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from supervisor import recovery
+from supervisor.blame import Blame
+from supervisor.model import Cause, ClusterView, JobRecord, JobState
+from supervisor.recovery import LIVE, decision
+
+if TYPE_CHECKING:
+    from supervisor.policy import Decision, Policy
+
+# Requeue no later than this long before Slurm ends the job: requeuehold,
+# resize and release take a few seconds, and a requeue after the end cannot
+# hold the job any more.
+REQUEUE_MARGIN_S = 15.0
+# Without a time left from the notice, the end is assumed this far off.
+UNKNOWN_END_S = 60.0
+
+
+def on_notice(
+    record: JobRecord,
+    time_left_s: float | None,
+    stopped: bool,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
+) -> Decision:
+    """The time limit is near (``stopped``: and the ranks stopped for it)."""
+    left = UNKNOWN_END_S if time_left_s is None else time_left_s
+    end_s = now_s + left
+    if record.state in LIVE:
+        known = record.time_limit_end_s
+        record = replace(record, time_limit_end_s=end_s if known is None else min(known, end_s))
+        if stopped:
+            return requeue(record, now_s, policy, cluster, "the ranks stopped for the time limit")
+        if known is not None:
+            return decision(record, (), None, "planned stop for the time limit under way")
+        return decision(
+            record,
+            (),
+            Cause.TIME_LIMIT,
+            f"time limit in {left:.0f} s: the ranks save a final checkpoint and stop, then "
+            f"the job is requeued at {len(record.nodes) or record.original_nodes} node(s)",
+        )
+    pending = record.recovery
+    if record.state is JobState.RECOVERING and pending is not None and not pending.requeue:
+        turned = replace(record, recovery=replace(pending, requeue=True))
+        return decision(
+            turned, (), pending.cause, "time limit near during the recovery: it requeues"
+        )
+    return decision(record, (), None, f"time limit near while {record.state.value}")
+
+
+def during_stop(record: JobRecord, what: str) -> Decision:
+    """An exit or a hang report while the ranks stop for the time limit: no fault."""
+    return decision(record, (), None, f"{what} during the planned stop for the time limit")
+
+
+def on_tick(
+    record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision | None:
+    """Requeue when the end is close and the ranks' stop was never reported; else None."""
+    end_s = record.time_limit_end_s
+    if end_s is None or record.state not in LIVE or now_s < end_s - REQUEUE_MARGIN_S:
+        return None
+    return requeue(
+        record, now_s, policy, cluster, f"{max(0.0, end_s - now_s):.0f} s left of the time limit"
+    )
+
+
+def requeue(
+    record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView, why: str
+) -> Decision:
+    """Requeue at the job's size from the newest committed checkpoint; no fault."""
+    verdict = Blame(None, Cause.TIME_LIMIT, 0.0, (why,))
+    return recovery.start(record, now_s, policy, cluster, verdict, requeue=True, stop_ranks=False)
