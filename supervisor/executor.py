@@ -53,7 +53,12 @@ from supervisor.intents import (
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.observations import CheckpointValidated, Observation, RelaunchFinished
+from supervisor.observations import (
+    CheckpointValidated,
+    Observation,
+    RelaunchFinished,
+    RequeueFailed,
+)
 from supervisor.reconcile import (
     KIND_OF,
     SlurmActions,
@@ -281,6 +286,8 @@ class Executor:
                     intent.action_id, str(error), self._clock(), retryable=retryable
                 )
             _log_transition(intent, "started", "failed", f"retryable={retryable}: {error}")
+            if isinstance(intent, RequeueSmaller) and not retryable:
+                return _Outcome([RequeueFailed(intent.attempt, str(error))], settled=False)
             if gave_up:
                 # The allocation cannot be shrunk (22.05 refused a job's second shrink
                 # for minutes): the fast path failed, the core falls back to a requeue.

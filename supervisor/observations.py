@@ -104,6 +104,14 @@ class RelaunchFinished:
 
 
 @dataclass(frozen=True)
+class RequeueFailed:
+    """Slurm refused the requeue of ``attempt`` for good (the job left slurmctld)."""
+
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class StepProgress:
     """Heartbeats show the job made a training step (``step``)."""
 
@@ -139,6 +147,7 @@ Observation = (
     | SlurmNodeSeen
     | CheckpointValidated
     | RelaunchFinished
+    | RequeueFailed
     | StepProgress
     | CancelRequested
     | TimeLimitNear

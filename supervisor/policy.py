@@ -73,6 +73,7 @@ from supervisor.observations import (
     LeaseExpired,
     Observation,
     RelaunchFinished,
+    RequeueFailed,
     SlurmJobSeen,
     SlurmNodeSeen,
     StepProgress,
@@ -209,6 +210,8 @@ def decide(
         return _on_relaunch(record, observation, now_s, cluster)
     if isinstance(observation, StepProgress):
         return _on_progress(record, now_s)
+    if isinstance(observation, RequeueFailed):
+        return _on_requeue_failed(record, observation, now_s)
     if isinstance(observation, TimeLimitNear):
         return planned_stop.on_notice(
             record, observation.time_left_s, observation.stopped, now_s, policy, cluster
@@ -545,6 +548,19 @@ def _on_relaunch(
     )
     fallback = recovery.relaunch(failing, now_s, cluster)
     return replace(fallback, cause=Cause.RELAUNCH_FAILED)
+
+
+def _on_requeue_failed(record: JobRecord, seen: RequeueFailed, now_s: float) -> Decision:
+    """The requeue cannot happen (the job left Slurm): end the job saying how to go on,
+    rather than show it requeued forever."""
+    if seen.attempt != record.attempt or record.state is not JobState.REQUEUED:
+        return _nothing(record, f"requeue report on attempt {seen.attempt} is stale")
+    resume = record.last_checkpoint_path or "its newest valid checkpoint"
+    reason = (
+        f"Slurm could not requeue the job ({seen.reason}); resubmit it with `resurgo submit` "
+        f"and the same --ckpt-root: it resumes from {resume}"
+    )
+    return recovery.stop(record, now_s, JobState.FAILED, Cause.RELAUNCH_FAILED, reason)
 
 
 def _on_tick(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:

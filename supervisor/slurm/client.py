@@ -236,7 +236,7 @@ class SlurmClient:
         step = "query"
         try:
             job = await self._require(job_id)
-            if job.state in (JobState.RUNNING, JobState.SUSPENDED):
+            if job.state in _REQUEUE_HOLDS:
                 step = "requeuehold"
                 await self._mutate(parse.requeue_hold_argv(job_id))
             step = "wait for pending"
@@ -273,6 +273,25 @@ class SlurmClient:
                 job = await self._require(job_id)
                 if job.state is not JobState.PENDING:
                     raise _NotYet(f"job {job_id} is {job.state_raw}, not PENDING yet")
+
+
+# States from which requeuehold brings the job back under the same id: running
+# ones, and ended ones while slurmctld still holds the job (MinJobAge): a job
+# that reached its time limit (TIMEOUT) or was preempted before the supervisor
+# acted (verified on Slurm 22.05). Already PENDING/COMPLETING: the requeue landed.
+_REQUEUE_HOLDS = frozenset(
+    {
+        JobState.RUNNING,
+        JobState.SUSPENDED,
+        JobState.TIMEOUT,
+        JobState.PREEMPTED,
+        JobState.NODE_FAIL,
+        JobState.FAILED,
+        JobState.BOOT_FAIL,
+        JobState.DEADLINE,
+        JobState.OUT_OF_MEMORY,
+    }
+)
 
 
 class _NotYet(SlurmError):

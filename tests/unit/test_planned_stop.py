@@ -26,6 +26,7 @@ from supervisor.model import (
 from supervisor.observations import (
     AgentEvent,
     CheckpointValidated,
+    RequeueFailed,
     SlurmJobSeen,
     Tick,
     TimeLimitNear,
@@ -155,3 +156,17 @@ def test_records_without_the_time_limit_field_still_read() -> None:
 
 def test_cluster_view_is_unchanged_by_a_notice() -> None:
     assert decide(running(), TimeLimitNear(None), NOW, STRICT, ClusterView()).intents == ()
+
+
+def test_a_requeue_slurm_refuses_for_good_fails_the_job_saying_how_to_resume() -> None:
+    chosen = step(
+        step(noticed(), TimeLimitNear(60.0, stopped=True)).record,
+        CheckpointValidated(140, "/ckpt/step-140", True),
+    ).record
+    assert chosen.state is JobState.REQUEUED
+    refused = step(chosen, RequeueFailed(chosen.attempt, "job 42 is not listed"))
+    assert refused.record.state is JobState.FAILED
+    assert "resurgo submit" in refused.record.final_reason
+    assert "same --ckpt-root" in refused.record.final_reason
+    stale = step(chosen, RequeueFailed(chosen.attempt - 1, "old"))
+    assert stale.record.state is JobState.REQUEUED
