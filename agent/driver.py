@@ -58,6 +58,7 @@ from agent import protocol
 from agent.checkpoint.catalog import list_checkpoints
 from agent.client import Rejected, load_secret, signed_post
 from agent.errors import ConfigError, ResurgoError
+from agent.ports import rendezvous_port
 from agent.protocol import DriverAction, DriverAnswer, DriverPhase, DriverRequest
 from agent.stopfiles import clear_notice, write_notice
 from agent.timelimit import REQUEUE_MARGIN_S, Notice, parse_slurm_duration, warning_lead_s
@@ -66,7 +67,11 @@ log = logging.getLogger("resurgo.driver")
 
 # A relaunched step that fails this fast did not start (bad node list, srun refused).
 START_CHECK_S = 5.0
-MASTER_PORT_BASE = 29500
+# Slurm's USR1 this much earlier than the lead is taken as early, not as the moment.
+EARLY_WARNING_SLACK_S = 5.0
+# The supervisor requeues as soon as the ranks stopped; the driver does it itself
+# only this close to the end (the requeue takes about two seconds).
+SELF_REQUEUE_BEFORE_END_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -159,19 +164,16 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
     )
 
 
-def master_port(job_id: str, attempt: int) -> int:
-    """A rendezvous port per job and attempt: a new launch never meets an old one's socket."""
-    return MASTER_PORT_BASE + (int(job_id) % 500) * 10 + attempt % 10
-
-
 def agent_argv(
     settings: DriverSettings,
     nodes: Sequence[str],
     master_addr: str,
     attempt: int,
     resume_from: str | None,
+    master_port: int,
 ) -> list[str]:
-    """``srun`` running one node agent per node of ``nodes``, each launching the command."""
+    """``srun`` running one node agent per node of ``nodes``, each launching the command
+    (``master_port``: from :func:`agent.ports.rendezvous_port`)."""
     count = str(len(nodes))
     return [
         "srun",
@@ -185,7 +187,7 @@ def agent_argv(
         "--supervisor-url", settings.supervisor_url,
         "--secret-file", str(settings.job_dir / "secret"),
         "--master-addr", master_addr,
-        "--master-port", str(master_port(settings.job_id, attempt)),
+        "--master-port", str(master_port),
         "--launch-nonce", str(attempt),
         "--attempt", str(attempt),
         "--ckpt-root", settings.ckpt_root,
@@ -250,7 +252,7 @@ class Driver:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
-        loop.add_signal_handler(signal.SIGUSR1, self._on_time_limit)
+        loop.add_signal_handler(signal.SIGUSR1, self._on_slurm_warning)
         # A notice from an earlier run of this job (requeued) is not this run's.
         clear_notice(self.settings.job_dir)
         async with aiohttp.ClientSession() as session:
@@ -349,7 +351,9 @@ class Driver:
         self._attempt = answer.attempt
         nodes = answer.nodes or await current_nodes(self._environ)
         master = await node_address(nodes[0], self._environ)
-        argv = agent_argv(self.settings, nodes, master, answer.attempt, answer.resume_from)
+        port = await rendezvous_port(nodes[0], self._environ, self.settings.python,
+                                     job_id=self.settings.job_id, attempt=answer.attempt)  # fmt: skip
+        argv = agent_argv(self.settings, nodes, master, answer.attempt, answer.resume_from, port)
         log.info(
             "attempt %d: %d node(s) %s, resume from %s",
             answer.attempt, len(nodes), ",".join(nodes), answer.resume_from or "(newest valid)",
@@ -390,13 +394,14 @@ class Driver:
         passed (None then)."""
         body = protocol.encode_driver_request(request)
         limit_s = self.settings.supervisor_wait_s if wait_s is None else wait_s
+        started_s = time.monotonic()
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_delay(limit_s),
             wait=self._backoff,
             retry=tenacity.retry_if_exception_type((aiohttp.ClientError, TimeoutError, Rejected)),
             before_sleep=lambda state: log.warning(
-                "supervisor did not answer (%s); retrying",
-                state.outcome and state.outcome.exception(),
+                "supervisor: no answer for %.0f s (gives up after %.0f s): %s; retrying",
+                state.seconds_since_start, limit_s, state.outcome and state.outcome.exception(),
             ),
             reraise=True,
         )
@@ -414,9 +419,11 @@ class Driver:
                     )
                     return protocol.decode_driver_answer(data)
         except (aiohttp.ClientError, TimeoutError, Rejected) as error:
-            log.error(
-                "supervisor unreachable for %.0f s: %s", self.settings.supervisor_wait_s, error
-            )
+            log.log(
+                logging.ERROR if limit_s > 0 else logging.WARNING,
+                "supervisor unreachable: no answer for %.0f s (gave up after %.0f s): %s",
+                time.monotonic() - started_s, limit_s, error,
+            )  # fmt: skip
         return None
 
     # -- the time limit: a planned stop (agent.timelimit) -------------------------
@@ -472,12 +479,29 @@ class Driver:
             if left_s <= lead_s:
                 log.info("%.0f s left of the time limit (%.0f s): planned stop", left_s,
                          limit_s or 0.0)  # fmt: skip
-                self._on_time_limit()
+                self._begin_stop()
                 return
             await asyncio.sleep(min(60.0, max(1.0, left_s - lead_s)))
 
-    def _on_time_limit(self) -> None:
-        """The time limit is near (Slurm's USR1 or the timer): begin the planned stop once."""
+    def _on_slurm_warning(self) -> None:
+        """Slurm's USR1 (``--signal=B:USR1@LEAD``): the end is near, or not quite yet."""
+        if not self._time_limit:
+            self._spawn(self._slurm_warned())
+
+    async def _slurm_warned(self) -> None:
+        """Slurm sends the signal up to a minute early (its event resolution, man sbatch):
+        when the time left is known and still longer than the lead, the timer starts the
+        stop at the right moment instead (a one-minute job would lose half its run)."""
+        left_s, limit_s = await self._time_left()
+        lead_s = self._lead_s(limit_s)
+        if left_s is not None and left_s > lead_s + EARLY_WARNING_SLACK_S:
+            log.info("Slurm's warning came %.0f s before the end; the planned stop starts "
+                     "%.0f s before it", left_s, lead_s)  # fmt: skip
+            return
+        self._begin_stop()
+
+    def _begin_stop(self) -> None:
+        """The time limit is near: begin the planned stop, once."""
         if self._time_limit:
             return
         log.warning("time limit near: final checkpoint, graceful stop, requeue")
@@ -491,7 +515,10 @@ class Driver:
         if left_s is None:
             left_s = self._lead_s(limit_s)  # USR1 came: about the lead is left
         self._end_unix_s = now + left_s
-        save_by = now + max(0.0, left_s - self.settings.stop_grace_s - REQUEUE_MARGIN_S)
+        # Saving may take the time left but the grace and the requeue's room, and at
+        # least half of it when the lead is short.
+        save_s = max(left_s / 2, left_s - self.settings.stop_grace_s - REQUEUE_MARGIN_S)
+        save_by = now + save_s
         notice = Notice(self._attempt, now, save_by, self._end_unix_s)
         try:
             write_notice(self.settings.job_dir, notice)
@@ -524,9 +551,9 @@ class Driver:
                     exit_code=returncode, time_left_s=max(0.0, end_unix_s - self._clock()),
                     reason="stopped for the time limit",
                 ),
-                wait_s=max(0.0, end_unix_s - self._clock() - REQUEUE_MARGIN_S / 2) / 2,
+                wait_s=max(0.0, end_unix_s - self._clock() - SELF_REQUEUE_BEFORE_END_S) / 2,
             )  # fmt: skip
-        self_requeue_at = end_unix_s - REQUEUE_MARGIN_S / 2
+        self_requeue_at = end_unix_s - SELF_REQUEUE_BEFORE_END_S
         while not self._stopping and self._clock() < self_requeue_at:
             await asyncio.sleep(min(1.0, max(0.0, self_requeue_at - self._clock())))
         if self._stopping:

@@ -31,10 +31,10 @@ from supervisor.recovery import LIVE, decision
 if TYPE_CHECKING:
     from supervisor.policy import Decision, Policy
 
-# Requeue no later than this long before Slurm ends the job: requeuehold,
-# resize and release take a few seconds, and a requeue after the end cannot
-# hold the job any more.
-REQUEUE_MARGIN_S = 15.0
+# Requeue no later than this long before Slurm ends the job when the ranks'
+# stop was never reported: requeuehold, resize and release take about 2 s
+# (a requeue just after the end still works while slurmctld holds the job).
+REQUEUE_MARGIN_S = 5.0
 # Without a time left from the notice, the end is assumed this far off.
 UNKNOWN_END_S = 60.0
 

@@ -40,17 +40,31 @@ time.sleep(float(runs[min(calls, len(runs)) - 1]))
 sys.exit(codes[min(calls, len(codes)) - 1])
 """
 FAKE_SCONTROL = """#!/bin/sh
+if [ "$1" = requeue ]; then echo "$@" >> "$FAKE_REQUEUES"; exit 0; fi
 case "$2" in
   hostnames) echo node1; echo node2; echo node3 ;;
   node) echo "NodeName=$3 Arch=x86_64 NodeAddr=10.0.0.${3#node} NodeHostName=$3" ;;
 esac
+"""
+# squeue -o "%L %l": the time left and the limit, from a file the test writes.
+FAKE_SQUEUE = """#!/bin/sh
+cat "$FAKE_TIME_LEFT" 2>/dev/null || echo "UNLIMITED UNLIMITED"
+"""
+# A step whose agents stop their ranks when the driver's time-limit notice appears.
+FAKE_SRUN_STOPPING = """#!/usr/bin/env python3
+import os, sys, time
+notice = sys.argv[sys.argv.index("--time-limit-file") + 1]
+for _ in range(300):
+    if os.path.exists(notice):
+        sys.exit(1)
+    time.sleep(0.1)
 """
 
 
 def fake_bin(tmp_path: Path, codes: list[int]) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
         path = bin_dir / name
         path.write_text(text)
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -59,8 +73,12 @@ def fake_bin(tmp_path: Path, codes: list[int]) -> dict[str, str]:
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "FAKE_LOG": str(tmp_path / "srun.log"),
         "FAKE_CODES": str(tmp_path / "codes.json"),
+        "FAKE_REQUEUES": str(tmp_path / "requeues.log"),
+        "FAKE_TIME_LEFT": str(tmp_path / "time-left"),
         "SLURM_JOB_ID": JOB,
         "SLURM_JOB_NODELIST": "node[1-3]",
+        # The batch host: the rendezvous port is probed in the driver's process.
+        "SLURMD_NODENAME": "node1",
     }
 
 
@@ -79,6 +97,7 @@ def drive(
 ) -> tuple[int, MemoryDirectory]:
     environ = {**os.environ, **fake_bin(tmp_path, codes), **settings.pop("environ", {})}
     signals = settings.pop("signals", [])
+    before = settings.pop("before", None)
     job_dir = tmp_path / "state" / "jobs" / JOB
     job_dir.mkdir(parents=True)
     write_secret(job_dir / "secret", SECRET)
@@ -86,6 +105,8 @@ def drive(
     directory.add_job(JOB, SECRET, ("node1", "node2", "node3"))
     for answer in answers:
         directory.answer_driver(JOB, answer)
+    if before is not None:
+        before()
 
     async def scenario() -> int:
         runner = await serve(build_app(directory), "127.0.0.1", 0)
@@ -198,26 +219,62 @@ def test_the_driver_needs_slurm_and_a_command() -> None:
         ["--jobs-dir", "/s", "--supervisor-url", "http://h:1/", "--ckpt-root", "/c", "--", "x"],
         {"SLURM_JOB_ID": "12"},
     )
-    argv = agent_argv(settings, ("a", "b"), "10.0.0.1", 3, None)
+    argv = agent_argv(settings, ("a", "b"), "10.0.0.1", 3, None, 40001)
     assert settings.job_dir == Path("/s/12")
     assert argv[argv.index("--secret-file") + 1] == "/s/12/secret"
     assert argv[argv.index("--supervisor-url") + 1] == "http://h:1"
+    assert argv[argv.index("--master-port") + 1] == "40001"
     assert protocol.DRIVER_PATH == "/v1/driver"
 
 
-def test_before_the_time_limit_the_ranks_are_stopped_and_no_fault_is_reported(
-    tmp_path: Path,
-) -> None:
+def test_a_slurm_warning_long_before_the_lead_does_not_stop_the_ranks(tmp_path: Path) -> None:
+    # Slurm sends USR1 up to a minute early: with 10 minutes left of 30 (lead 180 s)
+    # the ranks train on; the driver's timer stops them at the right moment.
+    (tmp_path / "time-left").write_text("10:00 30:00\n")
     status, directory = drive(
         tmp_path,
         [0],
         [],
         environ={"FAKE_RUN_S": "30"},
-        signals=[(1.5, signal.SIGUSR1), (1.0, signal.SIGTERM)],
+        signals=[(1.5, signal.SIGUSR1), (1.5, signal.SIGTERM)],
     )
-    assert status == 143  # srun ended by the graceful stop; the limit (here SIGTERM) ended it
+    assert status == 143  # ended by the test's SIGTERM, not by a planned stop
+    assert not (tmp_path / "state" / "jobs" / JOB / "time-limit.json").exists()
     phases = [r.phase for r in directory.driver_requests(JOB)]
-    assert DriverPhase.ENDED not in phases  # no fault was reported
+    assert DriverPhase.TIME_LIMIT not in phases and DriverPhase.ENDED not in phases
+
+
+def test_near_the_time_limit_the_agents_get_a_notice_and_the_driver_requeues_itself(
+    tmp_path: Path,
+) -> None:
+    # 12 s left of a 1-minute limit (lead 15 s): the planned stop starts at once; the
+    # memory directory never requeues, so the driver does it itself near the end.
+    (tmp_path / "time-left").write_text("0:12 1:00\n")
+    bin_dir = tmp_path / "bin"
+    environ = {"FAKE_RUN_S": "30"}
+
+    def stopping_srun() -> None:
+        (bin_dir / "srun").write_text(FAKE_SRUN_STOPPING)
+
+    status, directory = drive(
+        tmp_path,
+        [0],
+        [DriverAnswer(DriverAction.LAUNCH, 3)],
+        environ=environ,
+        signals=[(9.0, signal.SIGTERM)],  # Slurm ends the requeued job's script
+        before=stopping_srun,
+    )
+    assert status == 143
+    notice = json.loads((tmp_path / "state" / "jobs" / JOB / "time-limit.json").read_text())
+    assert notice["attempt"] == 3
+    assert notice["warned_unix_s"] < notice["save_by_unix_s"] < notice["end_unix_s"]
+    assert 11.0 <= notice["end_unix_s"] - notice["warned_unix_s"] <= 12.5
+    requests = directory.driver_requests(JOB)
+    limits = [r for r in requests if r.phase is DriverPhase.TIME_LIMIT]
+    assert [r.exit_code for r in limits] == [None, 1]  # the notice, then the ranks stopped
+    assert all(r.attempt == 3 and r.time_left_s is not None for r in limits)
+    assert DriverPhase.ENDED not in [r.phase for r in requests]  # no fault reported
+    assert (tmp_path / "requeues.log").read_text().split() == ["requeue", JOB]
 
 
 def test_a_step_the_supervisor_gave_up_on_is_ended_and_relaunched(tmp_path: Path) -> None:
