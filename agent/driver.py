@@ -351,8 +351,10 @@ class Driver:
         self._attempt = answer.attempt
         nodes = answer.nodes or await current_nodes(self._environ)
         master = await node_address(nodes[0], self._environ)
-        port = await rendezvous_port(nodes[0], self._environ, self.settings.python,
-                                     job_id=self.settings.job_id, attempt=answer.attempt)  # fmt: skip
+        port = await rendezvous_port(
+            nodes[0], self._environ, self.settings.python,
+            job_id=self.settings.job_id, attempt=answer.attempt,
+        )  # fmt: skip
         argv = agent_argv(self.settings, nodes, master, answer.attempt, answer.resume_from, port)
         log.info(
             "attempt %d: %d node(s) %s, resume from %s",
