@@ -58,6 +58,7 @@ from agent.errors import ConfigError, ResurgoError
 from agent.periodic import every
 from agent.protocol import Event, EventKind
 from supervisor import jobs as jobfiles
+from supervisor import silence
 from supervisor.api import bound_port, build_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
 from supervisor.errors import SlurmError
@@ -81,6 +82,7 @@ from supervisor.observations import (
     LeaseExpired,
     Observation,
     RelaunchFinished,
+    SilenceShared,
     SlurmJobSeen,
     SlurmNodeSeen,
     Tick,
@@ -92,7 +94,7 @@ from supervisor.reconcile import KIND_OF, intent_of
 from supervisor.recovery import drain_limit, fast_path_started
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
-from supervisor.store import ActionState, Actor, EventSource, Store
+from supervisor.store import ActionState, Actor, EventSource, LeaseRow, Store
 from supervisor.stragglers import find_stragglers
 from supervisor.timeline import node_faults
 
@@ -438,18 +440,83 @@ class Supervisor(Intake):
         return sum(late for _, late in self._stalls)
 
     def _expire_leases(self, now: float, lease_s: float) -> None:
-        for lease in self.store.expired_leases(now, lease_s):
+        expired = self.store.expired_leases(now, lease_s)
+        if not expired:
+            return
+        live = {
+            job_id: [
+                lease
+                for lease in self.store.leases_for(job_id)
+                if lease.incarnation not in job.stopped and self._current(job, lease.incarnation)
+            ]
+            for job_id, job in self.jobs.items()
+            if not job.record.state.terminal
+        }
+        silent_s = {
+            (lease.job_id, lease.node): now - lease.last_seen_s
+            for leases in live.values()
+            for lease in leases
+        }
+        quiet = silence.quiet_by_job(silent_s, silence.quiet_after_s(lease_s))
+        all_quiet = sum(len(nodes) for nodes in quiet.values())
+        shared: set[str] = set()
+        for lease in expired:
             owner = self.jobs.get(lease.job_id)
+            if lease.job_id in shared:
+                continue
+            if lease.job_id not in live or owner is None:
+                self.store.drop_leases(lease.job_id, [lease.node])
+                continue
+            agents = frozenset(row.node for row in live[lease.job_id])
+            if lease.node not in agents:
+                self.store.drop_leases(lease.job_id, [lease.node])
+                continue
+            job_quiet = quiet.get(lease.job_id, frozenset())
+            verdict = silence.common_cause(
+                agents,
+                job_quiet,
+                len(silent_s),
+                all_quiet,
+                self.policy.silence_share,
+                self.policy.silence_min_agents,
+            )
+            if verdict.common:
+                shared.add(lease.job_id)
+                self._excuse_silence(lease.job_id, owner, live[lease.job_id], job_quiet, now)
+                log.warning(
+                    "job %s: agents on %s silent for up to %.0f s (lease %.0f s): %s; "
+                    "no node blamed, Slurm decides",
+                    lease.job_id, ",".join(sorted(job_quiet)), now - lease.last_seen_s,
+                    lease_s, verdict.reason,
+                )  # fmt: skip
+                self._enqueue(lease.job_id, SilenceShared(tuple(sorted(job_quiet)), verdict.reason))
+                continue
             self.store.drop_leases(lease.job_id, [lease.node])
-            if owner is None or owner.record.state.terminal or lease.incarnation in owner.stopped:
-                continue
-            if not self._current(owner, lease.incarnation):
-                continue
             log.warning(
-                "job %s: agent on %s silent for %.0f s (lease %.0f s)",
-                lease.job_id, lease.node, now - lease.last_seen_s, lease_s,
+                "job %s: agent on %s silent for %.0f s (lease %.0f s): %s",
+                lease.job_id, lease.node, now - lease.last_seen_s, lease_s, verdict.reason,
             )  # fmt: skip
             self._enqueue(lease.job_id, LeaseExpired(lease.node))
+
+    def _excuse_silence(
+        self,
+        job_id: str,
+        job: TrackedJob,
+        leases: Sequence[LeaseRow],
+        quiet: frozenset[str],
+        now: float,
+    ) -> None:
+        """The quiet agents' leases count again from ``now``; Slurm is read afresh.
+
+        Renewed, not dropped: an agent that stays silent while its peers come
+        back expires again one lease later, then alone, as a node fault.
+        Forgetting the last sighting makes the next poll report the job's
+        Slurm state (ended, requeued, running) to the core again.
+        """
+        for lease in leases:
+            if lease.node in quiet:
+                self.store.touch_lease(job_id, lease.node, lease.incarnation, now)
+        job.last_seen = None
 
     async def checkpoint_wal(self) -> None:
         """Fold the store's write-ahead log into the database, in a worker thread."""

@@ -61,6 +61,15 @@ class LeaseExpired:
 
 
 @dataclass(frozen=True)
+class SilenceShared:
+    """The agents on ``nodes`` stopped calling in together with others: a common
+    cause (:mod:`supervisor.silence`), no node fault; ``reason`` says why."""
+
+    nodes: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class SlurmJobSeen:
     """The job as ``squeue --json`` showed it (a failed poll is no observation at all).
 
@@ -143,6 +152,7 @@ class Tick:
 Observation = (
     AgentEvent
     | LeaseExpired
+    | SilenceShared
     | SlurmJobSeen
     | SlurmNodeSeen
     | CheckpointValidated

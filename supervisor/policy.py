@@ -74,6 +74,7 @@ from supervisor.observations import (
     Observation,
     RelaunchFinished,
     RequeueFailed,
+    SilenceShared,
     SlurmJobSeen,
     SlurmNodeSeen,
     StepProgress,
@@ -122,6 +123,11 @@ class Policy:
     - ``relaunch_start_timeout_s``: a relaunched step none of whose agents
       called in by then never started (Slurm kept its nodes busy): the job
       falls back to the requeue path.
+    - ``silence_share`` / ``silence_min_agents``: when at least this share of
+      all agents (and at least that many) go silent within one lease, or every
+      agent of a job does, the silence has a common cause (the supervisor was
+      away, the network, the job ended): no node is blamed for it, and Slurm's
+      view decides (:mod:`supervisor.silence`).
 
     Job sizes (original, minimum, unit) are the job's, on its record.
     """
@@ -149,6 +155,8 @@ class Policy:
     lemon_window_s: float = 7 * 86400.0
     grow_back: bool = True
     relaunch_start_timeout_s: float = 300.0
+    silence_share: float = 0.5
+    silence_min_agents: int = 4
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -164,6 +172,8 @@ class Policy:
                 raise ConfigError(f"policy: {f.name} must be finite and >= 0, got {value!r}")
         if self.max_drain_share_per_hour > 1:
             raise ConfigError("policy: max_drain_share_per_hour is a share, at most 1")
+        if self.silence_share > 1:
+            raise ConfigError("policy: silence_share is a share, at most 1")
         if self.drain_confidence > 1:
             raise ConfigError("policy: drain_confidence is at most 1")
         for name in ("straggler_reports_to_drain", "lemon_blames", "straggler_min_steps"):
@@ -202,6 +212,11 @@ def decide(
         return _on_agent_event(record, observation, now_s, policy, cluster)
     if isinstance(observation, LeaseExpired | SlurmNodeSeen):
         return _on_node(record, observation, now_s, policy, cluster)
+    if isinstance(observation, SilenceShared):
+        # Lease expiry alone blames no node here: Slurm's next reading
+        # (the job ended, a node DOWN) is what decides.
+        silent = ", ".join(observation.nodes)
+        return _nothing(record, f"agents on {silent} silent: {observation.reason}; asking Slurm")
     if isinstance(observation, SlurmJobSeen):
         return follow_slurm.on_job_seen(record, observation, now_s, policy, cluster)
     if isinstance(observation, CheckpointValidated):

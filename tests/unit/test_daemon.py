@@ -353,3 +353,61 @@ def test_a_node_drained_once_returns_after_probation_when_healthy(tmp_path: Path
         assert drain.undrained_by is Actor.SUPERVISOR
 
     run(body, tmp_path, probation_s=600.0)
+
+
+def _beat(supervisor: Supervisor, node: str, at_s: float) -> None:
+    status = protocol.RankStatus(0, 0, 100, 5, "train", at_s, 1.0, 1.1, 1.0, 5)
+    incarnation = f"00000000000000{NODES.index(node) + 1:02x}"
+    supervisor.accept_heartbeat(
+        JOB, protocol.HeartbeatReport(JOB, node, at_s, (status,), incarnation, 1)
+    )
+
+
+def _observed(supervisor: Supervisor) -> list[object]:
+    seen: list[object] = []
+    enqueue = supervisor._enqueue
+
+    def record(job_id: str, observation: Any, *rest: Any) -> None:
+        seen.append(observation)
+        enqueue(job_id, observation, *rest)
+
+    supervisor._enqueue = record  # type: ignore[method-assign]
+    return seen
+
+
+def test_every_agent_of_a_job_silent_at_once_blames_no_node_and_asks_slurm_again(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        for node in NODES:
+            _beat(supervisor, node, NOW + NODES.index(node))
+        seen = _observed(supervisor)
+        clock[0] = NOW + 34.0  # node1's lease (30 s) expired, the others' nearly
+        await supervisor.tick()
+        assert [type(o).__name__ for o in seen] == ["SilenceShared"]
+        assert seen[0].nodes == tuple(NODES)  # type: ignore[attr-defined]
+        # The leases count again from now; the next poll reports the job's Slurm state.
+        assert [lease.last_seen_s for lease in supervisor.store.leases_for(JOB)] == [NOW + 34] * 4
+        assert supervisor.jobs[JOB].last_seen is None
+        await supervisor.settle()
+        assert supervisor.store.drains_since(0) == []
+
+    run(body, tmp_path)
+
+
+def test_one_agent_silent_while_its_peers_report_is_a_node_fault(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        for node in NODES:
+            _beat(supervisor, node, NOW)
+        seen = _observed(supervisor)
+        clock[0] = NOW + 31.0
+        for node in NODES[1:]:
+            _beat(supervisor, node, NOW + 30.0)
+        await supervisor.tick()
+        assert [type(o).__name__ for o in seen] == ["LeaseExpired"]
+        assert seen[0].node == NODES[0]  # type: ignore[attr-defined]
+        assert [lease.node for lease in supervisor.store.leases_for(JOB)] == list(NODES[1:])
+
+    run(body, tmp_path)

@@ -36,6 +36,7 @@ PURE_MODULES = (
     "supervisor/verify.py",
     "supervisor/sbatch.py",
     "supervisor/planned_stop.py",
+    "supervisor/silence.py",
     "supervisor/simulate.py",
     "supervisor/stragglers.py",
     "supervisor/store/rows.py",
