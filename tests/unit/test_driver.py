@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import stat
 from pathlib import Path
@@ -205,6 +206,16 @@ def test_an_unreachable_supervisor_after_a_failure_ends_the_job_with_the_steps_s
     status, _ = drive(tmp_path, [3], [], serve_api=False, supervisor_wait_s=0.5, start_wait_s=0.5)
     assert status == 3
     assert len(srun_calls(tmp_path)) == 1  # no guess at where to relaunch
+
+
+def test_an_unanswered_question_logs_the_time_spent_apart_from_the_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    drive(tmp_path, [0], [], serve_api=False, supervisor_wait_s=600, start_wait_s=2)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(re.search(r"no answer for [0-9] s \(gives up after 2 s\)", m) for m in messages)
+    assert any(re.search(r"no answer for [23] s \(gave up after 2 s\)", m) for m in messages)
+    assert not any("600 s" in r.getMessage() for r in caplog.records)
 
 
 def test_the_driver_needs_slurm_and_a_command() -> None:
