@@ -330,3 +330,69 @@ def test_agents_under_srun_report_a_killed_rank_on_the_right_node(
     assert event.node == node and event.job_id == str(job_id)
     started = next(e for e in events[node] if e.kind is EventKind.AGENT_STARTED)
     assert started.payload["nnodes"] == 2
+
+
+def _notice(tmp_path: Path, save_in_s: float, end_in_s: float) -> Path:
+    from agent.stopfiles import write_notice
+    from agent.timelimit import Notice
+
+    job_dir = tmp_path / "job"
+    job_dir.mkdir(exist_ok=True)
+    now = time.time()
+    write_notice(job_dir, Notice(1, now, now + save_in_s, now + end_in_s))
+    return job_dir
+
+
+def test_a_time_limit_notice_stops_an_uninstrumented_script_at_once(
+    agent_factory, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    notice = tmp_path / "job" / "time-limit.json"
+    agent = agent_factory(
+        ["--stop-grace-s", "5", "--attempt", "1", "--ckpt-root", str(tmp_path / "ckpt"),
+         "--time-limit-file", str(notice), "--time-limit-poll-s", "0.2"],
+        [],
+    )  # fmt: skip
+    agent.wait_file("step.1")
+    _notice(tmp_path, save_in_s=60.0, end_in_s=90.0)
+    near = agent.wait_event(EventKind.TIME_LIMIT_NEAR, 10)
+    assert near.payload["attempt"] == 1
+    stopped = agent.wait_event(EventKind.RANKS_STOPPED, 10)
+    # No heartbeats: no final checkpoint to wait for, the ranks get SIGTERM now.
+    assert "send no heartbeats" in stopped.payload["reason"]
+    assert stopped.time_unix_s - near.time_unix_s < 5.0
+    assert not (tmp_path / "run" / "save-request.json").exists()
+
+
+def test_a_time_limit_notice_asks_instrumented_ranks_for_a_checkpoint_until_its_deadline(
+    agent_factory, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    # The worker saves nothing on request: the agent waits until the notice's
+    # deadline, then stops the ranks anyway (a save cut short keeps the last one).
+    notice = tmp_path / "job" / "time-limit.json"
+    agent = agent_factory(
+        ["--stop-grace-s", "5", "--attempt", "1", "--ckpt-root", str(tmp_path / "ckpt"),
+         "--time-limit-file", str(notice), "--time-limit-poll-s", "0.2"],
+        ["--instrumented"],
+    )  # fmt: skip
+    agent.wait_file("step.1")
+    time.sleep(1.0)  # the ranks' first heartbeats reached the agent
+    _notice(tmp_path, save_in_s=3.0, end_in_s=20.0)
+    near = agent.wait_event(EventKind.TIME_LIMIT_NEAR, 10)
+    request = json.loads((tmp_path / "run" / "save-request.json").read_text())
+    assert isinstance(request["id"], int)
+    stopped = agent.wait_event(EventKind.RANKS_STOPPED, 20)
+    assert "committed by the deadline" in stopped.payload["reason"]
+    assert 2.5 <= stopped.time_unix_s - near.time_unix_s < 10.0
+
+
+def test_a_notice_older_than_the_agent_is_not_its_own(agent_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    job_dir = _notice(tmp_path, save_in_s=60.0, end_in_s=90.0)  # left by an earlier run
+    time.sleep(1.5)
+    agent = agent_factory(
+        ["--attempt", "1", "--time-limit-file", str(job_dir / "time-limit.json"),
+         "--time-limit-poll-s", "0.2"],
+        [],
+    )  # fmt: skip
+    agent.wait_file("step.1")
+    time.sleep(1.5)
+    assert not [e for e in agent.events() if e.kind is EventKind.TIME_LIMIT_NEAR]
