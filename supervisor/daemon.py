@@ -163,7 +163,8 @@ class Supervisor(Intake):
         )
         registry = build_registry(collector)
         lag = LoopLag(registry)
-        app = build_app(self, metrics=lambda: exposition(registry))
+        jobs_dir = str(self.config.jobs_path.resolve())
+        app = build_app(self, metrics=lambda: exposition(registry), jobs_dir=jobs_dir)
         runner = await serve(app, self.config.listen_host, self.config.listen_port)
         self.port = bound_port(runner)
         log.info(

@@ -25,10 +25,11 @@ import math
 import os
 import pwd
 import shlex
+import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,8 +266,18 @@ def sbatch_options(spec: JobSpec) -> list[str]:
     return [*spec.sbatch_options, *named, *sized, *supervision_options(request)]
 
 
-async def submit(spec: JobSpec, jobs_dir: Path | str, slurm: SlurmClient) -> str:
+async def submit(
+    spec: JobSpec,
+    jobs_dir: Path | str,
+    slurm: SlurmClient,
+    confirm: Callable[[str, bytes], Awaitable[str | None]] | None = None,
+) -> str:
     """Submit ``spec`` held, write its directory, release it; return the Slurm job id.
+
+    ``confirm(job_id, secret)``, called while the job is held, returns None
+    when the supervisor registered the job, else why not (``resurgo submit``'s
+    handshake, :mod:`supervisor.registration`): the job is then cancelled and
+    its directory removed.
 
     Raises :class:`SubmitError` with what to do; a job that was submitted but
     could not be registered is cancelled.
@@ -294,6 +305,12 @@ async def submit(spec: JobSpec, jobs_dir: Path | str, slurm: SlurmClient) -> str
         raise SubmitError(
             f"job {job_id} was cancelled: its state directory could not be written ({error})"
         ) from error
+    if confirm is not None:
+        problem = await confirm(str(job_id), read_secret(job_dir(jobs_dir, str(job_id))))
+        if problem is not None:
+            await _cancel_quietly(slurm, job_id)
+            shutil.rmtree(job_dir(jobs_dir, str(job_id)), ignore_errors=True)
+            raise SubmitError(problem)
     try:
         await slurm.release(job_id)
     except SlurmError as error:

@@ -89,6 +89,7 @@ def build_app(
     max_body_bytes: int = protocol.MAX_BODY_BYTES,
     refusal_log_per_minute: int = 20,
     metrics: Callable[[], bytes] | None = None,
+    jobs_dir: str | None = None,
 ) -> web.Application:
     """The supervisor's HTTP API over ``directory``.
 
@@ -97,7 +98,10 @@ def build_app(
     ``GET /v1/jobs/{job_id}`` (the CLI; signed like the rest),
     ``GET /healthz`` and, given ``metrics`` (the exposition text, produced in
     a worker thread since it reads the store), ``GET /metrics`` for Prometheus
-    (both unauthenticated: they carry no secrets). ``clock`` gives Unix
+    (both unauthenticated: they carry no secrets). ``jobs_dir``, the
+    directory the daemon registers jobs from, is named in ``/healthz`` so that
+    ``resurgo submit`` can say which one a supervisor that does not register
+    its job watches (a path every user is told anyway). ``clock`` gives Unix
     seconds for the replay window and the refusal log's rate limit.
     """
     api = _Api(
@@ -106,6 +110,7 @@ def build_app(
         window_s,
         max_body_bytes,
         RefusalLog(logger, clock, per_window=refusal_log_per_minute),
+        jobs_dir,
     )
     app = web.Application(client_max_size=max_body_bytes, middlewares=[api.guard])
     app[_REFUSALS] = api.refusals
@@ -210,8 +215,10 @@ class _Api:
         window_s: int,
         max_body_bytes: int,
         refusals: RefusalLog,
+        jobs_dir: str | None = None,
     ) -> None:
         self._directory = directory
+        self._jobs_dir = jobs_dir
         self._clock = clock
         self._window_s = window_s
         self._max_body_bytes = max_body_bytes
@@ -251,14 +258,16 @@ class _Api:
             return _error(500, "internal", "internal error; the supervisor's log has details")
 
     async def health(self, request: web.Request) -> web.Response:
-        """``GET /healthz``: the server answers; refusal counts by cause, no job data."""
-        return web.json_response(
-            {
-                "status": "ok",
-                "protocol": protocol.PROTOCOL_VERSION,
-                "refused": self.refusals.totals,
-            }
-        )
+        """``GET /healthz``: the server answers; refusal counts by cause and the jobs
+        directory's path, no job data."""
+        document: dict[str, Any] = {
+            "status": "ok",
+            "protocol": protocol.PROTOCOL_VERSION,
+            "refused": self.refusals.totals,
+        }
+        if self._jobs_dir is not None:
+            document["jobs_dir"] = self._jobs_dir
+        return web.json_response(document)
 
     async def events(self, request: web.Request) -> web.Response:
         """``POST /v1/events``: record a batch; acknowledge its ids and return pending commands."""

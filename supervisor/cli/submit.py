@@ -9,8 +9,11 @@ unchanged (so do the ``#SBATCH`` lines of ``--script FILE``); Resurgo adds only
 ``--requeue``, one agent task per node (unless you set task counts) and a
 ``USR1`` warning before the time limit. ``--nodes=2-4`` starts the job on 4
 nodes and lets it shrink down to 2 after faults. The job id is printed as
-sbatch prints it. If the supervisor does not answer, the job is submitted
-anyway and runs unsupervised until the supervisor registers it.
+sbatch prints it. Before the job is released, the supervisor must have
+registered it (``--register-wait-s``): one that reads its jobs from another
+directory gets the job cancelled, with the directories named. If no
+supervisor answers at all, the job is submitted anyway and runs unsupervised
+until the supervisor registers it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,7 @@ import os
 import shlex
 import shutil
 import sys
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,15 @@ from agent.errors import ConfigError
 from supervisor.cli.common import ENV_JOBS_DIR, add_state_dir, jobs_dir
 from supervisor.config import DEFAULT_PORT
 from supervisor.jobs import JobSpec, SubmitError, batch_script, sbatch_options, submit
+from supervisor.registration import Health, Registration, health, refusal, wait_registered
 from supervisor.sbatch import directives_of, parse_request, procs_per_node, training_script
 from supervisor.slurm import SlurmClient
 
 USAGE = "resurgo submit [resurgo options] [sbatch options...] -- COMMAND..."
 ENV_URL = "RESURGO_URL"
 ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
+# A few of the supervisor's Slurm polls (2 s by default), each with its squeue.
+REGISTER_WAIT_S = 15.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(ENV_URL, f"http://localhost:{DEFAULT_PORT}"),
         help=f"the supervisor's URL (default ${ENV_URL} or http://localhost:{DEFAULT_PORT})",
     )
+    parser.add_argument(
+        "--register-wait-s",
+        type=float,
+        default=REGISTER_WAIT_S,
+        help=f"how long the held job waits for the supervisor to register it before it is "
+        f"cancelled (default {REGISTER_WAIT_S:g})",
+    )
     add_state_dir(parser)
     parser.add_argument(
         "--jobs-dir",
@@ -82,12 +93,18 @@ def _fail(message: str, status: int = 1) -> int:
     return status
 
 
-def _supervisor_answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/healthz", timeout=3) as answer:
-            return bool(answer.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+def _confirm(
+    url: str, found: Health, jobs: Path, wait_s: float
+) -> Callable[[str, bytes], Awaitable[str | None]]:
+    """The handshake :func:`supervisor.jobs.submit` runs while the job is held."""
+
+    async def confirm(job_id: str, secret: bytes) -> str | None:
+        seen = await wait_registered(url, job_id, secret, wait_s)
+        if seen is Registration.REGISTERED:
+            return None
+        return refusal(url, job_id, seen, jobs, found, wait_s)
+
+    return confirm
 
 
 def spec_from(args: argparse.Namespace, sbatch_args: list[str], command: list[str]) -> JobSpec:
@@ -146,10 +163,16 @@ def main(argv: Sequence[str]) -> int:
         return 0
     if shutil.which("sbatch") is None:
         return _fail("sbatch is not on PATH: run resurgo submit where Slurm's commands are")
-    supervised = _supervisor_answers(spec.supervisor_url)
+    found = health(spec.supervisor_url)
+    supervised = found is not None
     try:
         jobs = jobs_dir(args.state_dir, args.jobs_dir)
-        job_id = asyncio.run(submit(spec, jobs, SlurmClient()))
+        confirm = (
+            None
+            if found is None
+            else _confirm(spec.supervisor_url, found, Path(jobs), args.register_wait_s)
+        )
+        job_id = asyncio.run(submit(spec, jobs, SlurmClient(), confirm))
     except SubmitError as error:
         return _fail(str(error))
     print(job_id if args.parsable else f"Submitted batch job {job_id}")
