@@ -65,7 +65,7 @@ from supervisor.errors import SlurmError
 from supervisor.executor import Executor, Validator
 from supervisor.goodput import interval_push, mtbf_estimate
 from supervisor.intake import Intake, TrackedJob
-from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RequeueSmaller
+from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RequeueSmaller, ResumeNode
 from supervisor.logs import setup_logging
 from supervisor.looplag import LoopLag
 from supervisor.metrics import StoreCollector, build_registry, exposition
@@ -89,7 +89,7 @@ from supervisor.observations import (
     from_event,
 )
 from supervisor.policy import Decision, Policy, decide
-from supervisor.probation import NodeHistory, release
+from supervisor.probation import NodeHistory, lifted_outside, release
 from supervisor.reconcile import KIND_OF, intent_of
 from supervisor.recovery import drain_limit, fast_path_started
 from supervisor.slurm import SlurmClient
@@ -309,6 +309,7 @@ class Supervisor(Intake):
             log.warning("squeue failed, nothing concluded: %s", error)
             slurm_jobs = None
         await self.register_new_jobs(slurm_jobs)
+        nodes_read_s = self.clock()
         try:
             nodes = await self.slurm.nodes()
         except SlurmError as error:
@@ -316,6 +317,7 @@ class Supervisor(Intake):
             nodes = None
         now = self.clock()
         if nodes is not None:
+            self._note_lifted_drains(nodes, nodes_read_s, now)
             self.cluster = self._cluster_view(nodes, now)
             self._cluster_known.set()
         for job_id, job in self.jobs.items():
@@ -327,6 +329,30 @@ class Supervisor(Intake):
                     self._observe_slurm_job(job_id, job, seen, read_s)
             if nodes is not None:
                 self._observe_nodes(job_id, job, nodes)
+
+    def _note_lifted_drains(self, nodes: dict[str, SlurmNode], read_s: float, now: float) -> None:
+        """Record Resurgo's drains that someone lifted with Slurm's own tools as undone.
+
+        Skips a node whose ResumeNode is in flight: that resume is Resurgo's
+        own, recorded when the executor finishes it.
+        """
+        resuming = {
+            row.args.get("node")
+            for row in self.store.unfinished_actions()
+            if row.kind == KIND_OF[ResumeNode]
+        }
+        ours = [
+            (drain.node, drain.drained_s)
+            for drain in self.store.open_drains()
+            if drain.drained_by is Actor.SUPERVISOR and drain.node not in resuming
+        ]
+        for node in lifted_outside(ours, nodes, read_s):
+            if self.store.record_lifted_outside(node, now_s=now):
+                log.info(
+                    "node %s: Resurgo's drain was lifted outside Resurgo; its blame no "
+                    "longer counts towards the lemon list",
+                    node,
+                )
 
     def _cluster_view(self, nodes: dict[str, SlurmNode], now: float) -> ClusterView:
         drained = frozenset(n for n, node in nodes.items() if node.drained)
@@ -340,6 +366,8 @@ class Supervisor(Intake):
             down=down,
             drains_last_hour=len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR)),
             lemons=frozenset(lemon.node for lemon in lemons),
+            lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
+            lemon_window_s=self.policy.lemon_window_s,
         )
 
     def _observe_slurm_job(
@@ -555,7 +583,11 @@ class Supervisor(Intake):
             attempt = int(drain.action_id.split("/")[1]) if drain.action_id else 0
             history = NodeHistory(
                 drain.node,
-                tuple(row.drained_s for row in self.store.blame_history(drain.node)),
+                tuple(
+                    row.drained_s
+                    for row in self.store.blame_history(drain.node)
+                    if row.counts_as_blame
+                ),
                 drained_at_s=drain.drained_s,
                 drain_job_id=drain.job_id or "",
                 drain_attempt=attempt,

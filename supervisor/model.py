@@ -301,6 +301,8 @@ class ClusterView:
     job (sinfo's IDLE), where a job asking for them starts at once. A job
     below its original size grows back onto idle nodes, so ``idle`` holds
     only nodes the supervised jobs may use (their partition).
+    ``lemon_blames``: (lemon, standing blames within ``lemon_window_s``)
+    pairs, so a decision can say why a lemon is kept out.
     """
 
     usable: frozenset[str] = frozenset()
@@ -309,6 +311,8 @@ class ClusterView:
     drains_last_hour: int = 0
     lemons: frozenset[str] = frozenset()
     idle: frozenset[str] = frozenset()
+    lemon_blames: tuple[tuple[str, int], ...] = ()
+    lemon_window_s: float = 0.0
 
     @property
     def size(self) -> int:

@@ -10,10 +10,12 @@ step 4; the store keeps the blame history and calls these on its schedule.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from supervisor.intents import ResumeNode
 from supervisor.policy import Policy
+from supervisor.slurm.parse import SlurmNode
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,25 @@ def release(
     if is_lemon(history, now_s, policy) or now_s - history.drained_at_s < policy.probation_s:
         return None
     return ResumeNode(history.drain_job_id, history.drain_attempt, history.node)
+
+
+def lifted_outside(
+    open_drains: Iterable[tuple[str, float]], seen: Mapping[str, SlurmNode], read_s: float
+) -> tuple[str, ...]:
+    """The nodes whose open Resurgo drain someone lifted outside Resurgo, sorted.
+
+    ``open_drains`` are (node, drained_s) of Resurgo's open drains; ``seen``
+    is an ``sinfo`` read that started at ``read_s``. A node counts when Slurm
+    lists it and it is not drained: someone resumed it (an admin's
+    ``scontrol update nodename=X state=resume``). A drain recorded after the
+    read started may not show in it yet (Resurgo records a drain once
+    ``scontrol`` returned), so it is left for the next read. A node drained
+    again under someone else's reason is theirs now, but was not lifted: its
+    verdict stands. A node Slurm does not list is unknown, not lifted.
+    """
+    lifted = set()
+    for node, drained_s in open_drains:
+        slurm_node = seen.get(node)
+        if drained_s < read_s and slurm_node is not None and not slurm_node.drained:
+            lifted.add(node)
+    return tuple(sorted(lifted))

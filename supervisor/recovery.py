@@ -292,12 +292,14 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     blocked = tuple(sorted({*recovery.exclude, *cluster.lemons}))
     requeue = RequeueSmaller(record.job_id, record.attempt, size, blocked, recovery.resume_from)
     queued = replace(to_state(ready, JobState.REQUEUED, now_s), nodes=())
+    excluded = exclusions(
+        set(recovery.exclude), f"in this job ({cause.value})", record.nodes, cluster
+    )
     return decision(
         queued,
         (requeue,),
         cause,
-        f"{why}requeue with {size} node(s) excluding {list(blocked)} from "
-        f"{recovery.resume_from or 'scratch'}",
+        f"{why}requeue with {size} node(s) {excluded} from {recovery.resume_from or 'scratch'}",
     )
 
 
@@ -359,5 +361,40 @@ def grow(
         intents,
         Cause.GROW,
         f"idle nodes allow {size} node(s) instead of {len(record.nodes)}: requeue "
-        f"excluding {list(blocked)} from {checkpoint}",
+        f"{exclusions(set(record.blamed_nodes), 'in this job', record.nodes, cluster)} "
+        f"from {checkpoint}",
     )
+
+
+def exclusions(
+    blamed_nodes: AbstractSet[str],
+    blamed_when: str,
+    job_nodes: tuple[str, ...],
+    cluster: ClusterView,
+) -> str:
+    """Which nodes a requeue excludes and why, each by name, for the decision's explanation.
+
+    The exclusion list is ``blamed_nodes`` (``blamed_when`` says when this job
+    blamed them) and the cluster's lemons. The job's nodes that Slurm took
+    out (drained by Slurm or an admin, or down) are named as left out: Slurm
+    places nothing there, so they need no exclusion.
+    """
+    lemon_blames = dict(cluster.lemon_blames)
+    window_s = cluster.lemon_window_s
+    window = f"{window_s / 86400:g} d" if window_s >= 86400 else f"{window_s / 3600:g} h"
+    reasons = []
+    for node in sorted({*blamed_nodes, *cluster.lemons}):
+        why = [f"blamed {blamed_when}"] if node in blamed_nodes else []
+        if node in cluster.lemons:
+            count = lemon_blames.get(node)
+            why.append(f"lemon: {count} blames in {window}" if count else "lemon")
+        reasons.append(f"{node} ({', '.join(why)})")
+    left_out = [
+        f"{node} ({'down' if node in cluster.down else 'drained by Slurm/admin'})"
+        for node in job_nodes
+        if node not in blamed_nodes
+        and node not in cluster.lemons
+        and (node in cluster.down or node in cluster.drained)
+    ]
+    text = "excluding " + (", ".join(reasons) if reasons else "no node")
+    return text + (f"; left out: {', '.join(left_out)}" if left_out else "")

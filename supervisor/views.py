@@ -181,13 +181,18 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
                 "reason": d.reason,
                 "by": d.drained_by.value,
                 "undrained_s": d.undrained_s,
+                "undrained_by": None if d.undrained_by is None else d.undrained_by.value,
+                "withdrawn_s": d.withdrawn_s,
+                "withdrawn_by": None if d.withdrawn_by is None else d.withdrawn_by.value,
             }
             for d in store.blame_history(name)
         ]
     drained = []
     for name in sorted(names):
         node = (slurm_nodes or {}).get(name)
-        if node is not None and not node.drained and name not in open_drains:
+        # Slurm's answer wins: a Resurgo drain someone lifted is not drained,
+        # whether or not the supervisor has recorded it as undone yet.
+        if node is not None and not node.drained:
             continue
         drained.append(
             {

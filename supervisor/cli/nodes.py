@@ -1,25 +1,38 @@
-"""`resurgo nodes [--json]` and `resurgo nodes undrain NODE`: drained nodes and their history.
+"""`resurgo nodes [--json]`, `resurgo nodes undrain NODE [--wrong]`, `resurgo nodes forgive NODE`.
 
 Lists the nodes drained in Slurm (Resurgo's drains and anyone else's) with
 the reason, every node's blame history across jobs, and the lemon list
 (nodes blamed too often, kept out). ``undrain`` returns a node to service
 (``scontrol update state=resume``) and records it in the audit as the
-operator's act. ``--json`` prints :func:`supervisor.views.nodes`.
+operator's act; with ``--wrong`` it also withdraws Resurgo's verdicts
+against the node. ``forgive`` withdraws them alone (the node stays as Slurm
+has it): withdrawn verdicts no longer count towards the lemon list.
+``--json`` prints :func:`supervisor.views.nodes`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sqlite3
 import time
 from typing import Any
 
 from supervisor import views
 from supervisor.cli.common import add_state_dir, duration, fail, open_store, print_json, table
-from supervisor.errors import SlurmError, StoreError
+from supervisor.errors import SlurmCommandFailed, SlurmError, StoreError
 from supervisor.policy import Policy
 from supervisor.slurm import SlurmClient
-from supervisor.store import Actor
+from supervisor.store import Actor, Store
+
+# What scontrol prints when slurmctld refuses a caller without operator
+# rights (22.05: "Invalid user id" for a uid it does not know,
+# "Access/permission denied" for one it knows).
+_NOT_PERMITTED = ("access/permission denied", "invalid user id", "access denied")
+OPERATOR_RIGHTS = (
+    "Slurm refused: returning a node to service needs Slurm operator rights "
+    "(root, the SlurmUser, or AdminLevel=Operator); run it as one, or ask an admin"
+)
 
 
 def register(subparsers: Any) -> None:
@@ -27,8 +40,18 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "nodes", help="drained nodes with reasons, blame history, the lemon list; undrain"
     )
-    parser.add_argument("action", nargs="?", choices=["undrain"], help="undrain NODE")
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=["undrain", "forgive"],
+        help="undrain NODE: return it to service; forgive NODE: Resurgo's verdicts were wrong",
+    )
     parser.add_argument("node", nargs="?", metavar="NODE")
+    parser.add_argument(
+        "--wrong",
+        action="store_true",
+        help="with undrain: the drain was wrong; its blame stops counting towards lemon status",
+    )
     parser.add_argument("--json", action="store_true", help="the documented JSON document")
     add_state_dir(parser)
     parser.set_defaults(func=run)
@@ -52,6 +75,10 @@ def render(document: dict[str, Any], now_s: float) -> str:
         for node, rows in sorted(document["history"].items()):
             for row in rows:
                 back = "" if row["undrained_s"] is None else ", back in service"
+                if row["undrained_by"] == Actor.OUTSIDE.value:
+                    back = ", undone outside Resurgo"
+                if row["withdrawn_s"] is not None:
+                    back += f", verdict withdrawn {duration(now_s - row['withdrawn_s'])} ago"
                 lines.append(
                     f"  {node}: {duration(now_s - row['drained_s'])} ago, {row['cause']} "
                     f"(job {row['job_id']}, by {row['by']}{back})"
@@ -65,25 +92,29 @@ def render(document: dict[str, Any], now_s: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Show the nodes, or undrain one."""
-    if args.action == "undrain" and not args.node:
-        return fail("nodes", "which node? resurgo nodes undrain NODE", 2)
+    """Show the nodes, undrain one, or forgive one."""
+    if args.action and not args.node:
+        return fail("nodes", f"which node? resurgo nodes {args.action} NODE", 2)
+    if args.wrong and args.action != "undrain":
+        return fail("nodes", "--wrong goes with undrain: resurgo nodes undrain NODE --wrong", 2)
     try:
         store = open_store(args.state_dir)
     except StoreError as error:
         return fail("nodes", str(error))
+    except (OSError, sqlite3.Error) as error:
+        return fail("nodes", f"cannot open the store in {args.state_dir}: {error}")
     slurm = SlurmClient()
     with store:
         if args.action == "undrain":
-            try:
-                known = asyncio.run(slurm.nodes())
-                if args.node not in known:
-                    return fail("nodes", f"Slurm has no node {args.node}; see sinfo")
-                asyncio.run(slurm.resume(args.node))
-            except SlurmError as error:
-                return fail("nodes", f"could not undrain {args.node}: {error}")
-            store.record_undrain(args.node, now_s=time.time(), by=Actor.OPERATOR)
-            print(f"{args.node} returned to service")
+            return undrain(store, slurm, args.node, wrong=args.wrong)
+        if args.action == "forgive":
+            withdrawn = store.withdraw_blames(args.node, now_s=time.time())
+            print(
+                f"{args.node}: {withdrawn} verdict(s) withdrawn; they no longer count towards "
+                "lemon status"
+                if withdrawn
+                else f"{args.node}: no standing verdict of Resurgo's to withdraw"
+            )
             return 0
         try:
             slurm_nodes = asyncio.run(slurm.nodes())
@@ -96,4 +127,38 @@ def run(args: argparse.Namespace) -> int:
         print_json(document)
     else:
         print(render(document, now))
+    return 0
+
+
+def undrain(store: Store, slurm: SlurmClient, node: str, *, wrong: bool) -> int:
+    """Resume ``node`` in Slurm and audit it; plain words for a node not drained or a refusal."""
+    try:
+        known = asyncio.run(slurm.nodes())
+        if node not in known:
+            return fail("nodes", f"Slurm has no node {node}; see sinfo")
+        if not known[node].drained:
+            closed = store.record_undrain(node, now_s=time.time(), by=Actor.OPERATOR)
+            note = " (Resurgo's record of its drain closed)" if closed else ""
+            state = known[node].state_raw
+            print(f"{node} is not drained (Slurm state {state}): nothing to undrain{note}")
+            return _withdraw(store, node) if wrong else 0
+        asyncio.run(slurm.resume(node))
+    except SlurmCommandFailed as error:
+        stderr = error.stderr.lower()
+        if "invalid node state" in stderr:  # lifted between our sinfo and the resume
+            print(f"{node} is not drained: nothing to undrain")
+            return 0
+        if any(text in stderr for text in _NOT_PERMITTED):
+            return fail("nodes", f"could not undrain {node}: {OPERATOR_RIGHTS}")
+        return fail("nodes", f"could not undrain {node}: {error}")
+    except SlurmError as error:
+        return fail("nodes", f"could not undrain {node}: {error}")
+    store.record_undrain(node, now_s=time.time(), by=Actor.OPERATOR)
+    print(f"{node} returned to service")
+    return _withdraw(store, node) if wrong else 0
+
+
+def _withdraw(store: Store, node: str) -> int:
+    withdrawn = store.withdraw_blames(node, now_s=time.time())
+    print(f"{node}: {withdrawn} verdict(s) withdrawn; they no longer count towards lemon status")
     return 0

@@ -43,6 +43,7 @@ class Actor(enum.Enum):
 
     SUPERVISOR = "supervisor"
     OPERATOR = "operator"
+    OUTSIDE = "outside"  # outside Resurgo: seen in sinfo, done by no Resurgo command
 
 
 # Anything stored "by value": an enum member or its text.
@@ -195,6 +196,13 @@ class DrainRow:
     undrained_s: float | None
     undrained_by: Actor | None
     action_id: str | None
+    withdrawn_s: float | None = None  # the verdict withdrawn: its blame counts no more
+    withdrawn_by: Actor | None = None
+
+    @property
+    def counts_as_blame(self) -> bool:
+        """Resurgo's own drain whose verdict stands (a lemon mark)."""
+        return self.drained_by is Actor.SUPERVISOR and self.withdrawn_s is None
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,16 @@ CREATE TABLE step_reports (
 CREATE INDEX step_reports_by_step ON step_reports (job_id, step, attempt);
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2)
+# A drain's verdict withdrawn: the drain was lifted outside Resurgo (an admin's
+# `scontrol ... state=resume`), or an operator said it was wrong (`resurgo
+# nodes forgive`). The row stays in the audit; its blame no longer counts
+# towards the lemon list. NULL in every row of an older store: nothing withdrawn.
+_V3 = """
+ALTER TABLE drains ADD COLUMN withdrawn_s REAL;
+ALTER TABLE drains ADD COLUMN withdrawn_by TEXT;
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 RESTORE_HINT = (

@@ -273,6 +273,39 @@ class Store(History, StepReports):
         return cursor.rowcount
 
     @locked
+    def record_lifted_outside(self, node: str, *, now_s: float) -> int:
+        """Close ``node``'s open Resurgo drains as undone outside Resurgo, verdicts withdrawn.
+
+        Someone resumed the node with Slurm's own tools: they judged the drain
+        wrong, so its blame stops counting towards the lemon list. Returns how
+        many drains were open.
+        """
+        with self._tx(durable=True):
+            cursor = self._db.execute(
+                "UPDATE drains SET undrained_s = ?, undrained_by = ?, withdrawn_s = ?,"
+                " withdrawn_by = ? WHERE node = ? AND undrained_s IS NULL AND drained_by = ?",
+                (now_s, Actor.OUTSIDE.value, now_s, Actor.OUTSIDE.value, node,
+                 Actor.SUPERVISOR.value),
+            )  # fmt: skip
+        return cursor.rowcount
+
+    @locked
+    def withdraw_blames(self, node: str, *, now_s: float, by: Actor = Actor.OPERATOR) -> int:
+        """Mark every standing verdict of Resurgo against ``node`` wrong; return how many.
+
+        The drains stay in the audit (an open one stays open: the node is
+        still drained in Slurm until someone resumes it); none counts towards
+        the lemon list any more.
+        """
+        with self._tx(durable=True):
+            cursor = self._db.execute(
+                "UPDATE drains SET withdrawn_s = ?, withdrawn_by = ?"
+                " WHERE node = ? AND drained_by = ? AND withdrawn_s IS NULL",
+                (now_s, by.value, node, Actor.SUPERVISOR.value),
+            )
+        return cursor.rowcount
+
+    @locked
     def open_drains(self) -> list[DrainRow]:
         """Drains not yet undone (the nodes Resurgo or an operator keeps out), oldest first."""
         return self._drains("WHERE undrained_s IS NULL", ())
@@ -293,11 +326,13 @@ class Store(History, StepReports):
     def lemons(self, threshold: int, window_s: float, now_s: float) -> list[Lemon]:
         """Nodes the supervisor drained at least ``threshold`` times in the last ``window_s``.
 
-        Operator drains (maintenance) are not blame and do not count.
+        Operator drains (maintenance) are not blame and do not count, nor do
+        withdrawn verdicts (lifted outside Resurgo, or forgiven).
         """
         rows = self._db.execute(
             "SELECT node, COUNT(*), MAX(drained_s) FROM drains"
-            " WHERE drained_by = ? AND drained_s > ? GROUP BY node HAVING COUNT(*) >= ?"
+            " WHERE drained_by = ? AND drained_s > ? AND withdrawn_s IS NULL"
+            " GROUP BY node HAVING COUNT(*) >= ?"
             " ORDER BY COUNT(*) DESC, node",
             (Actor.SUPERVISOR.value, now_s - window_s, threshold),
         )
@@ -436,7 +471,7 @@ _ACTION_COLUMNS = (
 )
 _DRAIN_COLUMNS = (
     "drain_id, node, cause, job_id, reason, drained_by, drained_s, undrained_s,"
-    " undrained_by, action_id"
+    " undrained_by, action_id, withdrawn_s, withdrawn_by"
 )
 
 
@@ -470,4 +505,6 @@ def _drain(row: tuple[Any, ...]) -> DrainRow:
         undrained_s=row[7],
         undrained_by=None if row[8] is None else Actor(row[8]),
         action_id=row[9],
+        withdrawn_s=row[10],
+        withdrawn_by=None if row[11] is None else Actor(row[11]),
     )
