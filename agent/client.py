@@ -699,7 +699,10 @@ class Reporter:
                 "supervisor acknowledged none of the batch (%s); %s", error.reason, where
             )
         elif isinstance(error, aiohttp.ClientError | TimeoutError | Rejected):
-            logger.warning("supervisor unreachable (%s); %s", _describe(error), where)
+            logger.warning(
+                "supervisor unreachable (%s): no answer for %.0f s (retried without limit); %s",
+                _describe(error), state.seconds_since_start, where,
+            )  # fmt: skip
         else:
             logger.error("sending events failed unexpectedly; %s", where, exc_info=error)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -355,6 +356,7 @@ def test_unreachable_supervisor_is_logged_as_a_warning_with_the_spool_size(
     run(scenario)
     assert "supervisor unreachable" in caplog.text
     assert "2 events spooled in" in caplog.text
+    assert re.search(r"no answer for \d+ s \(retried without limit\)", caplog.text)
 
 
 def test_load_secret_refuses_a_file_others_can_read(tmp_path: Path) -> None:
