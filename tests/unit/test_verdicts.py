@@ -11,6 +11,7 @@ import asyncio
 import json
 import sqlite3
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,11 @@ from supervisor.cli.main import main
 from supervisor.config import SupervisorConfig
 from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmCommandFailed
-from supervisor.model import Cause, ClusterView
+from supervisor.intents import RequeueSmaller
+from supervisor.model import Cause, ClusterView, JobState, Recovery, new_record
 from supervisor.policy import Policy
 from supervisor.probation import lifted_outside
-from supervisor.recovery import exclusions
+from supervisor.recovery import exclusions, relaunch
 from supervisor.slurm.parse import drain_reason
 from supervisor.store import Actor, Store, schema
 from tests.unit.test_executor import FakeSlurm, node
@@ -219,3 +221,22 @@ def test_undrain_wrong_and_forgive_take_the_node_off_the_lemon_list(
     assert history == 0 and "verdict withdrawn" in capsys.readouterr().out
     assert main(["nodes", "forgive", "node2", "--state-dir", str(state_dir)]) == 0
     assert "no standing verdict" in capsys.readouterr().out
+
+
+def test_a_requeue_decision_names_why_each_node_is_excluded() -> None:
+    recovering = replace(
+        new_record("7", 4, NOW, min_nodes=2), state=JobState.RECOVERING,
+        nodes=("node1", "node2", "node3", "node4"),
+        recovery=Recovery(Cause.NODE_LOST, NOW, exclude=("node1",), requeue=True, validated=True,
+                          resume_from="/ckpt/step-10"),
+    )  # fmt: skip
+    cluster = replace(LEMONS, usable=frozenset({"node1", "node2", "node3", "node4", "node5"}),
+                      drained=frozenset({"node4"}))  # fmt: skip
+    made = relaunch(recovering, NOW, cluster)
+    (requeue,) = made.intents
+    assert isinstance(requeue, RequeueSmaller) and requeue.exclude == ("node1", "node2")
+    assert made.explanation == (
+        "requeue with 2 node(s) excluding node1 (blamed in this job (node_lost)), "
+        "node2 (lemon: 3 blames in 7 d); left out: node4 (drained by Slurm/admin) "
+        "from /ckpt/step-10"
+    )
