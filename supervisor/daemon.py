@@ -336,17 +336,20 @@ class Supervisor(Intake):
         Skips a node whose ResumeNode is in flight: that resume is Resurgo's
         own, recorded when the executor finishes it.
         """
+        ours = [
+            (drain.node, drain.drained_s)
+            for drain in self.store.open_drains()
+            if drain.drained_by is Actor.SUPERVISOR
+        ]
+        lifted = lifted_outside(ours, nodes, read_s)
+        if not lifted:
+            return
         resuming = {
             row.args.get("node")
             for row in self.store.unfinished_actions()
             if row.kind == KIND_OF[ResumeNode]
         }
-        ours = [
-            (drain.node, drain.drained_s)
-            for drain in self.store.open_drains()
-            if drain.drained_by is Actor.SUPERVISOR and drain.node not in resuming
-        ]
-        for node in lifted_outside(ours, nodes, read_s):
+        for node in (name for name in lifted if name not in resuming):
             if self.store.record_lifted_outside(node, now_s=now):
                 log.info(
                     "node %s: Resurgo's drain was lifted outside Resurgo; its blame no "

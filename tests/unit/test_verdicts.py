@@ -22,10 +22,11 @@ from supervisor.cli.main import main
 from supervisor.config import SupervisorConfig
 from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmCommandFailed
-from supervisor.intents import RequeueSmaller
+from supervisor.intents import RequeueSmaller, ResumeNode
 from supervisor.model import Cause, ClusterView, JobState, Recovery, new_record
 from supervisor.policy import Policy
 from supervisor.probation import lifted_outside
+from supervisor.reconcile import KIND_OF, args_of
 from supervisor.recovery import exclusions, relaunch
 from supervisor.slurm.parse import drain_reason
 from supervisor.store import Actor, Store, schema
@@ -151,6 +152,26 @@ def test_the_poll_records_a_drain_an_admin_lifted_and_the_cluster_view_forgets_t
             await supervisor.poll()
             assert supervisor.cluster.lemons == frozenset()
             assert supervisor.store.blame_history("node3")[-1].undrained_by is Actor.OUTSIDE
+        finally:
+            supervisor.store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_resurgo_itself_is_resuming_is_not_taken_for_an_outside_resume(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        slurm = Slurm()
+        supervisor = Supervisor(SupervisorConfig(state_dir=str(tmp_path / "state")), Policy(),
+                                slurm=slurm, clock=lambda: NOW)  # type: ignore[arg-type]  # fmt: skip
+        try:
+            drained_twice(supervisor.store, "node3")
+            resume = ResumeNode("7", 1, "node3")
+            supervisor.store.plan_action(resume.action_id, "7", KIND_OF[ResumeNode],
+                                         args_of(resume), NOW)  # fmt: skip
+            await supervisor.poll()  # the fake shows node3 resumed, the executor not done yet
+            assert [d.node for d in supervisor.store.open_drains()] == ["node3"]
         finally:
             supervisor.store.close()
 
