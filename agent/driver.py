@@ -245,6 +245,7 @@ class Driver:
         self._time_limit = False
         self._attempt = 1
         self._end_unix_s: float | None = None
+        self._requeue_failed: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> int:
@@ -403,7 +404,9 @@ class Driver:
             retry=tenacity.retry_if_exception_type((aiohttp.ClientError, TimeoutError, Rejected)),
             before_sleep=lambda state: log.warning(
                 "supervisor: no answer for %.0f s (gives up after %.0f s): %s; retrying",
-                state.seconds_since_start, limit_s, state.outcome and state.outcome.exception(),
+                state.seconds_since_start,
+                limit_s,
+                state.outcome and state.outcome.exception(),
             ),
             reraise=True,
         )
@@ -522,6 +525,7 @@ class Driver:
         save_s = max(left_s / 2, left_s - self.settings.stop_grace_s - REQUEUE_MARGIN_S)
         save_by = now + save_s
         notice = Notice(self._attempt, now, save_by, self._end_unix_s)
+        self._spawn(self._requeue_at_deadline(self._end_unix_s))
         try:
             write_notice(self.settings.job_dir, notice)
         except OSError as error:
@@ -538,15 +542,12 @@ class Driver:
         )  # fmt: skip
 
     async def _await_requeue(self, returncode: int | None) -> int:
-        """The ranks stopped for the time limit: the supervisor requeues the job (which
-        ends this script); if it has not by shortly before the end, requeue it here."""
-        end_unix_s = self._end_unix_s
-        if end_unix_s is None:
-            left_s, limit_s = await self._time_left()
-            end_unix_s = self._clock() + (left_s if left_s is not None else self._lead_s(limit_s))
+        """The ranks stopped for the time limit: the supervisor requeues the job, which
+        ends this script (the deadline task requeues it here if the supervisor does not)."""
         if returncode is not None:
             log.info("ranks stopped for the time limit (step exit %d); the supervisor "
                      "requeues the job", returncode)  # fmt: skip
+            end_unix_s = self._end_unix_s or self._clock()
             await self._ask(
                 DriverRequest(
                     self.settings.job_id, DriverPhase.TIME_LIMIT, attempt=self._attempt,
@@ -555,23 +556,31 @@ class Driver:
                 ),
                 wait_s=max(0.0, end_unix_s - self._clock() - SELF_REQUEUE_BEFORE_END_S) / 2,
             )  # fmt: skip
-        self_requeue_at = end_unix_s - SELF_REQUEUE_BEFORE_END_S
-        while not self._stopping and self._clock() < self_requeue_at:
-            await asyncio.sleep(min(1.0, max(0.0, self_requeue_at - self._clock())))
+        while not self._stopping and self._requeue_failed is None:
+            await asyncio.sleep(0.5)
+        if self._requeue_failed is not None:
+            print(f"resurgo: could not requeue the job before its time limit: "
+                  f"{self._requeue_failed}; resubmit it with `resurgo submit` and the same "
+                  "--ckpt-root: it resumes from its newest valid checkpoint",
+                  flush=True)  # fmt: skip
+            return 1
+        return 143
+
+    async def _requeue_at_deadline(self, end_unix_s: float) -> None:
+        """Shortly before the end, requeue the job unless the supervisor did (a requeue
+        ends this script, so still running then means it did not), whether or not the
+        step has ended: agents still delivering their reports keep it running."""
+        deadline = end_unix_s - SELF_REQUEUE_BEFORE_END_S
+        while not self._stopping and self._clock() < deadline:
+            await asyncio.sleep(min(1.0, max(0.0, deadline - self._clock())))
         if self._stopping:
-            return 143
-        left = end_unix_s - self._clock()
-        log.warning("not requeued by the supervisor with %.0f s left: requeueing the job", left)
+            return
+        log.warning("not requeued by the supervisor with %.0f s left: requeueing the job",
+                    end_unix_s - self._clock())  # fmt: skip
         try:
             await _capture(["scontrol", "requeue", self.settings.job_id], self._environ)
         except (ResurgoError, OSError, TimeoutError) as error:
-            print(f"resurgo: could not requeue the job before its time limit: {error}; "
-                  "resubmit it with `resurgo submit`: it resumes from its newest valid "
-                  "checkpoint", flush=True)  # fmt: skip
-            return 1
-        while not self._stopping:  # Slurm ends this script as it requeues the job
-            await asyncio.sleep(1.0)
-        return 143
+            self._requeue_failed = str(error)
 
     def _on_signal(self, signum: int) -> None:
         self._stopping = True

@@ -464,6 +464,14 @@ class NodeAgent:
                 "attempt": notice.attempt,
             },
         )
+        await self._watch_tick()  # the exits of ranks that just ended, first
+        assert self._watcher is not None
+        if self._exits and not self._watcher.live_ranks:
+            # The ranks finished (or died) before the notice: a stop now would only
+            # end the launcher while it winds down, and turn a finished run into
+            # a stopped one.
+            log.info("time limit near: the ranks have already exited; nothing to stop")
+            return
         root = self.config.ckpt_root
         before = newest_committed_step(root) if root else None
         instrumented = bool(self.monitor.progress)

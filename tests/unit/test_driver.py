@@ -214,7 +214,8 @@ def test_an_unanswered_question_logs_the_time_spent_apart_from_the_limit(
     drive(tmp_path, [0], [], serve_api=False, supervisor_wait_s=600, start_wait_s=2)
     messages = [record.getMessage() for record in caplog.records]
     assert any(re.search(r"no answer for [0-9] s \(gives up after 2 s\)", m) for m in messages)
-    assert any(re.search(r"no answer for [23] s \(gave up after 2 s\)", m) for m in messages)
+    # The time spent depends on the jittered backoff: any, but said apart from the limit.
+    assert any(re.search(r"no answer for \d+ s \(gave up after 2 s\)", m) for m in messages)
     assert not any("600 s" in r.getMessage() for r in caplog.records)
 
 
