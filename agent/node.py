@@ -50,7 +50,7 @@ from agent.launch import Allocation, LaunchPlan, LaunchSettings, plan_launch
 from agent.periodic import every
 from agent.procs import RankExit, RankWatcher, pid_alive
 from agent.steps import StepBuffer
-from agent.stopfiles import read_notice, write_save_request
+from agent.stopfiles import clear_save_request, held_ranks, read_notice, write_save_request
 from agent.timelimit import Notice
 from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
 from agent.train.schedule import CheckpointInterval, format_override
@@ -164,8 +164,7 @@ class NodeAgent:
             with contextlib.suppress(OSError):
                 stale.unlink()
         # A request left by an earlier launch would make the new ranks save at once.
-        with contextlib.suppress(FileNotFoundError):
-            self._save_request_path().unlink()
+        clear_save_request(self._save_request_path())
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._queue.put_nowait, ("signal", {"signum": signum}))
@@ -482,7 +481,10 @@ class NodeAgent:
             outcome = f"no checkpoint newer than step {before} committed by the deadline"
             while self._clocks.wall() < notice.save_by_unix_s:
                 step = newest_committed_step(root)
-                if step is not None and (before is None or step > before):
+                committed = step is not None and (before is None or step > before)
+                live = {rank.global_rank for rank in self._watcher.live_ranks}
+                # Every rank holds after the save: none is cut short in its saved step.
+                if committed and live <= held_ranks(self._save_request_path()):
                     outcome = f"final checkpoint at step {step} committed"
                     break
                 await asyncio.sleep(0.25)

@@ -83,6 +83,12 @@ class SaveRequest:
         """The save for the pending request started."""
         self._honoured = self._pending
 
+    def mark_held(self, rank: int) -> None:
+        """This rank committed the requested checkpoint and waits to be stopped."""
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                held_path(self._path, rank).touch()
+
     def _poll(self, path: Path) -> None:
         try:
             status = path.stat()
@@ -99,6 +105,31 @@ class SaveRequest:
             return
         if isinstance(request, int) and not isinstance(request, bool):
             self._pending = request
+
+
+def held_path(request_path: Path, rank: int) -> Path:
+    """The file a rank leaves beside the request once it holds after the final save."""
+    return request_path.with_name(f"{request_path.name}.held.{rank}")
+
+
+def held_ranks(request_path: Path) -> set[int]:
+    """The global ranks holding after the requested checkpoint."""
+    prefix = f"{request_path.name}.held."
+    found = set()
+    with contextlib.suppress(OSError):
+        for child in request_path.parent.iterdir():
+            if child.name.startswith(prefix) and child.name[len(prefix) :].isdigit():
+                found.add(int(child.name[len(prefix) :]))
+    return found
+
+
+def clear_save_request(request_path: Path) -> None:
+    """Remove a request and its held marks (a new launch starts without them)."""
+    for rank in held_ranks(request_path):
+        with contextlib.suppress(OSError):
+            held_path(request_path, rank).unlink()
+    with contextlib.suppress(FileNotFoundError):
+        request_path.unlink()
 
 
 def write_save_request(path: Path, request_id: int) -> None:

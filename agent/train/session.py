@@ -347,6 +347,9 @@ class TrainingSession:
         log.info("final checkpoint before the time limit at step %d: waiting to be stopped",
                  self.step)  # fmt: skip
         self.wait()
+        # The node agent stops the ranks once every one of them holds: a rank still
+        # busy with the saved step (its log line) is not cut short.
+        self._save_request.mark_held(self.rank)
         deadline = time.monotonic() + HOLD_FOR_STOP_S
         while time.monotonic() < deadline:
             self._heartbeat.beat(self.step, Phase.CHECKPOINT)

@@ -11,6 +11,8 @@ import pytest
 from agent.stopfiles import (
     SaveRequest,
     clear_notice,
+    clear_save_request,
+    held_ranks,
     notice_path,
     read_notice,
     write_notice,
@@ -117,3 +119,17 @@ def test_rank_zeros_request_makes_a_save_due_off_schedule() -> None:
     # Another rank's own flag is never what is shared: rank 0 decides.
     assert not due_on_all_ranks(schedule, 7, 1.0, rank=1, broadcast=broadcast, force=True)
     assert shared == [False, True, False]
+
+
+def test_ranks_holding_after_the_final_save_are_seen_and_cleared_with_the_request(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "save-request.json"
+    write_save_request(path, 1)
+    request = SaveRequest(str(path))
+    request.mark_held(0)
+    request.mark_held(3)
+    (tmp_path / "save-request.json.held.x").touch()  # not a rank: ignored
+    assert held_ranks(path) == {0, 3}
+    clear_save_request(path)
+    assert held_ranks(path) == set() and not path.exists()
