@@ -343,15 +343,22 @@ def _notice(tmp_path: Path, save_in_s: float, end_in_s: float) -> Path:
     return job_dir
 
 
+def _time_limit_agent(
+    agent_factory: Callable[..., RunningAgent], tmp_path: Path, worker_args: list[str]
+) -> RunningAgent:
+    """An agent of attempt 1 following the notice file ``_notice`` writes."""
+    return agent_factory(
+        ["--stop-grace-s", "5", "--attempt", "1", "--ckpt-root", str(tmp_path / "ckpt"),
+         "--time-limit-file", str(tmp_path / "job" / "time-limit.json"),
+         "--time-limit-poll-s", "0.2"],
+        worker_args,
+    )  # fmt: skip
+
+
 def test_a_time_limit_notice_stops_an_uninstrumented_script_at_once(
     agent_factory, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
-    notice = tmp_path / "job" / "time-limit.json"
-    agent = agent_factory(
-        ["--stop-grace-s", "5", "--attempt", "1", "--ckpt-root", str(tmp_path / "ckpt"),
-         "--time-limit-file", str(notice), "--time-limit-poll-s", "0.2"],
-        [],
-    )  # fmt: skip
+    agent = _time_limit_agent(agent_factory, tmp_path, [])
     agent.wait_file("step.1")
     _notice(tmp_path, save_in_s=60.0, end_in_s=90.0)
     near = agent.wait_event(EventKind.TIME_LIMIT_NEAR, 10)
@@ -368,12 +375,7 @@ def test_a_time_limit_notice_asks_instrumented_ranks_for_a_checkpoint_until_its_
 ) -> None:  # type: ignore[no-untyped-def]
     # The worker saves nothing on request: the agent waits until the notice's
     # deadline, then stops the ranks anyway (a save cut short keeps the last one).
-    notice = tmp_path / "job" / "time-limit.json"
-    agent = agent_factory(
-        ["--stop-grace-s", "5", "--attempt", "1", "--ckpt-root", str(tmp_path / "ckpt"),
-         "--time-limit-file", str(notice), "--time-limit-poll-s", "0.2"],
-        ["--instrumented"],
-    )  # fmt: skip
+    agent = _time_limit_agent(agent_factory, tmp_path, ["--instrumented"])
     agent.wait_file("step.1")
     time.sleep(1.0)  # the ranks' first heartbeats reached the agent
     _notice(tmp_path, save_in_s=3.0, end_in_s=20.0)
