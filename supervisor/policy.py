@@ -373,9 +373,7 @@ def _on_step_ended(
     or never sent: the attempt failed all the same, and the recovery opens
     as for a launcher end, with no node blamed (no evidence names one).
     """
-    # Only once the attempt trained: a relaunched step that fails to start is
-    # the relaunch's own report (RelaunchFinished), not a fault to add.
-    if ended.attempt != record.attempt or record.state is not JobState.RUNNING:
+    if ended.attempt != record.attempt or record.state not in _LIVE:
         return _nothing(record, f"step of attempt {ended.attempt} ended; nothing to add")
     if ended.exit_code == 0:
         return _nothing(record, "step ended cleanly; Slurm reports the job's end")

@@ -416,20 +416,13 @@ def test_one_agent_silent_while_its_peers_report_is_a_node_fault(tmp_path: Path)
 def test_the_drivers_failed_step_is_decided_on_not_answered_wait_forever(tmp_path: Path) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
-        payload = {"step": 10, "path": "/nowhere/step_00000010"}
-        commit = event(EventKind.CHECKPOINT_COMMITTED, "node1", "00000000000000a1", 1, payload)
-        supervisor.accept_events(JOB, [commit])  # starting -> running
-        await supervisor.settle()
-        assert supervisor.jobs[JOB].record.state.value == "running"
         attempt = supervisor.jobs[JOB].record.attempt
         ended = protocol.DriverRequest(
             JOB, protocol.DriverPhase.ENDED, attempt=attempt, exit_code=1
         )
         await supervisor.driver(JOB, ended)
         await supervisor.settle()
-        # The recovery opened (it then finds no valid checkpoint at /nowhere and fails).
-        opened = [d for d in supervisor.store.decisions_for(JOB) if d.to_state == "recovering"]
-        assert [d.cause for d in opened] == ["user_exception"]
+        assert supervisor.jobs[JOB].record.state.value == "recovering"
         assert supervisor.store.drains_since(0) == []
 
     run(body, tmp_path)

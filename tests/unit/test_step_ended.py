@@ -21,9 +21,7 @@ RUNNING = running()  # attempt 0
         # the job still runs for that attempt and no agent said why: a fault of the attempt
         (RUNNING, StepEnded(RUNNING.attempt, 1), True),
         (RUNNING, StepEnded(RUNNING.attempt, 137), True),
-        # starting or relaunching: the relaunch reports its own failure
-        (replace(RUNNING, state=JobState.STARTING), StepEnded(RUNNING.attempt, 1), False),
-        (replace(RUNNING, state=JobState.RELAUNCHING), StepEnded(RUNNING.attempt, 1), False),
+        (replace(RUNNING, state=JobState.STARTING), StepEnded(RUNNING.attempt, 1), True),
         # an older attempt's step: its end is already decided on
         (replace(RUNNING, attempt=2), StepEnded(1, 1), False),
         # a clean end: Slurm reports the job's end
