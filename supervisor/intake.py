@@ -41,13 +41,7 @@ from supervisor.goodput import Goodput
 from supervisor.intents import RelaunchStep
 from supervisor.jobs import JobSpec
 from supervisor.model import JobRecord, JobState
-from supervisor.observations import (
-    Observation,
-    StepEnded,
-    StepProgress,
-    TimeLimitNear,
-    from_event,
-)
+from supervisor.observations import Observation, StepProgress, TimeLimitNear, from_event
 from supervisor.policy import Policy
 from supervisor.reconcile import command_attempt
 from supervisor.store import Store
@@ -361,7 +355,6 @@ class Intake:
                 {"exit_code": request.exit_code, "attempt": request.attempt},
                 self.clock(),
             )
-            self._enqueue(job_id, StepEnded(request.attempt, request.exit_code))
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
             return _relaunch_answer(pending)

@@ -70,14 +70,6 @@ class SilenceShared:
 
 
 @dataclass(frozen=True)
-class StepEnded:
-    """The in-job driver's word: the srun step of ``attempt`` ended with ``exit_code``."""
-
-    attempt: int | None
-    exit_code: int | None
-
-
-@dataclass(frozen=True)
 class SlurmJobSeen:
     """The job as ``squeue --json`` showed it (a failed poll is no observation at all).
 
@@ -161,7 +153,6 @@ Observation = (
     AgentEvent
     | LeaseExpired
     | SilenceShared
-    | StepEnded
     | SlurmJobSeen
     | SlurmNodeSeen
     | CheckpointValidated

@@ -411,18 +411,3 @@ def test_one_agent_silent_while_its_peers_report_is_a_node_fault(tmp_path: Path)
         assert [lease.node for lease in supervisor.store.leases_for(JOB)] == list(NODES[1:])
 
     run(body, tmp_path)
-
-
-def test_the_drivers_failed_step_is_decided_on_not_answered_wait_forever(tmp_path: Path) -> None:
-    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        await registered_and_running(supervisor)
-        attempt = supervisor.jobs[JOB].record.attempt
-        ended = protocol.DriverRequest(
-            JOB, protocol.DriverPhase.ENDED, attempt=attempt, exit_code=1
-        )
-        await supervisor.driver(JOB, ended)
-        await supervisor.settle()
-        assert supervisor.jobs[JOB].record.state.value == "recovering"
-        assert supervisor.store.drains_since(0) == []
-
-    run(body, tmp_path)
