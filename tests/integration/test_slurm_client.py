@@ -109,32 +109,3 @@ def test_requeue_smaller_runs_again_on_fewer_nodes_without_the_excluded_one(
     )
     assert cancelled.state.finished
 
-
-def test_requeue_smaller_brings_back_a_job_slurm_already_ended(
-    slurm_cluster: LiveCluster, client: SlurmClient, tmp_path: Path
-) -> None:
-    """A job Slurm ended before the supervisor's requeue (TIMEOUT, a failure) is requeued
-    under the same id while slurmctld still holds it: requeuehold acts on it too. Here
-    the first run fails at once (the time limit takes a minute; the path is the same)."""
-    job_id = slurm_cluster.sbatch(
-        "--nodes=2",
-        "--requeue",
-        "--job-name=resurgo-client-ended",
-        f"--output={tmp_path / 'out.txt'}",
-        "--wrap",
-        'if [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]; then sleep 120; fi; exit 1',
-    )
-    try:
-        ended = wait_job(slurm_cluster, client, job_id, "ended", lambda j: j.state.finished)
-        assert ended.state is JobState.FAILED
-        asyncio.run(client.requeue_smaller(job_id, n_nodes=1, n_tasks=1))
-        again = wait_job(
-            slurm_cluster,
-            client,
-            job_id,
-            "running again",
-            lambda j: j.state is JobState.RUNNING and j.restart_count > ended.restart_count,
-        )
-        assert again.node_count == 1
-    finally:
-        asyncio.run(client.cancel(job_id))
