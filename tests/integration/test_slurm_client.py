@@ -108,4 +108,3 @@ def test_requeue_smaller_runs_again_on_fewer_nodes_without_the_excluded_one(
         slurm_cluster, client, job_id, "cancelled", lambda j: j.state is JobState.CANCELLED
     )
     assert cancelled.state.finished
-
