@@ -228,6 +228,8 @@ def decide(
     if isinstance(observation, RequeueFailed):
         return _on_requeue_failed(record, observation, now_s)
     if isinstance(observation, TimeLimitNear):
+        if observation.attempt is not None and observation.attempt != record.attempt:
+            return _nothing(record, f"time-limit report of attempt {observation.attempt} is stale")
         return planned_stop.on_notice(
             record, observation.time_left_s, observation.stopped, now_s, policy, cluster
         )

@@ -170,3 +170,9 @@ def test_a_requeue_slurm_refuses_for_good_fails_the_job_saying_how_to_resume() -
     assert "same --ckpt-root" in refused.record.final_reason
     stale = step(chosen, RequeueFailed(chosen.attempt - 1, "old"))
     assert stale.record.state is JobState.REQUEUED
+
+
+def test_a_late_report_of_an_earlier_attempt_does_not_requeue_its_successor() -> None:
+    record = replace(running(), attempt=3)
+    late = step(record, TimeLimitNear(30.0, stopped=True, attempt=2))
+    assert late.record == record and late.intents == ()
