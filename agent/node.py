@@ -455,28 +455,33 @@ class NodeAgent:
         """Final checkpoint, then a graceful stop (agent.timelimit): ask the ranks to save at
         their next step boundary, wait for a checkpoint newer than the notice (or the
         notice's ``save_by``), then stop them with the usual grace."""
+        await self._watch_tick()  # the exits of ranks that just ended, first
+        assert self._watcher is not None
+        finished = bool(self._exits) and not self._watcher.live_ranks
+        root = self.config.ckpt_root
+        before = newest_committed_step(root) if root else None
+        # Only ranks that send heartbeats (the in-rank library) can take a save request.
+        asked = bool(root) and bool(self.monitor.progress) and not finished
+        if asked:
+            write_save_request(self._save_request_path(), int(notice.warned_unix_s * 1000))
         await self.events.emit(
             protocol.EventKind.TIME_LIMIT_NEAR,
             {
                 "end_unix_s": notice.end_unix_s,
                 "save_by_unix_s": notice.save_by_unix_s,
                 "attempt": notice.attempt,
+                "final_checkpoint_requested": asked,
             },
         )
-        await self._watch_tick()  # the exits of ranks that just ended, first
-        assert self._watcher is not None
-        if self._exits and not self._watcher.live_ranks:
+        if finished:
             # The ranks finished (or died) before the notice: a stop now would only
             # end the launcher while it winds down, and turn a finished run into
             # a stopped one.
             log.info("time limit near: the ranks have already exited; nothing to stop")
             return
-        root = self.config.ckpt_root
-        before = newest_committed_step(root) if root else None
-        instrumented = bool(self.monitor.progress)
         outcome = "the ranks send no heartbeats: stopping them at once"
-        if root and instrumented:
-            write_save_request(self._save_request_path(), int(notice.warned_unix_s * 1000))
+        if asked:
+            assert root
             log.info("time limit near: final checkpoint requested (newest committed: %s)", before)
             outcome = f"no checkpoint newer than step {before} committed by the deadline"
             while self._clocks.wall() < notice.save_by_unix_s:

@@ -1160,6 +1160,7 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("end_unix_s", _float),
         _Spec("save_by_unix_s", _float),
         _Spec("attempt", _int),
+        _Spec("final_checkpoint_requested", _bool, required=False),
     ),
     EventKind.STEP_LOSSES: (
         _Spec("global_rank", _int),

@@ -366,6 +366,7 @@ def test_a_time_limit_notice_stops_an_uninstrumented_script_at_once(
     stopped = agent.wait_event(EventKind.RANKS_STOPPED, 10)
     # No heartbeats: no final checkpoint to wait for, the ranks get SIGTERM now.
     assert "send no heartbeats" in stopped.payload["reason"]
+    assert near.payload["final_checkpoint_requested"] is False
     assert stopped.time_unix_s - near.time_unix_s < 5.0
     assert not (tmp_path / "run" / "save-request.json").exists()
 
@@ -377,9 +378,10 @@ def test_a_time_limit_notice_asks_instrumented_ranks_for_a_checkpoint_until_its_
     # deadline, then stops the ranks anyway (a save cut short keeps the last one).
     agent = _time_limit_agent(agent_factory, tmp_path, ["--instrumented"])
     agent.wait_file("step.1")
-    time.sleep(1.0)  # the ranks' first heartbeats reached the agent
+    time.sleep(2.0)  # the ranks' first heartbeats reached the agent
     _notice(tmp_path, save_in_s=3.0, end_in_s=20.0)
     near = agent.wait_event(EventKind.TIME_LIMIT_NEAR, 10)
+    assert near.payload["final_checkpoint_requested"] is True
     request = json.loads((tmp_path / "run" / "save-request.json").read_text())
     assert isinstance(request["id"], int)
     stopped = agent.wait_event(EventKind.RANKS_STOPPED, 20)
