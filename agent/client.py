@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 SECRET_BYTES = 32
 # The hex form and a newline, with room for stray whitespace.
 _SECRET_FILE_LIMIT = 4096
-DEFAULT_BACKOFF = tenacity.wait_random_exponential(multiplier=0.5, max=10.0)
+DEFAULT_BACKOFF = tenacity.wait_random_exponential(multiplier=0.5, max=protocol.RETRY_MAX_S)
 DEFAULT_HEARTBEAT_TIMEOUT_S = 2.0
 
 # A fully acknowledged spool segment larger than this is replaced by a fresh

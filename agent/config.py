@@ -62,7 +62,12 @@ class AgentConfig:
     health_check_interval_s: float = 300.0
     health_check_timeout_s: float = 60.0
     stop_grace_s: float = 30.0
-    drain_timeout_s: float = 10.0
+    # How long an agent whose launch failed keeps delivering its unsent
+    # reports before it exits (they stay spooled after that). Long, because
+    # the supervisor may be restarting: a rank exit lost with the agent turns
+    # one node's fault into a silent job. Delivered at once when it is up; a
+    # clean end waits at most agent.node.CLEAN_DRAIN_S.
+    drain_timeout_s: float = 1800.0
     # The driver's time-limit notice (agent.timelimit), polled this often.
     time_limit_file: str = ""
     time_limit_poll_s: float = 1.0

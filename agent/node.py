@@ -64,6 +64,8 @@ AGENT_VERSION = "0.1.0"
 RCVBUF_BYTES = 4 << 20
 STACK_SAMPLES_KEPT = 32
 EXIT_STATUS_UNHEALTHY = 3
+# After a clean end, how long unsent reports are still tried before the agent exits.
+CLEAN_DRAIN_S = 10.0
 
 
 def private_dir(path: Path) -> Path:
@@ -169,6 +171,7 @@ class NodeAgent:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._queue.put_nowait, ("signal", {"signum": signum}))
         await self.events.start()
+        clean = False
         try:
             if not await self._healthy_before_launch():
                 await self.events.emit(
@@ -177,6 +180,7 @@ class NodeAgent:
                 return EXIT_STATUS_UNHEALTHY
             self._open_socket(loop)
             status = await self._launch_and_watch()
+            clean = status == 0
             await self.events.emit(
                 protocol.EventKind.AGENT_STOPPED, {"reason": f"launcher exited with {status}"}
             )
@@ -187,7 +191,12 @@ class NodeAgent:
                 self._socket.close()
             with contextlib.suppress(FileNotFoundError):
                 (self.run_dir / "agent.sock").unlink()
-            await self.events.close(self.config.drain_timeout_s)
+            # A failed launch's reports decide the recovery (they name the culprit):
+            # kept for as long as a supervisor restart may take. A clean end's are
+            # not needed for that (Slurm reports the job's end): a short wait, not
+            # an allocation held idle while the supervisor is away.
+            drain_s = self.config.drain_timeout_s
+            await self.events.close(min(drain_s, CLEAN_DRAIN_S) if clean else drain_s)
 
     async def _launch_and_watch(self) -> int:
         self._plan = self._build_plan()

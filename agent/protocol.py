@@ -59,6 +59,10 @@ REPLAY_WINDOW_S = 300
 
 # Size limits. A hang event carries the stack dump of every local rank, so the
 # text limit is generous; the body limit leaves room for a batch of them.
+# The longest an agent waits between two tries to reach an unreachable
+# supervisor: one that comes back hears from every agent within this much.
+RETRY_MAX_S = 10.0
+
 MAX_BODY_BYTES = 8 << 20
 MAX_EVENT_BYTES = 4 << 20
 MAX_EVENTS_PER_BATCH = 1000

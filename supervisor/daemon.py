@@ -56,7 +56,7 @@ import uvloop
 
 from agent.errors import ConfigError, ResurgoError
 from agent.periodic import every
-from agent.protocol import Event, EventKind
+from agent.protocol import RETRY_MAX_S, Event, EventKind
 from supervisor import jobs as jobfiles
 from supervisor import silence
 from supervisor.api import bound_port, build_app, serve, shutdown
@@ -231,10 +231,15 @@ class Supervisor(Intake):
                     log.error("job %s: its directory is unusable (%s)", row.job_id, error)
                 continue
             job = TrackedJob(record=record, secret=secret, spec=spec)
-            for event in self.store.events_for(row.job_id, kinds=[EventKind.AGENT_STARTED]):
+            kinds = [EventKind.AGENT_STARTED, EventKind.AGENT_STOPPED]
+            for event in self.store.events_for(row.job_id, kinds=kinds):
+                incarnation = event.event_id.split("/")[2]
+                if event.kind is EventKind.AGENT_STOPPED:
+                    job.stopped.add(incarnation)  # its clean exit is no lost node
+                    continue
                 attempt = event.payload.get("attempt")
                 if isinstance(attempt, int):
-                    job.incarnations[event.event_id.split("/")[2]] = attempt
+                    job.incarnations[incarnation] = attempt
             self.jobs[row.job_id] = job
 
     # ------------------------------------------------------------------
@@ -426,7 +431,10 @@ class Supervisor(Intake):
 
         A lease counts from this daemon's start at the earliest: while no
         supervisor was up the agents could not renew theirs, and the time
-        the previous one was down is no evidence that a node is lost.
+        the previous one was down is no evidence that a node is lost. Agents
+        that kept retrying through the outage wait up to
+        :data:`agent.protocol.RETRY_MAX_S` between tries, so the first
+        leases after a start get that time on top.
         """
         now = self.clock()
         for job_id, job in self.jobs.items():
@@ -440,7 +448,7 @@ class Supervisor(Intake):
                 log.warning("job %s: %s", job_id, reason)
                 self._enqueue(job_id, RelaunchFinished(job.record.attempt, False, reason))
         held_up_s = self._stalled_s(time.monotonic())
-        if now - self._started_s > self.config.lease_s:
+        if now - self._started_s > self.config.lease_s + RETRY_MAX_S:
             self._expire_leases(now, self.config.lease_s + held_up_s)
         self.store.flush_leases()
 

@@ -56,11 +56,13 @@ def test_leases_count_from_the_restart_not_from_before_the_supervisor_went_down(
         await supervisor.tick()
         await supervisor.settle()
         assert supervisor.jobs[JOB].record.state is JobState.STARTING
-        clock[0] += lease_s  # still inside the grace the restart gives
+        # Still inside the grace the restart gives: a lease, and the longest an
+        # agent retrying through the outage waits between two tries.
+        clock[0] += lease_s + protocol.RETRY_MAX_S
         await supervisor.tick()
         await supervisor.settle()
         assert supervisor.jobs[JOB].record.state is JobState.STARTING
-        clock[0] += 1  # node2's agent stayed silent a whole lease after the restart: lost
+        clock[0] += 1  # node2's agent stayed silent that long after the restart: lost
         await supervisor.tick()
         await supervisor.settle()
         record = supervisor.jobs[JOB].record
