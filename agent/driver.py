@@ -267,6 +267,7 @@ class Driver:
                 log.warning("supervisor unreachable: launching; the ranks resume by themselves")
                 answer = DriverAnswer(DriverAction.LAUNCH, 1, reason="supervisor unreachable")
             launched = False
+            ended_with: int | None = None  # the exit code of the step last run
             while not self._stopping:
                 if answer.action is DriverAction.STOP:
                     print(f"resurgo: job stopped by the supervisor: {answer.reason}", flush=True)
@@ -280,14 +281,19 @@ class Driver:
                     # being chosen): ask to start again, not about a step never run.
                     phase = DriverPhase.ENDED if launched else DriverPhase.START
                     attempt = answer.attempt if launched else None
+                    # Each ask says again how the step ended: a supervisor that
+                    # restarted meanwhile knows it from this request alone.
                     asked = await self._ask(
-                        DriverRequest(self.settings.job_id, phase, attempt=attempt)
+                        DriverRequest(
+                            self.settings.job_id, phase, attempt=attempt, exit_code=ended_with
+                        )
                     )
                     if asked is None:
                         return 1
                     answer = asked
                     continue
                 launched = True
+                ended_with = None
                 returncode, told = await self._launch(answer)
                 if told is not None:
                     answer = told  # the supervisor moved on while the step still ran
@@ -300,6 +306,7 @@ class Driver:
                 if self._stopping:
                     break
                 log.warning("step of attempt %d ended with %d; asking", answer.attempt, returncode)
+                ended_with = returncode
                 asked = await self._ask(DriverRequest(
                     self.settings.job_id, DriverPhase.ENDED, attempt=answer.attempt,
                     exit_code=returncode,

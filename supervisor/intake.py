@@ -41,7 +41,13 @@ from supervisor.goodput import Goodput
 from supervisor.intents import RelaunchStep
 from supervisor.jobs import JobSpec
 from supervisor.model import JobRecord, JobState
-from supervisor.observations import Observation, StepProgress, TimeLimitNear, from_event
+from supervisor.observations import (
+    Observation,
+    StepEnded,
+    StepProgress,
+    TimeLimitNear,
+    from_event,
+)
 from supervisor.policy import Policy
 from supervisor.reconcile import command_attempt
 from supervisor.store import Store
@@ -69,6 +75,11 @@ class TrackedJob:
     incarnations: dict[str, int] = field(default_factory=dict)
     stopped: set[str] = field(default_factory=set)
     progress_step: int | None = None
+    # When a current agent last called in (a heartbeat or events; None: not
+    # since this supervisor started), and (attempt, when first heard, exit
+    # code) of the driver's "the step ended".
+    last_report_s: float | None = None
+    step_ended: tuple[int, float, int | None] | None = None
     # attempts whose resume verification has a result (checked once each)
     verified: set[int] = field(default_factory=set)
     # (step, stall_s, write_s) of the newest checkpoint's save
@@ -130,6 +141,8 @@ class Intake:
         job = self.jobs[job_id]
         for event in events:
             incarnation = event.incarnation
+            if self._current(job, incarnation):
+                job.last_report_s = now
             if event.kind is EventKind.AGENT_STARTED:
                 attempt = event.payload.get("attempt")
                 if isinstance(attempt, int):
@@ -240,6 +253,7 @@ class Intake:
         if incarnation in job.stopped or not self._current(job, incarnation):
             return
         now = self.clock()
+        job.last_report_s = now
         self.store.touch_lease(job_id, report.node, incarnation, now)
         for rank in report.ranks:
             if rank.compute_p50_s is None or rank.compute_observed <= 0:
@@ -349,12 +363,7 @@ class Intake:
                 return _relaunch_answer(pending)
             return DriverAnswer(DriverAction.WAIT, record.attempt, reason="carry on")
         if request.phase is DriverPhase.ENDED:
-            self.store.record_observation(
-                job_id,
-                "driver_step_ended",
-                {"exit_code": request.exit_code, "attempt": request.attempt},
-                self.clock(),
-            )
+            self._note_step_ended(job_id, job, request)
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
             return _relaunch_answer(pending)
@@ -377,6 +386,49 @@ class Intake:
             reason=f"job is {record.state.value}",
             retry_after_s=DRIVER_RETRY_S,
         )
+
+    def _note_step_ended(self, job_id: str, job: TrackedJob, request: DriverRequest) -> None:
+        """The driver's "the attempt's step ended": decided on when its agents say nothing.
+
+        The agents' reports name the culprit and come first when they can. The
+        driver outlives them: when a step failed and, a lease after the driver
+        first said so, no agent of the attempt has called in (their reports
+        were lost with them), its word opens the recovery (:class:`StepEnded`).
+        Not for a clean end, an earlier attempt, a stop the supervisor ordered
+        (the job is recovering then, or stopping for its time limit), or an
+        attempt whose agents stopped cleanly: they reported the end themselves.
+        """
+        record, now = job.record, self.clock()
+        attempt = request.attempt
+        if job.step_ended is None or job.step_ended[0] != attempt:
+            job.step_ended = (attempt or 0, now, request.exit_code)
+            self.store.record_observation(
+                job_id,
+                "driver_step_ended",
+                {"exit_code": request.exit_code, "attempt": attempt},
+                now,
+            )
+        elif job.step_ended[2] is None and request.exit_code is not None:
+            job.step_ended = (*job.step_ended[:2], request.exit_code)
+        first_s, code = job.step_ended[1], job.step_ended[2]
+        if (
+            code in (None, 0)
+            or attempt != record.attempt
+            or record.state not in (JobState.RUNNING, JobState.STARTING)
+            or record.time_limit_end_s is not None
+            or any(job.incarnations.get(agent) == attempt for agent in job.stopped)
+        ):
+            return
+        if now - first_s < self.config.lease_s:
+            return
+        if job.last_report_s is not None and job.last_report_s >= first_s:
+            return  # its agents still talk: theirs is the word
+        log.warning(
+            "job %s: the driver saw attempt %s's step end (exit %s) %.0f s ago and no agent "
+            "has reported since: recovering on the driver's word",
+            job_id, attempt, code, now - first_s,
+        )  # fmt: skip
+        self._enqueue(job_id, StepEnded(attempt, code))
 
 
 def _relaunch_answer(pending: RelaunchStep) -> DriverAnswer:

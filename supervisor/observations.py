@@ -70,6 +70,15 @@ class SilenceShared:
 
 
 @dataclass(frozen=True)
+class StepEnded:
+    """The in-job driver's word: the srun step of ``attempt`` ended with ``exit_code``,
+    and no agent of the attempt has reported since (supervisor.intake)."""
+
+    attempt: int | None
+    exit_code: int | None
+
+
+@dataclass(frozen=True)
 class SlurmJobSeen:
     """The job as ``squeue --json`` showed it (a failed poll is no observation at all).
 
@@ -153,6 +162,7 @@ Observation = (
     AgentEvent
     | LeaseExpired
     | SilenceShared
+    | StepEnded
     | SlurmJobSeen
     | SlurmNodeSeen
     | CheckpointValidated

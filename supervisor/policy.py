@@ -77,6 +77,7 @@ from supervisor.observations import (
     SilenceShared,
     SlurmJobSeen,
     SlurmNodeSeen,
+    StepEnded,
     StepProgress,
     TimeLimitNear,
 )
@@ -217,6 +218,8 @@ def decide(
         # (the job ended, a node DOWN) is what decides.
         silent = ", ".join(observation.nodes)
         return _nothing(record, f"agents on {silent} silent: {observation.reason}; asking Slurm")
+    if isinstance(observation, StepEnded):
+        return _on_step_ended(record, observation, now_s, policy, cluster)
     if isinstance(observation, SlurmJobSeen):
         return follow_slurm.on_job_seen(record, observation, now_s, policy, cluster)
     if isinstance(observation, CheckpointValidated):
@@ -361,6 +364,34 @@ def _on_launcher_end(
     if not waiting:
         return _decide_exits(record, now_s, policy, cluster)
     return _nothing(record, f"launcher on {event.node} ended; exits still due from {waiting}")
+
+
+def _on_step_ended(
+    record: JobRecord, ended: StepEnded, now_s: float, policy: Policy, cluster: ClusterView
+) -> Decision:
+    """The driver saw the attempt's step fail while the job still runs; no agent told why.
+
+    Its agents' reports were lost (they exited while the supervisor was away)
+    or never sent: the attempt failed all the same, and the recovery opens
+    as for a launcher end, with no node blamed (no evidence names one).
+    """
+    if (
+        ended.attempt != record.attempt
+        or record.state not in _LIVE
+        or ended.exit_code in (None, 0)
+        or record.time_limit_end_s is not None
+    ):
+        return _nothing(record, f"step of attempt {ended.attempt} ended; nothing to add")
+    # srun exits 128 + N when a task died of signal N.
+    signalled = ended.exit_code is not None and ended.exit_code > 128
+    verdict = Blame(
+        None,
+        Cause.RANK_SIGNAL if signalled else Cause.USER_EXCEPTION,
+        0.0,
+        (f"the driver saw attempt {ended.attempt}'s step end (exit {ended.exit_code}) "
+         "with no rank's exit reported; no node is named",),
+    )  # fmt: skip
+    return recovery.start(record, now_s, policy, cluster, verdict)
 
 
 def _decide_exits(

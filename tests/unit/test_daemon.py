@@ -380,6 +380,7 @@ def test_every_agent_of_a_job_silent_at_once_blames_no_node_and_asks_slurm_again
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
+        clock[0] = NOW  # long after the supervisor's start: no restart grace
         for node in NODES:
             _beat(supervisor, node, NOW + NODES.index(node))
         seen = _observed(supervisor)
@@ -393,12 +394,13 @@ def test_every_agent_of_a_job_silent_at_once_blames_no_node_and_asks_slurm_again
         await supervisor.settle()
         assert supervisor.store.drains_since(0) == []
 
-    run(body, tmp_path)
+    run(body, tmp_path, start_s=NOW - 60)
 
 
 def test_one_agent_silent_while_its_peers_report_is_a_node_fault(tmp_path: Path) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
+        clock[0] = NOW  # long after the supervisor's start: no restart grace
         for node in NODES:
             _beat(supervisor, node, NOW)
         seen = _observed(supervisor)
@@ -409,5 +411,53 @@ def test_one_agent_silent_while_its_peers_report_is_a_node_fault(tmp_path: Path)
         assert [type(o).__name__ for o in seen] == ["LeaseExpired"]
         assert seen[0].node == NODES[0]  # type: ignore[attr-defined]
         assert [lease.node for lease in supervisor.store.leases_for(JOB)] == list(NODES[1:])
+
+    run(body, tmp_path, start_s=NOW - 60)
+
+
+def _step_ended(supervisor: Supervisor, exit_code: int | None) -> Any:
+    attempt = supervisor.jobs[JOB].record.attempt
+    request = protocol.DriverRequest(
+        JOB, protocol.DriverPhase.ENDED, attempt=attempt, exit_code=exit_code
+    )
+    return supervisor.driver(JOB, request)
+
+
+def test_the_drivers_failed_step_is_decided_on_when_no_agent_reports_for_a_lease(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        for node in NODES:
+            _beat(supervisor, node, NOW)
+        seen = _observed(supervisor)
+        clock[0] = NOW + 1.0
+        await _step_ended(supervisor, 1)  # the agents' reports may still be on their way
+        clock[0] = NOW + 20.0
+        await _step_ended(supervisor, None)  # an older driver says the code once only
+        assert seen == []
+        clock[0] = NOW + 32.0  # a lease since the driver first said so, no agent since
+        await _step_ended(supervisor, None)
+        assert [type(o).__name__ for o in seen] == ["StepEnded"]
+        assert seen[0].exit_code == 1  # type: ignore[attr-defined]
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "recovering"
+        assert supervisor.store.drains_since(0) == []
+
+    run(body, tmp_path)
+
+
+def test_the_drivers_failed_step_waits_while_the_agents_still_report(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        seen = _observed(supervisor)
+        await _step_ended(supervisor, 137)
+        clock[0] = NOW + 5.0
+        _beat(supervisor, NODES[0], NOW + 5.0)  # theirs is the word: they name the culprit
+        clock[0] = NOW + 40.0
+        await _step_ended(supervisor, 137)
+        await _step_ended(supervisor, 0)
+        assert not [o for o in seen if type(o).__name__ == "StepEnded"]
+        assert supervisor.jobs[JOB].record.state.value == "starting"
 
     run(body, tmp_path)

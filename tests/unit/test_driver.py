@@ -164,7 +164,9 @@ def test_after_a_failure_the_driver_relaunches_where_told_and_confirms(tmp_path:
     assert phases == [
         (DriverPhase.START, None, None, None),
         (DriverPhase.ENDED, 1, None, None),  # the step failed: what now?
-        (DriverPhase.ENDED, None, None, None),  # asked again after the wait
+        # asked again after the wait, saying again how the step ended (the
+        # supervisor may have restarted in between)
+        (DriverPhase.ENDED, 1, None, None),
         (DriverPhase.RELAUNCHED, None, "4711/2/relaunch/2", True),
     ]
 
