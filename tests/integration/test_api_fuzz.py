@@ -7,7 +7,8 @@ random bytes as bodies (signed and not), valid bodies mutated at the JSON
 and the byte level and then validly signed, random and huge headers, random
 methods and paths, oversized bodies, and raw garbage instead of HTTP. Every
 answer must be one the API documents, no request may be logged as an
-internal error, and ``/healthz`` must still answer 200 at the end.
+internal error, and ``/healthz`` must still answer 200: both are checked
+after every test (``no_internal_error``), so no test relies on running last.
 """
 
 from __future__ import annotations
@@ -246,6 +247,17 @@ def client(server: ThreadedServer) -> Iterator[Client]:
     connection.close()
 
 
+@pytest.fixture(autouse=True)
+def no_internal_error(server: ThreadedServer, client: Client) -> Iterator[None]:
+    """After every test, whichever ran before it: the server still answers, and none of
+    the requests it took was an internal error."""
+    yield
+    assert client.request("GET", "/healthz") == 200
+    errors = [record.getMessage() for record in server.errors.records]
+    server.errors.records.clear()
+    assert errors == []
+
+
 def signed(path: str, body: bytes, job: str = JOB, secret: bytes = SECRET) -> dict[str, str]:
     headers = protocol.signed_headers(secret, "POST", path, job, NOW, body)
     headers["Content-Type"] = "application/json"
@@ -457,11 +469,3 @@ def test_raw_garbage_instead_of_http_never_fails_the_server(
     if answer.startswith(b"HTTP/1."):
         status = int(answer.split()[1])
         assert status in DOCUMENTED | {404}, answer
-
-
-def test_after_all_that_healthz_answers_and_nothing_was_an_internal_error(
-    server: ThreadedServer, client: Client
-) -> None:
-    # Runs last (pytest keeps file order): the same server took every request above.
-    assert client.request("GET", "/healthz") == 200
-    assert server.errors.records == [], [record.getMessage() for record in server.errors.records]
