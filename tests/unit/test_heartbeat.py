@@ -6,6 +6,7 @@ import math
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -322,14 +323,12 @@ def test_missing_socket_path_never_raises_and_is_retried_lazily(
 
     monkeypatch.setattr(hbmod.socket, "socket", CountingSocket)
     hb = Heartbeat(str(sock_path))
-    started = time.perf_counter()
     for step in range(10_000):
         hb.beat(step)
-    elapsed = time.perf_counter() - started
     assert not hb.connected
-    # One connect() per RECONNECT_PERIOD_S, not one per beat.
+    # One connect() per RECONNECT_PERIOD_S, not one per beat (what a beat costs
+    # with the agent gone is measured by bench/agent.py, not asserted here).
     assert attempts == [str(sock_path)]
-    assert elapsed < 1.0
 
 
 def test_agent_gone_mid_run_never_raises_and_a_restarted_agent_is_found_again(
@@ -363,15 +362,16 @@ def test_full_receive_queue_drops_beats_without_blocking_or_raising(sock_path: P
     receiver.bind(str(sock_path))
     try:
         hb = Heartbeat(str(sock_path))
-        slowest = 0.0
-        for step in range(5_000):
-            started = time.perf_counter()
-            hb.beat(step)
-            slowest = max(slowest, time.perf_counter() - started)
+        # Nobody reads while the beats go out: a blocking send would wait forever
+        # on the full queue, so the beats run in a thread that must finish. (What
+        # a beat costs against a full queue is measured by bench/agent.py.)
+        sender = threading.Thread(target=lambda: [hb.beat(step) for step in range(5_000)])
+        sender.start()
+        sender.join(60)
+        assert not sender.is_alive(), "a beat blocked on the full queue"
         assert hb.connected, "a full queue must not drop the connection"
         received = receive_all(receiver)
         assert 0 < len(received) < 5_000
-        assert slowest < 0.05, f"a beat blocked for {slowest * 1e3:.1f} ms"
         hb.beat(99_999)  # the queue has room again: delivery resumes
         assert parse_datagram(receiver.recv(1024)) is not None
     finally:

@@ -105,5 +105,6 @@ def test_the_loop_lag_histogram_records_how_long_the_loop_was_held() -> None:
     count = value("resurgo_supervisor_loop_lag_seconds_count")
     assert count is not None and count >= 10
     held = count - (value("resurgo_supervisor_loop_lag_seconds_bucket", {"le": "0.25"}) or 0)
-    assert held == 1  # exactly the one late timer
+    # The held loop made a timer late by 0.3 s (a loaded machine may add others).
+    assert held >= 1
     assert (value("resurgo_supervisor_loop_lag_seconds_sum") or 0) >= 0.25
