@@ -29,6 +29,10 @@ class StepSource(Protocol):
         """The highest step any rank reported in ``attempt``."""
         ...
 
+    def first_reported_step(self, job_id: str, attempt: int) -> int | None:
+        """The lowest step any rank reported in ``attempt``."""
+        ...
+
     def reports_of_step(self, job_id: str, step: int) -> list[StepRow]:
         """Every attempt's and rank's report of ``step``, by attempt then rank."""
         ...
@@ -87,6 +91,19 @@ def check_resume(
     last_now = store.last_reported_step(job_id, attempt)
     if last_now is None or last_now < first:
         return None
+    # What the ranks did, not what the supervisor told them: an attempt that
+    # trained a step before the checkpoint's did not resume from it. Seeded
+    # runs replay the same losses from step 1, so this is the only tell of a
+    # relaunch that ignored its checkpoint.
+    lowest = store.first_reported_step(job_id, attempt)
+    if lowest is not None and lowest < resume_step:
+        return VerifyResult(
+            False,
+            lowest,
+            0,
+            f"attempt {attempt} trained step {lowest}: it did not resume from the "
+            f"checkpoint of step {resume_step} (it started afresh or from another one)",
+        )
     reports = store.reports_of_step(job_id, first)
     earlier = [row.attempt for row in reports if row.attempt < attempt]
     if not earlier:

@@ -20,6 +20,9 @@ _COLUMNS = "job_id, attempt, step, global_rank, loss, cursor, received_s"
 LAST_STEP_SQL = (
     "SELECT step FROM step_reports WHERE job_id = ? AND attempt = ? ORDER BY step DESC LIMIT 1"
 )
+FIRST_STEP_SQL = (
+    "SELECT step FROM step_reports WHERE job_id = ? AND attempt = ? ORDER BY step LIMIT 1"
+)
 STEP_SQL = (
     f"SELECT {_COLUMNS} FROM step_reports WHERE job_id = ? AND step = ?"
     " ORDER BY attempt, global_rank"
@@ -96,6 +99,12 @@ class StepReports(StoreCore):
     def last_reported_step(self, job_id: str, attempt: int) -> int | None:
         """The highest step any rank reported in ``attempt``; None before the first report."""
         found = self._db.execute(LAST_STEP_SQL, (job_id, attempt)).fetchone()
+        return None if found is None else int(found[0])
+
+    @locked
+    def first_reported_step(self, job_id: str, attempt: int) -> int | None:
+        """The lowest step any rank reported in ``attempt``; None before the first report."""
+        found = self._db.execute(FIRST_STEP_SQL, (job_id, attempt)).fetchone()
         return None if found is None else int(found[0])
 
 

@@ -749,6 +749,7 @@ def test_step_reports_round_trip_by_attempt_and_step_range(store: Store) -> None
     assert store.last_reported_step(JOB, 1) == 13
     assert store.last_reported_step(JOB, 0) == 12
     assert store.last_reported_step(JOB, 2) is None
+    assert store.first_reported_step(JOB, 2) is None
 
 
 def test_a_step_reported_again_in_the_same_attempt_keeps_its_first_report(store: Store) -> None:
@@ -788,6 +789,7 @@ def test_step_reports_of_an_unknown_job_are_refused(store: Store) -> None:
 def test_step_report_queries_search_an_index_and_never_scan_the_table(store: Store) -> None:
     queries = [
         (step_sql.LAST_STEP_SQL, (JOB, 1)),
+        (step_sql.FIRST_STEP_SQL, (JOB, 1)),
         (step_sql.STEP_SQL, (JOB, 5)),
         (step_sql.RANGE_SQL, (JOB, 1, 5, 9)),
     ]

@@ -152,6 +152,17 @@ def test_a_report_up_to_the_checkpoint_step_is_not_a_replayed_step(store: Store)
     assert check_resume(store, JOB, 1, 5, False, 0.0) is None
 
 
+@pytest.mark.parametrize("size", [True, False])
+def test_a_relaunch_that_trained_from_step_1_again_is_no_resume(store: Store, size: bool) -> None:
+    # Seeded: a fresh start replays the very losses and cursors of before the fault.
+    report(store, 0, range(1, 11))
+    report(store, 1, range(1, 11))
+    result = check_resume(store, JOB, 1, 5, size, 0.0)
+    assert result is not None and not result.verified
+    assert result.first_diverging_step == 1
+    assert "trained step 1: it did not resume from the checkpoint of step 5" in result.reason
+
+
 def test_without_a_report_from_before_the_fault_nothing_is_verified(store: Store) -> None:
     report(store, 0, range(1, 6))  # the fault came right after the checkpoint of step 5
     report(store, 1, range(6, 9))
@@ -171,6 +182,9 @@ class CountingSource:
 
     def last_reported_step(self, job_id: str, attempt: int) -> int | None:
         return self.store.last_reported_step(job_id, attempt)
+
+    def first_reported_step(self, job_id: str, attempt: int) -> int | None:
+        return self.store.first_reported_step(job_id, attempt)
 
     def reports_of_step(self, job_id: str, step: int) -> list[StepRow]:
         return self.store.reports_of_step(job_id, step)
