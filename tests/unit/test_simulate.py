@@ -119,6 +119,45 @@ def test_brute_force_optimum_agrees_with_daly_over_a_grid_of_save_cost_and_mtbf(
     assert abs(errors[600.0, 1.0]) < young / 4
 
 
+# --- Sensitivity: outputs that are not inputs --------------------------------
+
+
+def mean_goodput(params: Params, seeds: range = range(4)) -> float:
+    return sum(simulate(params, seed).goodput for seed in seeds) / len(seeds)
+
+
+def test_goodput_falls_as_the_mtbf_falls_and_the_interval_follows_it() -> None:
+    # The same seeds at each MTBF: the goodput curve is the MTBF's doing, not the dice's.
+    mtbfs = [LLAMA3_MTBF_S * 16_384 / 3600 * factor for factor in (0.25, 0.5, 1.0, 2.0, 4.0)]
+    outcomes = [[simulate(replace(llama3(), gpu_mtbf_h=m), seed) for seed in range(4)]
+                for m in mtbfs]  # fmt: skip
+    goodputs = [sum(o.goodput for o in runs) / len(runs) for runs in outcomes]
+    assert goodputs == sorted(goodputs) and len(set(goodputs)) == len(goodputs), goodputs
+    # The supervisor's (Daly) interval grows as the square root of the MTBF, so
+    # quadrupling the MTBF about doubles the interval the job actually used.
+    intervals = [sum(o.mean_interval_s for o in runs) / len(runs) for runs in outcomes]
+    assert intervals == sorted(intervals), intervals
+    assert intervals[4] / intervals[2] == pytest.approx(2.0, rel=0.15)
+    assert intervals[2] / intervals[0] == pytest.approx(2.0, rel=0.15)
+
+
+def test_goodput_falls_as_the_save_stall_grows() -> None:
+    stalls = [5.0, 30.0, 120.0, 600.0]
+    goodputs = [mean_goodput(replace(llama3(), save_stall_s=stall)) for stall in stalls]
+    assert goodputs == sorted(goodputs, reverse=True), goodputs
+    assert len(set(goodputs)) == len(goodputs), goodputs
+
+
+def test_without_faults_goodput_is_the_closed_form_share_of_stalls() -> None:
+    # No fault in the run: every interval pays one stall and nothing else.
+    for stall, interval in ((5.0, 600.0), (60.0, 1800.0), (300.0, 7200.0)):
+        params = fixed(replace(llama3(), save_stall_s=stall, write_s=0.0, gpu_mtbf_h=1e12),
+                       interval)  # fmt: skip
+        outcome = simulate(params)
+        assert interruptions(outcome) == 0
+        assert outcome.goodput == pytest.approx(interval / (interval + stall), abs=2e-4)
+
+
 # --- OPT-175B ------------------------------------------------------------------
 
 
