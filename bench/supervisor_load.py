@@ -36,7 +36,9 @@ CPU). Each agent:
 
 Every request's latency is measured by the sender, from the request to the
 parsed reply, during a steady-state window (``--warmup-s`` after the start,
-``--measure-s`` long). Over the same window: the supervisor's CPU time
+``--measure-s`` long). A request that failed or timed out counts in the
+percentiles as its timeout (or longer, if it took longer): they are over
+every request sent, not only the answered ones. Over the same window: the supervisor's CPU time
 (``cpu_times`` of its process; its Slurm children are excluded) divided by
 the wall time, i.e. the cores it used, and per request; the generators' CPU
 the same way; the machine's busy cores (what neither used is other work);
@@ -666,6 +668,9 @@ class SimulatedAgent:
             self.stats.heartbeat_failures += 1
             self.stats.window_heartbeat_failures += self.in_window(started)
             self.stats.first_failure = self.stats.first_failure or f"heartbeat: {error!r}"[:300]
+            if self.in_window(started):
+                # A request sent and not answered counts in the percentiles, as its timeout.
+                self.stats.heartbeat_ms.append(failed_ms(clock, HEARTBEAT_TIMEOUT_S))
             return
         self.stats.heartbeats_sent += 1
         if self.in_window(started):
@@ -691,6 +696,8 @@ class SimulatedAgent:
                     asyncio.IncompleteReadError, protocol.ProtocolError) as error:  # fmt: skip
                 self.stats.event_failures += 1
                 self.stats.first_failure = self.stats.first_failure or f"events: {error!r}"[:300]
+                if self.in_window(started):
+                    self.stats.event_ms.append(failed_ms(clock, EVENT_TIMEOUT_S))
                 await asyncio.sleep(self.rng.uniform(0, backoff))
                 backoff = min(backoff * 2, 10.0)
                 continue
@@ -706,6 +713,11 @@ class SimulatedAgent:
     def stop_emitting(self) -> None:
         self.emitting = False
         self.wake.set()
+
+
+def failed_ms(clock: float, timeout_s: float) -> float:
+    """A failed request's latency for the percentiles: its timeout, or longer if it took so."""
+    return max((time.perf_counter() - clock) * 1000, timeout_s * 1000)
 
 
 async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, Any]:
