@@ -354,10 +354,23 @@ def test_a_persistent_straggler_is_drained_when_the_policy_says_so(
 
 
 def test_the_demo_trainer_resumes_fsdp2_state_across_a_resize(
-    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
 ) -> None:
+    """FSDP2 shards saved by 4 ranks, loaded by 3: the replayed steps continue the
+    interrupted run's losses (a fresh start's step-5 loss is the step-1 loss of
+    another model), on the reference's global samples, and only the culprit is
+    drained."""
     run = submit(supervisor, tmp_path, "--model", "fsdp", "--fault", "sigkill@6:3")
     job = finish(slurm_cluster, supervisor, run)
     assert job["job_state"] == "COMPLETED", story(supervisor, run)
-    assert "starting at step 4 from" in run.text()
+    (victim,) = run.faulted_nodes()
+    assert drained(supervisor, run.job_id) == [(victim, "rank_signal")], story(supervisor, run)
+    starts = re.findall(r"toy: world (\d+), starting at step (\d+)(?: from (\S+))?", run.text())
+    assert starts == [("4", "0", ""), ("3", "4", str(run.ckpt / "step-4"))], starts
     assert run.steps()[STEPS]["world"] == 3  # sharded model and optimizer loaded on 3 ranks
+    assert_same_samples(run, reference)
+    # Steps 5 and 6 ran twice: on 4 ranks before the kill, on 3 after the load.
+    records = [json.loads(line) for line in (run.record / "steps.jsonl").read_text().splitlines()]
+    for step in (5,):
+        first, replayed = [r["loss"] for r in records if r["step"] == step][:2]
+        assert replayed == pytest.approx(first, rel=1e-4, abs=1e-6), (step, first, replayed)
