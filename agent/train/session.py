@@ -54,6 +54,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,26 @@ DEFAULT_RETENTION = RetentionPolicy()
 # After a checkpoint the node agent asked for (the time limit is near), how long
 # the ranks wait for the agent's stop before they train on.
 HOLD_FOR_STOP_S = 120.0
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :meth:`TrainingSession.restore` loaded: the checkpoint, its step, the world
+    size that saved it (its manifest's) and the one that loaded it. A resharded load
+    has ``saved_world_size != world_size``."""
+
+    path: str
+    step: int
+    saved_world_size: int
+    world_size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "step": self.step,
+            "saved_world_size": self.saved_world_size,
+            "world_size": self.world_size,
+        }
 
 
 class TrainingSession:
@@ -162,6 +183,7 @@ class TrainingSession:
         )
         self._pending_rng: dict[str, Any] | None = None
         self.resumed_from: Path | None = None
+        self.loaded: Loaded | None = None  # set by restore() when it loaded a checkpoint
         self.last_save: SaveResult | None = None
 
     # -- restore -------------------------------------------------------------
@@ -213,8 +235,13 @@ class TrainingSession:
             self._interval.current(), start_step=self.step, start_s=self._clock()
         )
         self.resumed_from = path
+        manifest = fmt.manifest_from_bytes((path / fmt.MANIFEST_NAME).read_bytes())
+        self.loaded = Loaded(str(path), self.step, manifest.world_size, self.world_size)
         self._supersede_newer(self.step)
-        log.info("resumed from %s at step %d", path, self.step)
+        log.info(
+            "resumed from %s at step %d (saved by %d rank(s), loaded by %d)",
+            path, self.step, manifest.world_size, self.world_size,
+        )  # fmt: skip
         return self.step
 
     def _supersede_newer(self, step: int) -> None:

@@ -356,9 +356,9 @@ def test_a_persistent_straggler_is_drained_when_the_policy_says_so(
 def test_the_demo_trainer_resumes_fsdp2_state_across_a_resize(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
 ) -> None:
-    """FSDP2 shards saved by 4 ranks, loaded by 3: the replayed steps continue the
-    interrupted run's losses (a fresh start's step-5 loss is the step-1 loss of
-    another model), on the reference's global samples, and only the culprit is
+    """FSDP2 shards saved by 4 ranks, loaded by 3: the trainer says it loaded step 4
+    on 3 ranks, the replayed step's loss continues the interrupted run's, every
+    step trains on the reference's global samples, and only the culprit is
     drained."""
     run = submit(supervisor, tmp_path, "--model", "fsdp", "--fault", "sigkill@6:3")
     job = finish(slurm_cluster, supervisor, run)
@@ -369,8 +369,9 @@ def test_the_demo_trainer_resumes_fsdp2_state_across_a_resize(
     assert starts == [("4", "0", ""), ("3", "4", str(run.ckpt / "step-4"))], starts
     assert run.steps()[STEPS]["world"] == 3  # sharded model and optimizer loaded on 3 ranks
     assert_same_samples(run, reference)
-    # Steps 5 and 6 ran twice: on 4 ranks before the kill, on 3 after the load.
+    # Step 5 ran twice: on 4 ranks before the kill, on 3 after the load. The model
+    # has dropout, whose masks follow the ranks' samples, so the two differ by
+    # about 1% (measured: 10.31 and 10.26); the step-to-step spread is 2-10x.
     records = [json.loads(line) for line in (run.record / "steps.jsonl").read_text().splitlines()]
-    for step in (5,):
-        first, replayed = [r["loss"] for r in records if r["step"] == step][:2]
-        assert replayed == pytest.approx(first, rel=1e-4, abs=1e-6), (step, first, replayed)
+    first, replayed = [r["loss"] for r in records if r["step"] == 5][:2]
+    assert replayed == pytest.approx(first, rel=0.05), (first, replayed)

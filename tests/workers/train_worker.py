@@ -8,6 +8,13 @@ and a LambdaLR scheduler, through :class:`TrainingSession`, which saves every
 step in rank order); at the end rank 0 writes the full parameters and optimizer
 state to ``OUT/final.pt``. ``--kill-after S`` SIGKILLs every rank once the
 step-S checkpoint has committed, the way a node failure would.
+
+Each start appends what it loaded to ``OUT/loads.rank<r>.jsonl``
+(:class:`agent.train.session.Loaded`, or ``{"path": null}`` for a fresh
+start). ``--break PART`` resumes wrongly on purpose, so that the tests show
+their comparisons catch it: ``restore`` (no restore: a fresh start),
+``rng`` (the RNGs reseeded after the restore), ``optimizer`` (its moments dropped after the
+load), ``cursor`` (the data cursor back at 0).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--kill-after", type=int, default=None)
+    parser.add_argument("--break", dest="broken", choices=["restore", "rng", "optimizer", "cursor"])
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -79,11 +87,22 @@ def main() -> None:
     session = TrainingSession(
         args.root, model=model, optimizer=optimizer, lr_scheduler=scheduler, sampler=sampler
     )
-    session.restore()
+    fresh_cursor = sampler.state_dict()
+    if args.broken != "restore":
+        session.restore()
+    if args.broken == "optimizer":
+        optimizer.state.clear()
+    if args.broken == "cursor":
+        sampler.load_state_dict(fresh_cursor)
     batches = iter(loader)
     session.restore_rng()
+    if args.broken == "rng":
+        torch.manual_seed(999)  # the session refuses a run that skips restore_rng
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"loads.rank{rank}.jsonl", "a") as loads:
+        loaded = session.loaded.as_dict() if session.loaded else {"path": None}
+        loads.write(json.dumps(loaded) + "\n")
     weight = loss_weight(GLOBAL_BATCH, world)
     with open(out / f"steps.rank{rank}.jsonl", "a") as record:
         while session.step < args.steps:
