@@ -57,12 +57,12 @@ DRIVER_PATH = "/v1/driver"
 # idempotent by id, so a replay inside the window changes nothing.
 REPLAY_WINDOW_S = 300
 
-# Size limits. A hang event carries the stack dump of every local rank, so the
-# text limit is generous; the body limit leaves room for a batch of them.
 # The longest an agent waits between two tries to reach an unreachable
 # supervisor: one that comes back hears from every agent within this much.
 RETRY_MAX_S = 10.0
 
+# Size limits. A hang event carries the stack dump of every local rank, so the
+# text limit is generous; the body limit leaves room for a batch of them.
 MAX_BODY_BYTES = 8 << 20
 MAX_EVENT_BYTES = 4 << 20
 MAX_EVENTS_PER_BATCH = 1000

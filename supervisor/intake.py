@@ -79,7 +79,7 @@ class TrackedJob:
     # since this supervisor started), and (attempt, when first heard, exit
     # code) of the driver's "the step ended".
     last_report_s: float | None = None
-    step_ended: tuple[int, float, int | None] | None = None
+    step_ended: tuple[int | None, float, int | None] | None = None
     # attempts whose resume verification has a result (checked once each)
     verified: set[int] = field(default_factory=set)
     # (step, stall_s, write_s) of the newest checkpoint's save
@@ -401,7 +401,7 @@ class Intake:
         record, now = job.record, self.clock()
         attempt = request.attempt
         if job.step_ended is None or job.step_ended[0] != attempt:
-            job.step_ended = (attempt or 0, now, request.exit_code)
+            job.step_ended = (attempt, now, request.exit_code)
             self.store.record_observation(
                 job_id,
                 "driver_step_ended",
