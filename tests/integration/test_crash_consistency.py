@@ -47,6 +47,10 @@ counters on /metrics never went down. At the end of each round: every
 action finished (none left planned or started, none failed), each drain,
 shrink, requeue and relaunch happened exactly once, the job record agrees
 with its attempts, decisions, drains and metrics.
+
+The same worst moment on the live cluster, with real Slurm and real ranks:
+``test_a_supervisor_killed_after_each_slurm_change_before_recording_it_recovers_once``
+in tests/integration/test_recovery_live.py.
 """
 
 from __future__ import annotations

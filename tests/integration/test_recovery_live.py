@@ -8,8 +8,11 @@ fault, and checks the outcome in Slurm and in the supervisor's store.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -244,48 +247,88 @@ def test_a_python_exception_at_the_same_step_twice_stops_the_job_as_a_crash_loop
     assert output.read_text().count("injected failure at step 6") >= 2
 
 
-def test_a_supervisor_killed_between_drain_and_relaunch_completes_the_recovery_once(
+# scontrol for the supervisor under test: the real one runs, then the caller
+# (the supervisor) is SIGKILLed once for each armed pattern the command
+# matches. The side effect is applied in Slurm, and the supervisor is dead
+# before it can record that: the worst moment for a crash.
+KILLING_SCONTROL = """#!/bin/bash
+{real} "$@"
+code=$?
+echo "$code $*" >> {applied}
+for arm in {arms}/*; do
+    [[ -e $arm && " $* " == *"$(cat "$arm")"* ]] || continue
+    mv "$arm" {fired}/ 2>/dev/null && kill -KILL "$PPID"
+done
+exit $code
+"""
+
+
+def _killing_scontrol(where: Path) -> tuple[dict[str, str], Path]:
+    """PATH with :data:`KILLING_SCONTROL` first, and its directory (arms/, fired/, applied)."""
+    real = shutil.which("scontrol")
+    assert real is not None
+    for sub in ("bin", "arms", "fired"):
+        (where / sub).mkdir(parents=True)
+    wrapper = where / "bin" / "scontrol"
+    wrapper.write_text(
+        KILLING_SCONTROL.format(
+            real=real, applied=where / "applied", arms=where / "arms", fired=where / "fired"
+        )
+    )
+    wrapper.chmod(0o755)
+    return {"PATH": f"{where / 'bin'}:{os.environ['PATH']}"}, where
+
+
+def test_a_supervisor_killed_after_each_slurm_change_before_recording_it_recovers_once(
     slurm_cluster: LiveCluster, tmp_path: Path
 ) -> None:
-    # A long backoff holds the relaunch back, so the kill lands after the drain.
-    policy = {**POLICY, "backoff_base_s": "12"}
-    supervisor = SupervisorProcess(slurm_cluster, tmp_path / "state", policy)
+    """The live round of crash consistency: SIGKILLed right after the drain took
+    effect in Slurm, and again right after the shrink did, each before the
+    supervisor recorded it; restarted each time on the same store. The recovery
+    finishes once: one drain, one shrink, one relaunch, the job completes on
+    three nodes from the newest checkpoint."""
+    env, switch = _killing_scontrol(tmp_path / "killswitch")
+    arms = {"drain": "NodeName=node3 State=DRAIN", "shrink": "NodeList="}
+    for name, pattern in arms.items():
+        (switch / "arms" / name).write_text(pattern)
+    supervisor = SupervisorProcess(slurm_cluster, tmp_path / "state", POLICY, env)
     supervisor.start()
     try:
         job_id, output, ckpt = _start_idle_job(supervisor, tmp_path)
         kill_rank_on("node3")
-        slurm_cluster.wait_for(
-            "node3 drained",
-            lambda: str(slurm_cluster.nodes()["node3"].get("reason", "")).startswith("resurgo:"),
-            timeout_s=60,
-        )
-        supervisor.kill()
-        with supervisor.store() as store:
-            kinds = {row.kind for row in store.list_actions(str(job_id))}
-        assert "relaunch" not in kinds, "the kill came too late to test anything"
-        drained_at = slurm_cluster.nodes()["node3"]["reason_changed_at"]
-        supervisor.start()
+        for _ in arms:
+            fired = {path.name for path in (switch / "fired").iterdir()}
+            slurm_cluster.wait_for(
+                f"the supervisor killed after one of {sorted(set(arms) - fired)}",
+                lambda: supervisor.process is not None and supervisor.process.poll() is not None,
+                timeout_s=120,
+            )
+            supervisor.stop()  # closes the log the killed process had open
+            supervisor.start()
+        assert sorted(path.name for path in (switch / "fired").iterdir()) == sorted(arms)
 
         job = _wait_ended(slurm_cluster, job_id, supervisor, output)
         assert job["job_state"] == "COMPLETED", output.read_text()[-3000:]
         assert job["restart_cnt"] == 0  # the fast path: never requeued
         _wait_recorded(supervisor, job_id, "completed")
-        assert slurm_cluster.nodes()["node3"]["reason_changed_at"] == drained_at
+        applied = (switch / "applied").read_text().splitlines()
+        changes = [line for line in applied if " update " in f" {line} "]
+        drains = [line for line in changes if "State=DRAIN" in line]
+        assert len(drains) == 1 and drains[0].startswith("0 update NodeName=node3 "), applied
+        assert len([line for line in changes if "NodeList=" in line]) == 1, applied
         with supervisor.store() as store:
             assert [d.node for d in store.drains_since(0)] == ["node3"]
             actions = store.list_actions(str(job_id))
-            by_kind: dict[str, list] = {}
-            for row in actions:
-                by_kind.setdefault(row.kind, []).append(row)
-            assert len(by_kind["drain"]) == 1 and by_kind["drain"][0].starts == 1
-            assert len(by_kind["relaunch"]) == 1
-            assert by_kind["relaunch"][0].state is ActionState.DONE
+            assert all(row.state is ActionState.DONE for row in actions), actions
+            by_kind = Counter(row.kind for row in actions)
+            assert by_kind["drain"] == by_kind["shrink"] == by_kind["relaunch"] == 1, by_kind
             assert "requeue" not in by_kind
             attempts = store.attempts_for(str(job_id))
             assert [a.attempt for a in attempts] == [1, 2]
             assert attempts[-1].nodes == ("node1", "node2", "node4")
             assert attempts[-1].resumed_from == str(ckpt / "step-8")
-        assert "done at step 16 with world 3" in output.read_text()
+        text = output.read_text()
+        assert "starting at step 8 from" in text and "done at step 16 with world 3" in text
     finally:
         supervisor.stop()
         _leave_cluster_clean(slurm_cluster)
