@@ -156,6 +156,9 @@ class RankProgress:
     step_times: StepTimes = field(default_factory=StepTimes)
     beats: int = 1
     compute_times: StepTimes = field(default_factory=StepTimes)
+    # Beats from the bootstrap (a script that imports nothing): a stop is a
+    # hang only once stacks confirm it (agent.watch).
+    automatic: bool = False
 
 
 def observe(
@@ -179,6 +182,7 @@ def observe(
             seen_s=now_s,
             step_times=StepTimes(window),
             compute_times=_with_compute(StepTimes(window), beat),
+            automatic=beat.automatic,
         )
     step_changed = beat.step != previous.step
     phase_changed = beat.phase is not previous.phase
@@ -203,6 +207,7 @@ def observe(
         step_times=step_times,
         beats=previous.beats + 1,
         compute_times=_with_compute(previous.compute_times, beat),
+        automatic=beat.automatic,
     )
 
 

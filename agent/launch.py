@@ -13,7 +13,9 @@ is kept as written except for what a relaunch must change:
   torchrun, not the agent, is the worker's parent and reaps it.
 - any other command runs as it is, as the node's single "rank".
 
-Both get the ``RESURGO_*`` environment the in-rank library reads.
+Both get the ``RESURGO_*`` environment the in-rank library reads, and
+:data:`BOOTSTRAP_DIR` first on ``PYTHONPATH`` (automatic progress for
+scripts that import nothing: :mod:`agent.train.autohooks`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 ENV_CKPT_INTERVAL_S = "RESURGO_CKPT_INTERVAL_S"
 ENV_CKPT_INTERVAL_FILE = "RESURGO_CKPT_INTERVAL_FILE"
 ENV_SAVE_REQUEST_FILE = "RESURGO_SAVE_REQUEST_FILE"
+# First on every rank's PYTHONPATH: its sitecustomize arms automatic progress
+# for scripts that import nothing (agent.train.autohooks; opt out with
+# RESURGO_AUTO_PROGRESS=0).
+BOOTSTRAP_DIR = str(PurePath(__file__).parent / "bootstrap")
+_PATHSEP = ":"
 
 # torchrun options the agent sets itself; the user's values are dropped.
 _CONTROLLED = {
@@ -147,6 +154,7 @@ def plan_launch(
         raise ConfigError("no command to launch: give it after `--`, e.g. -- torchrun train.py")
     env = dict(environ)
     env.update(_resurgo_env(allocation, settings))
+    env["PYTHONPATH"] = with_bootstrap(environ.get("PYTHONPATH"))
     if not is_torchrun(command):
         return LaunchPlan(tuple(command), env, is_torchrun=False, local_ranks=1)
     if torchrun_parser is None:
@@ -179,6 +187,12 @@ def plan_launch(
         *parsed.training_script_args,
     ]
     return LaunchPlan(tuple(argv), env, is_torchrun=True, local_ranks=nproc)
+
+
+def with_bootstrap(pythonpath: str | None) -> str:
+    """``PYTHONPATH`` with :data:`BOOTSTRAP_DIR` first (once), the rest kept in order."""
+    rest = [entry for entry in (pythonpath or "").split(_PATHSEP) if entry != BOOTSTRAP_DIR]
+    return _PATHSEP.join([BOOTSTRAP_DIR, *(entry for entry in rest if entry)])
 
 
 def _resurgo_env(allocation: Allocation, settings: LaunchSettings) -> dict[str, str]:

@@ -321,3 +321,19 @@ def dump_all(
                 pid, f"no stack within the {timeout_s:.1f} s deadline for all local ranks"
             )
     return {pid: results[pid] for pid in pids}
+
+
+def dump_all_placed(pids: Iterable[int], timeout_s: float = 30.0) -> dict[int, StackDump]:
+    """Like :func:`dump_all`, with a native dump of every process that its Python frames
+    do not place in a collective: DDP's reducer and autograd wait in C++
+    (``c10d::Reducer::finalize_backward`` under ``Tensor.backward``), where
+    Python frames show only ``backward``. The native dump replaces the Python one
+    when it succeeds; taken on suspicion only (it costs ~0.5-1 s a process).
+    """
+    deadline = time.monotonic() + timeout_s
+    dumps = dump_all(pids, timeout_s)
+    unplaced = [pid for pid, dump in dumps.items() if dump.ok and not in_collective(dump)]
+    if unplaced:
+        native = dump_all(unplaced, max(1.0, deadline - time.monotonic()), native=True)
+        dumps.update({pid: dump for pid, dump in native.items() if dump.ok})
+    return dumps

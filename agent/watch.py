@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from agent import protocol
@@ -31,7 +32,7 @@ from agent.hang import (
     stack_hang_verdict,
 )
 from agent.procs import RankProcess
-from agent.stacks import StackDump, dump_all, fingerprint, in_collective
+from agent.stacks import StackDump, dump_all, dump_all_placed, fingerprint, in_collective
 from agent.train.heartbeat import RankBeat
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class RankMonitor:
         self._last_sample: dict[int, float] = {}
         self._hang_reported: dict[int, float] = {}
         self._straggling: set[int] = set()
+        # Native-aware "in a collective?" of the local ranks, taken on suspicion.
+        self._placed: dict[int, bool] = {}
+        self._placed_s = -1e9
 
     def on_beat(self, beat: RankBeat, now_s: float) -> None:
         """Fold one heartbeat in; progress after a reported hang starts a new episode.
@@ -82,9 +86,16 @@ class RankMonitor:
     async def check_hangs(self, live: Mapping[int, RankProcess], now_s: float) -> None:
         """Decide hangs among ``live`` ranks; report a new one with every local stack."""
         beating = {r: p for r, p in self.progress.items() if r in live}
+        verdicts = hang_verdicts(beating, now_s, self._config)
+        if any(self._needs_confirming(beating[v.rank], v) for v in verdicts):
+            # Optimizer steps stopped in a script that imports nothing: a long
+            # evaluation or a rank-0 save stops them too. A hang has ranks
+            # waiting for a peer: one here must sit in a collective.
+            placed = await self._placed_now(live, now_s)
+            if not any(placed.values()):
+                verdicts = [v for v in verdicts if not self._needs_confirming(beating[v.rank], v)]
         hung: Hung = {
-            verdict.rank: (verdict, protocol.HangDetector.HEARTBEAT)
-            for verdict in hang_verdicts(beating, now_s, self._config)
+            verdict.rank: (verdict, protocol.HangDetector.HEARTBEAT) for verdict in verdicts
         }
         silent = [rank for key, rank in live.items() if key not in beating]
         frozen_outside: list[int] = []
@@ -95,6 +106,16 @@ class RankMonitor:
                 verdict = stack_hang_verdict(
                     list(samples), now_s, self._config.stack_timeout_s, rank=rank.global_rank
                 )
+                if verdict is None and _frozen_for(samples, now_s) > self._config.stack_timeout_s:
+                    # Frozen where Python frames cannot place it (DDP's backward):
+                    # the native stack says whether it waits in a collective.
+                    placed = await self._placed_now(live, now_s)
+                    if placed.get(rank.global_rank):
+                        samples.append(replace(samples[-1], time_s=now_s, in_collective=True))
+                        verdict = stack_hang_verdict(
+                            list(samples), now_s, self._config.stack_timeout_s,
+                            rank=rank.global_rank,
+                        )  # fmt: skip
                 if verdict is not None:
                     hung[rank.global_rank] = (verdict, protocol.HangDetector.STACK)
                 elif _frozen_for(samples, now_s) > self._config.stack_timeout_s:
@@ -108,6 +129,26 @@ class RankMonitor:
         await self._report_hang(hung, live)
         for key in hung:
             self._hang_reported[key] = now_s
+
+    def _needs_confirming(self, progress: RankProgress, verdict: HangVerdict) -> bool:
+        """An automatic rank's stop, short of the longest grace: a hang only if confirmed."""
+        limit = max(self._config.eval_grace_s, self._config.checkpoint_grace_s)
+        return progress.automatic and verdict.since_progress_s <= limit
+
+    async def _placed_now(self, live: Mapping[int, RankProcess], now_s: float) -> dict[int, bool]:
+        """Whether each local rank waits in a collective, by native-aware stacks; at most
+        one round of dumps per stack sample period."""
+        if now_s - self._placed_s >= self._stack_sample_s:
+            dumps = await asyncio.to_thread(
+                dump_all_placed, [rank.pid for rank in live.values()], EVIDENCE_DEADLINE_S
+            )
+            self._placed = {
+                key: in_collective(dumps[rank.pid])
+                for key, rank in live.items()
+                if dumps[rank.pid].ok
+            }
+            self._placed_s = now_s
+        return self._placed
 
     async def check_stragglers(self, live: Mapping[int, RankProcess]) -> None:
         """Report ranks whose step time is a local outlier, once until they recover."""
@@ -197,7 +238,7 @@ class RankMonitor:
     async def _report_hang(self, hung: Hung, live: Mapping[int, RankProcess]) -> None:
         # Evidence before anything is killed: every local rank's stack, hung or not.
         dumps: dict[int, StackDump] = await asyncio.to_thread(
-            dump_all, [rank.pid for rank in live.values()], EVIDENCE_DEADLINE_S
+            dump_all_placed, [rank.pid for rank in live.values()], EVIDENCE_DEADLINE_S
         )
         stacks = {
             str(key): protocol.clip_text(_stack_text(dumps[rank.pid]), protocol.MAX_TEXT_CHARS)

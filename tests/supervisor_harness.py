@@ -122,11 +122,14 @@ class SupervisorProcess:
             **self.extra_env,
         }
 
-    def resurgo(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """Run ``resurgo ARGS`` as a user would (a separate process)."""
+    def resurgo(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``resurgo ARGS`` as a user would (a separate process); ``env`` adds to its
+        environment (and so, through ``submit``, to the job's)."""
         return subprocess.run(
             [sys.executable, "-m", "supervisor.cli.main", *args],
-            env=self.cli_env(),
+            env={**self.cli_env(), **(env or {})},
             capture_output=True,
             text=True,
             timeout=120,

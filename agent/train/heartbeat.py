@@ -45,7 +45,8 @@ offset type  field
 2      u8    version, 1
 3      u8    kind: 1 = beat, 2 = checkpoint committed, 3 = step report
 4      u8    phase: 0 init, 1 train, 2 checkpoint, 3 eval
-5      u8    reserved, 0
+5      u8    flags: bit 0 set for a beat of the automatic bootstrap
+             (:mod:`agent.train.autohooks`); other bits 0
 6      i32   global rank
 10     i32   local rank
 14     i32   pid of the sender
@@ -92,13 +93,18 @@ ENV_LOCAL_RANK = "LOCAL_RANK"
 
 MAGIC = b"Rh"
 VERSION = 1
+FLAG_AUTOMATIC = 1
 # Linux PATH_MAX; a longer path cannot name a checkpoint directory anyway.
 MAX_PATH_BYTES = 4096
 # A dead agent costs one failed connect() per period, not one per step; short
 # enough that a restarted agent hears from every rank within seconds.
 RECONNECT_PERIOD_S = 2.0
 
-_HEADER = struct.Struct("<2sBBBxiiiqd")
+# True once this process made a Heartbeat of its own (the script is
+# instrumented): the automatic progress of agent.train.autohooks then stands down.
+instrumented = False
+
+_HEADER = struct.Struct("<2sBBBBiiiqd")
 _PATH_LEN = struct.Struct("<H")
 _STEP_TAIL = struct.Struct("<dq")
 _COMPUTE = struct.Struct("<d")
@@ -151,6 +157,9 @@ class RankBeat:
     phase: Phase
     wall_time_s: float
     compute_s: float | None = None
+    # Sent by the bootstrap (agent.train.autohooks) for a script that imports
+    # nothing: its steps are optimizer steps, and a stop needs confirming.
+    automatic: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,15 +216,18 @@ def encode_beat(
     phase: Phase,
     wall_time_s: float,
     compute_s: float | None = None,
+    automatic: bool = False,
 ) -> bytes:
     """The datagram for one beat (the reference encoder; :class:`Heartbeat` inlines it).
 
     With ``compute_s`` the 42-byte timed form; ValueError when it is negative
-    or not finite.
+    or not finite. ``automatic``: flag bit 0 (the bootstrap's beats).
     """
+    flags = FLAG_AUTOMATIC if automatic else 0
     header = _HEADER.pack(
-        MAGIC, VERSION, Kind.BEAT, _PHASE_CODE[phase], rank, local_rank, pid, step, wall_time_s
-    )
+        MAGIC, VERSION, Kind.BEAT, _PHASE_CODE[phase], flags, rank, local_rank, pid, step,
+        wall_time_s,
+    )  # fmt: skip
     if compute_s is None:
         return header
     return header + _COMPUTE.pack(_checked_compute(compute_s))
@@ -257,6 +269,7 @@ def encode_checkpoint(
         VERSION,
         Kind.CHECKPOINT,
         _PHASE_CODE[phase],
+        0,
         rank,
         local_rank,
         pid,
@@ -291,6 +304,7 @@ def encode_step_report(
         VERSION,
         Kind.STEP,
         _PHASE_CODE[Phase.TRAIN],
+        0,
         rank,
         local_rank,
         pid,
@@ -311,16 +325,17 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None
     """
     if len(data) < BEAT_SIZE or data[:2] != MAGIC or data[2] != VERSION:
         return None
-    _, _, kind, phase_code, rank, local_rank, pid, step, wall = _HEADER.unpack_from(data)
+    _, _, kind, phase_code, flags, rank, local_rank, pid, step, wall = _HEADER.unpack_from(data)
     phase = _CODE_PHASE.get(phase_code)
     if phase is None or min(rank, local_rank, step) < 0 or pid < 1:
         return None
     if kind == Kind.BEAT:
+        automatic = bool(flags & FLAG_AUTOMATIC)
         if len(data) == BEAT_SIZE:
-            return RankBeat(rank, local_rank, pid, step, phase, wall)
+            return RankBeat(rank, local_rank, pid, step, phase, wall, None, automatic)
         if len(data) == TIMED_BEAT_SIZE:
             compute_s = _read_compute(data, BEAT_SIZE)
-            return RankBeat(rank, local_rank, pid, step, phase, wall, compute_s)
+            return RankBeat(rank, local_rank, pid, step, phase, wall, compute_s, automatic)
         return None
     if kind == Kind.STEP:
         return _step_report(data, phase, rank, local_rank, pid, step, wall)
@@ -365,8 +380,20 @@ class Heartbeat:
     thread.
     """
 
-    def __init__(self, socket_path: str | None, *, rank: int = 0, local_rank: int = 0) -> None:
+    def __init__(
+        self,
+        socket_path: str | None,
+        *,
+        rank: int = 0,
+        local_rank: int = 0,
+        automatic: bool = False,
+    ) -> None:
+        """``automatic``: the bootstrap's own (:mod:`agent.train.autohooks`), which
+        stands down once the script makes a Heartbeat of its own."""
+        global instrumented
         self._path = socket_path or None
+        if self._path is not None and not automatic:
+            instrumented = True
         self._rank = rank
         self._local_rank = local_rank
         self._pid = os.getpid()
@@ -377,15 +404,19 @@ class Heartbeat:
         # Bound once: attribute lookups are a measurable share of a 2 µs call.
         self._pack = _HEADER.pack
         self._clock = time.time
+        self._flags = FLAG_AUTOMATIC if automatic else 0
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Heartbeat:
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, automatic: bool = False
+    ) -> Heartbeat:
         """From ``RESURGO_AGENT_SOCKET``, ``RANK`` and ``LOCAL_RANK`` (0 when unset or bad)."""
         env = os.environ if environ is None else environ
         return cls(
             env.get(ENV_AGENT_SOCKET),
             rank=_int_or_zero(env.get(ENV_RANK)),
             local_rank=_int_or_zero(env.get(ENV_LOCAL_RANK)),
+            automatic=automatic,
         )
 
     @property
@@ -418,6 +449,7 @@ class Heartbeat:
                     phase=phase,
                     wall_time_s=self._clock(),
                     compute_s=compute_s,
+                    automatic=bool(self._flags),
                 )
             )
             return
@@ -433,6 +465,7 @@ class Heartbeat:
                     VERSION,
                     1,  # Kind.BEAT; a literal saves an enum lookup on the hot path
                     _PHASE_CODE[phase],
+                    self._flags,
                     self._rank,
                     self._local_rank,
                     self._pid,

@@ -81,13 +81,19 @@ class Run:
         return re.findall(r"toy: injecting \w+ at step \d+ on (node\d)", self.text())
 
 
-def submit(supervisor: SupervisorProcess, where: Path, *toy_args: str, nodes: int = 4) -> Run:
+def submit(
+    supervisor: SupervisorProcess,
+    where: Path,
+    *toy_args: str,
+    nodes: int = 4,
+    env: dict[str, str] | None = None,
+) -> Run:
     run = Run(0, where / "job.out", where / "ckpt", where / "record")
     done = supervisor.resurgo(
         "submit", "-N", str(nodes), "--min-nodes", "2", f"--output={run.output}",
         "--ckpt-root", str(run.ckpt), "--parsable", "--",
         *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
-        "--record", str(run.record), *toy_args,
+        "--record", str(run.record), *toy_args, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     run.job_id = int(done.stdout.strip())
@@ -226,7 +232,11 @@ def test_an_instrumented_hang_is_blamed_on_the_stopped_ranks_node(
 def test_an_uninstrumented_hang_is_found_from_stacks(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
 ) -> None:
-    run = submit(supervisor, tmp_path, "--no-heartbeat", "--fault", "hang@6:2")
+    # No step signal at all: no heartbeats, and no automatic progress either.
+    run = submit(
+        supervisor, tmp_path, "--no-heartbeat", "--fault", "hang@6:2",
+        env={"RESURGO_AUTO_PROGRESS": "0"},
+    )  # fmt: skip
     job = finish(slurm_cluster, supervisor, run)
     assert job["job_state"] == "COMPLETED", story(supervisor, run)
     (victim,) = run.faulted_nodes()

@@ -1,0 +1,201 @@
+"""Progress from a training script that imports nothing from Resurgo.
+
+The node agent puts ``agent/bootstrap/`` first on its ranks' ``PYTHONPATH``
+(:mod:`agent.launch`); Python then imports its ``sitecustomize`` in every
+rank, which calls :func:`install` and then runs the ``sitecustomize`` the rank
+would have imported without it (a distribution's or the user's). Nothing of
+torch is imported early: :func:`install` adds a meta-path finder that waits
+for ``import torch`` to finish, and then
+
+- registers a global optimizer-step post hook
+  (``torch.optim.optimizer.register_optimizer_step_post_hook``): each step of
+  the first optimizer that steps is a beat of the next step, in phase train;
+- wraps ``torch.save``: the write is phase checkpoint (its grace covers a long
+  write), and ``torch.load``: a checkpoint dict with an integer under one of
+  :data:`STEP_KEYS` (nanoGPT's ``iter_num``, ``step``, ``global_step``, ...)
+  says where the script resumes, so the count goes on from there;
+- wraps ``torch.nn.Module.train``: a model put in eval mode is phase eval.
+
+These beats carry the automatic flag: the agent reports such a rank as hung
+only when a native-aware stack confirms that a local rank waits in a
+collective (:mod:`agent.watch`). A script that makes a
+:class:`~agent.train.heartbeat.Heartbeat` of its own (our library) is
+instrumented: the hooks stand down, nothing is counted twice. Nothing here
+raises into the script or blocks it; a step costs one hook call and one
+non-blocking send (``bench/agent.py`` measures it). Opt out with
+``RESURGO_AUTO_PROGRESS=0`` in the job's environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from agent.train import heartbeat as heartbeat_module
+from agent.train.heartbeat import ENV_AGENT_SOCKET, ENV_RANK, Heartbeat, Phase
+
+ENV_AUTO_PROGRESS = "RESURGO_AUTO_PROGRESS"
+OFF = frozenset({"0", "no", "off", "false"})
+# Keys under which public training scripts keep their step in a checkpoint dict.
+STEP_KEYS = ("iter_num", "global_step", "step", "iteration", "iter", "steps")
+
+
+def enabled(environ: dict[str, str] | os._Environ[str]) -> bool:
+    """Whether this process is a rank under an agent that has not opted out."""
+    return (
+        bool(environ.get(ENV_AGENT_SOCKET))
+        and ENV_RANK in environ
+        and environ.get(ENV_AUTO_PROGRESS, "1").strip().lower() not in OFF
+    )
+
+
+class AutoProgress:
+    """The hooks' state: the step count, the first optimizer, the heartbeat."""
+
+    def __init__(self, beats: Heartbeat) -> None:
+        self.beats = beats
+        self.step = 0
+        self._optimizer: int | None = None
+        self._handle: Any = None
+
+    @property
+    def standing_down(self) -> bool:
+        return heartbeat_module.instrumented
+
+    def after_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        """The optimizer-step post hook: one beat per step of the first optimizer."""
+        try:
+            if heartbeat_module.instrumented:
+                if self._handle is not None:
+                    self._handle.remove()
+                    self._handle = None
+                return
+            if self._optimizer is None:
+                self._optimizer = id(optimizer)
+            elif id(optimizer) != self._optimizer:
+                return
+            self.step += 1
+            self.beats.beat(self.step)
+        except Exception:  # never into the user's training loop
+            pass
+
+    def resumed_at(self, loaded: object) -> None:
+        """A loaded checkpoint dict that names its step: the count goes on from it."""
+        try:
+            if self.standing_down or not isinstance(loaded, dict):
+                return
+            for key in STEP_KEYS:
+                value = loaded.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                    self.step = value
+                    self.beats.beat(value)
+                    return
+        except Exception:
+            pass
+
+    def wrap_save(self, save: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(save)
+        def saving(*args: Any, **kwargs: Any) -> Any:
+            if self.standing_down:
+                return save(*args, **kwargs)
+            with self.beats.phase(Phase.CHECKPOINT):
+                return save(*args, **kwargs)
+
+        return saving
+
+    def wrap_load(self, load: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(load)
+        def loading(*args: Any, **kwargs: Any) -> Any:
+            loaded = load(*args, **kwargs)
+            self.resumed_at(loaded)
+            return loaded
+
+        return loading
+
+    def wrap_train(self, train: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(train)
+        def training(module: Any, mode: bool = True) -> Any:
+            result = train(module, mode)
+            try:
+                phase = Phase.TRAIN if mode else Phase.EVAL
+                if not self.standing_down and self.step > 0 and self.beats._phase is not phase:
+                    self.beats.beat(self.step, phase)
+            except Exception:
+                pass
+            return result
+
+        return training
+
+    def attach(self, torch: Any) -> None:
+        """Hook into an imported torch; a part that fails leaves that part as it was."""
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._handle = register_optimizer_step_post_hook(self.after_step)
+        except Exception:
+            return  # no step signal: the agent's stack sampling still watches the rank
+        for owner, name, wrap in (
+            (torch, "save", self.wrap_save),
+            (torch, "load", self.wrap_load),
+            (torch.nn.Module, "train", self.wrap_train),
+        ):
+            with contextlib.suppress(Exception):
+                setattr(owner, name, wrap(getattr(owner, name)))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; lets ``name``'s loader run, then calls ``then`` on the module."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self._name = name
+        self._then = then
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self._name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _ThenLoader(spec.loader, self._then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, then: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._then = then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._then(module)
+
+
+_installed: AutoProgress | None = None
+
+
+def install(environ: dict[str, str] | os._Environ[str] | None = None) -> AutoProgress | None:
+    """Arm the hooks for this rank (see the module docstring); None when not a supervised rank."""
+    global _installed
+    env = os.environ if environ is None else environ
+    if _installed is not None or not enabled(env):
+        return _installed
+    progress = AutoProgress(Heartbeat.from_env(env, automatic=True))
+    if "torch" in sys.modules:
+        progress.attach(sys.modules["torch"])
+    else:
+        sys.meta_path.insert(0, _AfterImport("torch", progress.attach))
+    _installed = progress
+    return progress

@@ -1,0 +1,111 @@
+"""A training script that imports nothing from Resurgo, under ``resurgo submit`` on the
+live 4-node cluster (tests/workers/ddp_plain.py: DDP on gloo, its own
+``torch.save`` checkpoint and resume, ``iter N`` prints).
+
+The ranks' progress comes from the bootstrap's optimizer-step hook
+(agent.train.autohooks). One rank sleeping inside an iteration leaves its
+peers waiting in DDP's backward, in native code: their agents confirm it with
+native stacks, and the sleeping rank's node, the only one that reported no
+waiting rank, is blamed. The script then resumes from its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import LiveCluster
+from tests.e2e.test_faults import (
+    AGENTS,
+    DAEMON,
+    ENDED,
+    POLICY,
+    attempts,
+    drained,
+    restore_cluster,
+)
+from tests.supervisor_harness import TORCHRUN, SupervisorProcess
+
+pytestmark = pytest.mark.slurm
+
+PLAIN = Path(__file__).resolve().parents[1] / "workers" / "ddp_plain.py"
+ITERS = 40
+
+
+@pytest.fixture
+def supervisor(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[SupervisorProcess]:
+    process = SupervisorProcess(slurm_cluster, tmp_path / "state", POLICY, AGENTS | DAEMON)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+        restore_cluster(slurm_cluster)
+
+
+def submit_plain(supervisor: SupervisorProcess, where: Path, *script_args: str) -> tuple[int, Path]:
+    output = where / "job.out"
+    out_dir = where / "out"
+    out_dir.mkdir()
+    done = supervisor.resurgo(
+        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--parsable",
+        "--ckpt-root", str(out_dir), "--",
+        *TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", str(ITERS),
+        *script_args,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip()), output
+
+
+def status(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: ignore[type-arg]
+    done = supervisor.resurgo("status", "--json", str(job_id))
+    assert done.returncode == 0, done.stderr
+    (job,) = json.loads(done.stdout)["jobs"]
+    return job  # type: ignore[no-any-return]
+
+
+def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    job_id, output = submit_plain(
+        supervisor, tmp_path, "--iter-s", "0.5", "--sleep-at", "15", "--sleep-rank", "2",
+        "--sleep-s", "600",
+    )  # fmt: skip
+    seen = slurm_cluster.wait_for(
+        "the job running on steps from the bootstrap",
+        lambda: (job := status(supervisor, job_id))["state"] == "running" and job,
+        timeout_s=120,
+    )
+    assert seen["attempt"] == 1
+    (victim,) = slurm_cluster.wait_for(
+        "rank 2 asleep",
+        lambda: re.findall(
+            r"rank 2 sleeping [\d.]+ s in iter 15 on (node\d)", output.read_text(errors="replace")
+        ),
+        timeout_s=120,
+    )
+    asleep_at = time.monotonic()
+    slurm_cluster.wait_for(
+        f"{victim} drained",
+        lambda: drained(supervisor, job_id),
+        timeout_s=8 + 30 + 60,  # the adaptive timeout (floor 8 s) + 30 s, and evidence
+    )
+    detected_s = time.monotonic() - asleep_at
+    assert drained(supervisor, job_id) == [(victim, "hang")], output.read_text()
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
+    text = output.read_text(errors="replace")
+    assert job["job_state"] == "COMPLETED", text[-3000:]
+    assert f"done at iter {ITERS} with world 3" in text, text[-3000:]
+    # The script went on from its own checkpoint, not from iteration 0.
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10\b", text), text[-3000:]
+    assert len(attempts(supervisor, job_id)) == 2
+    with supervisor.store() as store:
+        hangs = store.events_for(str(job_id), kinds=["hang"])
+    reported = {e.node for e in hangs}
+    assert victim not in reported and len(reported) == 3, reported
+    print(f"detected and drained {detected_s:.1f} s after the rank fell asleep")

@@ -1,0 +1,164 @@
+"""Automatic progress for scripts that import nothing: a real Python process started
+with the bootstrap on its PYTHONPATH, as the node agent starts ranks, sends
+its beats to a real Unix datagram socket read here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.launch import BOOTSTRAP_DIR, with_bootstrap
+from agent.train.heartbeat import Phase, RankBeat, parse_datagram
+
+REPO = Path(__file__).resolve().parents[2]
+
+PLAIN = """
+import torch
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+for _ in range(5):
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    other.step()  # a second optimizer's steps are not counted again
+torch.save({"model": model.state_dict(), "iter_num": 5}, "ckpt.pt")
+model.eval()
+model.train()
+state = torch.load("ckpt.pt")
+state["iter_num"] = 40
+torch.save(state, "ckpt.pt")
+torch.load("ckpt.pt")
+optimizer.step()
+"""
+
+
+class Listener:
+    """The agent's end: a datagram socket read on a thread while the rank runs
+    (Linux queues only ``net.unix.max_dgram_qlen``, 10 by default, unread)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.1)
+        self.received: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                self.received.append(self.sock.recv(65536))
+
+    def beats(self) -> list[RankBeat]:
+        time.sleep(0.3)
+        found = []
+        for data in list(self.received):
+            beat = parse_datagram(data)
+            assert isinstance(beat, RankBeat), beat
+            found.append(beat)
+        return found
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Listener]:
+    listener = Listener(str(tmp_path / "agent.sock"))
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
+def run_rank(
+    tmp_path: Path, source: str, socket_path: str, **extra: str
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    env = {
+        **os.environ,
+        "RESURGO_AGENT_SOCKET": socket_path,
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        **extra,
+    }
+    env["PYTHONPATH"] = with_bootstrap(f"{extra.get('PYTHONPATH', '')}:{REPO}")
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_optimizer_steps_saves_loads_and_eval_become_automatic_beats(
+    tmp_path: Path, agent: Listener
+) -> None:
+    run_rank(tmp_path, PLAIN, agent.path)
+    got = agent.beats()
+    assert all(b.automatic and b.rank == 3 and b.local_rank == 1 for b in got)
+    assert [(b.step, b.phase) for b in got] == [
+        *((step, Phase.TRAIN) for step in range(1, 6)),  # the first optimizer only
+        (5, Phase.CHECKPOINT),  # torch.save
+        (5, Phase.TRAIN),
+        (5, Phase.EVAL),  # model.eval()
+        (5, Phase.TRAIN),  # model.train()
+        (5, Phase.TRAIN),  # torch.load: iter_num 5
+        (5, Phase.CHECKPOINT),
+        (5, Phase.TRAIN),
+        (40, Phase.TRAIN),  # torch.load: the script resumes at iter_num 40
+        (41, Phase.TRAIN),
+    ]
+
+
+def test_an_instrumented_script_gets_no_automatic_beats(tmp_path: Path, agent: Listener) -> None:
+    source = "from agent.train.heartbeat import Heartbeat\nhb = Heartbeat.from_env()\n"
+    run_rank(tmp_path, source + PLAIN + "hb.beat(99)\n", agent.path)
+    assert [(b.step, b.automatic) for b in agent.beats()] == [(99, False)]
+
+
+def test_opting_out_sends_nothing(tmp_path: Path, agent: Listener) -> None:
+    run_rank(tmp_path, PLAIN, agent.path, RESURGO_AUTO_PROGRESS="0")
+    assert agent.beats() == []
+
+
+def test_the_users_own_sitecustomize_still_runs(tmp_path: Path, agent: Listener) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS'] = 'ran'\n")
+    done = run_rank(
+        tmp_path, "import os\nprint(os.environ.get('THEIRS'))\n" + PLAIN, agent.path,
+        PYTHONPATH=str(theirs),
+    )  # fmt: skip
+    assert done.stdout.strip() == "ran"
+    assert len(agent.beats()) == 14
+
+
+def test_a_dead_agent_costs_the_script_nothing(tmp_path: Path) -> None:
+    done = run_rank(tmp_path, PLAIN + "print('trained')\n", str(tmp_path / "nobody.sock"))
+    assert done.stdout.strip() == "trained" and done.stderr == ""
+
+
+def test_the_bootstrap_comes_first_once() -> None:
+    assert with_bootstrap(None) == BOOTSTRAP_DIR
+    assert with_bootstrap(f"/a:{BOOTSTRAP_DIR}::/b") == f"{BOOTSTRAP_DIR}:/a:/b"

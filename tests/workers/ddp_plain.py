@@ -1,0 +1,109 @@
+"""A DDP training script written the way the popular public examples are, importing
+nothing from Resurgo: the supervised-as-is case.
+
+Started by torchrun (gloo, CPU). It keeps its own checkpoint, ``OUT_DIR/ckpt.pt``
+(model, optimizer, ``iter_num``), written by rank 0 with ``torch.save`` every
+``--eval-interval`` iterations and loaded on start when present, and prints
+``iter N: loss X`` lines. Faults for the tests, on one rank at one iteration
+(first launch only, so that a relaunch trains through):
+
+- ``--sleep-at N --sleep-rank R --sleep-s S``: rank R sleeps inside iteration N,
+  after its forward and before its backward, while its peers wait in DDP's
+  backward (native code: no ``torch.distributed`` Python frame);
+- ``--eval-pause-s S``: every rank pauses S seconds at each evaluation, the way
+  a long validation pass does (no optimizer step meanwhile: no false hang);
+- ``--save-pause-s S``: rank 0's checkpoint write takes S seconds longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class SlowToPickle:
+    """Pickles as 0 after ``seconds``: a checkpoint write that takes that much longer."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        time.sleep(self.seconds)
+        return int, (0,)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--max-iters", type=int, default=40)
+    parser.add_argument("--eval-interval", type=int, default=10)
+    parser.add_argument("--iter-s", type=float, default=0.2)
+    parser.add_argument("--sleep-at", type=int, default=-1)
+    parser.add_argument("--sleep-rank", type=int, default=-1)
+    parser.add_argument("--sleep-s", type=float, default=0.0)
+    parser.add_argument("--eval-pause-s", type=float, default=0.0)
+    parser.add_argument("--save-pause-s", type=float, default=0.0)
+    args = parser.parse_args()
+
+    dist.init_process_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    master = rank == 0
+    torch.manual_seed(1337)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    iter_num = 0
+    resumed = os.path.exists(ckpt_path)
+    if resumed:
+        checkpoint = torch.load(ckpt_path, map_location="cpu")
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        iter_num = checkpoint["iter_num"]
+        if master:
+            print(f"resuming training from {ckpt_path} at iter {iter_num}", flush=True)
+    ddp = DDP(model)
+    generator = torch.Generator().manual_seed(rank)
+    first_launch = not resumed
+
+    while iter_num < args.max_iters:
+        x = torch.randn(16, 32, generator=generator)
+        y = x.sum(dim=1, keepdim=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        if first_launch and iter_num == args.sleep_at and rank == args.sleep_rank:
+            node = os.environ.get("SLURMD_NODENAME", "this node")
+            print(f"rank {rank} sleeping {args.sleep_s} s in iter {iter_num} on {node}", flush=True)
+            time.sleep(args.sleep_s)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        time.sleep(args.iter_s)
+        iter_num += 1
+        if master:
+            print(f"iter {iter_num}: loss {loss.item():.4f}", flush=True)
+        if iter_num % args.eval_interval == 0:
+            time.sleep(args.eval_pause_s)
+            if master:
+                checkpoint = {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "iter_num": iter_num,
+                }
+                if args.save_pause_s:
+                    checkpoint["slow"] = SlowToPickle(args.save_pause_s)
+                print(f"saving checkpoint to {args.out_dir}", flush=True)
+                torch.save(checkpoint, ckpt_path + ".tmp")
+                os.replace(ckpt_path + ".tmp", ckpt_path)
+            dist.barrier()
+    if master:
+        print(f"done at iter {iter_num} with world {world}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
