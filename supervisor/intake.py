@@ -59,6 +59,8 @@ log = logging.getLogger("resurgo.supervisor")
 
 # How long the driver is told to wait before asking again.
 DRIVER_RETRY_S = 2.0
+# Phases in which a rank may keep its peers waiting in a collective for long.
+_BUSY_PHASES = frozenset({"checkpoint", "eval"})
 
 
 @dataclass
@@ -87,6 +89,13 @@ class TrackedJob:
     interval_s: float | None = None  # the interval last pushed to the agents
     # global rank -> its newest compute median (this attempt's agents only)
     compute: dict[int, ComputeSample] = field(default_factory=dict)
+    # node -> (attempt, when, global rank, phase) of a rank in a checkpoint or an
+    # evaluation, from the node's newest heartbeat report; hang reports from other nodes
+    # held meanwhile ((attempt, highest hung step, event)), and since when no
+    # node has been busy while some are held.
+    busy: dict[str, tuple[int, float, int, str]] = field(default_factory=dict)
+    held_hangs: list[tuple[int, int, Event]] = field(default_factory=list)
+    idle_since_s: float | None = None
     # (record nodes, Slurm's nodes, their union) as of the last allocation() call
     _allocation: tuple[tuple[str, ...], tuple[str, ...], frozenset[str]] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -168,9 +177,77 @@ class Intake:
                     job.record.attempt,
                 )  # fmt: skip
                 continue
+            if event.kind is EventKind.HANG and self._hold_hang(job_id, job, event):
+                continue
+            if event.kind is EventKind.HANG:
+                self._release_held(job_id, job)
             if event.kind in _DECIDED_KINDS:
                 self._enqueue(job_id, from_event(event), event.event_id)
         return accepted
+
+    def _hold_hang(self, job_id: str, job: TrackedJob, event: Event) -> bool:
+        """Hold a hang report while a rank on another node saves or evaluates.
+
+        Ranks that wait in a collective for a rank-0-only ``torch.save`` or
+        evaluation look hung to their agents; the busy rank's own agent knows
+        better (phase grace) and reports it if it overruns. The held reports are
+        dropped once training goes on, and decided on when the busy phase ended
+        without progress (:meth:`_settle_held`).
+        """
+        others = self._busy_now(job, exclude=event.node)
+        if not others:
+            return False
+        steps = [h.get("last_step") for h in event.payload.get("hung", ())]
+        top = max((step for step in steps if isinstance(step, int)), default=-1)
+        job.held_hangs.append((job.record.attempt, top, event))
+        job.idle_since_s = None
+        node, (_, _, rank, phase) = sorted(others.items())[0]
+        log.info(
+            "job %s: hang report from %s held: rank %d on %s is in %s, its peers may wait for it",
+            job_id, event.node, rank, node, phase,
+        )  # fmt: skip
+        return True
+
+    def _busy_now(
+        self, job: TrackedJob, exclude: str | None = None
+    ) -> dict[str, tuple[int, float, int, str]]:
+        """Busy nodes of the current attempt still in the job, heard from within a lease."""
+        now = self.clock()
+        return {
+            node: busy
+            for node, busy in job.busy.items()
+            if node != exclude
+            and node in job.record.nodes
+            and busy[0] == job.record.attempt
+            and now - busy[1] <= self.config.lease_s
+        }
+
+    def _release_held(self, job_id: str, job: TrackedJob) -> None:
+        """Decide on the held hang reports of the current attempt now."""
+        held, job.held_hangs, job.idle_since_s = job.held_hangs, [], None
+        for attempt, _, event in held:
+            if attempt == job.record.attempt:
+                self._enqueue(job_id, from_event(event), event.event_id)
+
+    def _settle_held(self, job_id: str, job: TrackedJob, now: float, step: int) -> None:
+        """After a heartbeat report: drop held hang reports once a rank stepped past them;
+        decide on them once no node has been busy for a lease without progress."""
+        if not job.held_hangs:
+            return
+        if step > max(top for _, top, _ in job.held_hangs):
+            log.info(
+                "job %s: training went on at step %d: %d held hang report(s) were waits",
+                job_id, step, len(job.held_hangs),
+            )  # fmt: skip
+            job.held_hangs, job.idle_since_s = [], None
+            return
+        if self._busy_now(job):
+            job.idle_since_s = None
+            return
+        if job.idle_since_s is None:
+            job.idle_since_s = now
+        elif now - job.idle_since_s >= self.config.lease_s:
+            self._release_held(job_id, job)
 
     def _note_checkpoint(self, job_id: str, job: TrackedJob, event: Event, now: float) -> None:
         """Record the commit and its save cost (from the manifest) once per checkpoint."""
@@ -268,11 +345,19 @@ class Intake:
                 job.compute[rank.global_rank] = ComputeSample(
                     report.node, rank.global_rank, rank.compute_p50_s, rank.compute_observed
                 )
+        busy = [(r.global_rank, r.phase) for r in report.ranks if r.phase in _BUSY_PHASES]
+        if busy:
+            busy_rank, phase = min(busy)
+            attempt = job.incarnations.get(incarnation, job.record.attempt)
+            job.busy[report.node] = (attempt, now, busy_rank, str(phase))
+        else:
+            job.busy.pop(report.node, None)
         # A rank still loading (phase init) reports step 0: not the job's progress.
         steps = [r.step for r in report.ranks if r.step is not None and r.phase != "init"]
         if not steps:
             return
         step = min(steps)
+        self._settle_held(job_id, job, now, step)
         self.store.record_progress(job_id, step, now)
         waiting = job.record.state in (JobState.STARTING, JobState.RELAUNCHING)
         if waiting and step != job.progress_step:

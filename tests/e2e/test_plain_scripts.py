@@ -109,3 +109,21 @@ def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself
     reported = {e.node for e in hangs}
     assert victim not in reported and len(reported) == 3, reported
     print(f"detected and drained {detected_s:.1f} s after the rank fell asleep")
+
+
+def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """Ranks 1-3 wait in a barrier through rank 0's save, far past the 8 s floor: their
+    reports are held while rank 0 is in its checkpoint, then dropped as training
+    goes on."""
+    job_id, output = submit_plain(
+        supervisor, tmp_path, "--eval-pause-s", "60", "--save-pause-s", "30"
+    )
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
+    text = output.read_text(errors="replace")
+    assert job["job_state"] == "COMPLETED", text[-3000:]
+    assert f"done at iter {ITERS} with world 4" in text, text[-3000:]
+    assert drained(supervisor, job_id) == []
+    assert len(attempts(supervisor, job_id)) == 1
+    assert "held" in supervisor.log(), "the save never kept the peers waiting long enough"

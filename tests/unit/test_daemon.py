@@ -461,3 +461,75 @@ def test_the_drivers_failed_step_waits_while_the_agents_still_report(tmp_path: P
         assert supervisor.jobs[JOB].record.state.value == "starting"
 
     run(body, tmp_path)
+
+
+def _waiting(node: str, incarnation: str, rank: int, step: int):  # type: ignore[no-untyped-def]
+    payload = {
+        "hung": [{"global_rank": rank, "local_rank": 0, "pid": 50 + rank, "last_step": step,
+                  "phase": "train", "seconds_since_progress": 9.0, "timeout_s": 8.0,
+                  "detector": "heartbeat"}],
+        "stacks": {str(rank): "Thread 1 (idle)\n  barrier"},
+        "culprits": [{"global_rank": rank, "last_step": step, "in_collective": True,
+                      "reason": "0 step(s) behind"}],
+    }  # fmt: skip
+    return event(EventKind.HANG, node, incarnation, 2, payload)
+
+
+def _report(node: str, incarnation: str, rank: int, step: int, phase: str):  # type: ignore[no-untyped-def]
+    status = protocol.RankStatus(rank, 0, 50 + rank, step, phase, NOW, 0.2, 0.3, 0.2, 10)
+    return protocol.HeartbeatReport(JOB, node, NOW, (status,), incarnation, 1)
+
+
+def test_hang_reports_while_a_rank_elsewhere_saves_are_held_then_dropped_as_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
+        for rank, node in enumerate(NODES):
+            supervisor.accept_events(JOB, [started(node, agents[node], 1)])
+            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+        await supervisor.settle()
+        saver = NODES[0]
+        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
+        for rank, node in enumerate(NODES[1:], start=1):
+            supervisor.accept_events(JOB, [_waiting(node, agents[node], rank, 10)])
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"
+        assert len(supervisor.jobs[JOB].held_hangs) == 3
+        for rank, node in enumerate(NODES):
+            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 11, "train"))
+        clock[0] += 60.0
+        await supervisor.tick()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].held_hangs == []
+        assert supervisor.jobs[JOB].record.state.value == "running"
+        assert supervisor.store.drains_since(0) == []
+
+    run(body, tmp_path)
+
+
+def test_held_hang_reports_are_decided_once_the_save_ended_without_progress(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        agents = {node: f"00000000000000b{i}" for i, node in enumerate(NODES)}
+        for rank, node in enumerate(NODES):
+            supervisor.accept_events(JOB, [started(node, agents[node], 1)])
+            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+        await supervisor.settle()
+        saver = NODES[0]
+        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
+        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"
+        # The save ended, and nobody steps on: a lease later the report is decided on.
+        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        clock[0] += supervisor.config.lease_s + 1
+        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].held_hangs == []
+        assert supervisor.jobs[JOB].record.state.value != "running"
+
+    run(body, tmp_path)

@@ -10,9 +10,10 @@ Started by torchrun (gloo, CPU). It keeps its own checkpoint, ``OUT_DIR/ckpt.pt`
 - ``--sleep-at N --sleep-rank R --sleep-s S``: rank R sleeps inside iteration N,
   after its forward and before its backward, while its peers wait in DDP's
   backward (native code: no ``torch.distributed`` Python frame);
-- ``--eval-pause-s S``: every rank pauses S seconds at each evaluation, the way
-  a long validation pass does (no optimizer step meanwhile: no false hang);
-- ``--save-pause-s S``: rank 0's checkpoint write takes S seconds longer.
+- ``--eval-pause-s S``: at the first evaluation every rank spends S seconds in
+  eval mode, the way a long validation pass does (no optimizer step meanwhile);
+- ``--save-pause-s S``: rank 0's first checkpoint write takes S seconds longer,
+  while its peers wait in a barrier.
 """
 
 from __future__ import annotations
@@ -87,14 +88,19 @@ def main() -> None:
         if master:
             print(f"iter {iter_num}: loss {loss.item():.4f}", flush=True)
         if iter_num % args.eval_interval == 0:
-            time.sleep(args.eval_pause_s)
+            first = iter_num == args.eval_interval and first_launch
+            if first and args.eval_pause_s:
+                model.eval()
+                with torch.no_grad():
+                    time.sleep(args.eval_pause_s)
+                model.train()
             if master:
                 checkpoint = {
                     "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(),
                     "iter_num": iter_num,
                 }
-                if args.save_pause_s:
+                if first and args.save_pause_s:
                     checkpoint["slow"] = SlowToPickle(args.save_pause_s)
                 print(f"saving checkpoint to {args.out_dir}", flush=True)
                 torch.save(checkpoint, ckpt_path + ".tmp")
