@@ -7,6 +7,11 @@ Rank side, ``Heartbeat.beat()`` timed call by call over ``--calls`` calls:
 - gone: the agent's socket is gone (closed and unlinked);
 - off: no socket configured (a script run outside Resurgo).
 
+Automatic progress (:mod:`agent.train.autohooks`, scripts that import
+nothing): the optimizer-step post hook timed call by call against a live
+receiver, and side by side ``optimizer.step()`` of a small model with the hook
+registered and without (the median difference is what a step pays).
+
 Agent side, per datagram: ``recv`` + :func:`parse_datagram` + :func:`observe`,
 and one :func:`hang_verdicts` pass over ``--ranks`` ranks (the agent runs it
 about once a second). From those: the share of one core the agent spends per
@@ -80,6 +85,54 @@ def time_calls(hb: Heartbeat, calls: int) -> dict[str, float]:
     }
 
 
+def time_hook(path: str, calls: int) -> dict[str, float]:
+    """The automatic hook per optimizer step: the call itself, and the step with and without."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from agent.train import heartbeat as heartbeat_module
+    from agent.train.autohooks import AutoProgress
+
+    # The Heartbeats timed before made this process "instrumented", which stands
+    # the hook down; the hook is timed as it runs in a script that imports nothing.
+    heartbeat_module.instrumented = False
+    progress = AutoProgress(Heartbeat(path, automatic=True))
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(torch.randn(4, 64)).sum().backward()
+    clock = time.perf_counter_ns
+    overhead = statistics.median(-(clock() - clock()) for _ in range(10_000))
+    direct = [0] * calls
+    for i in range(calls):
+        started = clock()
+        progress.after_step(optimizer, (), {})
+        direct[i] = clock() - started
+    direct.sort()
+    assert progress.step == calls, "the hook stood down: nothing was timed"
+    steps = max(1000, calls // 20)
+
+    def median_step_ns() -> float:
+        samples = [0] * steps
+        for i in range(steps):
+            started = clock()
+            optimizer.step()
+            samples[i] = clock() - started
+        return statistics.median(samples)
+
+    without, with_hook = [], []
+    for _ in range(5):  # interleaved rounds: the machine's noise hits both alike
+        without.append(median_step_ns())
+        handle = register_optimizer_step_post_hook(progress.after_step)
+        with_hook.append(median_step_ns())
+        handle.remove()
+    return {
+        "p50": max(0.0, (direct[calls // 2] - overhead) / 1000),
+        "p99": max(0.0, (direct[int(calls * 0.99)] - overhead) / 1000),
+        "step_us_without": statistics.median(without) / 1000,
+        "step_us_with": statistics.median(with_hook) / 1000,
+    }
+
+
 def rank_side(calls: int, workdir: Path) -> dict[str, dict[str, float]]:
     path = str(workdir / "agent.sock")
     results = {}
@@ -90,6 +143,7 @@ def rank_side(calls: int, workdir: Path) -> dict[str, dict[str, float]]:
     hb = Heartbeat(path, rank=0, local_rank=0)
     hb.beat(0, Phase.INIT)
     results["live"] = time_calls(hb, calls)
+    results["hook"] = time_hook(path, calls)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stopper:
         stopper.sendto(b"stop", path)
     received = int(drain.stdout.readline())
@@ -239,6 +293,11 @@ def main() -> None:
     per_rank_us_per_s = (
         args.steps_per_s * agent["agent_cpu_us_per_beat"] + agent["hang_verdicts_us_per_rank"]
     )
+    hook = rank.pop("hook")
+    print(
+        f"automatic hook: p50 {hook['p50']:.2f} us  p99 {hook['p99']:.2f} us; optimizer.step() "
+        f"{hook['step_us_without']:.1f} us without, {hook['step_us_with']:.1f} us with"
+    )
     for case, figures in rank.items():
         print(
             f"beat() {case:>4}: p50 {figures['p50']:.2f} us  p99 {figures['p99']:.2f} us  "
@@ -265,6 +324,10 @@ def main() -> None:
         "heartbeat_agent_gone_us_p99": round(rank["gone"]["p99"], 3),
         "heartbeat_off_us_p50": round(rank["off"]["p50"], 3),
         "heartbeat_off_us_p99": round(rank["off"]["p99"], 3),
+        "auto_hook_us_p50": round(hook["p50"], 3),
+        "auto_hook_us_p99": round(hook["p99"], 3),
+        "optimizer_step_us_without_hook": round(hook["step_us_without"], 2),
+        "optimizer_step_us_with_hook": round(hook["step_us_with"], 2),
         **{k: round(v, 4) for k, v in agent.items()},
         "agent_cpu_us_per_s_per_rank": round(per_rank_us_per_s, 2),
         "steps_per_s_assumed": args.steps_per_s,
