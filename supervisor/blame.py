@@ -25,7 +25,7 @@ import signal as signals
 from dataclasses import dataclass, replace
 
 from agent.protocol import EventKind
-from supervisor.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect
+from supervisor.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect, at_step
 from supervisor.observations import AgentEvent, LeaseExpired, Observation, SlurmNodeSeen
 
 # Deaths that come from the machine, not from Python: bad memory, a bus error,
@@ -216,13 +216,13 @@ def _rank_exit(seen: ExitSeen, record: JobRecord) -> Blame:
             CONFIDENCE_NODE_SIGNAL if seen.signal in NODE_SIGNALS else CONFIDENCE_OTHER_SIGNAL
         )
         return Blame(
-            node, Cause.RANK_SIGNAL, confidence, (f"{rank} died by {name} at step {seen.step}",)
+            node, Cause.RANK_SIGNAL, confidence, (f"{rank} died by {name} {at_step(seen.step)}",)
         )
     return Blame(
         None,
         Cause.USER_EXCEPTION,
         0.0,
-        (f"{rank} exited with code {seen.exit_code} at step {seen.step}: the user's code",),
+        (f"{rank} exited with code {seen.exit_code} {at_step(seen.step)}: the user's code",),
     )
 
 

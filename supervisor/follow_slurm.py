@@ -69,17 +69,22 @@ def on_job_seen(
         verdict = Blame(None, cause, 0.0, (f"Slurm: {state} {seen.reason}".strip(),))
         return _restart_requeued(record, verdict, now_s, policy, cluster)
     if state == "NODE_FAIL":
-        verdict = Blame(None, Cause.NODE_LOST, 0.0, (f"Slurm: NODE_FAIL {seen.reason}",))
+        verdict = Blame(
+            None,
+            Cause.NODE_LOST,
+            0.0,
+            ("Slurm: NODE_FAIL" + (f" ({seen.reason})" if seen.reason else ""),),
+        )
         return _restart_requeued(record, verdict, now_s, policy, cluster)
     if state == "COMPLETED":
         done = replace(recovery.to_state(record, JobState.COMPLETED, now_s), recovery=None)
         return decision(done, (), Cause.SLURM_ENDED, "Slurm reports the job completed")
     if state == "CANCELLED":
         ended = replace(recovery.to_state(record, JobState.CANCELLED, now_s), recovery=None)
-        reason = f"cancelled in Slurm {seen.reason}".strip()
+        reason = "cancelled in Slurm" + (f" ({seen.reason})" if seen.reason else "")
         return decision(replace(ended, final_reason=reason), (), Cause.OPERATOR, reason)
     if state in _SLURM_FAILED:
-        reason = f"Slurm ended the job: {state} {seen.reason}".strip()
+        reason = f"Slurm ended the job: {state}" + (f" ({seen.reason})" if seen.reason else "")
         failed = replace(recovery.to_state(record, JobState.FAILED, now_s), recovery=None)
         return decision(replace(failed, final_reason=reason), (), Cause.SLURM_ENDED, reason)
     return _nothing(record, f"Slurm state {state} needs no action")

@@ -28,6 +28,11 @@ MAX_SIGNATURES = 32
 MAX_EXITS = 64
 
 
+def at_step(step: int | None) -> str:
+    """ "at step N", or what a person says when no step is known."""
+    return "before any step was reported" if step is None else f"at step {step}"
+
+
 class IllegalTransition(SupervisorError):
     """The core tried a transition that :data:`TRANSITIONS` forbids: a bug in the core."""
 

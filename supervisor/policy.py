@@ -65,6 +65,7 @@ from supervisor.model import (
     JobRecord,
     JobState,
     Recovery,
+    at_step,
 )
 from supervisor.observations import (
     AgentEvent,
@@ -416,14 +417,14 @@ def _on_exception(
     signature = CrashSignature(root.error_digest or f"exit:{root.exit_code}", root.step)
     if signature in record.signatures:
         reason = (
-            f"crash loop: {signature.digest} at step {signature.step} again "
+            f"crash loop: {signature.digest} {at_step(signature.step)} again "
             f"(rank {root.global_rank} on {root.node}); not a node fault, no drain"
         )
         return recovery.stop(record, now_s, JobState.FAILED, Cause.CRASH_LOOP, reason)
     retries = 0 if recovery.made_progress(record) else record.user_retries_without_progress
     if retries >= policy.user_exception_retries:
         reason = (
-            f"user exception ({signature.digest} at step {signature.step}) after "
+            f"user exception ({signature.digest} {at_step(signature.step)}) after "
             f"{retries} retr{'y' if retries == 1 else 'ies'} without progress"
         )
         return recovery.stop(record, now_s, JobState.FAILED, Cause.USER_EXCEPTION, reason)

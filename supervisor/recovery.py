@@ -256,7 +256,7 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     assert recovery is not None and recovery.validated
     cause = recovery.cause
     if record.not_before_s is not None and now_s < record.not_before_s:
-        return decision(record, (), cause, f"backing off until {record.not_before_s:.0f}")
+        return decision(record, (), cause, f"backing off {record.not_before_s - now_s:.0f} s more")
     exclude = {*recovery.exclude, *cluster.lemons, *cluster.down, *cluster.drained}
     healthy = tuple(n for n in record.nodes if n not in exclude)
     size = world_size(len(healthy), record)

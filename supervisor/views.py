@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from supervisor.model import at_step
 from supervisor.slurm.parse import SlurmNode
 from supervisor.store import Store
 from supervisor.timeline import goodput_of
@@ -68,7 +69,8 @@ def status(store: Store, job_ids: Sequence[str], now_s: float) -> dict[str, Any]
 def _summary(kind: str, payload: dict[str, Any]) -> str:
     if kind == "rank_exited":
         how = payload.get("signal_name") or f"exit code {payload.get('exit_code')}"
-        return f"rank {payload.get('global_rank')} ended ({how}) at step {payload.get('last_step')}"
+        step = payload.get("last_step")
+        return f"rank {payload.get('global_rank')} ended ({how}) {at_step(step)}"
     if kind == "hang":
         ranks = [str(h.get("global_rank")) for h in payload.get("hung", [])]
         return f"ranks {', '.join(ranks)} hung"
@@ -81,6 +83,12 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
         )
     if kind == "alert":
         return f"ALERT ({payload.get('severity')}): {payload.get('message')}"
+    if kind == "agent_started" and isinstance(payload.get("attempt"), int):
+        return f"agent started for attempt {payload['attempt']}"
+    if kind == "driver_step_ended":
+        code = payload.get("exit_code")
+        how = "its exit code unknown" if code is None else f"exit code {code}"
+        return f"the driver saw attempt {payload.get('attempt')}'s step end ({how})"
     if kind in ("agent_started", "agent_stopped", "ranks_stopped", "launcher_exited"):
         detail = payload.get("reason") or payload.get("attempt") or payload.get("exit_code")
         return f"{kind.replace('_', ' ')}" + (f": {detail}" if detail is not None else "")
