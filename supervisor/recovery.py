@@ -274,7 +274,7 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
             launched,
             tuple(intents),
             cause,
-            f"relaunch on {len(keep)} node(s) from {recovery.resume_from or 'scratch'}",
+            f"relaunch on {len(keep)} node(s) {_resuming(recovery.resume_from)}",
         )
     why = ""
     if grown is not None:
@@ -299,7 +299,7 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
         queued,
         (requeue,),
         cause,
-        f"{why}requeue with {size} node(s) {excluded} from {recovery.resume_from or 'scratch'}",
+        f"{why}requeue with {size} node(s) {excluded} {_resuming(recovery.resume_from)}",
     )
 
 
@@ -398,3 +398,10 @@ def exclusions(
     ]
     text = "excluding " + (", ".join(reasons) if reasons else "no node")
     return text + (f"; left out: {', '.join(left_out)}" if left_out else "")
+
+
+def _resuming(resume_from: str | None) -> str:
+    """Where the relaunch resumes, in words."""
+    if resume_from is not None:
+        return f"from {resume_from}"
+    return "with no Resurgo checkpoint to resume from (a script that keeps its own resumes from it)"
