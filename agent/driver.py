@@ -413,7 +413,7 @@ class Driver:
                 "supervisor: no answer for %.0f s (gives up after %.0f s): %s; retrying",
                 state.seconds_since_start,
                 limit_s,
-                state.outcome and state.outcome.exception(),
+                _why(state.outcome.exception() if state.outcome else None),
             ),
             reraise=True,
         )
@@ -434,7 +434,7 @@ class Driver:
             log.log(
                 logging.ERROR if limit_s > 0 else logging.WARNING,
                 "supervisor unreachable: no answer for %.0f s (gave up after %.0f s): %s",
-                time.monotonic() - started_s, limit_s, error,
+                time.monotonic() - started_s, limit_s, _why(error),
             )  # fmt: skip
         return None
 
@@ -612,3 +612,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _why(error: BaseException | None) -> str:
+    """Why the supervisor did not answer, in words: its refusal of a job it has not
+    registered yet (a job it registers from its directory within a poll) is no fault."""
+    if isinstance(error, Rejected) and error.status == 401 and "unknown_job" in error.reason:
+        return "the supervisor has not registered this job yet (it does within a poll)"
+    return str(error)
