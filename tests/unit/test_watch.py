@@ -1,0 +1,104 @@
+"""RankMonitor: a stop of automatic beats (a script that imports nothing) is a hang only
+when a native-aware stack places a local rank in a collective; instrumented
+beats need no confirmation. Stack dumps are faked here; the real py-spy path
+is tests/e2e/test_plain_scripts.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from agent import protocol, watch
+from agent.hang import HangConfig
+from agent.procs import RankProcess
+from agent.stacks import Frame, StackDump, ThreadStack
+from agent.train.heartbeat import Phase, RankBeat
+
+CONFIG = HangConfig(floor_s=8.0, k=5.0, stack_timeout_s=8.0)
+LIVE = {0: RankProcess(0, 0, 100), 1: RankProcess(1, 1, 101)}
+
+
+def dump(pid: int, *functions: str, native: bool = False) -> StackDump:
+    frames = tuple(
+        Frame(
+            function=name, file="libtorch_cpu.so" if native else "train.py", line=0, native=native
+        )
+        for name in functions
+    )
+    thread = ThreadStack(thread_id=pid, name="MainThread", idle=True, frames=frames)
+    return StackDump(pid, True, f"{functions}", (thread,), None, native)
+
+
+def monitor(stacks: dict[int, StackDump], monkeypatch: pytest.MonkeyPatch) -> tuple[
+    watch.RankMonitor, list[dict[str, Any]]
+]:  # fmt: skip
+    reports: list[dict[str, Any]] = []
+
+    async def emit(kind: protocol.EventKind, payload: dict[str, Any]) -> None:
+        assert kind is protocol.EventKind.HANG
+        reports.append(payload)
+
+    monkeypatch.setattr(
+        watch, "dump_all_placed", lambda pids, timeout_s: {p: stacks[p] for p in pids}
+    )
+    return watch.RankMonitor(CONFIG, stack_sample_s=1.0, emit=emit), reports
+
+
+def stepped(rankmon: watch.RankMonitor, automatic: bool, steps: int = 10) -> None:
+    for step in range(1, steps + 1):
+        for rank, process in LIVE.items():
+            beat = RankBeat(rank, process.local_rank, process.pid, step, Phase.TRAIN,
+                            0.0, None, automatic)  # fmt: skip
+            rankmon.on_beat(beat, float(step) * 0.5)
+
+
+def check(rankmon: watch.RankMonitor, now_s: float) -> None:
+    asyncio.run(rankmon.check_hangs(LIVE, now_s))
+
+
+def test_automatic_beats_stopped_with_no_rank_in_a_collective_are_no_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A long evaluation: every rank computes (or sleeps) outside any collective.
+    stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
+    rankmon, reports = monitor(stacks, monkeypatch)
+    stepped(rankmon, automatic=True)
+    check(rankmon, 60.0)
+    assert reports == []
+
+
+def test_automatic_beats_stopped_while_a_rank_waits_in_ddp_backward_are_a_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stacks = {
+        100: dump(100, "c10d::Reducer::finalize_backward", "THPEngine_run_backward", native=True),
+        101: dump(101, "time_sleep", native=True),
+    }
+    rankmon, reports = monitor(stacks, monkeypatch)
+    stepped(rankmon, automatic=True)
+    check(rankmon, 60.0)
+    (report,) = reports
+    assert sorted(h["global_rank"] for h in report["hung"]) == [0, 1]
+    # The rank that is not waiting is the most suspect.
+    assert report["culprits"][0]["global_rank"] == 1
+    assert {c["global_rank"]: c["in_collective"] for c in report["culprits"]} == {0: True, 1: False}
+
+
+def test_automatic_beats_stopped_past_the_longest_grace_are_a_hang_unconfirmed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
+    rankmon, reports = monitor(stacks, monkeypatch)
+    stepped(rankmon, automatic=True)
+    check(rankmon, 5.0 + max(CONFIG.eval_grace_s, CONFIG.checkpoint_grace_s) + 1)
+    assert len(reports) == 1
+
+
+def test_instrumented_beats_need_no_confirmation(monkeypatch: pytest.MonkeyPatch) -> None:
+    stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
+    rankmon, reports = monitor(stacks, monkeypatch)
+    stepped(rankmon, automatic=False)
+    check(rankmon, 60.0)
+    assert len(reports) == 1
