@@ -8,7 +8,13 @@ Commands and exit status (2 is a usage error, as in argparse)::
         prints the newest valid checkpoint's path on stdout and, on stderr, why
         each newer one was rejected; 0 found, 1 none valid, 2 ROOT missing
     resurgo ckpt list ROOT     [--json]
-        one row per step-N directory, newest first; 0, or 2 ROOT missing
+        one row per step-N directory, newest first, then the script's own
+        torch.save files (*.pt, *.pth, *.ckpt, ...); 0, or 2 ROOT missing
+
+A script that keeps its own ``torch.save`` checkpoint (no step-N folders) is
+served too (:mod:`agent.checkpoint.plain`): ``newest`` falls back to its
+files when no step-N checkpoint is valid, checked for being complete and, at
+``full`` and ``load``, test-loaded with ``torch.load(weights_only=True)``.
 
 JSON output (``--json``; one document on stdout; keys are stable, enums by value):
 
@@ -18,10 +24,17 @@ JSON output (``--json``; one document on stdout; keys are stable, enums by value
      "checked": [level...], "failed_level": level|null, "reason": str|null,
      "step": int|null, "has_manifest": bool, "skipped": [str...]}
 
-- ``newest``: ``{"root": str, "newest": report|null, "rejected": [report...]}``,
-  rejected newest first.
+- ``newest``: ``{"root": str, "newest": report|null, "rejected": [report...],
+  "file": file|null, "rejected_files": [file...]}``, rejected newest first;
+  ``file`` is the newest valid torch.save file when no step-N one is valid.
+  A file::
+
+    {"path": str, "total_bytes": int, "mtime_unix_s": float, "valid": bool,
+     "loaded": bool, "step": int|null, "reason": str|null}
+
 - ``list``: ``{"root": str, "filesystem": str, "warnings": [str...],
-  "checkpoints": [row...]}`` (``filesystem`` by statfs magic, e.g. "ext4",
+  "checkpoints": [row...], "files": [file...]}`` (files checked at quick;
+  ``filesystem`` by statfs magic, e.g. "ext4",
   "nfs", "lustre"; ``warnings`` e.g. many ranks writing shards to NFS), each row::
 
     {"step": int, "path": str, "committed": bool, "valid_quick": bool,
@@ -136,25 +149,48 @@ def _newest(args: argparse.Namespace) -> int:
     from agent.checkpoint.validate import Level
 
     found, rejected = newest_valid(args.root, Level(args.level))
+    file, rejected_files = (None, []) if found is not None else _newest_file(args)
     if args.json:
         print_json(
             {
                 "root": args.root,
                 "newest": None if found is None else found.to_json_dict(),
                 "rejected": [report.to_json_dict() for report in rejected],
+                "file": None if file is None else file.to_json_dict(),
+                "rejected_files": [bad.to_json_dict() for bad in rejected_files],
             }
         )
     else:
         for report in rejected:
             print(f"rejected: {_report_line(report)}", file=sys.stderr)
-        if found is None:
+        for bad in rejected_files:
+            print(f"rejected: {bad.path}: {bad.reason}", file=sys.stderr)
+        if found is not None:
+            print(found.path)
+        elif file is not None:
+            if file.reason:
+                print(f"note: {file.path}: {file.reason}", file=sys.stderr)
+            print(file.path)
+        else:
             print(
                 f"resurgo ckpt newest: no valid checkpoint under {args.root} at level {args.level}",
                 file=sys.stderr,
             )
-        else:
-            print(found.path)
-    return EXIT_OK if found is not None else EXIT_INVALID
+    return EXIT_OK if found is not None or file is not None else EXIT_INVALID
+
+
+def _newest_file(args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """The newest valid torch.save file under the root, and the newer ones rejected."""
+    from agent.checkpoint.plain import check_plain, find_plain
+
+    now_s = time.time()
+    rejected: list[Any] = []
+    for path in find_plain(args.root):
+        checked = check_plain(path, now_s, load=args.level != "quick")
+        if checked.valid:
+            return checked, rejected
+        rejected.append(checked)
+    return None, rejected
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -170,6 +206,9 @@ def _list(args: argparse.Namespace) -> int:
     rows = [_row(entry, report, now_s) for entry, report in reports]
     filesystem = filesystem_of(Path(args.root))
     warnings = _storage_warnings(filesystem, reports)
+    from agent.checkpoint.plain import check_plain, find_plain
+
+    files = [check_plain(path, now_s, load=False) for path in find_plain(args.root)]
     if args.json:
         print_json(
             {
@@ -177,10 +216,14 @@ def _list(args: argparse.Namespace) -> int:
                 "filesystem": filesystem.value,
                 "warnings": warnings,
                 "checkpoints": rows,
+                "files": [file.to_json_dict() for file in files],
             }
         )
     else:
-        print(_table(rows) if rows else f"no step-N checkpoints under {args.root}")
+        if rows or not files:
+            print(_table(rows) if rows else f"no step-N checkpoints under {args.root}")
+        if files:
+            print(_files_table(files, now_s))
         print(f"filesystem: {filesystem.value}")
         for warning in warnings:
             print(f"warning: {warning}")
@@ -256,3 +299,17 @@ def _table(rows: list[dict[str, Any]]) -> str:
             )
         )
     return table(cells[0], cells[1:], right=True)
+
+
+def _files_table(files: list[Any], now_s: float) -> str:
+    """The script's own torch.save files (quick check: complete, not growing)."""
+    cells = [
+        (
+            Path(file.path).name,
+            size(file.total_bytes),
+            duration(max(0.0, now_s - file.mtime_unix_s)),
+            "yes" if file.valid else f"NO: {file.reason}",
+        )
+        for file in files
+    ]
+    return table(("TORCH.SAVE FILE", "SIZE", "AGE", "VALID(quick)"), cells)

@@ -187,3 +187,54 @@ def test_installed_resurgo_validate_exit_codes(root: Path, tmp_path: Path) -> No
         1,
         2,
     ]
+
+
+def _own_checkpoints(out: Path) -> tuple[Path, Path]:
+    """A script's own checkpoints: an older good one, and a newer one cut short."""
+    import torch
+
+    good, cut = out / "ckpt-old.pt", out / "ckpt.pt"
+    torch.save({"model": {"w": torch.ones(256)}, "iter_num": 30}, good)
+    torch.save({"model": {"w": torch.ones(256)}, "iter_num": 40}, cut)
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    os.utime(good, (1_700_000_000, 1_700_000_000))
+    os.utime(cut, (1_700_000_100, 1_700_000_100))
+    return good, cut
+
+
+def test_newest_falls_back_to_the_scripts_own_files_and_says_why_the_newer_one_is_rejected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good, cut = _own_checkpoints(tmp_path)
+    code, out, err = _run(capsys, "newest", str(tmp_path))
+    assert (code, out.strip()) == (0, str(good))
+    assert f"rejected: {cut}: torch.load cannot read it" in err and "truncated or corrupt" in err
+    code, out, _ = _run(capsys, "newest", str(tmp_path), "--json")
+    document = json.loads(out)
+    assert document["file"]["step"] == 30 and document["file"]["loaded"] is True
+    assert [bad["path"] for bad in document["rejected_files"]] == [str(cut)]
+
+
+def test_newest_at_quick_does_not_load_and_list_shows_the_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, cut = _own_checkpoints(tmp_path)
+    code, out, _ = _run(capsys, "newest", str(tmp_path), "--level", "quick")
+    assert (code, out.strip()) == (0, str(cut))  # complete as far as quick can tell
+    code, out, _ = _run(capsys, "list", str(tmp_path))
+    assert code == 0 and "TORCH.SAVE FILE" in out and "ckpt.pt" in out and "ckpt-old.pt" in out
+
+
+def test_a_file_still_being_written_and_an_empty_one_are_rejected_in_plain_words(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    from agent.checkpoint.plain import check_plain
+
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "fresh.pt").write_bytes(b"x" * 10)
+    now = time.time()
+    assert "empty" in str(check_plain(tmp_path / "empty.pt", now, load=True).reason)
+    fresh = check_plain(tmp_path / "fresh.pt", now, load=True)
+    assert not fresh.valid and "still be writing" in str(fresh.reason)
