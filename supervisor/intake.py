@@ -235,9 +235,14 @@ class Intake:
         if not job.held_hangs:
             return
         if step > max(top for _, top, _ in job.held_hangs):
-            log.info(
-                "job %s: training went on at step %d: %d held hang report(s) were waits",
-                job_id, step, len(job.held_hangs),
+            nodes = ", ".join(sorted({event.node for _, _, event in job.held_hangs}))
+            why = f"hang reports from {nodes} were waits: training went on at step {step}"
+            log.info("job %s: %s", job_id, why)
+            # Named in a decision, they are not decided on again after a restart.
+            state = job.record.state.value
+            self.store.record_decision(
+                job_id, job.held_hangs[-1][2].event_id, state, state, "none",
+                {"explanation": why, "attempt": job.record.attempt, "actions": []}, now,
             )  # fmt: skip
             job.held_hangs, job.idle_since_s = [], None
             return

@@ -505,8 +505,21 @@ def test_hang_reports_while_a_rank_elsewhere_saves_are_held_then_dropped_as_trai
         assert supervisor.jobs[JOB].held_hangs == []
         assert supervisor.jobs[JOB].record.state.value == "running"
         assert supervisor.store.drains_since(0) == []
+        assert any(
+            "were waits" in row.detail["explanation"]
+            for row in supervisor.store.decisions_for(JOB)
+        )
+
+    async def restarted(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        # The reports were named in a decision: a restart does not decide on them again.
+        supervisor._load_jobs()
+        await supervisor.poll()
+        await supervisor.replay_undecided()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"
 
     run(body, tmp_path)
+    run(restarted, tmp_path, start_s=NOW + 120)
 
 
 def test_held_hang_reports_are_decided_once_the_save_ended_without_progress(
