@@ -392,6 +392,16 @@ class NodeAgent:
                 # A finished step is progress too: the report doubles as a beat.
                 self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
                 self._steps.add(message)
+            elif isinstance(message, CheckpointNote) and message.automatic:
+                written = {
+                    "step": message.step,
+                    "path": message.path,
+                    "global_rank": message.rank,
+                    "total_bytes": _size_of(message.path),
+                }
+                asyncio.get_running_loop().create_task(
+                    self.events.emit(protocol.EventKind.CHECKPOINT_WRITTEN, written)
+                )
             elif isinstance(message, CheckpointNote):
                 asyncio.get_running_loop().create_task(
                     self.events.emit(
@@ -620,3 +630,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _size_of(path: str) -> int | None:
+    """A written file's size; None when it cannot be read (moved, or another user's)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None

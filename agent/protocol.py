@@ -109,6 +109,8 @@ class EventKind(enum.Enum):
     STRAGGLER = "straggler"  # one rank's step time is an outlier on this node
     HEALTH_CHECK_FAILED = "health_check_failed"  # the node health-check command failed
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # a checkpoint's commit marker is durable
+    # A script that imports nothing wrote its own checkpoint file (torch.save).
+    CHECKPOINT_WRITTEN = "checkpoint_written"
     RANKS_STOPPED = "ranks_stopped"  # the agent stopped ranks (SIGTERM, then SIGKILL)
     AGENT_STARTED = "agent_started"  # an agent process started on the node
     AGENT_STOPPED = "agent_stopped"  # an agent process is about to exit
@@ -1139,6 +1141,12 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("step", _int),
         _Spec("path", _str),
         _Spec("global_rank", _int, required=False),
+    ),
+    EventKind.CHECKPOINT_WRITTEN: (
+        _Spec("step", _int),
+        _Spec("path", _str),
+        _Spec("global_rank", _int),
+        _Spec("total_bytes", _nullable(_int)),
     ),
     EventKind.RANKS_STOPPED: (
         _Spec("reason", _str),

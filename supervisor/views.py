@@ -28,6 +28,7 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
     record = row.record
     checkpoints = store.checkpoints_for(job_id)
     newest = max(checkpoints, key=lambda c: c.step) if checkpoints else None
+    own = None if newest is not None else _newest_written(store, job_id, now_s)
     drained = sorted(d.node for d in store.open_drains() if d.job_id == job_id)
     goodput = goodput_of(store, job_id, now_s)
     return {
@@ -42,16 +43,31 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
         "restarts": {cause: count for cause, count in record.get("restarts", [])},
         "goodput": round(goodput.ratio, 4),
         "badput_s": {kind.value: round(s, 3) for kind, s in goodput.badput_s.items()},
-        "last_checkpoint": None
+        "last_checkpoint": own
         if newest is None
         else {
             "step": newest.step,
             "path": newest.path,
             "age_s": round(now_s - newest.committed_s, 1),
+            "kind": "resurgo",
         },
         "drained_nodes": drained,
         "final_reason": record.get("final_reason", ""),
         "updated_s": row.updated_s,
+    }
+
+
+def _newest_written(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None:
+    """The newest file a script that imports nothing saved itself (``checkpoint_written``)."""
+    events = store.events_for(job_id, kinds=["checkpoint_written"])
+    if not events:
+        return None
+    newest = max(events, key=lambda row: row.time_s)
+    return {
+        "step": newest.payload.get("step"),
+        "path": newest.payload.get("path"),
+        "age_s": round(now_s - newest.time_s, 1),
+        "kind": "torch.save",
     }
 
 
@@ -74,6 +90,13 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
     if kind == "hang":
         ranks = [str(h.get("global_rank")) for h in payload.get("hung", [])]
         return f"ranks {', '.join(ranks)} hung"
+    if kind == "checkpoint_written":
+        written = payload.get("total_bytes")
+        how_big = "" if not isinstance(written, int) else f", {written:,} bytes"
+        return (
+            f"the script saved {payload.get('path')} at step {payload.get('step')}{how_big} "
+            "(its own checkpoint)"
+        )
     if kind == "checkpoint_committed":
         return f"checkpoint step {payload.get('step')} committed: {payload.get('path')}"
     if kind == "step_losses":

@@ -11,7 +11,9 @@ for ``import torch`` to finish, and then
   (``torch.optim.optimizer.register_optimizer_step_post_hook``): each step of
   the first optimizer that steps is a beat of the next step, in phase train;
 - wraps ``torch.save``: the write is phase checkpoint (its grace covers a long
-  write), and ``torch.load``: a checkpoint dict with an integer under one of
+  write), and a file written under the job's checkpoint root
+  (``RESURGO_CKPT_ROOT``) is noted to the agent (``checkpoint_written``:
+  ``resurgo status`` shows it); ``torch.load``: a checkpoint dict with an integer under one of
   :data:`STEP_KEYS` (nanoGPT's ``iter_num``, ``step``, ``global_step``, ...)
   says where the script resumes, so the count goes on from there;
 - wraps ``torch.nn.Module.train``: a model put in eval mode is phase eval.
@@ -41,6 +43,8 @@ from typing import Any
 from agent.train import heartbeat as heartbeat_module
 from agent.train.heartbeat import ENV_AGENT_SOCKET, ENV_RANK, Heartbeat, Phase
 
+ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
+
 ENV_AUTO_PROGRESS = "RESURGO_AUTO_PROGRESS"
 OFF = frozenset({"0", "no", "off", "false"})
 # Keys under which public training scripts keep their step in a checkpoint dict.
@@ -64,6 +68,8 @@ class AutoProgress:
         self.step = 0
         self._optimizer: int | None = None
         self._handle: Any = None
+        root = os.environ.get(ENV_CKPT_ROOT)
+        self._root = os.path.join(os.path.abspath(root), "") if root else None
 
     @property
     def standing_down(self) -> bool:
@@ -106,9 +112,23 @@ class AutoProgress:
             if self.standing_down:
                 return save(*args, **kwargs)
             with self.beats.phase(Phase.CHECKPOINT):
-                return save(*args, **kwargs)
+                result = save(*args, **kwargs)
+            self.saved(args[1] if len(args) > 1 else kwargs.get("f"))
+            return result
 
         return saving
+
+    def saved(self, target: object) -> None:
+        """Note a file the script saved under the job's checkpoint root (any file when
+        the root is unknown); file objects and other paths are not checkpoints."""
+        try:
+            if not isinstance(target, str | os.PathLike):
+                return
+            path = _final_name(os.path.abspath(os.fspath(target)))
+            if self._root is None or path.startswith(self._root):
+                self.beats.file_written(path)
+        except Exception:
+            pass
 
     def wrap_load(self, load: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(load)
@@ -148,6 +168,18 @@ class AutoProgress:
         ):
             with contextlib.suppress(Exception):
                 setattr(owner, name, wrap(getattr(owner, name)))
+
+
+# Written under a temporary name, then renamed (the atomic-save pattern): the
+# note names the file it becomes.
+_TEMP_SUFFIXES = (".tmp", ".temp", ".part", ".partial")
+
+
+def _final_name(path: str) -> str:
+    for suffix in _TEMP_SUFFIXES:
+        if path.endswith(suffix) and len(path) > len(suffix):
+            return path[: -len(suffix)]
+    return path
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

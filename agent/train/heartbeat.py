@@ -173,6 +173,9 @@ class CheckpointNote:
     phase: Phase
     wall_time_s: float
     path: str
+    # A torch.save file the bootstrap saw written (a script that imports
+    # nothing), not a committed Resurgo checkpoint.
+    automatic: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,8 +262,11 @@ def encode_checkpoint(
     phase: Phase,
     wall_time_s: float,
     path: str,
+    automatic: bool = False,
 ) -> bytes:
-    """The datagram for a checkpoint note; ValueError when the path exceeds MAX_PATH_BYTES."""
+    """The datagram for a checkpoint note; ValueError when the path exceeds MAX_PATH_BYTES.
+
+    ``automatic``: flag bit 0, a file the bootstrap saw written (not a commit)."""
     raw = path.encode("utf-8", "surrogateescape")
     if len(raw) > MAX_PATH_BYTES:
         raise ValueError(f"checkpoint path is {len(raw)} bytes, more than {MAX_PATH_BYTES}")
@@ -269,7 +275,7 @@ def encode_checkpoint(
         VERSION,
         Kind.CHECKPOINT,
         _PHASE_CODE[phase],
-        0,
+        FLAG_AUTOMATIC if automatic else 0,
         rank,
         local_rank,
         pid,
@@ -346,8 +352,9 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None
     if length > MAX_PATH_BYTES or len(raw) != length:
         return None
     return CheckpointNote(
-        rank, local_rank, pid, step, phase, wall, raw.decode("utf-8", "surrogateescape")
-    )
+        rank, local_rank, pid, step, phase, wall, raw.decode("utf-8", "surrogateescape"),
+        bool(flags & FLAG_AUTOMATIC),
+    )  # fmt: skip
 
 
 def _step_report(
@@ -503,6 +510,22 @@ class Heartbeat:
                 phase=self._phase,
                 wall_time_s=self._clock(),
                 path=os.fspath(path),
+            )
+        )
+
+    def file_written(self, path: str | os.PathLike[str]) -> None:
+        """Tell the agent the script wrote checkpoint file ``path`` at the current step
+        (the bootstrap's note of a ``torch.save``); never raises."""
+        self._send(
+            lambda: encode_checkpoint(
+                rank=self._rank,
+                local_rank=self._local_rank,
+                pid=self._pid,
+                step=self._step,
+                phase=self._phase,
+                wall_time_s=self._clock(),
+                path=os.fspath(path),
+                automatic=True,
             )
         )
 

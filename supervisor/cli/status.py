@@ -45,9 +45,7 @@ def row_cells(job: dict[str, Any]) -> list[str]:
         f"{size if size is not None else '-'}/{job['original_nodes']}",
         restarts or "-",
         f"{job['goodput'] * 100:.1f}%",
-        "-"
-        if checkpoint is None
-        else f"{checkpoint['step']} ({duration(checkpoint['age_s'])} ago)",
+        "-" if checkpoint is None else _checkpoint_cell(checkpoint),
         ",".join(job["drained_nodes"]) or "-",
     ]
 
@@ -82,3 +80,13 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
             except KeyboardInterrupt:
                 return 0
+
+
+def _checkpoint_cell(checkpoint: dict[str, Any]) -> str:
+    """Step and age; a script's own file by its name (its step as counted, if known)."""
+    age = f"{duration(checkpoint['age_s'])} ago"
+    if checkpoint.get("kind") == "torch.save":
+        name = str(checkpoint["path"]).rsplit("/", 1)[-1]
+        step = checkpoint.get("step")
+        return f"{name} (step {step}, {age})" if step is not None else f"{name} ({age})"
+    return f"{checkpoint['step']} ({age})"

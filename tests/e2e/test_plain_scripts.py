@@ -127,3 +127,9 @@ def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
     assert drained(supervisor, job_id) == []
     assert len(attempts(supervisor, job_id)) == 1
     assert "held" in supervisor.log(), "the save never kept the peers waiting long enough"
+    # The checkpoint column shows the script's own newest file.
+    newest = status(supervisor, job_id)["last_checkpoint"]
+    assert newest["kind"] == "torch.save" and newest["step"] == ITERS, newest
+    assert newest["path"] == str(tmp_path / "out" / "ckpt.pt"), newest
+    shown = supervisor.resurgo("status", str(job_id))
+    assert f"ckpt.pt (step {ITERS}," in shown.stdout, shown.stdout

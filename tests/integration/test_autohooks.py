@@ -18,12 +18,17 @@ from pathlib import Path
 import pytest
 
 from agent.launch import BOOTSTRAP_DIR, with_bootstrap
-from agent.train.heartbeat import Phase, RankBeat, parse_datagram
+from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, parse_datagram
 
 REPO = Path(__file__).resolve().parents[2]
 
+# Each line that sends is followed by a pause: the receiver's queue holds only
+# 10 datagrams, and a loaded machine may not run the reading thread for a while.
 PLAIN = """
+import os
+import time
 import torch
+pause = lambda: time.sleep(0.1)
 model = torch.nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
@@ -31,12 +36,17 @@ for _ in range(5):
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     other.step()  # a second optimizer's steps are not counted again
-torch.save({"model": model.state_dict(), "iter_num": 5}, "ckpt.pt")
+    pause()
+torch.save({"model": model.state_dict(), "iter_num": 5}, "ckpt.pt.tmp")
+os.replace("ckpt.pt.tmp", "ckpt.pt")  # the atomic-save pattern
+pause()
 model.eval()
 model.train()
+pause()
 state = torch.load("ckpt.pt")
 state["iter_num"] = 40
 torch.save(state, "ckpt.pt")
+pause()
 torch.load("ckpt.pt")
 optimizer.step()
 """
@@ -61,14 +71,20 @@ class Listener:
             with contextlib.suppress(TimeoutError):
                 self.received.append(self.sock.recv(65536))
 
-    def beats(self) -> list[RankBeat]:
+    def messages(self) -> list[RankBeat | CheckpointNote]:
         time.sleep(0.3)
         found = []
         for data in list(self.received):
-            beat = parse_datagram(data)
-            assert isinstance(beat, RankBeat), beat
-            found.append(beat)
+            message = parse_datagram(data)
+            assert isinstance(message, RankBeat | CheckpointNote), message
+            found.append(message)
         return found
+
+    def beats(self) -> list[RankBeat]:
+        return [m for m in self.messages() if isinstance(m, RankBeat)]
+
+    def notes(self) -> list[CheckpointNote]:
+        return [m for m in self.messages() if isinstance(m, CheckpointNote)]
 
     def close(self) -> None:
         self._stop.set()
@@ -128,6 +144,18 @@ def test_optimizer_steps_saves_loads_and_eval_become_automatic_beats(
         (5, Phase.TRAIN),
         (40, Phase.TRAIN),  # torch.load: the script resumes at iter_num 40
         (41, Phase.TRAIN),
+    ]
+
+
+def test_files_saved_under_the_checkpoint_root_are_noted_and_others_not(
+    tmp_path: Path, agent: Listener
+) -> None:
+    source = PLAIN + "torch.save(state, '/tmp/elsewhere-%d.pt' % os.getpid())\n"
+    run_rank(tmp_path, source, agent.path, RESURGO_CKPT_ROOT=str(tmp_path))
+    notes = agent.notes()
+    assert [(n.step, n.path, n.automatic) for n in notes] == [
+        (5, str(tmp_path / "ckpt.pt"), True),
+        (5, str(tmp_path / "ckpt.pt"), True),
     ]
 
 

@@ -506,8 +506,7 @@ def test_hang_reports_while_a_rank_elsewhere_saves_are_held_then_dropped_as_trai
         assert supervisor.jobs[JOB].record.state.value == "running"
         assert supervisor.store.drains_since(0) == []
         assert any(
-            "were waits" in row.detail["explanation"]
-            for row in supervisor.store.decisions_for(JOB)
+            "were waits" in row.detail["explanation"] for row in supervisor.store.decisions_for(JOB)
         )
 
     async def restarted(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:

@@ -59,6 +59,12 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
         ],
         "stacks": {"4": "Thread 1 (idle)\n  allreduce", "5": "Thread 1\n  train_step"},
     },
+    EventKind.CHECKPOINT_WRITTEN: {
+        "step": 40,
+        "path": "/scratch/run/out/ckpt.pt",
+        "global_rank": 0,
+        "total_bytes": 31_436,
+    },
     EventKind.STRAGGLER: {
         "global_rank": 2,
         "local_rank": 2,
