@@ -23,6 +23,9 @@ every stack) and, for Resurgo, its store:
   recover, which torchrun has no equivalent of;
 - ``recover_s``: fault -> the first training step after the resume;
 - ``steps_lost``: the fault's step minus the step resumed from;
+- the unmodified script (``plain_hang``) alike, from its own prints: the
+  sleeping rank's line, ``resuming training from ... at iter N``, and the
+  first ``iter`` line after it;
 - ``outcome``: ``recovered`` (the job reached its last step), ``stuck`` (no
   progress until ``--timeout-s``; the job is cancelled), or ``failed``.
 
@@ -43,6 +46,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +60,17 @@ SCENARIOS = {
     "rank_sigkill": "sigkill@6:2",  # a node fault kills one rank
     "rank_hang": "hang@6:2",  # one rank stops making progress (SIGSTOP)
     "exception": "exception@6:1",  # a bug raises once
+    # A script that imports nothing (tests/workers/ddp_plain.py, its own
+    # torch.save checkpoint every 10 iterations): rank 2 sleeps in iteration 15
+    # while its peers wait in DDP's backward. Resurgo only: without a
+    # supervisor nothing notices a hang (rank_hang's baseline rows show it).
+    "plain_hang": "sleep@15:2",
 }
+PLAIN = REPO / "tests" / "workers" / "ddp_plain.py"
+Runner = Callable[[LiveCluster, Path, str, float], dict[str, Any]]
+_SLEPT = re.compile(r"rank \d+ sleeping [\d.]+ s in iter (\d+) on \S+ \(([\d.]+)\)")
+_RESUMED = re.compile(r"resuming training from \S+ at iter (\d+) \(([\d.]+)\)")
+_ITER = re.compile(r"iter (\d+): loss \S+ \(([\d.]+)\)")
 STEPS = 16
 POLICY = {
     "max_drain_share_per_hour": "0.5",
@@ -159,6 +173,56 @@ def run_resurgo(cluster: LiveCluster, where: Path, fault: str, timeout_s: float)
         _restore(cluster)
 
 
+def run_plain(cluster: LiveCluster, where: Path, timeout_s: float) -> dict[str, Any]:
+    """The unmodified-script hang under Resurgo, measured from the script's own prints."""
+    supervisor = SupervisorProcess(cluster, where / "state", POLICY, AGENTS)
+    supervisor.start()
+    output, out_dir = where / "job.out", where / "out"
+    out_dir.mkdir()
+    try:
+        done = supervisor.resurgo(
+            "submit", "-N", "4", "--min-nodes", "2", f"--output={output}",
+            "--ckpt-root", str(out_dir), "--parsable", "--",
+            *TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", "40",
+            "--iter-s", "0.5", "--sleep-at", "15", "--sleep-rank", "2", "--sleep-s", "600",
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"bench: resurgo submit failed: {done.stderr}")
+        job_id = int(done.stdout.strip())
+        state = _wait(cluster, job_id, timeout_s)
+        if state is None:
+            cluster.run(["scancel", str(job_id)])
+        with supervisor.store() as store:
+            reacted = [
+                d.decided_s
+                for d in store.decisions_for(str(job_id))
+                if d.from_state in ("running", "starting") and d.to_state == "recovering"
+            ]
+    finally:
+        supervisor.stop()
+        _restore(cluster)
+    text = output.read_text(errors="replace") if output.exists() else ""
+    outcome = "stuck" if state is None else ("recovered" if state == "COMPLETED" else "failed")
+    result: dict[str, Any] = {"outcome": outcome, "detect_s": None, "recover_s": None,
+                              "steps_lost": None}  # fmt: skip
+    slept = _SLEPT.search(text)
+    if slept is None:
+        return result
+    fault_step, fault_s = int(slept.group(1)), float(slept.group(2))
+    if reacted:
+        result["decide_s"] = round(reacted[0] - fault_s, 2)
+    resumed = [(int(m.group(1)), float(m.group(2))) for m in _RESUMED.finditer(text)]
+    resumed = [(step, at) for step, at in resumed if at > fault_s]
+    if resumed:
+        step, at = resumed[0]
+        result["detect_s"] = round(at - fault_s, 2)
+        result["steps_lost"] = fault_step - step
+        after = [float(m.group(2)) for m in _ITER.finditer(text) if float(m.group(2)) > at]
+        if after:
+            result["recover_s"] = round(min(after) - fault_s, 2)
+    return result
+
+
 def run_baseline(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
     return _run_torchrun(cluster, where, fault, timeout_s, nodes=4, procs=1)
 
@@ -211,8 +275,11 @@ def main() -> int:
         for name in args.scenario or list(SCENARIOS):
             fault = SCENARIOS[name]
             row: dict[str, Any] = {"fault": name, "inject": fault}
-            stacks = (("resurgo", run_resurgo), ("baseline", run_baseline),
-                      ("control", run_control))  # fmt: skip
+            stacks: tuple[tuple[str, Runner], ...] = (
+                ("resurgo", run_resurgo), ("baseline", run_baseline), ("control", run_control),
+            )  # fmt: skip
+            if name == "plain_hang":
+                stacks = (("resurgo", lambda c, w, _f, t: run_plain(c, w, t)),)
             for stack, runner in stacks:
                 where = Path(tmp) / name / stack
                 where.mkdir(parents=True)

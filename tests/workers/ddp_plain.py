@@ -67,7 +67,10 @@ def main() -> None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         iter_num = checkpoint["iter_num"]
         if master:
-            print(f"resuming training from {ckpt_path} at iter {iter_num}", flush=True)
+            print(
+                f"resuming training from {ckpt_path} at iter {iter_num} ({time.time():.3f})",
+                flush=True,
+            )
     ddp = DDP(model)
     generator = torch.Generator().manual_seed(rank)
     first_launch = not resumed
@@ -78,7 +81,11 @@ def main() -> None:
         loss = nn.functional.mse_loss(ddp(x), y)
         if first_launch and iter_num == args.sleep_at and rank == args.sleep_rank:
             node = os.environ.get("SLURMD_NODENAME", "this node")
-            print(f"rank {rank} sleeping {args.sleep_s} s in iter {iter_num} on {node}", flush=True)
+            print(
+                f"rank {rank} sleeping {args.sleep_s} s in iter {iter_num} on {node} "
+                f"({time.time():.3f})",
+                flush=True,
+            )
             time.sleep(args.sleep_s)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -86,7 +93,7 @@ def main() -> None:
         time.sleep(args.iter_s)
         iter_num += 1
         if master:
-            print(f"iter {iter_num}: loss {loss.item():.4f}", flush=True)
+            print(f"iter {iter_num}: loss {loss.item():.4f} ({time.time():.3f})", flush=True)
         if iter_num % args.eval_interval == 0:
             first = iter_num == args.eval_interval and first_launch
             if first and args.eval_pause_s:
