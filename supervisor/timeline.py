@@ -12,8 +12,10 @@ the :class:`~supervisor.goodput.Fact` list that the pure
   DETECTED, with the cause of that decision or of the next one that names a
   cause (an exit evidence window names it when it closes); the FAULT itself
   is dated at the last progress sample before it;
-- every attempt after the first is RESUMED from its checkpoint's step (0
-  without one), at the attempt's start;
+- every attempt after the first is RESUMED from its checkpoint's step, at the
+  attempt's start; without one of ours, from the attempt's first progress
+  sample (a script that keeps its own checkpoint resumes from it; 0: it
+  started over);
 - progress samples are STEP, ``checkpoint_stats`` observations SAVE_STALL;
 - a terminal decision is ENDED; a job still running is accounted up to now.
 
@@ -102,6 +104,11 @@ def _facts_in(
         step = None
         if attempt.resumed_from is not None:
             step = parse_step_dir_name(Path(attempt.resumed_from).name)
+        else:
+            # No checkpoint of ours: a script that keeps its own resumed where its
+            # first step report after the start says (0: it started over).
+            first = store.first_progress_after(job_id, attempt.started_s)
+            step = None if first is None else first.step
         facts.append(Fact(attempt.started_s, FactKind.RESUMED, float(step or 0)))
     facts.extend(Fact(p.time_s, FactKind.STEP, float(p.step)) for p in progress)
     stats_seq = window.stats_seq

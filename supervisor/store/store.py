@@ -455,6 +455,16 @@ class Store(History, StepReports):
         return True
 
     @locked
+    def first_progress_after(self, job_id: str, since_s: float) -> ProgressRow | None:
+        """The job's first progress sample at or after ``since_s`` (None: none yet)."""
+        row = self._db.execute(
+            "SELECT job_id, step, time_s FROM progress WHERE job_id = ? AND time_s >= ?"
+            " ORDER BY id LIMIT 1",
+            (job_id, since_s),
+        ).fetchone()
+        return None if row is None else ProgressRow(*row)
+
+    @locked
     def progress_for(self, job_id: str, since_s: float | None = None) -> list[ProgressRow]:
         """The job's progress samples (at or after ``since_s``) in the order they came."""
         rows = self._db.execute(

@@ -61,6 +61,25 @@ def test_a_killed_rank_costs_detection_lost_work_and_recovery(store: Store) -> N
     assert node_faults(store) == [45]
 
 
+@pytest.mark.parametrize(("resumed_step", "lost_s"), [(5, 10.0), (1, 20.0)])
+def test_a_script_with_its_own_checkpoint_loses_the_work_since_the_step_it_resumed_at(
+    store: Store, resumed_step: int, lost_s: float
+) -> None:
+    """No checkpoint of ours: the relaunch's first progress sample says where the script
+    resumed (step 5 from its own file; step 1: it started over)."""
+    _decide(store, 10, "submitted", "starting")
+    store.start_attempt(JOB, 1, nodes=["n1", "n2"], resumed_from=None, now_s=10)
+    for at, step in ((20, 1), (30, 5), (40, 10)):
+        store.record_progress(JOB, step, at)
+    _decide(store, 45, "running", "recovering", "hang")
+    _decide(store, 55, "recovering", "relaunching", "hang")
+    store.start_attempt(JOB, 2, nodes=["n1"], resumed_from=None, now_s=55)
+    store.record_progress(JOB, resumed_step, 70)
+    _decide(store, 100, "running", "completed", "slurm_ended")
+    goodput = goodput_of(store, JOB, now_s=500)
+    assert goodput.badput_s[Badput.LOST_WORK] == lost_s
+
+
 def test_a_running_job_is_accounted_up_to_now_and_a_user_error_is_no_node_fault(
     store: Store,
 ) -> None:
