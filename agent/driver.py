@@ -596,6 +596,14 @@ class Driver:
                 self._step.send_signal(signum)
 
 
+def _why(error: BaseException | None) -> str:
+    """Why the supervisor did not answer, in words: its refusal of a job it has not
+    registered yet (a job it registers from its directory within a poll) is no fault."""
+    if isinstance(error, Rejected) and error.status == 401 and "unknown_job" in error.reason:
+        return "the supervisor has not registered this job yet (it does within a poll)"
+    return str(error)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m agent.driver``."""
     logging.basicConfig(
@@ -612,11 +620,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _why(error: BaseException | None) -> str:
-    """Why the supervisor did not answer, in words: its refusal of a job it has not
-    registered yet (a job it registers from its directory within a poll) is no fault."""
-    if isinstance(error, Rejected) and error.status == 401 and "unknown_job" in error.reason:
-        return "the supervisor has not registered this job yet (it does within a poll)"
-    return str(error)

@@ -628,13 +628,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _size_of(path: str) -> int | None:
     """A written file's size; None when it cannot be read (moved, or another user's)."""
     try:
         return os.stat(path).st_size
     except OSError:
         return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

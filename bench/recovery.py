@@ -144,16 +144,22 @@ def _measure(
     return result
 
 
-def run_resurgo(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
+def _under_resurgo(
+    cluster: LiveCluster,
+    where: Path,
+    output: Path,
+    ckpt: Path,
+    command: list[str],
+    timeout_s: float,
+) -> tuple[str | None, float | None]:
+    """Submit ``command`` under a fresh supervisor; (Slurm's end state or None when stuck,
+    when the supervisor decided to recover)."""
     supervisor = SupervisorProcess(cluster, where / "state", POLICY, AGENTS)
     supervisor.start()
-    output, record = where / "job.out", where / "record"
     try:
         done = supervisor.resurgo(
             "submit", "-N", "4", "--min-nodes", "2", f"--output={output}",
-            "--ckpt-root", str(where / "ckpt"), "--parsable", "--",
-            *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
-            "--record", str(record), "--fault", fault,
+            "--ckpt-root", str(ckpt), "--parsable", "--", *command,
         )  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"bench: resurgo submit failed: {done.stderr}")
@@ -167,40 +173,31 @@ def run_resurgo(cluster: LiveCluster, where: Path, fault: str, timeout_s: float)
                 for d in store.decisions_for(str(job_id))
                 if d.from_state in ("running", "starting") and d.to_state == "recovering"
             ]
-        return _measure(output, record, state, reacted[0] if reacted else None)
+        return state, reacted[0] if reacted else None
     finally:
         supervisor.stop()
         _restore(cluster)
+
+
+def run_resurgo(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
+    output, record = where / "job.out", where / "record"
+    command = [
+        *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
+        "--record", str(record), "--fault", fault,
+    ]  # fmt: skip
+    state, reacted = _under_resurgo(cluster, where, output, where / "ckpt", command, timeout_s)
+    return _measure(output, record, state, reacted)
 
 
 def run_plain(cluster: LiveCluster, where: Path, timeout_s: float) -> dict[str, Any]:
     """The unmodified-script hang under Resurgo, measured from the script's own prints."""
-    supervisor = SupervisorProcess(cluster, where / "state", POLICY, AGENTS)
-    supervisor.start()
     output, out_dir = where / "job.out", where / "out"
     out_dir.mkdir()
-    try:
-        done = supervisor.resurgo(
-            "submit", "-N", "4", "--min-nodes", "2", f"--output={output}",
-            "--ckpt-root", str(out_dir), "--parsable", "--",
-            *TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", "40",
-            "--iter-s", "0.5", "--sleep-at", "15", "--sleep-rank", "2", "--sleep-s", "600",
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise SystemExit(f"bench: resurgo submit failed: {done.stderr}")
-        job_id = int(done.stdout.strip())
-        state = _wait(cluster, job_id, timeout_s)
-        if state is None:
-            cluster.run(["scancel", str(job_id)])
-        with supervisor.store() as store:
-            reacted = [
-                d.decided_s
-                for d in store.decisions_for(str(job_id))
-                if d.from_state in ("running", "starting") and d.to_state == "recovering"
-            ]
-    finally:
-        supervisor.stop()
-        _restore(cluster)
+    command = [
+        *TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", "40",
+        "--iter-s", "0.5", "--sleep-at", "15", "--sleep-rank", "2", "--sleep-s", "600",
+    ]  # fmt: skip
+    state, reacted = _under_resurgo(cluster, where, output, out_dir, command, timeout_s)
     text = output.read_text(errors="replace") if output.exists() else ""
     outcome = "stuck" if state is None else ("recovered" if state == "COMPLETED" else "failed")
     result: dict[str, Any] = {"outcome": outcome, "detect_s": None, "recover_s": None,
@@ -209,8 +206,8 @@ def run_plain(cluster: LiveCluster, where: Path, timeout_s: float) -> dict[str, 
     if slept is None:
         return result
     fault_step, fault_s = int(slept.group(1)), float(slept.group(2))
-    if reacted:
-        result["decide_s"] = round(reacted[0] - fault_s, 2)
+    if reacted is not None:
+        result["decide_s"] = round(reacted - fault_s, 2)
     resumed = [(int(m.group(1)), float(m.group(2))) for m in _RESUMED.finditer(text)]
     resumed = [(step, at) for step, at in resumed if at > fault_s]
     if resumed:

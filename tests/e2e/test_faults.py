@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,22 +157,6 @@ def reference(slurm_cluster: LiveCluster, tmp_path_factory: pytest.TempPathFacto
     finally:
         supervisor.stop()
     return run
-
-
-@pytest.fixture
-def supervisor(
-    slurm_cluster: LiveCluster, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[SupervisorProcess]:
-    """The supervisor under test; ``@pytest.mark.policy(name=value)`` changes its policy."""
-    marker = request.node.get_closest_marker("policy")
-    policy = POLICY | (marker.kwargs if marker else {})
-    process = SupervisorProcess(slurm_cluster, tmp_path / "state", policy, AGENTS | DAEMON)
-    process.start()
-    try:
-        yield process
-    finally:
-        process.stop()
-        restore_cluster(slurm_cluster)
 
 
 def restore_cluster(cluster: LiveCluster) -> None:

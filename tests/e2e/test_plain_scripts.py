@@ -14,38 +14,18 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import (
-    AGENTS,
-    DAEMON,
-    ENDED,
-    POLICY,
-    attempts,
-    drained,
-    restore_cluster,
-)
+from tests.e2e.test_faults import ENDED, attempts, drained
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess
 
 pytestmark = pytest.mark.slurm
 
 PLAIN = Path(__file__).resolve().parents[1] / "workers" / "ddp_plain.py"
 ITERS = 40
-
-
-@pytest.fixture
-def supervisor(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[SupervisorProcess]:
-    process = SupervisorProcess(slurm_cluster, tmp_path / "state", POLICY, AGENTS | DAEMON)
-    process.start()
-    try:
-        yield process
-    finally:
-        process.stop()
-        restore_cluster(slurm_cluster)
 
 
 def submit_plain(supervisor: SupervisorProcess, where: Path, *script_args: str) -> tuple[int, Path]:

@@ -480,18 +480,25 @@ def _report(node: str, incarnation: str, rank: int, step: int, phase: str):  # t
     return protocol.HeartbeatReport(JOB, node, NOW, (status,), incarnation, 1)
 
 
+async def _training_then_rank_0_saving(supervisor: Supervisor) -> dict[str, str]:
+    """Four agents (one rank each) training at step 10, then rank 0 on the first node
+    saving; returns each node's agent incarnation."""
+    await registered_and_running(supervisor)
+    agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
+    for rank, node in enumerate(NODES):
+        supervisor.accept_events(JOB, [started(node, agents[node], 1)])
+        supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+    await supervisor.settle()
+    saver = NODES[0]
+    supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
+    return agents
+
+
 def test_hang_reports_while_a_rank_elsewhere_saves_are_held_then_dropped_as_training_goes_on(
     tmp_path: Path,
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        await registered_and_running(supervisor)
-        agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
-        for rank, node in enumerate(NODES):
-            supervisor.accept_events(JOB, [started(node, agents[node], 1)])
-            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
-        await supervisor.settle()
-        saver = NODES[0]
-        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
+        agents = await _training_then_rank_0_saving(supervisor)
         for rank, node in enumerate(NODES[1:], start=1):
             supervisor.accept_events(JOB, [_waiting(node, agents[node], rank, 10)])
         await supervisor.settle()
@@ -525,14 +532,8 @@ def test_held_hang_reports_are_decided_once_the_save_ended_without_progress(
     tmp_path: Path,
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        await registered_and_running(supervisor)
-        agents = {node: f"00000000000000b{i}" for i, node in enumerate(NODES)}
-        for rank, node in enumerate(NODES):
-            supervisor.accept_events(JOB, [started(node, agents[node], 1)])
-            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
-        await supervisor.settle()
+        agents = await _training_then_rank_0_saving(supervisor)
         saver = NODES[0]
-        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
         supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
         await supervisor.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"

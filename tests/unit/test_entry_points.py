@@ -1,7 +1,10 @@
-"""The three console scripts exist and answer --help."""
+"""The three console scripts exist and answer --help; a module run as a program
+(``python -m agent.driver``) has its ``__main__`` block last, since anything
+defined after it does not exist yet when main() runs."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -28,3 +31,30 @@ def test_resurgo_without_a_command_prints_help_and_exits_two() -> None:
     from supervisor.cli.main import main
 
     assert main([]) == 2
+
+
+REPO = Path(__file__).resolve().parents[2]
+MODULES = sorted(
+    path
+    for package in ("agent", "supervisor", "bench")
+    for path in (REPO / package).rglob("*.py")
+    if "__main__" in path.read_text()
+)
+
+
+def _is_main_block(node: ast.stmt) -> bool:
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+    )
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_main_block_comes_last(path: Path) -> None:
+    body = ast.parse(path.read_text()).body
+    mains = [index for index, node in enumerate(body) if _is_main_block(node)]
+    if mains:
+        after = body[mains[0] + 1 :]
+        assert not after, f"{path.name}: defined after the __main__ block, line {after[0].lineno}"
