@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 STACK_SAMPLES_KEPT = 32
 SAMPLE_DEADLINE_S = 15.0
 EVIDENCE_DEADLINE_S = 30.0
+MAX_PLACED_EVERY_S = 60.0
 
 Emit = Callable[[protocol.EventKind, dict[str, Any]], Awaitable[None]]
 Hung = dict[int, tuple[HangVerdict, protocol.HangDetector]]
@@ -60,6 +61,10 @@ class RankMonitor:
         # Native-aware "in a collective?" of the local ranks, taken on suspicion.
         self._placed: dict[int, bool] = {}
         self._placed_s = -1e9
+        # A native dump pauses the ranks ~0.5-1 s: while nothing is confirmed
+        # (a long evaluation), each round waits twice as long as the last.
+        self._placed_every = stack_sample_s
+        self._placed_asked = False
 
     def on_beat(self, beat: RankBeat, now_s: float) -> None:
         """Fold one heartbeat in; progress after a reported hang starts a new episode.
@@ -85,6 +90,14 @@ class RankMonitor:
 
     async def check_hangs(self, live: Mapping[int, RankProcess], now_s: float) -> None:
         """Decide hangs among ``live`` ranks; report a new one with every local stack."""
+        self._placed_asked = False
+        try:
+            await self._check_hangs(live, now_s)
+        finally:
+            if not self._placed_asked:  # nothing suspect now: the next suspicion starts afresh
+                self._placed_every = self._stack_sample_s
+
+    async def _check_hangs(self, live: Mapping[int, RankProcess], now_s: float) -> None:
         beating = {r: p for r, p in self.progress.items() if r in live}
         verdicts = hang_verdicts(beating, now_s, self._config)
         if any(self._needs_confirming(beating[v.rank], v) for v in verdicts):
@@ -136,9 +149,10 @@ class RankMonitor:
         return progress.automatic and verdict.since_progress_s <= limit
 
     async def _placed_now(self, live: Mapping[int, RankProcess], now_s: float) -> dict[int, bool]:
-        """Whether each local rank waits in a collective, by native-aware stacks; at most
-        one round of dumps per stack sample period."""
-        if now_s - self._placed_s >= self._stack_sample_s:
+        """Whether each local rank waits in a collective, by native-aware stacks; one round
+        of dumps per stack sample period, backing off to one a minute while none is."""
+        self._placed_asked = True
+        if now_s - self._placed_s >= self._placed_every:
             dumps = await asyncio.to_thread(
                 dump_all_placed, [rank.pid for rank in live.values()], EVIDENCE_DEADLINE_S
             )
@@ -148,6 +162,8 @@ class RankMonitor:
                 if dumps[rank.pid].ok
             }
             self._placed_s = now_s
+            if not any(self._placed.values()):
+                self._placed_every = min(MAX_PLACED_EVERY_S, 2 * self._placed_every)
         return self._placed
 
     async def check_stragglers(self, live: Mapping[int, RankProcess]) -> None:

@@ -6,6 +6,7 @@ is tests/e2e/test_plain_scripts.py."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -102,3 +103,23 @@ def test_instrumented_beats_need_no_confirmation(monkeypatch: pytest.MonkeyPatch
     stepped(rankmon, automatic=False)
     check(rankmon, 60.0)
     assert len(reports) == 1
+
+
+def test_native_dumps_back_off_while_nothing_is_confirmed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A native dump pauses the ranks: during a long evaluation they come ever rarer."""
+    stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
+    rankmon, _ = monitor(stacks, monkeypatch)
+    rounds: list[float] = []
+    now = [10.0]
+
+    def counted(pids: list[int], timeout_s: float) -> dict[int, StackDump]:
+        rounds.append(now[0])
+        return {p: stacks[p] for p in pids}
+
+    monkeypatch.setattr(watch, "dump_all_placed", counted)
+    stepped(rankmon, automatic=True)
+    while now[0] < 200:
+        now[0] += 1.0
+        check(rankmon, now[0])
+    gaps = [later - earlier for earlier, later in itertools.pairwise(rounds)]
+    assert gaps[:5] == [2.0, 4.0, 8.0, 16.0, 32.0] and set(gaps[5:]) == {60.0}, gaps
