@@ -392,23 +392,14 @@ class NodeAgent:
                 # A finished step is progress too: the report doubles as a beat.
                 self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
                 self._steps.add(message)
-            elif isinstance(message, CheckpointNote) and message.automatic:
-                written = {
-                    "step": message.step,
-                    "path": message.path,
-                    "global_rank": message.rank,
-                    "total_bytes": _size_of(message.path),
-                }
-                asyncio.get_running_loop().create_task(
-                    self.events.emit(protocol.EventKind.CHECKPOINT_WRITTEN, written)
-                )
             elif isinstance(message, CheckpointNote):
-                asyncio.get_running_loop().create_task(
-                    self.events.emit(
-                        protocol.EventKind.CHECKPOINT_COMMITTED,
-                        {"step": message.step, "path": message.path, "global_rank": message.rank},
-                    )
-                )
+                # A commit of ours, or a file a script that imports nothing saved.
+                note = {"step": message.step, "path": message.path, "global_rank": message.rank}
+                kind = protocol.EventKind.CHECKPOINT_COMMITTED
+                if message.automatic:
+                    kind = protocol.EventKind.CHECKPOINT_WRITTEN
+                    note["total_bytes"] = _size_of(message.path)
+                asyncio.get_running_loop().create_task(self.events.emit(kind, note))
 
     # -- rank exits ------------------------------------------------------------
 

@@ -114,6 +114,12 @@ def _wait(cluster: LiveCluster, job_id: int, timeout_s: float) -> str | None:
     return None
 
 
+def _result(state: str | None) -> dict[str, Any]:
+    """A run's figures before measuring: the outcome from Slurm's end state (None: stuck)."""
+    outcome = "stuck" if state is None else ("recovered" if state == "COMPLETED" else "failed")
+    return {"outcome": outcome, "detect_s": None, "recover_s": None, "steps_lost": None}
+
+
 def _measure(
     output: Path, record: Path, state: str | None, detect_at: float | None
 ) -> dict[str, Any]:
@@ -121,11 +127,9 @@ def _measure(
     injected = _INJECTED.search(text)
     steps = [json.loads(line) for line in (record / "steps.jsonl").read_text().splitlines()] if (
         record / "steps.jsonl").exists() else []  # fmt: skip
-    outcome = "stuck" if state is None else ("recovered" if state == "COMPLETED" else "failed")
+    result = _result(state)
     if state == "COMPLETED" and not any(s["step"] == STEPS for s in steps):
-        outcome = "failed"
-    result: dict[str, Any] = {"outcome": outcome, "detect_s": None, "recover_s": None,
-                              "steps_lost": None}  # fmt: skip
+        result["outcome"] = "failed"
     if injected is None:
         return result
     fault_step, fault_s = int(injected.group(1)), float(injected.group(2))
@@ -199,9 +203,7 @@ def run_plain(cluster: LiveCluster, where: Path, timeout_s: float) -> dict[str, 
     ]  # fmt: skip
     state, reacted = _under_resurgo(cluster, where, output, out_dir, command, timeout_s)
     text = output.read_text(errors="replace") if output.exists() else ""
-    outcome = "stuck" if state is None else ("recovered" if state == "COMPLETED" else "failed")
-    result: dict[str, Any] = {"outcome": outcome, "detect_s": None, "recover_s": None,
-                              "steps_lost": None}  # fmt: skip
+    result = _result(state)
     slept = _SLEPT.search(text)
     if slept is None:
         return result

@@ -69,22 +69,17 @@ def on_job_seen(
         verdict = Blame(None, cause, 0.0, (f"Slurm: {state} {seen.reason}".strip(),))
         return _restart_requeued(record, verdict, now_s, policy, cluster)
     if state == "NODE_FAIL":
-        verdict = Blame(
-            None,
-            Cause.NODE_LOST,
-            0.0,
-            ("Slurm: NODE_FAIL" + (f" ({seen.reason})" if seen.reason else ""),),
-        )
+        verdict = Blame(None, Cause.NODE_LOST, 0.0, (f"Slurm: NODE_FAIL{_because(seen)}",))
         return _restart_requeued(record, verdict, now_s, policy, cluster)
     if state == "COMPLETED":
         done = replace(recovery.to_state(record, JobState.COMPLETED, now_s), recovery=None)
         return decision(done, (), Cause.SLURM_ENDED, "Slurm reports the job completed")
     if state == "CANCELLED":
         ended = replace(recovery.to_state(record, JobState.CANCELLED, now_s), recovery=None)
-        reason = "cancelled in Slurm" + (f" ({seen.reason})" if seen.reason else "")
+        reason = f"cancelled in Slurm{_because(seen)}"
         return decision(replace(ended, final_reason=reason), (), Cause.OPERATOR, reason)
     if state in _SLURM_FAILED:
-        reason = f"Slurm ended the job: {state}" + (f" ({seen.reason})" if seen.reason else "")
+        reason = f"Slurm ended the job: {state}{_because(seen)}"
         failed = replace(recovery.to_state(record, JobState.FAILED, now_s), recovery=None)
         return decision(replace(failed, final_reason=reason), (), Cause.SLURM_ENDED, reason)
     return _nothing(record, f"Slurm state {state} needs no action")
@@ -147,3 +142,8 @@ def _adopt(
         recovery=replace(started.record.recovery, requeue=True, requeue_seen=True),
     )
     return decision(adopted, started.intents, cause, f"adopted Slurm's requeue: {seen.reason}")
+
+
+def _because(seen: SlurmJobSeen) -> str:
+    """Slurm's reason in parentheses, or nothing when it gave none."""
+    return f" ({seen.reason})" if seen.reason else ""

@@ -62,7 +62,7 @@ def _newest_written(store: Store, job_id: str, now_s: float) -> dict[str, Any] |
     events = store.events_for(job_id, kinds=["checkpoint_written"])
     if not events:
         return None
-    newest = max(events, key=lambda row: row.time_s)
+    newest = events[-1]  # stored in the order they came
     return {
         "step": newest.payload.get("step"),
         "path": newest.payload.get("path"),

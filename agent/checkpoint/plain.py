@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.train.autohooks import STEP_KEYS
+from agent.train.autohooks import step_named
 
 SUFFIXES = (".pt", ".pth", ".ckpt", ".tar", ".bin")
 # A file modified more recently than this may still be being written.
@@ -63,7 +63,9 @@ def check_plain(path: str | os.PathLike[str], now_s: float, *, load: bool) -> Pl
     except OSError as error:
         return PlainCheckpoint(os.fspath(path), 0, 0.0, False, False, None, f"cannot read: {error}")
 
-    def result(valid: bool, reason: str | None, loaded: bool = False, step: int | None = None):  # type: ignore[no-untyped-def]
+    def result(
+        valid: bool, reason: str | None, loaded: bool = False, step: int | None = None
+    ) -> PlainCheckpoint:
         return PlainCheckpoint(
             os.fspath(path), stat.st_size, stat.st_mtime, valid, loaded, step, reason
         )
@@ -89,7 +91,7 @@ def check_plain(path: str | os.PathLike[str], now_s: float, *, load: bool) -> Pl
         return result(False, _corrupt(error))
     except Exception as error:  # any failure to read the file is the finding
         return result(False, _corrupt(error))
-    return result(True, None, loaded=True, step=_step_of(state))
+    return result(True, None, loaded=True, step=step_named(state))
 
 
 def _load(path: str | os.PathLike[str]) -> Any:
@@ -107,13 +109,3 @@ def _load(path: str | os.PathLike[str]) -> Any:
 def _corrupt(error: BaseException) -> str:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return f"torch.load cannot read it ({first}): truncated or corrupt; use an older checkpoint"
-
-
-def _step_of(state: Any) -> int | None:
-    if not isinstance(state, dict):
-        return None
-    for key in STEP_KEYS:
-        value = state.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None

@@ -40,15 +40,25 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from agent.launch import ENV_CKPT_ROOT
 from agent.train import heartbeat as heartbeat_module
 from agent.train.heartbeat import ENV_AGENT_SOCKET, ENV_RANK, Heartbeat, Phase
-
-ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 
 ENV_AUTO_PROGRESS = "RESURGO_AUTO_PROGRESS"
 OFF = frozenset({"0", "no", "off", "false"})
 # Keys under which public training scripts keep their step in a checkpoint dict.
 STEP_KEYS = ("iter_num", "global_step", "step", "iteration", "iter", "steps")
+
+
+def step_named(state: object) -> int | None:
+    """The step a loaded checkpoint dict names under one of :data:`STEP_KEYS` (None: none)."""
+    if not isinstance(state, dict):
+        return None
+    for key in STEP_KEYS:
+        value = state.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
 
 
 def enabled(environ: dict[str, str] | os._Environ[str]) -> bool:
@@ -95,14 +105,10 @@ class AutoProgress:
     def resumed_at(self, loaded: object) -> None:
         """A loaded checkpoint dict that names its step: the count goes on from it."""
         try:
-            if self.standing_down or not isinstance(loaded, dict):
-                return
-            for key in STEP_KEYS:
-                value = loaded.get(key)
-                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                    self.step = value
-                    self.beats.beat(value)
-                    return
+            step = None if self.standing_down else step_named(loaded)
+            if step is not None:
+                self.step = step
+                self.beats.beat(step)
         except Exception:
             pass
 

@@ -501,6 +501,14 @@ class Heartbeat:
 
     def checkpoint_committed(self, step: int, path: str | os.PathLike[str]) -> None:
         """Tell the agent a checkpoint of ``step`` committed at ``path``; never raises."""
+        self._checkpoint_note(step, path, automatic=False)
+
+    def file_written(self, path: str | os.PathLike[str]) -> None:
+        """Tell the agent the script wrote checkpoint file ``path`` at the current step
+        (the bootstrap's note of a ``torch.save``); never raises."""
+        self._checkpoint_note(self._step, path, automatic=True)
+
+    def _checkpoint_note(self, step: int, path: str | os.PathLike[str], automatic: bool) -> None:
         self._send(
             lambda: encode_checkpoint(
                 rank=self._rank,
@@ -510,22 +518,7 @@ class Heartbeat:
                 phase=self._phase,
                 wall_time_s=self._clock(),
                 path=os.fspath(path),
-            )
-        )
-
-    def file_written(self, path: str | os.PathLike[str]) -> None:
-        """Tell the agent the script wrote checkpoint file ``path`` at the current step
-        (the bootstrap's note of a ``torch.save``); never raises."""
-        self._send(
-            lambda: encode_checkpoint(
-                rank=self._rank,
-                local_rank=self._local_rank,
-                pid=self._pid,
-                step=self._step,
-                phase=self._phase,
-                wall_time_s=self._clock(),
-                path=os.fspath(path),
-                automatic=True,
+                automatic=automatic,
             )
         )
 
