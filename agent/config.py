@@ -36,6 +36,8 @@ class AgentConfig:
     node: str = ""
     nnodes: int = 1
     node_rank: int = 0
+    # Ranks per node of a per-rank launch (srun-style or python train.py).
+    procs_per_node: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     restart_count: int = 0
@@ -87,6 +89,8 @@ class AgentConfig:
                 f"agent settings: node_rank {self.node_rank} must be in 0..nnodes-1 "
                 f"(nnodes {self.nnodes})"
             )
+        if self.procs_per_node < 1:
+            raise ConfigError(f"agent setting procs_per_node must be >= 1: {self.procs_per_node}")
         if not 0 <= self.master_port < 65536:
             raise ConfigError(f"agent setting master_port {self.master_port} is not a port")
         if self.restart_count < 0 or self.attempt < 0:

@@ -94,6 +94,8 @@ class DriverSettings:
     stop_grace_s: float = 30.0
     # Seconds before the time limit to start the planned stop (None: computed).
     time_limit_lead_s: float | None = None
+    # Ranks per node, for the agents of a per-rank launch (srun-style, python train.py).
+    procs_per_node: int = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--supervisor-url", required=True)
     parser.add_argument("--ckpt-root", required=True)
-    parser.add_argument("--procs-per-node", type=int, default=1, help="(informational)")
+    parser.add_argument(
+        "--procs-per-node",
+        type=int,
+        default=1,
+        help="ranks per node: the agents start this many of a per-rank command (default 1)",
+    )
     parser.add_argument(
         "--supervisor-wait-s",
         type=float,
@@ -161,6 +168,7 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         start_wait_s=args.start_wait_s,
         stop_grace_s=args.stop_grace_s,
         time_limit_lead_s=args.time_limit_lead_s,
+        procs_per_node=args.procs_per_node,
     )
 
 
@@ -193,6 +201,7 @@ def agent_argv(
         "--ckpt-root", settings.ckpt_root,
         "--time-limit-file", str(settings.job_dir / "time-limit.json"),
         "--stop-grace-s", str(settings.stop_grace_s),
+        "--procs-per-node", str(settings.procs_per_node),
         *(["--resume-from", resume_from] if resume_from else []),
         "--", *settings.command,
     ]  # fmt: skip

@@ -1,28 +1,48 @@
 """What the node agent runs: the user's command, fitted to the CURRENT allocation.
 
-Pure: argv and environment in, argv and environment out. The user's command
-is kept as written except for what a relaunch must change:
+Pure: argv and environment in, argv and environment out. Three launch shapes
+(:func:`launch_shape`), each kept as written except for what a relaunch must
+change:
 
-- torchrun (``torchrun ...`` or ``python -m torch.distributed.run ...``): the
-  node count, rendezvous (c10d on the first node, a fresh id per launch) and
-  ``--max-restarts=0`` (restarts are the supervisor's decision, not torchrun's:
-  an in-place restart would hide the fault from Resurgo) are set from the
-  allocation; every other torchrun option and the script's arguments pass
-  through unchanged. Each worker runs under :mod:`agent.rankexec`, a tiny
+- **torchrun** (``torchrun ...`` or ``python -m torch.distributed.run ...``):
+  the node count, rendezvous (c10d on the first node, a fresh id per launch)
+  and ``--max-restarts=0`` (restarts are the supervisor's decision, not
+  torchrun's: an in-place restart would hide the fault from Resurgo) are set
+  from the allocation; every other torchrun option and the script's arguments
+  pass through unchanged. Each worker runs under :mod:`agent.rankexec`, a tiny
   parent that records the worker's exit code or signal for the agent, since
   torchrun, not the agent, is the worker's parent and reaps it.
-- any other command runs as it is, as the node's single "rank".
+- **per rank**: ``srun [options] COMMAND`` (one task per rank, the way
+  Lightning and Megatron are launched on Slurm) or a plain ``python
+  train.py``. A nested ``srun`` inside the agent's own step would wait forever
+  for nodes that step holds, so the agent starts the ranks itself: the same
+  fitted torchrun, ``--nproc-per-node`` ranks per node, each under the shim,
+  which gives the command the ``SLURM_PROCID``/``SLURM_LOCALID``/
+  ``SLURM_NTASKS``/``SLURM_NODEID`` of its rank besides torchrun's ``RANK``,
+  ``WORLD_SIZE``, ``MASTER_ADDR``, ... (:func:`slurm_task_env`).
+- **wrapper**: anything else (``bash run.sh``, ``bash -c``, ``make``) runs as
+  it is. A torchrun it starts gets the job's world all the same: ``torchrun``
+  on ``PATH`` is Resurgo's (:data:`TORCHRUN_SHIM`, fitting it exactly like
+  the first shape), and ``python -m torch.distributed.run`` reads the job's
+  node count and rendezvous from ``PET_*`` variables (torchrun's parser takes
+  every option's default from ``PET_<OPTION>``; an explicit flag still wins,
+  which the agent then reports as a world that is not the job's).
 
-Both get the ``RESURGO_*`` environment the in-rank library reads, and
-:data:`BOOTSTRAP_DIR` first on ``PYTHONPATH`` (automatic progress for
-scripts that import nothing: :mod:`agent.train.autohooks`).
+:func:`refusal` names the commands Resurgo cannot supervise (other MPI-style
+launchers, srun options it would silently drop), for ``resurgo submit``.
+
+Every shape gets the ``RESURGO_*`` environment the in-rank library reads, and
+:data:`BOOTSTRAP_DIR` first on ``PYTHONPATH`` (automatic progress for scripts
+that import nothing: :mod:`agent.train.autohooks`).
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
+import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import PurePath
 
 from agent.errors import ConfigError
@@ -37,6 +57,10 @@ ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 ENV_CKPT_INTERVAL_S = "RESURGO_CKPT_INTERVAL_S"
 ENV_CKPT_INTERVAL_FILE = "RESURGO_CKPT_INTERVAL_FILE"
 ENV_SAVE_REQUEST_FILE = "RESURGO_SAVE_REQUEST_FILE"
+# The allocation as JSON, for the torchrun that a wrapper script starts (agent.torchrunshim).
+ENV_ALLOCATION = "RESURGO_ALLOCATION"
+# Set for per-rank launches: the rank shim gives the command Slurm's task variables.
+ENV_SLURM_TASKS = "RESURGO_SLURM_TASKS"
 # First on every rank's PYTHONPATH: its sitecustomize arms automatic progress
 # for scripts that import nothing (agent.train.autohooks; opt out with
 # RESURGO_AUTO_PROGRESS=0).
@@ -68,6 +92,38 @@ _CONTROLLED = {
     "--run-path",
     "--run_path",
 }
+
+
+# srun options a per-rank launch honours (the count of ranks per node) or that
+# change nothing when the agent starts the ranks itself; any other is refused
+# at submit rather than silently dropped. Values: does the option take one?
+_SRUN_OPTIONS = {
+    "-n": True, "--ntasks": True, "--ntasks-per-node": True,
+    "-c": True, "--cpus-per-task": True,  # the allocation's own, from sbatch
+    "--mpi": True, "--export": True,
+    "-u": False, "--unbuffered": False, "-l": False, "--label": False,
+    "-K": False, "--kill-on-bad-exit": False,  # the supervisor decides on exits
+}  # fmt: skip
+# Launchers that start ranks their own way, across nodes: under Resurgo every
+# node's agent would start a whole world of its own.
+_FOREIGN_LAUNCHERS = {
+    "mpirun": "an MPI launcher",
+    "mpiexec": "an MPI launcher",
+    "orterun": "an MPI launcher",
+    "horovodrun": "Horovod's launcher",
+    "deepspeed": "DeepSpeed's launcher",
+    "accelerate": "Accelerate's launcher",
+    "salloc": "a new allocation",
+    "sbatch": "a new job",
+}
+
+
+class Shape(enum.Enum):
+    """How the user's command starts its ranks; see the module docstring."""
+
+    TORCHRUN = "torchrun"
+    PER_RANK = "per_rank"
+    WRAPPER = "wrapper"
 
 
 @dataclass(frozen=True)
@@ -109,16 +165,36 @@ class LaunchSettings:
     ckpt_interval_s: float | None = None
     ckpt_interval_file: str | None = None
     save_request_file: str | None = None
+    # Ranks per node of a per-rank launch (srun's --ntasks-per-node wins).
+    procs_per_node: int = 1
+    # Where the agent put Resurgo's ``torchrun`` (TORCHRUN_SHIM): first on a
+    # wrapper's PATH.
+    shim_dir: str | None = None
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """The process to start: argv, environment, and how many ranks it will run here."""
+    """The process to start: argv, environment, its shape, and how many ranks it will run
+    here (None: a wrapper's, learnt from its ranks)."""
 
     argv: tuple[str, ...]
     env: dict[str, str] = field(repr=False)
-    is_torchrun: bool
-    local_ranks: int
+    shape: Shape
+    local_ranks: int | None
+
+    @property
+    def is_torchrun(self) -> bool:
+        """The ranks run under torchrun started by the agent (the torchrun and per-rank shapes)."""
+        return self.shape is not Shape.WRAPPER
+
+
+def torchrun_shim(python: str) -> str:
+    """The ``torchrun`` put first on a wrapper's ``PATH``: fits the real one to the job."""
+    return f'#!/bin/sh\nexec {_sh_quote(python)} -m agent.torchrunshim "$@"\n'
+
+
+def _sh_quote(word: str) -> str:
+    return "'" + word.replace("'", "'\"'\"'") + "'"
 
 
 def is_torchrun(command: Sequence[str]) -> bool:
@@ -133,6 +209,101 @@ def is_torchrun(command: Sequence[str]) -> bool:
         and command[1] == "-m"
         and command[2] == "torch.distributed.run"
     )
+
+
+def is_python(command: Sequence[str]) -> bool:
+    """A Python interpreter running a script or module (not torchrun), or a ``.py`` file."""
+    if not command or is_torchrun(command):
+        return False
+    name = PurePath(command[0]).name
+    return name.endswith(".py") or (
+        name.startswith("python") and len(command) >= 2 and command[1] not in ("-c", "-")
+    )
+
+
+def launch_shape(command: Sequence[str]) -> Shape:
+    """Which of the three shapes ``command`` is (see the module docstring)."""
+    if is_torchrun(command):
+        return Shape.TORCHRUN
+    if (command and PurePath(command[0]).name == "srun") or is_python(command):
+        return Shape.PER_RANK
+    return Shape.WRAPPER
+
+
+def split_srun(command: Sequence[str]) -> tuple[dict[str, str | None], list[str]]:
+    """``srun [options] COMMAND`` -> (srun's options by name, COMMAND); ConfigError
+    naming an option a per-rank launch would not apply, or a missing command."""
+    options: dict[str, str | None] = {}
+    words = list(command[1:])
+    index = 0
+    while index < len(words) and words[index].startswith("-"):
+        word = words[index]
+        index += 1
+        if word.startswith("--"):
+            name, equals, value = word.partition("=")
+        else:
+            name, value = word[:2], word[2:]
+            equals = "=" if value else ""
+        if name not in _SRUN_OPTIONS:
+            raise ConfigError(
+                f"srun option {word!r} is not applied when Resurgo starts the ranks itself "
+                "(one process per rank, with SLURM_PROCID etc. set as srun would): give it to "
+                "resurgo submit as an sbatch option, or drop it"
+            )
+        if _SRUN_OPTIONS[name] and not equals:
+            if index >= len(words):
+                raise ConfigError(f"srun option {name} needs a value")
+            value = words[index]
+            index += 1
+        options[name] = value if _SRUN_OPTIONS[name] else None
+    if index >= len(words):
+        raise ConfigError("srun with no command: give the training command after srun's options")
+    return options, words[index:]
+
+
+def srun_tasks_per_node(options: Mapping[str, str | None], nnodes: int) -> int | None:
+    """Ranks per node from srun's ``--ntasks-per-node`` or ``--ntasks`` over ``nnodes``
+    nodes (None: neither given); ConfigError when they do not make whole nodes."""
+    per_node = options.get("--ntasks-per-node")
+    total = options.get("--ntasks") or options.get("-n")
+    if per_node is not None:
+        return _count("srun --ntasks-per-node", per_node)
+    if total is None:
+        return None
+    count = _count("srun --ntasks", total)
+    if count % nnodes:
+        raise ConfigError(
+            f"srun --ntasks={count} does not split evenly over {nnodes} nodes: give "
+            "--ntasks-per-node instead, so that a smaller relaunch keeps the same ranks per node"
+        )
+    return count // nnodes
+
+
+def _count(what: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{what}={value!r}: give a whole number >= 1")
+    return int(value)
+
+
+def refusal(command: Sequence[str], nnodes: int) -> str | None:
+    """Why Resurgo cannot supervise ``command`` and what to do instead; None when it can."""
+    if not command:
+        return "no command to launch: give it after `--`, e.g. -- torchrun train.py"
+    name = PurePath(command[0]).name
+    if name in _FOREIGN_LAUNCHERS:
+        return (
+            f"{name} is {_FOREIGN_LAUNCHERS[name]}: under Resurgo each node's agent starts "
+            "that node's ranks, so every node would start a world of its own. Launch with "
+            "torchrun (-- torchrun --nproc-per-node=K train.py), srun-style (-- srun python "
+            "train.py, one process per rank with SLURM_PROCID), or python train.py per node"
+        )
+    if name == "srun":
+        try:
+            options, _ = split_srun(command)
+            srun_tasks_per_node(options, nnodes)
+        except ConfigError as error:
+            return str(error)
+    return None
 
 
 def plan_launch(
@@ -155,12 +326,37 @@ def plan_launch(
     env = dict(environ)
     env.update(_resurgo_env(allocation, settings))
     env["PYTHONPATH"] = with_bootstrap(environ.get("PYTHONPATH"))
-    if not is_torchrun(command):
-        return LaunchPlan(tuple(command), env, is_torchrun=False, local_ranks=1)
+    shape = launch_shape(command)
+    if shape is Shape.WRAPPER:
+        env.update(torchrun_env(allocation))
+        env[ENV_ALLOCATION] = json.dumps(asdict(allocation), sort_keys=True)
+        if settings.shim_dir:
+            rest = [entry for entry in environ.get("PATH", "").split(_PATHSEP) if entry]
+            env["PATH"] = _PATHSEP.join([settings.shim_dir, *rest])
+        return LaunchPlan(tuple(command), env, shape, local_ranks=None)
     if torchrun_parser is None:
-        raise ValueError("plan_launch needs torch's torchrun parser for a torchrun command")
-    options = list(command[1:]) if PurePath(command[0]).name == "torchrun" else list(command[3:])
-    parsed, kept = _split_torchrun(options, torchrun_parser)
+        raise ValueError("plan_launch needs torch's torchrun parser")
+    if shape is Shape.PER_RANK:
+        per_rank = list(command)
+        nproc = settings.procs_per_node
+        if PurePath(command[0]).name == "srun":
+            options, per_rank = split_srun(command)
+            nproc = srun_tasks_per_node(options, allocation.nnodes) or nproc
+        env[ENV_SLURM_TASKS] = "1"
+        command = ["torchrun", f"--nproc-per-node={nproc}", "--no-python", *per_rank]
+    argv, nproc = fit_torchrun(command, allocation, python, torchrun_parser)
+    return LaunchPlan(argv, env, shape, local_ranks=nproc)
+
+
+def fit_torchrun(
+    command: Sequence[str],
+    allocation: Allocation,
+    python: str,
+    torchrun_parser: argparse.ArgumentParser,
+) -> tuple[tuple[str, ...], int]:
+    """A torchrun command line fitted to ``allocation``, its workers under the rank shim,
+    and its ranks per node."""
+    parsed, kept = _split_torchrun(_torchrun_options(command), torchrun_parser)
     nproc = _nproc(parsed.nproc_per_node)
     target: list[str]
     if parsed.no_python:
@@ -169,7 +365,7 @@ def plan_launch(
         target = ["--module", parsed.training_script]
     else:
         target = [parsed.training_script]
-    argv = [
+    argv = (
         python,
         "-m",
         "torch.distributed.run",
@@ -185,8 +381,55 @@ def plan_launch(
         "agent.rankexec",
         *target,
         *parsed.training_script_args,
-    ]
-    return LaunchPlan(tuple(argv), env, is_torchrun=True, local_ranks=nproc)
+    )
+    return argv, nproc
+
+
+def torchrun_env(allocation: Allocation) -> dict[str, str]:
+    """``PET_*`` defaults that fit any torchrun below a wrapper to the job (its flags win)."""
+    return {
+        "PET_NNODES": str(allocation.nnodes),
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"{allocation.master_addr}:{allocation.master_port}",
+        "PET_RDZV_ID": allocation.rdzv_id,
+        "PET_MAX_RESTARTS": "0",
+    }
+
+
+def allocation_from_env(environ: Mapping[str, str]) -> Allocation:
+    """The allocation a wrapper's torchrun belongs to (:data:`ENV_ALLOCATION`)."""
+    try:
+        return Allocation(**json.loads(environ[ENV_ALLOCATION]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(
+            f"{ENV_ALLOCATION} is missing or unreadable: Resurgo's torchrun runs only "
+            "below a node agent"
+        ) from error
+
+
+def slurm_task_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Slurm's task variables for one rank of a per-rank launch, from torchrun's.
+
+    What ``srun`` would have given the rank's task: its rank (``SLURM_PROCID``),
+    local rank, node index among the ranks' nodes, and the task counts.
+    """
+    rank = environ.get("RANK", "0")
+    world = environ.get("WORLD_SIZE", "1")
+    local_world = environ.get("LOCAL_WORLD_SIZE", "1")
+    return {
+        "SLURM_PROCID": rank,
+        "SLURM_LOCALID": environ.get("LOCAL_RANK", "0"),
+        "SLURM_NODEID": environ.get("GROUP_RANK", "0"),
+        "SLURM_NTASKS": world,
+        "SLURM_NPROCS": world,
+        "SLURM_STEP_NUM_TASKS": world,
+        "SLURM_NTASKS_PER_NODE": local_world,
+        "SLURM_TASKS_PER_NODE": f"{local_world}(x{environ.get('GROUP_WORLD_SIZE', '1')})",
+    }
+
+
+def _torchrun_options(command: Sequence[str]) -> list[str]:
+    return list(command[1:]) if PurePath(command[0]).name == "torchrun" else list(command[3:])
 
 
 def with_bootstrap(pythonpath: str | None) -> str:

@@ -46,9 +46,9 @@ from agent.config import AgentConfig, build_parser, load_config
 from agent.errors import ResurgoError
 from agent.events import EventOut
 from agent.health import run_health_check
-from agent.launch import Allocation, LaunchPlan, LaunchSettings, plan_launch
+from agent.launch import Allocation, LaunchPlan, LaunchSettings, Shape, plan_launch, torchrun_shim
 from agent.periodic import every
-from agent.procs import RankExit, RankWatcher, pid_alive
+from agent.procs import RankExit, RankProcess, RankWatcher, pid_alive
 from agent.steps import StepBuffer
 from agent.stopfiles import clear_save_request, held_ranks, read_notice, write_save_request
 from agent.timelimit import Notice
@@ -142,6 +142,7 @@ class NodeAgent:
         self._process: asyncio.subprocess.Process | None = None
         self._watcher: RankWatcher | None = None
         self._plan: LaunchPlan | None = None
+        self._world_reported = False
         self._stopping = False
         self._stop_task: asyncio.Task[None] | None = None
         self._exits: dict[int, RankExit] = {}
@@ -200,6 +201,8 @@ class NodeAgent:
 
     async def _launch_and_watch(self) -> int:
         self._plan = self._build_plan()
+        if self._plan.shape is Shape.WRAPPER:
+            self._write_torchrun_shim()
         self._process = await asyncio.create_subprocess_exec(
             *self._plan.argv,
             env=self._plan.env,
@@ -208,7 +211,7 @@ class NodeAgent:
         )
         self._watcher = RankWatcher(
             self._process.pid,
-            torchrun=self._plan.is_torchrun,
+            shape=self._plan.shape,
             exit_dir=self.run_dir / "exits",
             node_rank=self.config.node_rank,
             expected=self._plan.local_ranks,
@@ -283,6 +286,8 @@ class NodeAgent:
             ckpt_interval_s=config.ckpt_interval_s or None,
             ckpt_interval_file=str(self.run_dir / "checkpoint-interval.json"),
             save_request_file=str(self._save_request_path()),
+            procs_per_node=config.procs_per_node,
+            shim_dir=str(self._shim_dir()),
         )
         return plan_launch(
             self.command, allocation, settings, self._environ, sys.executable, get_args_parser()
@@ -290,6 +295,16 @@ class NodeAgent:
 
     def _save_request_path(self) -> Path:
         return self.run_dir / "save-request.json"
+
+    def _shim_dir(self) -> Path:
+        return self.run_dir / "bin"
+
+    def _write_torchrun_shim(self) -> None:
+        """Resurgo's ``torchrun`` for the wrapper's PATH (:mod:`agent.torchrunshim`)."""
+        self._shim_dir().mkdir(mode=0o700, exist_ok=True)
+        shim = self._shim_dir() / "torchrun"
+        shim.write_text(torchrun_shim(sys.executable))
+        shim.chmod(0o700)
 
     async def _every(self, period_s: float, tick: Callable[[], Awaitable[None]]) -> None:
         await every(period_s, tick, log, "agent")
@@ -386,6 +401,10 @@ class NodeAgent:
                 log.warning("heartbeat socket: %s", error)
                 return
             message = parse_datagram(data)
+            if isinstance(message, RankBeat | StepReport) and self._watcher is not None:
+                adopted = self._watcher.adopt(message.rank, message.local_rank, message.pid)
+                if adopted is not None:
+                    self._check_world([adopted])
             if isinstance(message, RankBeat):
                 self.monitor.on_beat(message, self._clocks.monotonic())
             elif isinstance(message, StepReport):
@@ -405,9 +424,38 @@ class NodeAgent:
 
     async def _watch_tick(self) -> None:
         assert self._watcher is not None
-        self._watcher.discover()
+        self._check_world(self._watcher.discover())
         for rank_exit in self._watcher.poll_exits(self._clocks.wall()):
             await self._emit_exit(rank_exit)
+
+    def _check_world(self, ranks: Sequence[RankProcess]) -> None:
+        """Report, once, a rank whose world is not the job's: ``nnodes`` nodes of
+        ``LOCAL_WORLD_SIZE`` ranks (a torchrun told ``--standalone`` or its own
+        ``--nnodes`` in a wrapper, each node training a world of its own)."""
+        for rank in ranks:
+            if self._world_reported or rank.world_size is None or not rank.local_world_size:
+                continue
+            expected = self.config.nnodes * rank.local_world_size
+            if rank.world_size == expected:
+                continue
+            self._world_reported = True
+            log.error(
+                "rank %d reports a world of %d, the job's is %d (%d nodes x %d)",
+                rank.global_rank, rank.world_size, expected, self.config.nnodes,
+                rank.local_world_size,
+            )  # fmt: skip
+            asyncio.get_running_loop().create_task(
+                self.events.emit(
+                    protocol.EventKind.WORLD_MISMATCH,
+                    {
+                        "global_rank": rank.global_rank,
+                        "pid": rank.pid,
+                        "world_size": rank.world_size,
+                        "local_world_size": rank.local_world_size,
+                        "nnodes": self.config.nnodes,
+                    },
+                )
+            )
 
     async def _final_exits(self, returncode: int) -> None:
         """After the launcher ended: every rank's exit, reported once, before the launcher's."""

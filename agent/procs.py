@@ -4,8 +4,16 @@ Under torchrun the tree is ``agent -> torchrun -> rankexec shim -> rank``. A
 rank is identified by the shim's ``RANK``/``LOCAL_RANK`` environment (set by
 torchrun), and its exit status is read from the file the shim writes
 (:mod:`agent.rankexec`), because only a parent learns a child's exit status.
-Any other command is a single rank: the launched process itself, whose status
-the agent learns directly as its parent.
+The per-rank shape (``srun python train.py``) runs under torchrun in the same
+way. A wrapper (``bash run.sh``) is searched for shims too, since a torchrun it
+starts is fitted with them (:mod:`agent.torchrunshim`); a rank that beats
+without one (a ``python -m torch.distributed.run`` in the wrapper) is adopted
+by its pid (:meth:`RankWatcher.adopt`), its exit status unknown; and a wrapper
+under which no rank was ever found is the node's single rank, whose status the
+agent learns directly as its parent.
+
+Each rank's ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` are read with it, so the
+agent can tell when the ranks formed a world that is not the job's.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from agent.launch import Shape
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +44,9 @@ class RankProcess:
     local_rank: int
     pid: int
     shim_pid: int | None = None
+    # torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE of the rank (None: not set).
+    world_size: int | None = None
+    local_world_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,16 +84,17 @@ class RankWatcher:
         self,
         launcher_pid: int,
         *,
-        torchrun: bool,
+        shape: Shape,
         exit_dir: Path,
         node_rank: int,
         expected: int | None = None,
     ):
         self._launcher_pid = launcher_pid
         # Once every expected rank is known, discovery stops walking the
-        # process tree (the agent's biggest recurring cost otherwise).
+        # process tree (the agent's biggest recurring cost otherwise). A
+        # wrapper's count is learnt from its first rank's LOCAL_WORLD_SIZE.
         self._expected = expected
-        self._torchrun = torchrun
+        self._wrapper = shape is Shape.WRAPPER
         self._exit_dir = exit_dir
         self._node_rank = node_rank
         self._ranks: dict[int, RankProcess] = {}
@@ -102,22 +116,42 @@ class RankWatcher:
         found: list[RankProcess] = []
         if self._expected is not None and len(self._ranks) >= self._expected:
             return found
-        if not self._torchrun:
-            if not self._ranks and pid_alive(self._launcher_pid):
-                rank = RankProcess(self._node_rank, 0, self._launcher_pid)
-                self._ranks[rank.global_rank] = rank
-                found.append(rank)
-            return found
         try:
             descendants = psutil.Process(self._launcher_pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return found
-        for shim in descendants:
-            discovered = self._rank_of_shim(shim)
+        ranks = [self._rank_of_shim(process) for process in descendants]
+        if self._wrapper:
+            ranks += _bare_workers(descendants)
+        for discovered in ranks:
             if discovered is not None and discovered.global_rank not in self._ranks:
                 self._ranks[discovered.global_rank] = discovered
                 found.append(discovered)
+                if self._expected is None and discovered.local_world_size:
+                    self._expected = discovered.local_world_size
         return found
+
+    def adopt(self, global_rank: int, local_rank: int, pid: int) -> RankProcess | None:
+        """A wrapper's rank found by its heartbeat (no shim above it); None when it is
+        known already, not below the launcher, or the command is not a wrapper."""
+        if not self._wrapper or global_rank in self._ranks or pid == self._launcher_pid:
+            return None
+        try:
+            process = psutil.Process(pid)
+            if self._launcher_pid not in {parent.pid for parent in process.parents()}:
+                return None
+            environ = process.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None
+        rank = RankProcess(
+            global_rank,
+            local_rank,
+            pid,
+            world_size=_int_or_none(environ.get("WORLD_SIZE")),
+            local_world_size=_int_or_none(environ.get("LOCAL_WORLD_SIZE")),
+        )
+        self._ranks[global_rank] = rank
+        return rank
 
     def poll_exits(self, now_unix_s: float) -> list[RankExit]:
         """Exits of torchrun ranks seen since the last call, each reported once.
@@ -127,13 +161,14 @@ class RankWatcher:
         """
         exits = []
         for key, rank in self._ranks.items():
-            if key in self._reported or not self._torchrun or pid_alive(rank.pid):
+            if key in self._reported or rank.pid == self._launcher_pid or pid_alive(rank.pid):
                 continue
-            record = self._read_record(key)
+            record = self._read_record(key) if rank.shim_pid is not None else None
             if record is None:
                 first_seen = self._vanished_at.setdefault(key, now_unix_s)
                 shim_alive = rank.shim_pid is not None and pid_alive(rank.shim_pid)
-                if shim_alive or now_unix_s - first_seen < EXIT_RECORD_WAIT_S:
+                waited = rank.shim_pid is None or now_unix_s - first_seen >= EXIT_RECORD_WAIT_S
+                if shim_alive or not waited:
                     continue
                 exits.append(RankExit(rank, None, None, now_unix_s))
             else:
@@ -152,22 +187,15 @@ class RankWatcher:
         return sorted(exits, key=lambda rank_exit: rank_exit.time_unix_s)
 
     def launcher_exit(self, returncode: int, now_unix_s: float) -> list[RankExit]:
-        """For a non-torchrun command, its exit is its single rank's exit."""
-        if self._torchrun:
+        """A wrapper under which no rank was ever found was the node's single rank:
+        its exit is that rank's exit."""
+        if not self._wrapper or self._ranks:
             return []
-        exits = []
-        for key, rank in self._ranks.items():
-            if key not in self._reported:
-                self._reported.add(key)
-                exits.append(
-                    RankExit(
-                        rank,
-                        returncode if returncode >= 0 else None,
-                        -returncode if returncode < 0 else None,
-                        now_unix_s,
-                    )
-                )
-        return exits
+        rank = RankProcess(self._node_rank, 0, self._launcher_pid)
+        self._ranks[rank.global_rank] = rank
+        self._reported.add(rank.global_rank)
+        code, signum = (returncode, None) if returncode >= 0 else (None, -returncode)
+        return [RankExit(rank, code, signum, now_unix_s)]
 
     def _rank_of_shim(self, process: psutil.Process) -> RankProcess | None:
         try:
@@ -185,6 +213,8 @@ class RankWatcher:
             local_rank=int(environ.get("LOCAL_RANK", "0")),
             pid=children[0].pid,
             shim_pid=process.pid,
+            world_size=_int_or_none(environ.get("WORLD_SIZE")),
+            local_world_size=_int_or_none(environ.get("LOCAL_WORLD_SIZE")),
         )
 
     def _read_record(self, global_rank: int) -> dict[str, Any] | None:
@@ -197,3 +227,38 @@ class RankWatcher:
             log.warning("unreadable exit record %s: %s", path, error)
             return None
         return record
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _bare_workers(descendants: list[psutil.Process]) -> list[RankProcess | None]:
+    """torchrun workers with no rank shim above them (a torchrun the agent could not
+    fit): the topmost processes with torchrun's worker environment that are not shims
+    or a shim's worker (a worker's own children, data loaders, inherit it too)."""
+    environs: dict[int, dict[str, str]] = {}
+    parents: dict[int, int] = {}
+    shims: set[int] = set()
+    for process in descendants:
+        try:
+            environ = process.environ()
+            if "TORCHELASTIC_RUN_ID" not in environ or "RANK" not in environ:
+                continue
+            environs[process.pid] = environ
+            parents[process.pid] = process.ppid()
+            if "agent.rankexec" in process.cmdline():
+                shims.add(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return [
+        RankProcess(
+            global_rank=int(environ["RANK"]),
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            pid=pid,
+            world_size=_int_or_none(environ.get("WORLD_SIZE")),
+            local_world_size=_int_or_none(environ.get("LOCAL_WORLD_SIZE")),
+        )
+        for pid, environ in environs.items()
+        if pid not in shims and parents[pid] not in environs and environ["RANK"].isdigit()
+    ]

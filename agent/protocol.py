@@ -117,6 +117,9 @@ class EventKind(enum.Enum):
     STEP_LOSSES = "step_losses"  # per-step loss and data cursor, for resume verification
     # The time limit is near: the agent asks its ranks for a final checkpoint, then stops them.
     TIME_LIMIT_NEAR = "time_limit_near"
+    # A rank's torchrun world is not the job's (nodes x ranks per node): a launch
+    # inside a wrapper kept its own --nnodes or --standalone.
+    WORLD_MISMATCH = "world_mismatch"
 
 
 class HangDetector(enum.Enum):
@@ -1173,6 +1176,13 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("save_by_unix_s", _float),
         _Spec("attempt", _int),
         _Spec("final_checkpoint_requested", _bool, required=False),
+    ),
+    EventKind.WORLD_MISMATCH: (
+        _Spec("global_rank", _int),
+        _Spec("pid", lambda d, k, w: _int(d, k, w, minimum=1)),
+        _Spec("world_size", lambda d, k, w: _int(d, k, w, minimum=1)),
+        _Spec("local_world_size", lambda d, k, w: _int(d, k, w, minimum=1)),
+        _Spec("nnodes", lambda d, k, w: _int(d, k, w, minimum=1)),
     ),
     EventKind.STEP_LOSSES: (
         _Spec("global_rank", _int),

@@ -8,6 +8,10 @@ signal, pid, time) into ``RESURGO_EXIT_DIR`` the moment the worker ends. Then
 it ends exactly as the worker did (same code, or the same signal), so torchrun
 sees what it would have seen without it.
 
+In a per-rank launch (``srun python train.py`` given to ``resurgo submit``,
+:mod:`agent.launch`), the worker also gets the Slurm task variables of its
+rank (``SLURM_PROCID`` = ``RANK``, ...), as srun would have set them.
+
 Signals torchrun or Slurm send to the worker (SIGTERM, SIGINT, ...) are
 forwarded. TARGET is a script run with this interpreter, ``--module NAME``, or
 ``--no-python EXECUTABLE``.
@@ -23,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from agent.launch import ENV_SLURM_TASKS, slurm_task_env
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
@@ -57,7 +63,10 @@ def record_exit(exit_dir: Path, rank: str, local_rank: str, pid: int, returncode
 
 def main(args: list[str]) -> None:
     argv = child_argv(args)
-    child = subprocess.Popen(argv)
+    env = dict(os.environ)
+    if env.get(ENV_SLURM_TASKS):
+        env.update(slurm_task_env(env))
+    child = subprocess.Popen(argv, env=env)
 
     def forward(signum: int, _frame: object) -> None:
         # The worker decides what a SIGTERM means (e.g. a last checkpoint).

@@ -904,6 +904,7 @@ _REPLAYED_KINDS = (
     EventKind.CHECKPOINT_COMMITTED,
     EventKind.LAUNCHER_EXITED,
     EventKind.AGENT_STOPPED,
+    EventKind.WORLD_MISMATCH,
 )
 
 

@@ -542,6 +542,7 @@ _DECIDED_KINDS = frozenset(
         EventKind.LAUNCHER_EXITED,  # closes an exit window early
         EventKind.AGENT_STOPPED,
         EventKind.TIME_LIMIT_NEAR,  # the ranks stop for the time limit: no fault
+        EventKind.WORLD_MISMATCH,  # the ranks train a world that is not the job's
     }
 )
 

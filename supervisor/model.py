@@ -133,6 +133,9 @@ class Cause(enum.Enum):
     BELOW_MIN_NODES = "below_min_nodes"  # fewer usable nodes than the job's minimum
     SLURM_ENDED = "slurm_ended"  # Slurm reports the job ended (completed, failed)
     OPERATOR = "operator"  # cancelled by a person
+    # The ranks formed a world that is not the job's (a wrapper's torchrun kept
+    # its own --nnodes or --standalone): every node trains alone; stopped at once.
+    WORLD_MISMATCH = "world_mismatch"
     # A planned restart, no fault: the job ran below its original size, idle
     # nodes now allow a larger one, and a checkpoint was just committed.
     GROW = "grow"

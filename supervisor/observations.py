@@ -208,6 +208,13 @@ def from_event(event: Event) -> AgentEvent:
     detail = ""
     if event.kind is EventKind.HEALTH_CHECK_FAILED:
         detail = str(payload.get("output_tail", ""))[-500:]
+    elif event.kind is EventKind.WORLD_MISMATCH:
+        nnodes, local = payload.get("nnodes"), payload.get("local_world_size")
+        detail = (
+            f"rank {payload.get('global_rank')} on {event.node} is in a world of "
+            f"{payload.get('world_size')} ranks; the job's is {nnodes} nodes x {local} = "
+            f"{nnodes * local if isinstance(nnodes, int) and isinstance(local, int) else '?'}"
+        )
     elif event.kind is EventKind.STRAGGLER:
         detail = (
             f"rank {payload.get('global_rank')} p50 {payload.get('step_time_p50_s')}s vs "

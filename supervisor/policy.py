@@ -267,6 +267,15 @@ def _on_agent_event(
         return _on_commit(record, event, now_s, policy, cluster)
     if kind is EventKind.TIME_LIMIT_NEAR:
         return planned_stop.on_notice(record, event.time_left_s, False, now_s, policy, cluster)
+    if kind is EventKind.WORLD_MISMATCH:
+        # Each node training alone writes over the others' checkpoints: no restart
+        # fixes the command, and a run that "completes" this way is not the job.
+        reason = (
+            f"{event.detail}: the launch command set its own node count (torchrun "
+            "--standalone or --nnodes inside a wrapper script?). Give torchrun to resurgo "
+            "submit directly, or drop those options from the wrapper"
+        )
+        return recovery.stop(record, now_s, JobState.FAILED, Cause.WORLD_MISMATCH, reason)
     if record.time_limit_end_s is not None and kind in (EventKind.RANK_EXITED, EventKind.HANG):
         return planned_stop.during_stop(record, f"{kind.value} on {event.node}")
     if kind is EventKind.RANK_EXITED:

@@ -40,6 +40,9 @@ class SbatchRequest:
     sets_tasks: bool
     sets_signal: bool
     sets_open_mode: bool = False
+    # Tasks per node asked for (``--ntasks-per-node``, or ``--ntasks`` over the
+    # nodes): the ranks per node of a per-rank command (srun-style, python train.py).
+    tasks_per_node: int | None = None
     # ``--time``/``-t`` in seconds (None: the partition's limit); the lead of the
     # user's own ``--signal=...@N``, which then times the planned stop.
     time_limit_s: float | None = None
@@ -101,6 +104,8 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
     sets_nodes = sets_tasks = sets_signal = sets_open_mode = False
     time_limit_s: float | None = None
     signal_lead_s: float | None = None
+    per_node: str | None = None
+    total: str | None = None
     for name, value in [*_options(directives), *_options(options)]:
         if name in ("-a", "--array"):
             raise ConfigError(
@@ -114,6 +119,10 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
             job_name = value
         elif name in ("-n", "--ntasks", "--ntasks-per-node"):
             sets_tasks = True
+            if name == "--ntasks-per-node":
+                per_node = value
+            else:
+                total = value
         elif name == "--signal":
             sets_signal = True
             lead = (value or "").rpartition("@")[2]
@@ -124,6 +133,7 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
             sets_open_mode = True
     maximum, minimum = nodes
     return SbatchRequest(
+        tasks_per_node=_tasks_per_node(per_node, total, maximum),
         options=tuple(options),
         directives=tuple(directives),
         nodes=maximum,
@@ -136,6 +146,19 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
         time_limit_s=time_limit_s,
         signal_lead_s=signal_lead_s,
     )
+
+
+def _tasks_per_node(per_node: str | None, total: str | None, nodes: int) -> int | None:
+    if per_node is not None:
+        return int(per_node) if per_node.isdigit() and int(per_node) > 0 else None
+    if total is not None and total.isdigit() and int(total) > 0:
+        if int(total) % nodes:
+            raise ConfigError(
+                f"--ntasks={total} does not split evenly over {nodes} nodes: give "
+                "--ntasks-per-node, so that a smaller relaunch keeps the same ranks per node"
+            )
+        return int(total) // nodes
+    return None
 
 
 def _node_range(value: str | None) -> tuple[int, int | None]:

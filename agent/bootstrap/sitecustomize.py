@@ -1,6 +1,8 @@
 """Imported by Python at the start of every rank the node agent launches (this
-directory comes first on the ranks' ``PYTHONPATH``): arms Resurgo's automatic
-progress (:mod:`agent.train.autohooks`), then runs the ``sitecustomize`` that
+directory comes first on the ranks' ``PYTHONPATH``): fits a torchrun started
+below a wrapper script to the job (:mod:`agent.torchrunshim`; the process is
+replaced), arms Resurgo's automatic progress (:mod:`agent.train.autohooks`),
+then runs the ``sitecustomize`` that
 this one shadows, if there is one, so that a distribution's or the user's
 still runs. Never raises: a rank must start whatever happens here.
 """
@@ -12,6 +14,14 @@ import sys
 
 
 def _arm() -> None:
+    try:
+        from agent.torchrunshim import refit_if_torchrun
+
+        refit_if_torchrun()
+    except SystemExit:
+        raise  # torchrun arguments that cannot be fitted: said, and the launch fails
+    except Exception:  # never stop a rank from starting
+        pass
     try:
         from agent.train.autohooks import install
 

@@ -29,11 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ConfigError
+from agent.launch import Shape, launch_shape, split_srun, srun_tasks_per_node
+from agent.launch import refusal as launch_refusal
 from supervisor.cli.common import ENV_JOBS_DIR, add_state_dir, jobs_dir
 from supervisor.config import DEFAULT_PORT
 from supervisor.jobs import JobSpec, SubmitError, batch_script, sbatch_options, submit
 from supervisor.registration import Health, Registration, health, refusal, wait_registered
-from supervisor.sbatch import directives_of, parse_request, procs_per_node, training_script
+from supervisor.sbatch import (
+    SbatchRequest,
+    directives_of,
+    parse_request,
+    procs_per_node,
+    training_script,
+)
 from supervisor.slurm import SlurmClient
 
 USAGE = "resurgo submit [resurgo options] [sbatch options...] -- COMMAND..."
@@ -118,6 +126,9 @@ def spec_from(args: argparse.Namespace, sbatch_args: list[str], command: list[st
     request = parse_request(sbatch_args, directives)
     if not command:
         raise ConfigError(f"no training command after --: {USAGE}")
+    problem = launch_refusal(command, request.nodes)
+    if problem is not None:
+        raise ConfigError(problem)
     script = training_script(command)
     if script is not None and not Path(script).exists():
         raise ConfigError(
@@ -136,11 +147,22 @@ def spec_from(args: argparse.Namespace, sbatch_args: list[str], command: list[st
         ckpt_root=os.path.abspath(args.ckpt_root),
         min_nodes=args.min_nodes if args.min_nodes is not None else request.min_nodes,
         unit=args.unit,
-        procs_per_node=args.procs_per_node or procs_per_node(command) or 1,
+        procs_per_node=args.procs_per_node or ranks_per_node(command, request),
         supervisor_url=args.supervisor.rstrip("/"),
         sbatch_options=tuple(sbatch_args),
         directives=directives,
     )
+
+
+def ranks_per_node(command: Sequence[str], request: SbatchRequest) -> int:
+    """torchrun's ``--nproc-per-node``; for a per-rank command srun's task counts, else
+    the job's (``--ntasks-per-node``); else 1."""
+    if launch_shape(command) is Shape.PER_RANK:
+        from_srun = None
+        if Path(command[0]).name == "srun":
+            from_srun = srun_tasks_per_node(split_srun(command)[0], request.nodes)
+        return from_srun or request.tasks_per_node or 1
+    return procs_per_node(command) or 1
 
 
 def main(argv: Sequence[str]) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -113,3 +114,120 @@ def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
     assert newest["path"] == str(tmp_path / "out" / "ckpt.pt"), newest
     shown = supervisor.resurgo("status", str(job_id))
     assert f"ckpt.pt (step {ITERS}," in shown.stdout, shown.stdout
+
+
+def victim_of(output: Path, what: str) -> str:
+    """The node named in the script's own fault line (``rank R <what> ... on nodeK``)."""
+    found = re.findall(rf"rank \d+ {what} .* on (node\d) ", output.read_text(errors="replace"))
+    assert found, output.read_text(errors="replace")[-3000:]
+    return str(found[0])
+
+
+def ended(slurm_cluster: LiveCluster, job_id: int, output: Path) -> tuple[dict, str]:  # type: ignore[type-arg]
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
+    return job, output.read_text(errors="replace")
+
+
+def test_a_wrapper_scripts_torchrun_gets_the_jobs_world_and_a_killed_rank_is_recovered(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """`bash run.sh` ending in `exec torchrun --standalone ...`: Resurgo's torchrun on
+    the wrapper's PATH fits it to the job (4 nodes, one world), and a SIGKILLed rank's
+    node is drained as for a torchrun given directly."""
+    wrapper = tmp_path / "run.sh"
+    wrapper.write_text(
+        '#!/bin/bash\nset -euo pipefail\necho "wrapper on $(hostname) for $SLURMD_NODENAME"\n'
+        f'exec torchrun --standalone --nnodes=1 --nproc-per-node=1 {PLAIN} "$@"\n'
+    )
+    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    out_dir.mkdir()
+    done = supervisor.resurgo(
+        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--parsable",
+        "--ckpt-root", str(out_dir), "--", "bash", str(wrapper), "--out-dir", str(out_dir),
+        "--max-iters", str(ITERS), "--kill-at", "15", "--fault-rank", "2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = int(done.stdout.strip())
+    job, text = ended(slurm_cluster, job_id, output)
+    assert job["job_state"] == "COMPLETED", text[-3000:]
+    victim = victim_of(output, "killing itself")
+    assert drained(supervisor, job_id) == [(victim, "rank_signal")], text[-3000:]
+    assert "with world 4" not in text.split("resuming")[0]  # no world ever completed alone
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
+    assert f"done at iter {ITERS} with world 3" in text, text[-3000:]
+    assert len(attempts(supervisor, job_id)) == 2
+
+
+def test_an_srun_style_script_runs_one_process_per_rank_and_an_exception_is_retried_once(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """`srun python train.py` with the process group from SLURM_PROCID/SLURM_NTASKS: the
+    agents start the ranks themselves (a nested srun would wait for nodes its own step
+    holds). A Python exception is retried once, on the same nodes, with no drain."""
+    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    out_dir.mkdir()
+    done = supervisor.resurgo(
+        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--parsable",
+        "--ckpt-root", str(out_dir), "--", "srun", "-u", "--ntasks-per-node=1",
+        sys.executable, str(PLAIN), "--init", "slurm", "--out-dir", str(out_dir),
+        "--max-iters", str(ITERS), "--raise-at", "15", "--fault-rank", "1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = int(done.stdout.strip())
+    job, text = ended(slurm_cluster, job_id, output)
+    assert job["job_state"] == "COMPLETED", text[-3000:]
+    assert "RuntimeError: rank 1 fails in iter 15" in text, text[-3000:]
+    assert drained(supervisor, job_id) == []
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
+    assert f"done at iter {ITERS} with world 4" in text, text[-3000:]
+    tries = attempts(supervisor, job_id)
+    assert len(tries) == 2 and tries[0].nodes == tries[1].nodes, tries
+
+
+def test_a_wrapper_whose_torchrun_keeps_its_own_world_is_stopped_at_once(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """A launcher script that runs torchrun in its own process (torch's elastic API, as
+    some frameworks do) with `--standalone --nnodes=1` keeps world 1 on every node:
+    four trainings writing one checkpoint. Resurgo says so at once and never calls
+    the job complete."""
+    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    out_dir.mkdir()
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(
+        "from torch.distributed.run import main\n"
+        f"main(['--standalone', '--nnodes=1', '--nproc-per-node=1', {str(PLAIN)!r},\n"
+        f"      '--out-dir', {str(out_dir)!r}, '--max-iters', '400'])\n"
+    )
+    wrapper = tmp_path / "run.sh"
+    wrapper.write_text(f"#!/bin/bash\nexec {sys.executable} {launcher}\n")
+    done = supervisor.resurgo(
+        "submit", "-N", "4", f"--output={output}", "--parsable", "--ckpt-root", str(out_dir),
+        "--", "bash", str(wrapper),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = int(done.stdout.strip())
+    job, text = ended(slurm_cluster, job_id, output)
+    assert job["job_state"] != "COMPLETED", text[-3000:]
+    shown = status(supervisor, job_id)
+    assert shown["state"] == "failed", shown
+    reason = shown["final_reason"]
+    assert "is in a world of 1 ranks; the job's is 4 nodes x 1 = 4" in reason, reason
+    assert "done at iter 400" not in text
+
+
+def test_a_rank_stopped_before_an_all_reduce_is_blamed_and_the_script_resumes_itself(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """SIGSTOP of one rank of the plain script while its peers wait in the loss's
+    all_reduce: a hang whose culprit is the stopped rank's node."""
+    job_id, output = submit_plain(
+        supervisor, tmp_path, "--iter-s", "0.3", "--reduce-loss", "--stop-at", "15",
+        "--fault-rank", "2",
+    )  # fmt: skip
+    job, text = ended(slurm_cluster, job_id, output)
+    assert job["job_state"] == "COMPLETED", text[-3000:]
+    victim = victim_of(output, "stopping")
+    assert drained(supervisor, job_id) == [(victim, "hang")], text[-3000:]
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
+    assert f"done at iter {ITERS} with world 3" in text, text[-3000:]

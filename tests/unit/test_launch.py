@@ -6,18 +6,37 @@ import pytest
 from torch.distributed.run import get_args_parser
 
 from agent.errors import ConfigError
-from agent.launch import Allocation, LaunchSettings, is_torchrun, plan_launch
+from agent.launch import (
+    ENV_ALLOCATION,
+    Allocation,
+    LaunchSettings,
+    Shape,
+    allocation_from_env,
+    is_torchrun,
+    launch_shape,
+    plan_launch,
+    refusal,
+    slurm_task_env,
+    torchrun_shim,
+)
 
 ALLOC = Allocation(
     job_id="42", node="node2", nnodes=3, node_rank=1, master_addr="10.0.0.1",
     master_port=29811, restart_count=2, launch_nonce="a1",
 )  # fmt: skip
-SETTINGS = LaunchSettings(agent_socket="/run/a.sock", exit_dir="/run/exits", resume_from="/c/s-20")
+SETTINGS = LaunchSettings(
+    agent_socket="/run/a.sock", exit_dir="/run/exits", resume_from="/c/s-20",
+    procs_per_node=2, shim_dir="/run/bin",
+)  # fmt: skip
 PY = "/venv/bin/python"
+FITTED = (
+    "--nnodes=3", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29811",
+    "--rdzv-id=resurgo-42-2-a1", "--max-restarts=0", "--no-python", PY, "-m", "agent.rankexec",
+)  # fmt: skip
 
 
 def plan(command: list[str]):  # type: ignore[no-untyped-def]
-    return plan_launch(command, ALLOC, SETTINGS, {"PATH": "/bin"}, PY, get_args_parser())
+    return plan_launch(command, ALLOC, SETTINGS, {"PATH": "/bin:/usr/bin"}, PY, get_args_parser())
 
 
 def test_torchrun_gets_the_current_node_count_and_a_fresh_rendezvous() -> None:
@@ -61,14 +80,108 @@ def test_environment_tells_the_in_rank_library_where_things_are() -> None:
     assert env["RESURGO_AGENT_SOCKET"] == "/run/a.sock"
     assert env["RESURGO_RESUME_FROM"] == "/c/s-20"
     assert env["RESURGO_RESTART_COUNT"] == "2"
-    assert env["PATH"] == "/bin"
+    assert env["PATH"] == "/bin:/usr/bin"
     assert "RESURGO_CKPT_ROOT" not in env
 
 
-def test_any_other_command_runs_unchanged_as_one_rank() -> None:
-    result = plan(["bash", "-c", "python train.py"])
-    assert result.argv == ("bash", "-c", "python train.py")
-    assert not result.is_torchrun and result.local_ranks == 1
+def test_a_wrapper_runs_unchanged_and_any_torchrun_below_it_gets_the_jobs_world() -> None:
+    result = plan(["bash", "run.sh", "--fast"])
+    assert result.argv == ("bash", "run.sh", "--fast")
+    assert result.shape is Shape.WRAPPER and not result.is_torchrun
+    assert result.local_ranks is None  # learnt from the ranks' LOCAL_WORLD_SIZE
+    # `torchrun` on its PATH is Resurgo's; python -m torch.distributed.run reads PET_*.
+    assert result.env["PATH"] == "/run/bin:/bin:/usr/bin"
+    assert {key: value for key, value in result.env.items() if key.startswith("PET_")} == {
+        "PET_NNODES": "3",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": "10.0.0.1:29811",
+        "PET_RDZV_ID": "resurgo-42-2-a1",
+        "PET_MAX_RESTARTS": "0",
+    }
+    assert allocation_from_env(result.env) == ALLOC
+    assert "RESURGO_SLURM_TASKS" not in result.env
+
+
+def test_resurgos_torchrun_runs_the_shim_module_with_the_agents_python() -> None:
+    assert torchrun_shim("/opt/my venv/bin/python") == (
+        "#!/bin/sh\nexec '/opt/my venv/bin/python' -m agent.torchrunshim \"$@\"\n"
+    )
+
+
+def test_an_allocation_missing_from_the_environment_says_where_resurgos_torchrun_runs() -> None:
+    with pytest.raises(ConfigError, match="only below a node agent"):
+        allocation_from_env({})
+    with pytest.raises(ConfigError, match="unreadable"):
+        allocation_from_env({ENV_ALLOCATION: '{"job_id": 1}'})
+
+
+def test_srun_style_starts_one_process_per_rank_through_the_fitted_torchrun() -> None:
+    result = plan(["srun", "-u", "--ntasks-per-node", "4", "--mpi=none", "python", "-u", "t.py"])
+    assert result.shape is Shape.PER_RANK and result.is_torchrun and result.local_ranks == 4
+    assert result.argv == (
+        PY, "-m", "torch.distributed.run", "--nproc-per-node=4", *FITTED,
+        "--no-python", "python", "-u", "t.py",
+    )  # fmt: skip
+    assert result.env["RESURGO_SLURM_TASKS"] == "1"
+
+
+def test_srun_ntasks_is_split_over_the_nodes_and_the_jobs_count_is_the_default() -> None:
+    assert plan(["srun", "-n6", "python", "t.py"]).local_ranks == 2  # 6 over 3 nodes
+    assert plan(["srun", "python", "t.py"]).local_ranks == 2  # SETTINGS.procs_per_node
+    with pytest.raises(ConfigError, match="does not split evenly"):
+        plan(["srun", "--ntasks=4", "python", "t.py"])
+
+
+def test_a_plain_python_script_runs_its_ranks_per_node_like_srun_would() -> None:
+    result = plan(["python3", "train.py", "--lr", "3"])
+    assert result.shape is Shape.PER_RANK and result.local_ranks == 2
+    assert result.argv[-6:] == ("agent.rankexec", "--no-python", "python3", "train.py", "--lr", "3")
+    assert launch_shape(["./train.py"]) is Shape.PER_RANK
+    assert launch_shape(["python", "-c", "import x"]) is Shape.WRAPPER
+    assert launch_shape(["make", "train"]) is Shape.WRAPPER
+
+
+def test_each_rank_of_a_per_rank_launch_gets_the_slurm_task_variables_of_its_rank() -> None:
+    torchrun_env = {"RANK": "5", "LOCAL_RANK": "1", "GROUP_RANK": "2", "WORLD_SIZE": "6",
+                    "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "3"}  # fmt: skip
+    assert slurm_task_env(torchrun_env) == {
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "2",
+        "SLURM_NTASKS": "6",
+        "SLURM_NPROCS": "6",
+        "SLURM_STEP_NUM_TASKS": "6",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_TASKS_PER_NODE": "2(x3)",
+    }
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["mpirun", "-np", "8", "python", "t.py"], "mpirun is an MPI launcher"),
+        (["/usr/bin/deepspeed", "t.py"], "DeepSpeed's launcher"),
+        (["srun", "--cpu-bind=cores", "python", "t.py"], "srun option '--cpu-bind=cores'"),
+        (["srun", "-w", "node1", "python", "t.py"], "srun option '-w'"),
+        (["srun", "-u"], "srun with no command"),
+        (["srun", "-n", "5", "python", "t.py"], "does not split evenly over 2 nodes"),
+        ([], "no command"),
+    ],
+)
+def test_commands_resurgo_cannot_supervise_are_refused_with_what_to_do(
+    command: list[str], message: str
+) -> None:
+    found = refusal(command, nnodes=2)
+    assert found is not None and message in found
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["torchrun", "t.py"], ["bash", "run.sh"], ["srun", "-n", "4", "python", "t.py"],
+     ["python", "t.py"]],
+)  # fmt: skip
+def test_every_supported_shape_is_accepted(command: list[str]) -> None:
+    assert refusal(command, nnodes=2) is None
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,10 @@
 """A DDP training script written the way the popular public examples are, importing
 nothing from Resurgo: the supervised-as-is case.
 
-Started by torchrun (gloo, CPU). It keeps its own checkpoint, ``OUT_DIR/ckpt.pt``
+Started by torchrun (gloo, CPU), or srun-style with ``--init slurm``: one process
+per rank, the process group built from ``SLURM_PROCID``/``SLURM_NTASKS`` and
+``MASTER_ADDR``/``MASTER_PORT``, the way Lightning's and Megatron's Slurm launches
+read them. It keeps its own checkpoint, ``OUT_DIR/ckpt.pt``
 (model, optimizer, ``iter_num``), written by rank 0 with ``torch.save`` every
 ``--eval-interval`` iterations and loaded on start when present, and prints
 ``iter N: loss X`` lines. Faults for the tests, on one rank at one iteration
@@ -13,13 +16,18 @@ Started by torchrun (gloo, CPU). It keeps its own checkpoint, ``OUT_DIR/ckpt.pt`
 - ``--eval-pause-s S``: at the first evaluation every rank spends S seconds in
   eval mode, the way a long validation pass does (no optimizer step meanwhile);
 - ``--save-pause-s S``: rank 0's first checkpoint write takes S seconds longer,
-  while its peers wait in a barrier.
+  while its peers wait in a barrier;
+- ``--kill-at N`` / ``--raise-at N`` / ``--stop-at N`` with ``--fault-rank R``:
+  rank R SIGKILLs itself, raises a RuntimeError, or SIGSTOPs itself in iteration
+  N; ``--stop-at`` stops it just before the iteration's ``all_reduce`` of the loss
+  (``--reduce-loss``, for logging, as public examples do), where its peers wait.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -50,9 +58,23 @@ def main() -> None:
     parser.add_argument("--sleep-s", type=float, default=0.0)
     parser.add_argument("--eval-pause-s", type=float, default=0.0)
     parser.add_argument("--save-pause-s", type=float, default=0.0)
+    parser.add_argument("--init", choices=("torchrun", "slurm"), default="torchrun")
+    parser.add_argument("--reduce-loss", action="store_true")
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--raise-at", type=int, default=-1)
+    parser.add_argument("--stop-at", type=int, default=-1)
+    parser.add_argument("--fault-rank", type=int, default=-1)
     args = parser.parse_args()
 
-    dist.init_process_group(backend="gloo")
+    if args.init == "slurm":
+        dist.init_process_group(
+            backend="gloo",
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=int(os.environ["SLURM_PROCID"]),
+            world_size=int(os.environ["SLURM_NTASKS"]),
+        )
+    else:
+        dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     master = rank == 0
     torch.manual_seed(1337)
@@ -87,10 +109,27 @@ def main() -> None:
                 flush=True,
             )
             time.sleep(args.sleep_s)
+        faulty = first_launch and rank == args.fault_rank
+        if faulty and iter_num == args.kill_at:
+            node = os.environ.get("SLURMD_NODENAME", "this node")
+            print(f"rank {rank} killing itself in iter {iter_num} on {node} ({time.time():.3f})",
+                  flush=True)  # fmt: skip
+            os.kill(os.getpid(), signal.SIGKILL)
+        if faulty and iter_num == args.raise_at:
+            raise RuntimeError(f"rank {rank} fails in iter {iter_num}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         time.sleep(args.iter_s)
+        if args.reduce_loss:
+            if faulty and iter_num == args.stop_at:
+                node = os.environ.get("SLURMD_NODENAME", "this node")
+                print(f"rank {rank} stopping in iter {iter_num} on {node} ({time.time():.3f})",
+                      flush=True)  # fmt: skip
+                os.kill(os.getpid(), signal.SIGSTOP)
+            reduced = loss.detach().clone()
+            dist.all_reduce(reduced)
+            loss = reduced / world
         iter_num += 1
         if master:
             print(f"iter {iter_num}: loss {loss.item():.4f} ({time.time():.3f})", flush=True)
