@@ -28,7 +28,8 @@ from supervisor.observations import RelaunchFinished
 from supervisor.policy import Policy
 from supervisor.store import Actor
 from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
-from tests.unit.test_executor import JOB, NODES, FakeSlurm, node
+from tests.unit.test_executor import JOB, NODES, FakeSlurm
+from tests.unit.test_executor import node as slurm_node
 
 NOW = 1_760_000_000.0
 
@@ -130,7 +131,7 @@ def test_what_the_policy_permits_is_logged_at_start_and_again_when_the_cluster_s
             "are reported, never drained; a job stops after 3 restarts without progress; a "
             "node blamed 2 times within 7 d stays out"
         ]
-        slurm.nodes_by_name.update({f"node{i}": node(f"node{i}") for i in range(5, 21)})
+        slurm.nodes_by_name.update({f"node{i}": slurm_node(f"node{i}") for i in range(5, 21)})
         await supervisor.poll()
         assert len(said()) == 2
         assert said()[1].startswith("policy on 20 nodes: up to 2 drains per hour")
