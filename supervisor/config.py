@@ -16,7 +16,7 @@ Example ``/etc/resurgo/supervisor.toml``::
     url = "http://head01:8740"
 
     [policy]
-    max_drain_share_per_hour = 0.05
+    max_drain_share_per_hour = 0.2
     validation_level = "full"
 """
 
