@@ -30,7 +30,46 @@ ENV_PREFIX = "RESURGO_AGENT_"
 
 @dataclass(frozen=True)
 class AgentConfig:
-    """Everything ``resurgo-agent`` needs; see the module docstring for the sources."""
+    """Everything ``resurgo-agent`` needs; see the module docstring for the sources.
+
+    - ``job_id``: the Slurm job this agent serves (from SLURM_JOB_ID under srun).
+    - ``node``: this node's name (from SLURMD_NODENAME, else the host name).
+    - ``nnodes`` / ``node_rank``: the step's node count and this node's place in it
+      (SLURM_STEP_NUM_NODES, SLURM_NODEID).
+    - ``master_addr`` / ``master_port``: where the launch's rendezvous store listens.
+    - ``restart_count``: Slurm's requeue count of the job (SLURM_RESTART_COUNT).
+    - ``launch_nonce``: tells this launch's agents from an earlier one's on the same node.
+    - ``attempt``: the supervisor's attempt number this launch belongs to (0: the first,
+      unnumbered).
+    - ``run_dir``: the agent's private directory for its sockets and spool (empty: one
+      under /tmp named for the job, node and launch).
+    - ``supervisor_url``: where to report (empty: no supervisor; events go to
+      ``events_log`` alone).
+    - ``secret_file``: the job's signing secret, needed with ``supervisor_url`` (0600).
+    - ``events_log``: also append every event to this file as JSON lines (empty: no file).
+    - ``resume_from``: the checkpoint the ranks resume from (empty: a fresh start).
+    - ``ckpt_root``: where the job's checkpoints are written.
+    - ``ckpt_interval_s``: the checkpoint interval handed to the ranks (0: theirs).
+    - ``heartbeat_report_s``: how often a heartbeat summary goes to the supervisor.
+    - ``watch_interval_s``: how often the ranks' processes are checked for an exit.
+    - ``hang_check_s``: how often the ranks' heartbeats are checked for a hang.
+    - ``hang_floor_s``: the shortest training-step timeout, whatever the step times say.
+    - ``hang_k``: the training-step timeout is this factor x the p99 of recent step times
+      (at least ``hang_floor_s``).
+    - ``init_grace_s`` / ``checkpoint_grace_s`` / ``eval_grace_s``: the timeout while a
+      rank starts, saves a checkpoint or evaluates.
+    - ``stack_sample_s``: how often the ranks' stacks are sampled while they send no beats.
+    - ``stack_timeout_s``: how long an unchanged stack inside a collective is tolerated.
+    - ``health_check``: a command run on the node every ``health_check_interval_s``; a
+      non-zero exit reports the node unhealthy (empty: none).
+    - ``health_check_interval_s`` / ``health_check_timeout_s``: how often the health check
+      runs, and how long it may take.
+    - ``stop_grace_s``: SIGTERM to SIGKILL when the ranks are stopped.
+    - ``drain_timeout_s``: how long an agent whose launch failed keeps delivering its
+      unsent reports before it exits (they stay spooled).
+    - ``time_limit_file``: the in-job driver's time-limit notice (empty: none).
+    - ``time_limit_poll_s``: how often that notice is looked for.
+    """
 
     job_id: str = ""
     node: str = ""
@@ -64,13 +103,10 @@ class AgentConfig:
     health_check_interval_s: float = 300.0
     health_check_timeout_s: float = 60.0
     stop_grace_s: float = 30.0
-    # How long an agent whose launch failed keeps delivering its unsent
-    # reports before it exits (they stay spooled after that). Long, because
-    # the supervisor may be restarting: a rank exit lost with the agent turns
-    # one node's fault into a silent job. Delivered at once when it is up; a
-    # clean end waits at most agent.node.CLEAN_DRAIN_S.
+    # Long, because the supervisor may be restarting: a rank exit lost with
+    # the agent turns one node's fault into a silent job. Delivered at once
+    # when it is up; a clean end waits at most agent.node.CLEAN_DRAIN_S.
     drain_timeout_s: float = 1800.0
-    # The driver's time-limit notice (agent.timelimit), polled this often.
     time_limit_file: str = ""
     time_limit_poll_s: float = 1.0
 
@@ -138,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
             "torchrun --nproc-per-node=8 train.py ..."
         ),
     )
-    parser.add_argument("--config", type=Path, help="TOML file with agent settings")
+    parser.add_argument("--config", type=Path, help="TOML file with agent settings (default: none)")
     add_flags(parser, AgentConfig)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import inspect
 import math
+import re
 import reprlib
 import tomllib
 from collections.abc import Mapping
@@ -77,16 +79,66 @@ def _show(value: Any) -> str:
     return text if len(text) <= 200 else f"{text[:200]}..."
 
 
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's sentence from the bullets of ``cls``'s docstring, as plain text.
+
+    A bullet is ``- ``name``: text`` (or ``- ``a`` / ``b``: text`` for fields
+    described together), continued by indented lines: the docstring is the one
+    place a setting is described, and ``--help`` shows it.
+    """
+    found: dict[str, str] = {}
+    names: list[str] = []
+    text: list[str] = []
+
+    def flush() -> None:
+        sentence = " ".join(" ".join(text).replace("``", "").split())
+        for name in names:
+            found[name] = sentence
+
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        bullet = _BULLET.match(line)
+        if bullet:
+            flush()
+            names = re.findall(r"``(\w+)``", bullet.group(1))
+            text = [bullet.group(2)]
+        elif names and line.startswith("  ") and line.strip():
+            text.append(line)
+        else:
+            flush()
+            names, text = [], []
+    flush()
+    return found
+
+
+_BULLET = re.compile(r"^- ((?:``\w+``(?: ?/ ?)?)+): (.*)$")
+
+
+def show_default(value: Any) -> str:
+    """A default as it would be written in TOML or on the command line."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}" if abs(value) < 1e6 else f"{value:.0f}"
+    return '""' if value == "" else str(value)
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type, flag_prefix: str = "") -> None:
-    """Add ``--<flag_prefix><field>`` for every field of dataclass ``cls`` (default None)."""
+    """Add ``--<flag_prefix><field>`` for every field of dataclass ``cls`` (default None),
+    each with its sentence from ``cls``'s docstring (:func:`field_help`) and its default."""
+    described = field_help(cls)
     for field in dataclasses.fields(cls):
         default = field.default
+        sentence = described.get(field.name, "")
         parser.add_argument(
             f"--{flag_prefix}{field.name.replace('_', '-')}",
             dest=f"{flag_prefix.replace('-', '_')}{field.name}",
             default=None,
             metavar=type(default).__name__.upper() if not isinstance(default, enum.Enum) else None,
             choices=[m.value for m in type(default)] if isinstance(default, enum.Enum) else None,
+            # argparse %-formats help: a literal % must be doubled.
+            help=f"{sentence} (default: {show_default(default)})".strip().replace("%", "%%"),
         )
 
 

@@ -16,7 +16,7 @@ Example ``/etc/resurgo/supervisor.toml``::
     url = "http://head01:8740"
 
     [policy]
-    max_drain_share_per_hour = 0.05
+    max_drain_share_per_hour = 0.2
     validation_level = "full"
 """
 
@@ -50,9 +50,9 @@ class SupervisorConfig:
       WAL needs shared memory, which NFS does not give).
     - ``jobs_dir``: one directory per submitted job (spec and signing secret);
       compute nodes read the job's secret there, so it must be on a
-      filesystem they share. Default ``<state_dir>/jobs`` (one machine).
+      filesystem they share. Empty: ``<state_dir>/jobs`` (one machine).
     - ``listen_host``/``listen_port``: where the API listens (port 0: any).
-    - ``url``: how agents and drivers reach the API (default
+    - ``url``: how agents and drivers reach the API (empty:
       ``http://<hostname>:<port>``).
     - ``poll_s``: Slurm polling period (``squeue``/``sinfo``).
     - ``tick_s``: how often waits (evidence windows, backoff) are re-checked.
@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
             "environment variables, then these flags."
         ),
     )
-    parser.add_argument("--config", type=Path, help="TOML file (policy in a [policy] table)")
+    parser.add_argument(
+        "--config", type=Path, help="TOML file, the policy in a [policy] table (default: none)"
+    )
     add_flags(parser, SupervisorConfig)
     add_flags(parser, Policy, POLICY_FLAG_PREFIX)
     return parser

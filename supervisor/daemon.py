@@ -88,7 +88,7 @@ from supervisor.observations import (
     Tick,
     from_event,
 )
-from supervisor.policy import Decision, Policy, decide
+from supervisor.policy import Decision, Policy, decide, permits
 from supervisor.probation import NodeHistory, lifted_outside, release
 from supervisor.reconcile import KIND_OF, intent_of
 from supervisor.recovery import drain_limit, fast_path_started
@@ -135,6 +135,8 @@ class Supervisor(Intake):
         self._stop = asyncio.Event()
         # Set by the first poll that read the nodes: no decision is taken before.
         self._cluster_known = asyncio.Event()
+        # The cluster size the policy was last described for (see _say_policy).
+        self._policy_said_for: int | None = None
         # Leases in the store were renewed before this start; their agents
         # could not call in while no supervisor was up (see tick()).
         self._started_s = clock()
@@ -325,6 +327,7 @@ class Supervisor(Intake):
             self._note_lifted_drains(nodes, nodes_read_s, now)
             self.cluster = self._cluster_view(nodes, now)
             self._cluster_known.set()
+            self._say_policy()
         for job_id, job in self.jobs.items():
             if job.record.state.terminal:
                 continue
@@ -334,6 +337,15 @@ class Supervisor(Intake):
                     self._observe_slurm_job(job_id, job, seen, read_s)
             if nodes is not None:
                 self._observe_nodes(job_id, job, nodes)
+
+    def _say_policy(self) -> None:
+        """Log what the policy permits on the cluster as it is now: at the first
+        read of the nodes, and again whenever their number changes."""
+        size = self.cluster.size
+        if size == self._policy_said_for:
+            return
+        self._policy_said_for = size
+        log.info("policy %s", permits(self.policy, size))
 
     def _note_lifted_drains(self, nodes: dict[str, SlurmNode], read_s: float, now: float) -> None:
         """Record Resurgo's drains that someone lifted with Slurm's own tools as undone.

@@ -83,7 +83,7 @@ from supervisor.observations import (
     TimeLimitNear,
 )
 
-__all__ = ["ClusterView", "Decision", "Policy", "decide"]
+__all__ = ["ClusterView", "Decision", "Policy", "decide", "permits"]
 
 _LIVE = recovery.LIVE
 
@@ -94,6 +94,9 @@ class Policy:
 
     - ``max_drain_share_per_hour``: at most this share of the cluster's nodes
       drained per hour (rounded down); beyond it, alert instead.
+    - ``min_drains_per_hour``: drains allowed per hour whatever the share says:
+      on a small cluster the share rounds down to none (0.1 of 4 nodes), and a
+      policy that can never drain only alerts.
     - ``drain_confidence``: the least blame confidence that drains a node.
     - ``straggler_drain`` / ``straggler_reports_to_drain``: drain a straggler's
       node after that many reports (off by default: slow is not broken).
@@ -135,6 +138,7 @@ class Policy:
     """
 
     max_drain_share_per_hour: float = 0.1
+    min_drains_per_hour: int = 1
     drain_confidence: float = 0.6
     straggler_drain: bool = False
     straggler_reports_to_drain: int = 3
@@ -185,6 +189,42 @@ class Policy:
             raise ConfigError("policy: straggler_factor must be > 1")
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError("policy: backoff_max_s must be >= backoff_base_s")
+
+
+def permits(policy: Policy, cluster_size: int) -> str:
+    """What ``policy`` lets the supervisor do on a cluster of ``cluster_size`` nodes, in words.
+
+    Said at start and whenever the cluster's size changes, so that an operator
+    sees before the first fault whether the policy can act here at all.
+    """
+    share = math.floor(policy.max_drain_share_per_hour * cluster_size + 1e-9)
+    drains = recovery.drain_limit(policy, cluster_size)
+    if drains == 0:
+        allowed = (
+            "no drain at all (min_drains_per_hour 0, and max_drain_share_per_hour "
+            f"{policy.max_drain_share_per_hour:g} of {cluster_size} rounds down to 0): a blamed "
+            "node is only excluded and alerted on; raise either setting to drain"
+        )
+    else:
+        source = (
+            f"max_drain_share_per_hour {policy.max_drain_share_per_hour:g}"
+            if drains == share
+            else f"min_drains_per_hour {policy.min_drains_per_hour}; the share "
+            f"{policy.max_drain_share_per_hour:g} alone allows {share}"
+        )
+        allowed = f"up to {drains} drain{'s' if drains != 1 else ''} per hour ({source})"
+    stragglers = (
+        f"drained after {policy.straggler_reports_to_drain} reports"
+        if policy.straggler_drain
+        else "reported, never drained"
+    )
+    return (
+        f"on {cluster_size} node{'s' if cluster_size != 1 else ''}: {allowed}; a node is drained "
+        f"when blamed with confidence >= {policy.drain_confidence:g}; stragglers are "
+        f"{stragglers}; a job stops after {policy.max_restarts_without_progress} restarts "
+        f"without progress; a node blamed {policy.lemon_blames} times within "
+        f"{policy.lemon_window_s / 86400:g} d stays out"
+    )
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,12 @@ def grown_size(
 
 
 def drain_limit(policy: Policy, cluster_size: int) -> int:
-    """Drains the hourly share allows on a cluster of ``cluster_size`` nodes."""
-    # Floor: a share of 10% of 4 nodes allows no drain, not one; the limit is a promise.
-    return math.floor(policy.max_drain_share_per_hour * cluster_size + 1e-9)
+    """Drains allowed per hour on a cluster of ``cluster_size`` nodes: the share of
+    the nodes (rounded down), but never fewer than ``min_drains_per_hour``."""
+    # The share rounds down (10% of 15 nodes is 1 drain, not 2: the limit is a
+    # promise); the floor keeps a small cluster's policy able to act at all.
+    share = math.floor(policy.max_drain_share_per_hour * cluster_size + 1e-9)
+    return max(share, policy.min_drains_per_hour)
 
 
 def drains_allowed(policy: Policy, cluster: ClusterView) -> int:
@@ -129,7 +132,14 @@ def _drain(
     """Exclude and (rate limit permitting) drain the blamed node; what was done, in words."""
     node = blame.node
     if node is None or blame.confidence < policy.drain_confidence:
-        return record, (), f"no node blamed with enough confidence ({blame.confidence:.2f})"
+        return (
+            record,
+            (),
+            (
+                f"no node blamed with enough confidence ({blame.confidence:.2f}, "
+                f"drain_confidence {policy.drain_confidence:g})"
+            ),
+        )
     recovery = record.recovery
     assert recovery is not None  # a drain belongs to a recovery
     excluded = replace(
@@ -141,10 +151,14 @@ def _drain(
     if slurm_took_it or node in cluster.drained or node in cluster.down:
         return excluded, (), f"{node} excluded; Slurm already took it out of service"
     if drains_allowed(policy, cluster) < 1:
+        limit = drain_limit(policy, cluster.size)
         message = (
-            f"job {record.job_id}: would drain {node} ({blame.cause.value}: {evidence}) but "
-            f"{cluster.drains_last_hour} drains in the last hour reach the share "
-            f"{policy.max_drain_share_per_hour:g}: a person should look at {node}"
+            f"job {record.job_id}: {node} was not drained ({blame.cause.value}: {evidence}): "
+            f"{cluster.drains_last_hour} drain(s) in the last hour already use the "
+            f"{limit} the policy allows on {cluster.size} nodes (max_drain_share_per_hour "
+            f"{policy.max_drain_share_per_hour:g}, at least min_drains_per_hour "
+            f"{policy.min_drains_per_hour}). The job goes on without {node}; a person should "
+            f"look at it. To let Resurgo drain more, raise either setting."
         )
         alert = Alert(record.job_id, record.attempt, Severity.CRITICAL, message)
         return excluded, (alert,), f"{node} excluded, not drained: hourly drain share reached"

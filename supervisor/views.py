@@ -228,7 +228,7 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
         drained.append(
             {
                 "node": name,
-                "slurm_state": None if node is None else node.state_raw,
+                "slurm_state": None if node is None else node.state_text,
                 "drained_in_slurm": None if node is None else node.drained,
                 "reason": node.reason if node is not None else open_drains[name].reason,
                 "by_resurgo": name in open_drains,

@@ -139,7 +139,7 @@ def undrain(store: Store, slurm: SlurmClient, node: str, *, wrong: bool) -> int:
         if not known[node].drained:
             closed = store.record_undrain(node, now_s=time.time(), by=Actor.OPERATOR)
             note = " (Resurgo's record of its drain closed)" if closed else ""
-            state = known[node].state_raw
+            state = known[node].state_text
             print(f"{node} is not drained (Slurm state {state}): nothing to undrain{note}")
             return _withdraw(store, node) if wrong else 0
         asyncio.run(slurm.resume(node))

@@ -202,6 +202,12 @@ class SlurmNode:
     partitions: tuple[str, ...]
 
     @property
+    def state_text(self) -> str:
+        """Base state and flags as ``scontrol`` joins them, in lower case: ``idle+drain``,
+        ``down+not_responding``; the base state alone (``idle``) hides a drain."""
+        return "+".join(part.lower() for part in (self.state_raw, *self.flags_raw))
+
+    @property
     def drained(self) -> bool:
         """Drained or draining: Slurm will start no new job here."""
         return NodeFlag.DRAIN in self.flags

@@ -8,12 +8,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLUSTER_SCRIPT
+from tests.conftest import CLUSTER_SCRIPT, _cluster_conf
 
 pytestmark = pytest.mark.slurm
 
@@ -126,3 +127,127 @@ def test_missing_slurm_as_non_root_prints_one_line_with_the_install_command() ->
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1
     assert "apt-get install -y slurm-wlm munge" in lines[0]
+
+
+# Two clusters side by side, each with a node1: far from the session cluster (17000)
+# and from the single throwaway cluster above (17100).
+SIDE_BY_SIDE_PORTS = (18000, 18100)
+DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+def daemons_of(directory: Path) -> set[int]:
+    """Pids of the munged, slurmctld and slurmd whose command line names ``directory``."""
+    found = set()
+    for pid in pids_of(directory):
+        try:
+            binary = (Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]).decode()
+        except OSError:
+            continue
+        if Path(binary).name in DAEMONS:
+            found.add(pid)
+    return found
+
+
+def tasks_of(conf: Path, node: str, command: bytes) -> set[int]:
+    """Pids of processes running ``command`` as a task of ``conf``'s cluster on ``node``."""
+    found = set()
+    marks = {f"SLURM_CONF={conf}".encode(), f"SLURMD_NODENAME={node}".encode()}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").strip()
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if cmdline.endswith(command) and marks <= environ:
+            found.add(int(entry.name))
+    return found
+
+
+def slurm(conf: Path, *argv: str) -> str:
+    done = subprocess.run(
+        list(argv),
+        env=dict(os.environ, SLURM_CONF=str(conf)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def two_clusters(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    first, second = tmp_path / "first", tmp_path / "second"
+    yield first, second
+    cluster(first, "down")
+    cluster(second, "down")
+
+
+def test_killing_a_node_of_one_cluster_leaves_the_other_clusters_job_running(
+    two_clusters: tuple[Path, Path],
+) -> None:
+    if shutil.which("slurmctld") is None:
+        pytest.fail("slurm-wlm is not installed: run deploy/setup")
+    first, second = two_clusters
+    # The cluster the rest of the suite runs on (CI keeps it up on 17000), if any.
+    session = _cluster_conf().parent
+    session_daemons = daemons_of(session)
+    for directory, port_base in zip(two_clusters, SIDE_BY_SIDE_PORTS, strict=True):
+        # --dir after the action, as well as before it.
+        up = subprocess.run(
+            [sys.executable, str(CLUSTER_SCRIPT), "up", "--nodes", "2",
+             "--port-base", str(port_base), "--dir", str(directory)],
+            capture_output=True, text=True, timeout=90, check=False,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr
+    for directory in two_clusters:
+        for action in ("status", "env"):
+            done = subprocess.run(
+                [sys.executable, str(CLUSTER_SCRIPT), action, "--dir", str(directory)],
+                capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            assert str(directory) in done.stdout
+    confs = [directory / "slurm.conf" for directory in two_clusters]
+    command = b"sleep 300"
+    for conf in confs:
+        slurm(conf, "sbatch", "-N2", "-o", "/dev/null", "--wrap", "srun -N2 -n2 sleep 300")
+    for conf in confs:
+        for node in ("node1", "node2"):
+            wait_for(
+                f"a task on {node} of {conf}", lambda c=conf, n=node: bool(tasks_of(c, n, command))
+            )
+    survivors = tasks_of(confs[1], "node1", command) | tasks_of(confs[1], "node2", command)
+    second_daemons = daemons_of(second)
+
+    killed = cluster(first, "kill-node", "node1")
+    assert killed.returncode == 0, killed.stderr
+    assert tasks_of(confs[0], "node1", command) == set()
+    assert tasks_of(confs[0], "node2", command)  # a node of its own that was not killed
+    # The first cluster's controller notices its node gone (SlurmdTimeout=10 s) ...
+    wait_for(
+        "the first cluster seeing node1 not responding",
+        lambda: "*" in slurm(confs[0], "sinfo", "--noheader", "--nodes=node1", "--format=%t"),
+    )
+    # ... while the second cluster's job, and each of its processes, goes on.
+    assert slurm(confs[1], "squeue", "--noheader", "--format=%T") == "RUNNING"
+    assert "*" not in slurm(confs[1], "sinfo", "--noheader", "--format=%t")
+    alive = tasks_of(confs[1], "node1", command) | tasks_of(confs[1], "node2", command)
+    assert alive == survivors
+    assert daemons_of(second) == second_daemons
+
+    for directory in two_clusters:
+        down = cluster(directory, "down")
+        assert down.returncode == 0, down.stderr
+        assert daemons_of(directory) == set()
+    assert daemons_of(session) == session_daemons

@@ -7,6 +7,7 @@ these pin the bookkeeping that decides what the core hears and what agents recei
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pwd
 import time
@@ -14,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from agent import protocol
 from agent.protocol import CommandKind, EventKind
@@ -26,6 +29,7 @@ from supervisor.policy import Policy
 from supervisor.store import Actor
 from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
 from tests.unit.test_executor import JOB, NODES, FakeSlurm
+from tests.unit.test_executor import node as slurm_node
 
 NOW = 1_760_000_000.0
 
@@ -110,6 +114,30 @@ def test_a_submitted_job_is_registered_and_followed_into_starting(tmp_path: Path
         assert supervisor.store.attempts_for(JOB)[0].nodes == NODES
 
     run(body, tmp_path)
+
+
+def test_what_the_policy_permits_is_logged_at_start_and_again_when_the_cluster_size_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("policy ")]
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await supervisor.poll()
+        await supervisor.poll()
+        assert said() == [
+            "policy on 4 nodes: up to 1 drain per hour (min_drains_per_hour 1; the share 0.1 "
+            "alone allows 0); a node is drained when blamed with confidence >= 0.6; stragglers "
+            "are reported, never drained; a job stops after 3 restarts without progress; a "
+            "node blamed 2 times within 7 d stays out"
+        ]
+        slurm.nodes_by_name.update({f"node{i}": slurm_node(f"node{i}") for i in range(5, 21)})
+        await supervisor.poll()
+        assert len(said()) == 2
+        assert said()[1].startswith("policy on 20 nodes: up to 2 drains per hour")
+
+    with caplog.at_level(logging.INFO, logger="resurgo.supervisor"):
+        run(body, tmp_path, max_drain_share_per_hour=0.1)
 
 
 def test_a_job_directory_owned_by_someone_else_than_the_jobs_user_is_refused(

@@ -47,7 +47,8 @@ from supervisor.observations import (
     StepProgress,
     Tick,
 )
-from supervisor.policy import Decision, Policy, decide
+from supervisor.policy import Decision, Policy, decide, permits
+from supervisor.recovery import drain_limit
 
 NOW = 1_000_000.0
 NODES = ("node1", "node2", "node3", "node4")
@@ -216,6 +217,75 @@ def test_drain_beyond_the_hourly_share_alerts_instead():
     assert DrainNode not in kinds(crash)
     assert kinds(crash)[0] is Alert
     assert crash.record.recovery is not None and "node3" in crash.record.recovery.exclude
+
+
+FOUR = ClusterView(usable=frozenset(NODES))
+
+
+def test_on_four_nodes_the_default_policy_drains_a_sigkilled_ranks_node():
+    # 0.1 of 4 nodes rounds down to no drain; the floor of one drain per hour acts.
+    defaults = replace(Policy(), exit_evidence_window_s=0.0)
+    (crash,) = run(running(), rank_exit(sig=signal.SIGKILL.value), policy=defaults, cluster=FOUR)
+    assert kinds(crash)[0] is DrainNode
+    assert "drain node3" in crash.explanation
+
+
+def test_a_drain_beyond_the_floor_alerts_naming_the_settings_to_change():
+    defaults = replace(Policy(), exit_evidence_window_s=0.0)
+    cluster = replace(FOUR, drains_last_hour=1)
+    (crash,) = run(running(), rank_exit(sig=signal.SIGKILL.value), policy=defaults, cluster=cluster)
+    assert DrainNode not in kinds(crash)
+    alert = crash.intents[0]
+    assert isinstance(alert, Alert)
+    assert "node3 was not drained" in alert.message
+    assert "the 1 the policy allows on 4 nodes" in alert.message
+    assert "min_drains_per_hour 1" in alert.message
+    assert "max_drain_share_per_hour 0.1" in alert.message
+    assert "The job goes on without node3" in alert.message
+
+
+def test_the_share_still_limits_a_large_cluster():
+    forty = ClusterView(usable=frozenset(f"node{i}" for i in range(1, 41)))
+    (fourth,) = run(running(), rank_exit(sig=9), cluster=replace(forty, drains_last_hour=3))
+    assert kinds(fourth)[0] is DrainNode
+    (fifth,) = run(running(), rank_exit(sig=9), cluster=replace(forty, drains_last_hour=4))
+    assert kinds(fifth)[0] is Alert
+
+
+@pytest.mark.parametrize(
+    ("nodes", "share", "floor", "expected"),
+    [
+        (4, 0.1, 1, 1),  # the share alone: 0
+        (9, 0.1, 1, 1),
+        (10, 0.1, 1, 1),
+        (40, 0.1, 1, 4),  # the share wins above the floor
+        (100, 0.05, 2, 5),
+        (10, 0.0, 3, 3),
+        (4, 0.1, 0, 0),  # no floor: the share alone, as before
+        (0, 0.1, 1, 1),
+    ],
+)
+def test_drains_per_hour_are_the_share_rounded_down_but_never_below_the_floor(
+    nodes, share, floor, expected
+):
+    policy = Policy(max_drain_share_per_hour=share, min_drains_per_hour=floor)
+    assert drain_limit(policy, nodes) == expected
+
+
+def test_what_the_policy_permits_is_said_in_words_for_the_cluster_size():
+    small = permits(Policy(), 4)
+    assert small.startswith(
+        "on 4 nodes: up to 1 drain per hour (min_drains_per_hour 1; the share 0.1 alone allows 0)"
+    )
+    assert "confidence >= 0.6" in small and "stragglers are reported, never drained" in small
+    assert "stops after 3 restarts without progress" in small
+    assert "blamed 2 times within 7 d stays out" in small
+    assert permits(Policy(), 40).startswith(
+        "on 40 nodes: up to 4 drains per hour (max_drain_share_per_hour 0.1)"
+    )
+    never = permits(Policy(min_drains_per_hour=0), 4)
+    assert never.startswith("on 4 nodes: no drain at all")
+    assert "raise either setting to drain" in never
 
 
 def test_sigterm_of_a_rank_is_a_stop_not_a_fault():
@@ -893,6 +963,7 @@ def test_submitted_job_starts_then_runs():
     ("field", "value"),
     [
         ("max_drain_share_per_hour", 1.5),
+        ("min_drains_per_hour", -1),
         ("backoff_base_s", -1.0),
         ("straggler_drain", 1),
         ("drain_confidence", float("nan")),
@@ -974,13 +1045,15 @@ def _answer(token: Observation | str, record: JobRecord) -> Observation:
     st.sampled_from([0.0, 0.1, 0.25]),
     st.sampled_from([0.0, 3.0]),
     st.integers(0, 4),
+    st.integers(0, 2),
 )
 def test_random_observations_never_break_transitions_or_the_drain_share(
-    steps, size, share, exit_window, idle
+    steps, size, share, exit_window, idle, floor
 ):
     policy = replace(
         POLICY,
         max_drain_share_per_hour=share,
+        min_drains_per_hour=floor,
         straggler_drain=True,
         backoff_base_s=5.0,
         backoff_max_s=60.0,
@@ -1002,7 +1075,7 @@ def test_random_observations_never_break_transitions_or_the_drain_share(
         after = decision.record.state
         assert after is record.state or after in TRANSITIONS[record.state]
         drained += sum(isinstance(i, DrainNode) for i in decision.intents)
-        assert drained <= int(share * size + 1e-9)
+        assert drained <= max(int(share * size + 1e-9), floor)
         assert len({i.action_id for i in decision.intents}) == len(decision.intents)
         sizes = [i.n_nodes for i in decision.intents if isinstance(i, RequeueSmaller)]
         assert all(n <= record.original_nodes for n in sizes)

@@ -132,6 +132,21 @@ def test_recorded_sinfo_nodes_parse_to_state_and_flags(
     )
 
 
+@pytest.mark.parametrize(
+    ("fixture_name", "node", "shown"),
+    [
+        ("sinfo_drained.json", "node2", "allocated+drain"),  # draining: its job still runs
+        ("sinfo_drained.json", "node4", "idle+drain"),
+        ("sinfo_drained.json", "node3", "idle"),
+        ("sinfo_down.json", "node2", "down+not_responding"),
+    ],
+)
+def test_a_nodes_state_text_carries_its_drain_and_down_flags(
+    fixture_name: str, node: str, shown: str
+) -> None:
+    assert parse.parse_sinfo_json(fixture(fixture_name))[node].state_text == shown
+
+
 def test_our_drain_is_recognised_from_sinfo_reason() -> None:
     node = parse.parse_sinfo_json(fixture("sinfo_drained.json"))["node2"]
     assert node.reason_set_by == "root"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from supervisor import views
 from supervisor.cli import nodes as nodes_cli
 from supervisor.cli.main import main
 from supervisor.config import SupervisorConfig
@@ -207,7 +208,7 @@ def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.mark.parametrize(
     ("node_name", "refusal", "status", "said"),
     [
-        ("node1", "", 0, "node1 is not drained (Slurm state IDLE): nothing to undrain"),
+        ("node1", "", 0, "node1 is not drained (Slurm state idle): nothing to undrain"),
         ("node2", "slurm_update error: Invalid node state specified", 0,
          "node2 is not drained: nothing to undrain"),
         ("node2", "slurm_update error: Access/permission denied", 1,
@@ -261,3 +262,12 @@ def test_a_requeue_decision_names_why_each_node_is_excluded() -> None:
         "node2 (lemon: 3 blames in 7 d); left out: node4 (drained by Slurm/admin) "
         "from /ckpt/step-10"
     )
+
+
+def test_resurgo_nodes_shows_slurms_state_with_its_drain_flag(tmp_path: Path) -> None:
+    drained = node("node2", drained=True, reason="bad DIMM")
+    with Store.open(tmp_path / "resurgo.db") as store:
+        document = views.nodes(store, {"node1": node("node1"), "node2": drained}, NOW, 2, 86400)
+    assert [(d["node"], d["slurm_state"]) for d in document["drained"]] == [("node2", "idle+drain")]
+    row = nodes_cli.render(document, NOW).splitlines()[1]
+    assert row.split()[:3] == ["node2", "idle+drain", "other"]
