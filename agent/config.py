@@ -36,6 +36,8 @@ class AgentConfig:
     - ``node``: this node's name (from SLURMD_NODENAME, else the host name).
     - ``nnodes`` / ``node_rank``: the step's node count and this node's place in it
       (SLURM_STEP_NUM_NODES, SLURM_NODEID).
+    - ``procs_per_node``: how many ranks a per-rank command (``srun python train.py``,
+      ``python train.py``) runs on each node; srun's own ``--ntasks-per-node`` wins.
     - ``master_addr`` / ``master_port``: where the launch's rendezvous store listens.
     - ``restart_count``: Slurm's requeue count of the job (SLURM_RESTART_COUNT).
     - ``launch_nonce``: tells this launch's agents from an earlier one's on the same node.
@@ -75,7 +77,6 @@ class AgentConfig:
     node: str = ""
     nnodes: int = 1
     node_rank: int = 0
-    # Ranks per node of a per-rank launch (srun-style or python train.py).
     procs_per_node: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
