@@ -1,7 +1,9 @@
 """`resurgo events JOB [--json] [--stacks] [--steps]`: what happened to a job, when and why.
 
 One line per agent event, supervisor observation, decision (with its
-explanation) and action. Stack dumps of hang reports are collapsed to one
+explanation) and action; a run of identical lines in a row (the same kind,
+node and summary, e.g. a driver asking every 2 s) is printed once, with its
+count and the time of the last. Stack dumps of hang reports are collapsed to one
 line per rank; ``--stacks`` prints them in full. ``--json`` prints
 :func:`supervisor.views.events`.
 """
@@ -30,15 +32,37 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def _stamp(time_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time_s))
+
+
+def runs(entries: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int, float]]:
+    """Entries with each run of identical ones in a row folded into its first:
+    ``(entry, count, time of the last)``. Entries with stacks are never folded."""
+    folded: list[tuple[dict[str, Any], int, float]] = []
+    for entry in entries:
+        key = (entry["type"], entry["kind"], entry["node"], entry["summary"], entry.get("cause"))
+        if folded and not entry["stacks"]:
+            first, count, _ = folded[-1]
+            same = (first["type"], first["kind"], first["node"], first["summary"],
+                    first.get("cause"))  # fmt: skip
+            if same == key and not first["stacks"]:
+                folded[-1] = (first, count + 1, entry["time_s"])
+                continue
+        folded.append((entry, 1, entry["time_s"]))
+    return folded
+
+
 def render(document: dict[str, Any], *, full_stacks: bool) -> str:
     """The events as lines: time, what, where, summary; stacks collapsed or in full."""
     lines = []
-    for entry in document["entries"]:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["time_s"]))
+    for entry, count, last_s in runs(document["entries"]):
+        stamp = _stamp(entry["time_s"])
         where = entry["node"] or "-"
         what = entry["kind"] if entry["type"] == "event" else f"{entry['type']} {entry['kind']}"
         cause = f" [{entry['cause']}]" if entry.get("cause") not in (None, "none") else ""
-        lines.append(f"{stamp}  {what:<28} {where:<8} {entry['summary']}{cause}")
+        again = f" ({count} times, the last at {_stamp(last_s)[11:]})" if count > 1 else ""
+        lines.append(f"{stamp}  {what:<28} {where:<8} {entry['summary']}{cause}{again}")
         for rank, text in sorted(entry["stacks"].items(), key=lambda item: int(item[0])):
             stack = text.strip().splitlines()
             if full_stacks:

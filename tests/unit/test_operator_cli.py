@@ -121,6 +121,28 @@ def test_a_straggler_the_supervisor_found_reads_as_one_line(
     assert "rank 2 computes 1.200s per step, 6.0x the other ranks' 0.200s" in out
 
 
+def test_identical_events_in_a_row_read_as_one_line_with_their_count(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = time.time() - 30
+    with Store.open(state_dir / "resurgo.db") as store:
+        for index in range(5):  # a driver asking every 2 s
+            payload = {"attempt": 2, "exit_code": 1}
+            store.record_observation(JOB, "driver_step_ended", payload, start + 2 * index,
+                                     node="node1")  # fmt: skip
+        store.record_observation(JOB, "driver_step_ended", {"attempt": 3, "exit_code": 1},
+                                 start + 11, node="node1")  # fmt: skip
+    _, out, _ = run(capsys, "events", JOB, "--state-dir", str(state_dir))
+    lines = [line for line in out.splitlines() if "driver_step_ended" in line]
+    last = time.strftime("%H:%M:%S", time.localtime(start + 8))
+    assert len(lines) == 2, out
+    assert lines[0].endswith(f"(5 times, the last at {last})"), lines
+    assert "times" not in lines[1]
+    _, text, _ = run(capsys, "events", JOB, "--json", "--state-dir", str(state_dir))
+    kinds = [e["kind"] for e in json.loads(text)["entries"]]
+    assert kinds.count("driver_step_ended") == 6  # the document keeps every one
+
+
 def test_unknown_jobs_and_a_missing_store_get_one_line_saying_what_to_do(
     state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
