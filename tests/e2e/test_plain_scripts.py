@@ -163,12 +163,13 @@ def test_an_srun_style_script_runs_one_process_per_rank_and_an_exception_is_retr
 ) -> None:
     """`srun python train.py` with the process group from SLURM_PROCID/SLURM_NTASKS: the
     agents start the ranks themselves (a nested srun would wait for nodes its own step
-    holds). A Python exception is retried once, on the same nodes, with no drain."""
+    holds). Two ranks per node, so each rank's SLURM_PROCID must be its own, not its
+    agent's. A Python exception is retried once, on the same nodes, with no drain."""
     output, out_dir = tmp_path / "job.out", tmp_path / "out"
     out_dir.mkdir()
     done = supervisor.resurgo(
-        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--parsable",
-        "--ckpt-root", str(out_dir), "--", "srun", "-u", "--ntasks-per-node=1",
+        "submit", "-N", "2", "--min-nodes", "1", f"--output={output}", "--parsable",
+        "--ckpt-root", str(out_dir), "--", "srun", "-u", "--ntasks-per-node=2",
         sys.executable, str(PLAIN), "--init", "slurm", "--out-dir", str(out_dir),
         "--max-iters", str(ITERS), "--raise-at", "15", "--fault-rank", "1",
     )  # fmt: skip
@@ -180,6 +181,7 @@ def test_an_srun_style_script_runs_one_process_per_rank_and_an_exception_is_retr
     assert drained(supervisor, job_id) == []
     assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
     assert f"done at iter {ITERS} with world 4" in text, text[-3000:]
+    assert status(supervisor, job_id)["restarts"] == {"user_exception": 1}
     tries = attempts(supervisor, job_id)
     assert len(tries) == 2 and tries[0].nodes == tries[1].nodes, tries
 
