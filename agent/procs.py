@@ -161,14 +161,12 @@ class RankWatcher:
         """
         exits = []
         for key, rank in self._ranks.items():
-            if key in self._reported or rank.pid == self._launcher_pid or pid_alive(rank.pid):
-                continue
-            record = self._read_record(key) if rank.shim_pid is not None else None
+            if key in self._reported or rank.shim_pid is None or pid_alive(rank.pid):
+                continue  # a rank with no shim ends with its launcher (launcher_exit)
+            record = self._read_record(key)
             if record is None:
                 first_seen = self._vanished_at.setdefault(key, now_unix_s)
-                shim_alive = rank.shim_pid is not None and pid_alive(rank.shim_pid)
-                waited = rank.shim_pid is None or now_unix_s - first_seen >= EXIT_RECORD_WAIT_S
-                if shim_alive or not waited:
+                if pid_alive(rank.shim_pid) or now_unix_s - first_seen < EXIT_RECORD_WAIT_S:
                     continue
                 exits.append(RankExit(rank, None, None, now_unix_s))
             else:
@@ -187,15 +185,21 @@ class RankWatcher:
         return sorted(exits, key=lambda rank_exit: rank_exit.time_unix_s)
 
     def launcher_exit(self, returncode: int, now_unix_s: float) -> list[RankExit]:
-        """A wrapper under which no rank was ever found was the node's single rank:
-        its exit is that rank's exit."""
-        if not self._wrapper or self._ranks:
+        """The exits only the launcher's tells: of each rank with no shim to record its
+        own (it ended as its torchrun did: a clean end is 0, a dead rank fails it), or of
+        the wrapper itself when no rank was ever found below it (the node's one rank)."""
+        if not self._wrapper:
             return []
-        rank = RankProcess(self._node_rank, 0, self._launcher_pid)
-        self._ranks[rank.global_rank] = rank
-        self._reported.add(rank.global_rank)
+        if not self._ranks:
+            rank = RankProcess(self._node_rank, 0, self._launcher_pid)
+            self._ranks[rank.global_rank] = rank
         code, signum = (returncode, None) if returncode >= 0 else (None, -returncode)
-        return [RankExit(rank, code, signum, now_unix_s)]
+        exits = []
+        for key, rank in self._ranks.items():
+            if key not in self._reported and rank.shim_pid is None:
+                self._reported.add(key)
+                exits.append(RankExit(rank, code, signum, now_unix_s))
+        return exits
 
     def _rank_of_shim(self, process: psutil.Process) -> RankProcess | None:
         try:

@@ -39,17 +39,19 @@ class RunningAgent:
         agent_args: list[str],
         worker_args: list[str],
         worker: Path = WORKER,
+        command: list[str] | None = None,
     ):
         self.out = tmp_path / "out"
         self.out.mkdir()
         self.log = tmp_path / "events.jsonl"
         self.stderr = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
+        if command is None:
+            command = ["torchrun", "--nproc-per-node=2", str(worker), "--out", str(self.out),
+                       *worker_args]  # fmt: skip
         argv = [
             *AGENT, "--job-id", "77", "--node", "node1", "--master-port", str(free_port()),
             "--run-dir", str(tmp_path / "run"), "--events-log", str(self.log),
-            "--watch-interval-s", "0.2", *agent_args,
-            "--", "torchrun", "--nproc-per-node=2", str(worker), "--out", str(self.out),
-            *worker_args,
+            "--watch-interval-s", "0.2", *agent_args, "--", *command,
         ]  # fmt: skip
         self.process = subprocess.Popen(
             argv, stdout=self.stderr, stderr=subprocess.STDOUT, cwd=REPO

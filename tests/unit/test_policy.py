@@ -1119,3 +1119,35 @@ def test_an_ended_state_seen_before_our_requeue_took_effect_is_stale_but_not_aft
     assert stale.record.state is JobState.REQUEUED and stale.intents == ()
     assert queued.record.state is JobState.REQUEUED
     assert cancelled.record.state is JobState.CANCELLED
+
+
+def test_a_world_that_is_not_the_jobs_stops_the_job_as_failed_at_once_without_drain():
+    event = AgentEvent(
+        EventKind.WORLD_MISMATCH, "node2", "42/node2/abcdef01/3", NOW,
+        detail="rank 0 on node2 is in a world of 1 ranks; the job's is 3 nodes x 1 = 3",
+    )  # fmt: skip
+    decision = decide(running(), event, NOW, POLICY, CLUSTER)
+    assert decision.record.state is JobState.FAILED
+    assert decision.cause is Cause.WORLD_MISMATCH
+    assert kinds(decision) == [StopJob]
+    assert decision.record.final_reason.startswith(
+        "rank 0 on node2 is in a world of 1 ranks; the job's is 3 nodes x 1 = 3: the launch "
+        "command set its own node count"
+    )
+
+
+def test_a_world_mismatch_event_reads_as_what_the_rank_saw_against_the_job() -> None:
+    from agent import protocol
+    from supervisor.observations import from_event
+
+    payload = {"global_rank": 0, "pid": 77, "world_size": 1, "local_world_size": 2, "nnodes": 4}
+    event = protocol.make_event(
+        EventKind.WORLD_MISMATCH, "42", "node2", "abcdef0123456789", 3, NOW, payload
+    )
+    assert protocol.decode_event(protocol.encode_event(event)) == event
+    assert from_event(event).detail == (
+        "rank 0 on node2 is in a world of 1 ranks; the job's is 4 nodes x 2 = 8"
+    )
+    with pytest.raises(protocol.ProtocolError, match="world_size"):
+        protocol.make_event(EventKind.WORLD_MISMATCH, "42", "node2", "abcdef0123456789", 3,
+                            NOW, {**payload, "world_size": 0})  # fmt: skip

@@ -8,10 +8,12 @@ collective, as in a real data-parallel job. Faults: ``--stop-rank R
 the first step; ``--checkpoint-at S --checkpoint-s T`` spends T seconds in the
 checkpoint phase at step S; ``--slow-rank R --slow-step-s T`` makes rank R's
 steps take T seconds (with ``--no-sync``, so the others do not wait for it).
-Each rank writes its pid to ``OUT/pid.<rank>``.
+Each rank writes its pid to ``OUT/pid.<rank>``, and the torchrun and Slurm task
+variables it was given to ``OUT/env.<rank>`` (JSON).
 """
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -40,6 +42,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     Path(args.out, f"pid.{rank}").write_text(str(os.getpid()))
+    seen = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+            "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID")}  # fmt: skip
+    Path(args.out, f"env.{rank}").write_text(json.dumps(seen))
     heartbeat = None
     if args.instrumented:
         from agent.train.heartbeat import Heartbeat, Phase
