@@ -23,9 +23,11 @@ every stack) and, for Resurgo, its store:
   recover, which torchrun has no equivalent of;
 - ``recover_s``: fault -> the first training step after the resume;
 - ``steps_lost``: the fault's step minus the step resumed from;
-- the unmodified script (``plain_hang``) alike, from its own prints: the
-  sleeping rank's line, ``resuming training from ... at iter N``, and the
-  first ``iter`` line after it;
+- the unmodified script (``plain_*``) alike, from its own prints: the
+  faulty rank's line, ``resuming training from ... at iter N``, and the
+  first ``iter`` line after it, under each launch shape (torchrun given
+  directly, srun-style one process per rank, a bash wrapper ending in
+  ``exec torchrun``);
 - ``outcome``: ``recovered`` (the job reached its last step), ``stuck`` (no
   progress until ``--timeout-s``; the job is cancelled), or ``failed``.
 
@@ -40,6 +42,7 @@ The last line printed is one JSON object:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shlex
@@ -65,10 +68,16 @@ SCENARIOS = {
     # while its peers wait in DDP's backward. Resurgo only: without a
     # supervisor nothing notices a hang (rank_hang's baseline rows show it).
     "plain_hang": "sleep@15:2",
+    # The same script, rank 2 SIGKILLs itself in iteration 15, under each launch shape.
+    "plain_sigkill": "kill@15:2",
+    "plain_srun_sigkill": "kill@15:2",
+    "plain_wrapper_sigkill": "kill@15:2",
 }
 PLAIN = REPO / "tests" / "workers" / "ddp_plain.py"
 Runner = Callable[[LiveCluster, Path, str, float], dict[str, Any]]
-_SLEPT = re.compile(r"rank \d+ sleeping [\d.]+ s in iter (\d+) on \S+ \(([\d.]+)\)")
+_FAULTED = re.compile(
+    r"rank \d+ (?:sleeping [\d.]+ s|killing itself) in iter (\d+) on \S+ \(([\d.]+)\)"
+)
 _RESUMED = re.compile(r"resuming training from \S+ at iter (\d+) \(([\d.]+)\)")
 _ITER = re.compile(r"iter (\d+): loss \S+ \(([\d.]+)\)")
 STEPS = 16
@@ -193,21 +202,38 @@ def run_resurgo(cluster: LiveCluster, where: Path, fault: str, timeout_s: float)
     return _measure(output, record, state, reacted)
 
 
-def run_plain(cluster: LiveCluster, where: Path, timeout_s: float) -> dict[str, Any]:
-    """The unmodified-script hang under Resurgo, measured from the script's own prints."""
+def plain_command(name: str, where: Path, out_dir: Path) -> list[str]:
+    """The unmodified script's command for scenario ``name``: its fault and launch shape."""
+    what, _, at = SCENARIOS[name].partition("@")
+    iteration, _, rank = at.partition(":")
+    fault = (
+        ["--sleep-at", iteration, "--sleep-rank", rank, "--sleep-s", "600"]
+        if what == "sleep"
+        else ["--kill-at", iteration, "--fault-rank", rank]
+    )
+    script = [str(PLAIN), "--out-dir", str(out_dir), "--max-iters", "40", "--iter-s", "0.5",
+              *fault]  # fmt: skip
+    if name == "plain_srun_sigkill":
+        return ["srun", sys.executable, *script, "--init", "slurm"]
+    if name == "plain_wrapper_sigkill":
+        wrapper = where / "run.sh"
+        wrapper.write_text('#!/bin/bash\nexec torchrun --standalone --nproc-per-node=1 "$@"\n')
+        return ["bash", str(wrapper), *script]
+    return [*TORCHRUN, *script]
+
+
+def run_plain(cluster: LiveCluster, where: Path, name: str, timeout_s: float) -> dict[str, Any]:
+    """The unmodified script under Resurgo, measured from the script's own prints."""
     output, out_dir = where / "job.out", where / "out"
     out_dir.mkdir()
-    command = [
-        *TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", "40",
-        "--iter-s", "0.5", "--sleep-at", "15", "--sleep-rank", "2", "--sleep-s", "600",
-    ]  # fmt: skip
+    command = plain_command(name, where, out_dir)
     state, reacted = _under_resurgo(cluster, where, output, out_dir, command, timeout_s)
     text = output.read_text(errors="replace") if output.exists() else ""
     result = _result(state)
-    slept = _SLEPT.search(text)
-    if slept is None:
+    faulted = _FAULTED.search(text)
+    if faulted is None:
         return result
-    fault_step, fault_s = int(slept.group(1)), float(slept.group(2))
+    fault_step, fault_s = int(faulted.group(1)), float(faulted.group(2))
     if reacted is not None:
         result["decide_s"] = round(reacted - fault_s, 2)
     resumed = [(int(m.group(1)), float(m.group(2))) for m in _RESUMED.finditer(text)]
@@ -220,6 +246,12 @@ def run_plain(cluster: LiveCluster, where: Path, timeout_s: float) -> dict[str, 
         if after:
             result["recover_s"] = round(min(after) - fault_s, 2)
     return result
+
+
+def _plain_runner(
+    name: str, cluster: LiveCluster, where: Path, _fault: str, timeout_s: float
+) -> dict[str, Any]:
+    return run_plain(cluster, where, name, timeout_s)
 
 
 def run_baseline(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
@@ -267,6 +299,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout-s", type=float, default=150.0)
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
+    parser.add_argument(
+        "--resurgo-only", action="store_true", help="skip the baseline and control runs"
+    )
     args = parser.parse_args()
     cluster = LiveCluster(conf=_cluster_conf())
     results = []
@@ -277,8 +312,10 @@ def main() -> int:
             stacks: tuple[tuple[str, Runner], ...] = (
                 ("resurgo", run_resurgo), ("baseline", run_baseline), ("control", run_control),
             )  # fmt: skip
-            if name == "plain_hang":
-                stacks = (("resurgo", lambda c, w, _f, t: run_plain(c, w, t)),)
+            if name.startswith("plain_"):
+                stacks = (("resurgo", functools.partial(_plain_runner, name)),)
+            elif args.resurgo_only:
+                stacks = stacks[:1]
             for stack, runner in stacks:
                 where = Path(tmp) / name / stack
                 where.mkdir(parents=True)

@@ -99,6 +99,9 @@ def drive(
     environ = {**os.environ, **fake_bin(tmp_path, codes), **settings.pop("environ", {})}
     signals = settings.pop("signals", [])
     before = settings.pop("before", None)
+    # Answers given only once the first step runs (its srun wrote its log line): an
+    # answer queued before would reach the driver before the step's process started.
+    once_running: list[DriverAnswer] = settings.pop("once_running", [])
     job_dir = tmp_path / "state" / "jobs" / JOB
     job_dir.mkdir(parents=True)
     write_secret(job_dir / "secret", SECRET)
@@ -124,6 +127,11 @@ def drive(
                 **settings,
             )
             running = asyncio.create_task(Driver(config, environ).run())
+            if once_running:
+                while not srun_calls(tmp_path) and not running.done():
+                    await asyncio.sleep(0.05)
+                for answer in once_running:
+                    directory.answer_driver(JOB, answer)
             for delay_s, signum in signals:
                 await asyncio.sleep(delay_s)
                 os.kill(os.getpid(), signum)
@@ -299,7 +307,8 @@ def test_a_step_the_supervisor_gave_up_on_is_ended_and_relaunched(tmp_path: Path
     status, directory = drive(
         tmp_path,
         [0, 0],
-        [DriverAnswer(DriverAction.LAUNCH, 1), relaunch],
+        [DriverAnswer(DriverAction.LAUNCH, 1)],
+        once_running=[relaunch],
         environ={"FAKE_RUN_S": "60,0"},  # the first step only ends when the driver ends it
         watch_s=0.2,
         start_check_s=0.0,
