@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -150,9 +151,16 @@ class StoreCore:
             raise StoreMissing(f"store {path} does not exist; check the configured path")
         schema.check_header(path)
         wal.check_wal(path, schema.RESTORE_HINT)
+        options = "mode=ro"
+        if not wal.wal_path(path).exists() and not os.access(path.parent, os.W_OK):
+            # No log (the supervisor closed the store cleanly) and no right to
+            # create the shared-memory file SQLite wants before reading a WAL
+            # database: read the file as it stands. Should the supervisor start
+            # and write meanwhile, this one command may see a torn read.
+            options += "&immutable=1"
         try:
             db = sqlite3.connect(
-                f"{path.resolve().as_uri()}?mode=ro",
+                f"{path.resolve().as_uri()}?{options}",
                 uri=True,
                 isolation_level=None,
                 check_same_thread=False,
