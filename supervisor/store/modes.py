@@ -11,7 +11,7 @@ database file's mode, so they stay private after the first call.
 
 When the jobs directory lies inside the state directory (the single-machine
 default), users must reach it to submit: the state directory then also gets
-the search bit for others (0711 / 2751), which lets them open a path they
+the search bit for others (0701 / 2751), which lets them open a path they
 know inside it but not list it; the store's files stay 0600 / 0640.
 """
 
