@@ -8,6 +8,7 @@ file modes and its read-only open.
 
 from __future__ import annotations
 
+import asyncio
 import grp
 import io
 import json
@@ -17,13 +18,16 @@ import sqlite3
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent import protocol
 from agent.checkpoint import format as fmt
 from agent.errors import CheckpointInvalid, ConfigError
+from agent.node import NodeAgent
 from agent.protocol import EventKind, ProtocolError
+from agent.train.heartbeat import Phase, encode_checkpoint
 from supervisor.errors import StoreMissing
 from supervisor.intents import MAX_DRAIN_DETAIL_CHARS, DrainNode
 from supervisor.logs import JsonFormatter, TextFormatter
@@ -31,6 +35,7 @@ from supervisor.model import Cause
 from supervisor.store import Store
 from supervisor.store.modes import make_private
 from supervisor.text import fragment, one_line
+from tests.unit.test_steps import agent_with_socket
 
 FORGED = "resurgo-supervisor 2026-01-01 00:00:00,000 ERROR ALERT node7 is on fire"
 
@@ -253,3 +258,27 @@ def test_a_read_only_open_refuses_a_missing_store_and_writes_never_reach_the_fil
     ):
         reader.upsert_job("42", state="running", record={}, now_s=1.0, name="t",
                           original_nodes=2, min_nodes=1)  # fmt: skip
+
+
+def test_a_checkpoint_path_that_is_not_utf8_is_logged_by_the_agent_not_sent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The supervisor refuses a lone surrogate, so the agent never builds such an event."""
+    emitted: list[str] = []
+
+    async def emit(kind: protocol.EventKind, payload: dict[str, Any]) -> None:
+        emitted.append(payload["path"])
+
+    async def drain(agent: NodeAgent) -> None:
+        agent._drain_socket()
+        await asyncio.sleep(0)  # the emit tasks run
+
+    with agent_with_socket(tmp_path) as (agent, sender):
+        agent.events.emit = emit  # type: ignore[method-assign]
+        for path in (os.fsdecode(b"/ckpt/step-8\xff"), "/ckpt/step-9"):
+            note = encode_checkpoint(rank=0, local_rank=0, pid=9, step=9, path=path,
+                                     phase=Phase.CHECKPOINT, wall_time_s=0.0)  # fmt: skip
+            sender.send(note)
+        asyncio.run(drain(agent))
+    assert emitted == ["/ckpt/step-9"]
+    assert "checkpoint path '/ckpt/step-8\\udcff' is not UTF-8" in caplog.text
