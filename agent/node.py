@@ -634,13 +634,13 @@ def _size_of(path: str) -> int | None:
         return None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _is_unicode(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
