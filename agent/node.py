@@ -412,6 +412,13 @@ class NodeAgent:
                 self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
                 self._steps.add(message)
             elif isinstance(message, CheckpointNote):
+                if not _is_unicode(message.path):
+                    # Undecodable bytes kept by surrogateescape: the protocol
+                    # carries valid Unicode only, and the supervisor refuses it.
+                    log.warning(
+                        "checkpoint path %s is not UTF-8: not reported", ascii(message.path)
+                    )
+                    continue
                 # A commit of ours, or a file a script that imports nothing saved.
                 note = {"step": message.step, "path": message.path, "global_rank": message.rank}
                 kind = protocol.EventKind.CHECKPOINT_COMMITTED
@@ -673,6 +680,14 @@ def _size_of(path: str) -> int | None:
         return os.stat(path).st_size
     except OSError:
         return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

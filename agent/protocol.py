@@ -30,7 +30,7 @@ import hmac
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
@@ -458,7 +458,11 @@ def _canonical_heartbeat(data: bytes) -> HeartbeatReport | None:
         wire = _WIRE_HEARTBEAT.decode(data)
     except (msgspec.DecodeError, RecursionError):
         return None
-    if _WIRE_ENCODER.encode(wire) != data:
+    try:
+        canonical = _WIRE_ENCODER.encode(wire)
+    except UnicodeEncodeError:  # a lone surrogate from a \uXXXX escape
+        return None
+    if canonical != data:
         return None
     ranks = tuple(
         RankStatus(
@@ -1295,7 +1299,7 @@ def _load(data: bytes, what: str, limit: int = MAX_BODY_BYTES) -> Any:
     if len(data) > limit:
         _fail(f"{what}: {len(data)} bytes; the limit is {limit}")
     try:
-        return json.loads(
+        document = json.loads(
             data.decode("utf-8"),
             object_pairs_hook=_no_duplicate_keys,
             parse_constant=_reject_constant,
@@ -1305,6 +1309,59 @@ def _load(data: bytes, what: str, limit: int = MAX_BODY_BYTES) -> Any:
     # The hooks' own ProtocolError is not a ValueError and passes through.
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ProtocolError(f"{what}: not valid UTF-8 JSON: {error}") from error
+    if _holds_lone_surrogate(document):
+        _fail(
+            f"{what}: {_surrogate_place(document, what)} holds a lone surrogate (a "
+            "\\ud800-\\udfff escape without its pair): text must be valid Unicode"
+        )
+    return document
+
+
+def _strings(document: Any) -> Iterator[str]:
+    """Every string of a decoded document, keys included."""
+    pending = [document]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                yield key
+                pending.append(value)
+        elif isinstance(item, list):
+            pending.extend(item)
+
+
+def _holds_lone_surrogate(document: Any) -> bool:
+    # Strict UTF-8 decoding already refused encoded surrogates; only JSON's
+    # \uXXXX escapes can make one, and no UTF-8 writer (a log, a terminal,
+    # the store's readers) can write it out again.
+    return any(not text.isascii() and _unencodable(text) for text in _strings(document))
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _surrogate_place(document: Any, what: str) -> str:
+    """Where the first lone surrogate is, as ``what.key[index]``, for the refusal."""
+    pending: list[tuple[Any, str]] = [(document, what)]
+    while pending:
+        item, where = pending.pop(0)
+        if isinstance(item, str) and _unencodable(item):
+            return where
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if _unencodable(key):
+                    return f"a key of {where}"
+                pending.append((value, f"{where}.{key[:64]}"))
+        elif isinstance(item, list):
+            pending.extend((value, f"{where}[{index}]") for index, value in enumerate(item))
+    return what
 
 
 def _envelope(value: Any, message_type: str) -> dict[str, Any]:

@@ -51,6 +51,10 @@ class SupervisorConfig:
     - ``jobs_dir``: one directory per submitted job (spec and signing secret);
       compute nodes read the job's secret there, so it must be on a
       filesystem they share. Empty: ``<state_dir>/jobs`` (one machine).
+    - ``state_group``: a group of operators who may read the store: the
+      state directory is then 2750 and the store's files 0640 (empty: 0700
+      and 0600; ``supervisor/store/modes.py``; set at every start, whatever
+      the umask).
     - ``listen_host``/``listen_port``: where the API listens (port 0: any).
     - ``url``: how agents and drivers reach the API (empty:
       ``http://<hostname>:<port>``).
@@ -74,6 +78,7 @@ class SupervisorConfig:
 
     state_dir: str = DEFAULT_STATE_DIR
     jobs_dir: str = ""
+    state_group: str = ""
     listen_host: str = "0.0.0.0"
     listen_port: int = DEFAULT_PORT
     url: str = ""

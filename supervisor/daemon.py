@@ -95,6 +95,7 @@ from supervisor.recovery import drain_limit, fast_path_started
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.store import ActionState, Actor, EventSource, LeaseRow, Store
+from supervisor.store.modes import make_private
 from supervisor.stragglers import find_stragglers
 from supervisor.timeline import node_faults
 
@@ -118,8 +119,14 @@ class Supervisor(Intake):
         self.policy = policy
         self.clock = clock
         self.slurm = slurm or SlurmClient(timeout_s=config.slurm_timeout_s)
-        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+        state_dir = Path(config.state_dir)
+        others_search = config.jobs_path.resolve().is_relative_to(state_dir.resolve())
+        # Private before the store exists: nobody else can open it while it is created.
+        make_private(state_dir, config.store_path, group=config.state_group,
+                     others_search=others_search)  # fmt: skip
         self.store = Store.open(config.store_path)
+        make_private(state_dir, config.store_path, group=config.state_group,
+                     others_search=others_search)  # fmt: skip
         self.store.checkpoint_in_background()
         self.executor = Executor(
             self.store,

@@ -13,10 +13,13 @@ import hashlib
 from dataclasses import dataclass
 
 from supervisor.model import Cause, JobState
+from supervisor.text import fragment
 
 # The executor writes this prefix into every drain reason, so an operator (and
 # reconciliation) can tell Resurgo's drains from everybody else's in sinfo.
 DRAIN_REASON_PREFIX = "resurgo:"
+# The evidence after the structured part of a drain reason (what `sinfo -R` shows).
+MAX_DRAIN_DETAIL_CHARS = 160
 
 
 class Severity(enum.Enum):
@@ -41,7 +44,13 @@ class ValidationLevel(enum.Enum):
 
 @dataclass(frozen=True)
 class DrainNode:
-    """Drain ``node`` in Slurm with reason ``resurgo: <cause> job=<id> <reason>``."""
+    """Drain ``node`` in Slurm with reason ``resurgo: <cause> job=<id> <reason>``.
+
+    ``reason`` is the blame's evidence, which quotes what the job's agents
+    reported (a culprit's reason, an error digest): in the Slurm reason it is
+    one line of printable ASCII, at most :data:`MAX_DRAIN_DETAIL_CHARS`
+    characters; the cause and job before it are the supervisor's own.
+    """
 
     job_id: str
     attempt: int
@@ -52,7 +61,8 @@ class DrainNode:
     @property
     def slurm_reason(self) -> str:
         """The reason string for ``scontrol update ... state=drain reason=...``."""
-        return f"{DRAIN_REASON_PREFIX} {self.cause.value} job={self.job_id} {self.reason}".strip()
+        detail = fragment(self.reason, MAX_DRAIN_DETAIL_CHARS)
+        return f"{DRAIN_REASON_PREFIX} {self.cause.value} job={self.job_id} {detail}".strip()
 
     @property
     def action_id(self) -> str:

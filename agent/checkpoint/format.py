@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -195,8 +196,8 @@ def manifest_from_bytes(data: bytes) -> Manifest:
         stats = None
         if stats_doc is not None:
             stats = SaveStats(
-                stall_s=float(stats_doc["stall_s"]),
-                write_s=float(stats_doc["write_s"]),
+                stall_s=_seconds(stats_doc["stall_s"], "stats.stall_s"),
+                write_s=_seconds(stats_doc["write_s"], "stats.write_s"),
                 total_bytes=_non_negative(stats_doc["total_bytes"], "stats.total_bytes"),
                 filesystem=_typed(stats_doc["filesystem"], str, "stats.filesystem"),
                 mode=_typed(stats_doc["mode"], str, "stats.mode"),
@@ -243,6 +244,20 @@ def _non_negative(value: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise CheckpointInvalid(f"{MANIFEST_NAME}: {name} must be an integer >= 0")
     return value
+
+
+def _seconds(value: Any, name: str) -> float:
+    # A JSON number only: float() would also take the strings "nan" and "inf",
+    # and json.loads the constants NaN and Infinity; none is a duration, and a
+    # NaN save cost would poison every interval computed from it.
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise CheckpointInvalid(f"{MANIFEST_NAME}: {name} must be a finite number >= 0")
+    return float(value)
 
 
 def _positive(value: Any, name: str) -> int:

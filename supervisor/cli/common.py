@@ -14,6 +14,7 @@ from typing import Any
 from supervisor.config import DEFAULT_STATE_DIR
 from supervisor.errors import StoreError
 from supervisor.store import Store
+from supervisor.text import one_line
 
 ENV_STATE_DIR = "RESURGO_STATE_DIR"
 ENV_JOBS_DIR = "RESURGO_JOBS_DIR"
@@ -75,8 +76,11 @@ def print_json(document: dict[str, Any]) -> None:
 
 
 def fail(command: str, message: str, status: int = 1) -> int:
-    """One line on stderr saying what to do; returns ``status`` for the caller to exit with."""
-    print(f"resurgo {command}: {message}", file=sys.stderr)
+    """One line on stderr saying what to do; returns ``status`` for the caller to exit with.
+
+    The message may quote another program's output (Slurm's stderr) or stored
+    text: it is written as one line, with visible escapes."""
+    print(f"resurgo {command}: {one_line(message.strip())}", file=sys.stderr)
     return status
 
 
@@ -96,11 +100,24 @@ def jobs_dir(state_dir: str, explicit: str | None) -> Path:
     return Path(chosen) if chosen else Path(state_dir) / "jobs"
 
 
-def open_store(state_dir: str) -> Store:
-    """The supervisor's store, never created here; StoreError saying where to look."""
+def open_store(state_dir: str, *, write: bool = False) -> Store:
+    """The supervisor's store, never created here; StoreError saying where to look.
+
+    Read-only unless ``write`` and this user may write it (``store.read_only``
+    tells which): a view never writes, and a user who may only read the store
+    (an operator in the supervisor's ``state_group``) can still use every view.
+    """
     path = Path(state_dir) / "resurgo.db"
-    if not path.exists():
+    try:
+        if not path.exists():
+            raise StoreError(
+                f"no Resurgo store at {path}: pass the supervisor's --state-dir or set "
+                f"{ENV_STATE_DIR}"
+            )
+        writable = write and all(os.access(p, os.W_OK) for p in (path, path.parent))
+        return Store.open(path, create=False, read_only=not writable)
+    except PermissionError as error:
         raise StoreError(
-            f"no Resurgo store at {path}: pass the supervisor's --state-dir or set {ENV_STATE_DIR}"
-        )
-    return Store.open(path, create=False)
+            f"cannot read the store at {path} ({error.strerror}): run as the supervisor's "
+            "user, or as a member of its state_group"
+        ) from error

@@ -17,6 +17,7 @@ from typing import Any
 from supervisor import views
 from supervisor.cli.common import add_state_dir, fail, open_store, print_json
 from supervisor.errors import StoreError
+from supervisor.text import one_line
 
 
 def register(subparsers: Any) -> None:
@@ -60,20 +61,30 @@ def render(document: dict[str, Any], *, full_stacks: bool) -> str:
         stamp = _stamp(entry["time_s"])
         where = entry["node"] or "-"
         what = entry["kind"] if entry["type"] == "event" else f"{entry['type']} {entry['kind']}"
-        cause = f" [{entry['cause']}]" if entry.get("cause") not in (None, "none") else ""
+        cause = f" [{one_line(entry['cause'])}]" if entry.get("cause") not in (None, "none") else ""
+        summary = one_line(str(entry["summary"]))
         again = f" ({count} times, the last at {_stamp(last_s)[11:]})" if count > 1 else ""
-        lines.append(f"{stamp}  {what:<28} {where:<8} {entry['summary']}{cause}{again}")
-        for rank, text in sorted(entry["stacks"].items(), key=lambda item: int(item[0])):
-            stack = text.strip().splitlines()
+        lines.append(f"{stamp}  {one_line(what):<28} {one_line(where):<8} {summary}{cause}{again}")
+        for rank, text in sorted(entry["stacks"].items(), key=_rank_order):
+            # Only "\n" splits a dump; every other control character is shown escaped.
+            stack = [one_line(line) for line in text.strip().split("\n")] if text.strip() else []
             if full_stacks:
-                lines.append(f"    rank {rank} stack:")
+                lines.append(f"    rank {one_line(rank)} stack:")
                 lines.extend(f"      {line}" for line in stack)
             else:
                 top = stack[-1].strip() if stack else ""
-                lines.append(f"    rank {rank}: {len(stack)} lines, innermost: {top[:100]}")
+                lines.append(
+                    f"    rank {one_line(rank)}: {len(stack)} lines, innermost: {top[:100]}"
+                )
     if not full_stacks and any(entry["stacks"] for entry in document["entries"]):
         lines.append("(stack dumps collapsed: --stacks prints them in full)")
     return "\n".join(lines) if lines else f"job {document['job_id']}: no events yet"
+
+
+def _rank_order(item: tuple[str, str]) -> tuple[int, str]:
+    # Ranks are decimal strings; a stored row from before strict decoding may not be.
+    rank = item[0]
+    return (int(rank), rank) if rank.isdecimal() and rank.isascii() else (-1, rank)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,12 +8,14 @@ exit status. Exit status 2 is reserved for usage errors, as in argparse.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import sys
 from collections.abc import Sequence
 
 from supervisor import __version__
 from supervisor.cli import ckpt, events, interval, nodes, report, simulate, status, store, submit
+from supervisor.logs import TextFormatter
 
 SUBCOMMANDS = (submit, status, events, nodes, report, store, ckpt, interval, simulate)
 
@@ -36,7 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``resurgo`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    logging.basicConfig(level=logging.WARNING, format="resurgo: %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(TextFormatter("resurgo: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    # The views escape stored text themselves; this is for anything they do not
+    # reach: a lone surrogate never ends a command in UnicodeEncodeError.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["submit"]:
         # sbatch's options pass through untouched: submit parses its own words.

@@ -24,6 +24,7 @@ from supervisor.errors import SlurmCommandFailed, SlurmError, StoreError
 from supervisor.policy import Policy
 from supervisor.slurm import SlurmClient
 from supervisor.store import Actor, Store
+from supervisor.text import one_line
 
 # What scontrol prints when slurmctld refuses a caller without operator
 # rights (22.05: "Invalid user id" for a uid it does not know,
@@ -63,7 +64,12 @@ def render(document: dict[str, Any], now_s: float) -> str:
     if not document["slurm_answered"]:
         lines.append("warning: Slurm did not answer; showing the supervisor's records only")
     drained = [
-        [d["node"], d["slurm_state"] or "?", "resurgo" if d["by_resurgo"] else "other", d["reason"]]
+        [
+            one_line(d["node"]),
+            one_line(d["slurm_state"] or "?"),
+            "resurgo" if d["by_resurgo"] else "other",
+            one_line(d["reason"]),
+        ]
         for d in document["drained"]
     ]
     lines.append(
@@ -79,14 +85,15 @@ def render(document: dict[str, Any], now_s: float) -> str:
                     back = ", undone outside Resurgo"
                 if row["withdrawn_s"] is not None:
                     back += f", verdict withdrawn {duration(now_s - row['withdrawn_s'])} ago"
-                lines.append(
+                lines.append(one_line(
                     f"  {node}: {duration(now_s - row['drained_s'])} ago, {row['cause']} "
                     f"(job {row['job_id']}, by {row['by']}{back})"
-                )
+                ))  # fmt: skip
     lemons = document["lemons"]
     lines.append("")
     lines.append(
-        "lemons: " + (", ".join(f"{x['node']} ({x['drains']} drains)" for x in lemons) or "none")
+        "lemons: "
+        + (one_line(", ".join(f"{x['node']} ({x['drains']} drains)" for x in lemons)) or "none")
     )
     return "\n".join(lines)
 
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if args.wrong and args.action != "undrain":
         return fail("nodes", "--wrong goes with undrain: resurgo nodes undrain NODE --wrong", 2)
     try:
-        store = open_store(args.state_dir)
+        store = open_store(args.state_dir, write=args.action is not None)
     except StoreError as error:
         return fail("nodes", str(error))
     except (OSError, sqlite3.Error) as error:
@@ -108,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "undrain":
             return undrain(store, slurm, args.node, wrong=args.wrong)
         if args.action == "forgive":
+            if store.read_only:
+                return fail("nodes", f"could not forgive {args.node}: {_read_only(store)}")
             withdrawn = store.withdraw_blames(args.node, now_s=time.time())
             print(
                 f"{args.node}: {withdrawn} verdict(s) withdrawn; they no longer count towards "
@@ -137,7 +146,9 @@ def undrain(store: Store, slurm: SlurmClient, node: str, *, wrong: bool) -> int:
         if node not in known:
             return fail("nodes", f"Slurm has no node {node}; see sinfo")
         if not known[node].drained:
-            closed = store.record_undrain(node, now_s=time.time(), by=Actor.OPERATOR)
+            closed = not store.read_only and store.record_undrain(
+                node, now_s=time.time(), by=Actor.OPERATOR
+            )
             note = " (Resurgo's record of its drain closed)" if closed else ""
             state = known[node].state_text
             print(f"{node} is not drained (Slurm state {state}): nothing to undrain{note}")
@@ -153,12 +164,26 @@ def undrain(store: Store, slurm: SlurmClient, node: str, *, wrong: bool) -> int:
         return fail("nodes", f"could not undrain {node}: {error}")
     except SlurmError as error:
         return fail("nodes", f"could not undrain {node}: {error}")
+    if store.read_only:
+        return fail(
+            "nodes",
+            f"{node} returned to service, but Resurgo's audit does not show it: "
+            + _read_only(store),
+        )
     store.record_undrain(node, now_s=time.time(), by=Actor.OPERATOR)
     print(f"{node} returned to service")
     return _withdraw(store, node) if wrong else 0
 
 
+def _read_only(store: Store) -> str:
+    return (
+        f"this user may not write the store {store.path}; run it as the supervisor's user (or root)"
+    )
+
+
 def _withdraw(store: Store, node: str) -> int:
+    if store.read_only:
+        return fail("nodes", f"could not withdraw the verdicts on {node}: {_read_only(store)}")
     withdrawn = store.withdraw_blames(node, now_s=time.time())
     print(f"{node}: {withdrawn} verdict(s) withdrawn; they no longer count towards lemon status")
     return 0

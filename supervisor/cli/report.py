@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
             )
         text = render(store, args.job)
     try:
-        args.output.write_text(text)
+        # A lone surrogate stored from a request before strict decoding stays visible.
+        args.output.write_text(text, encoding="utf-8", errors="backslashreplace")
     except OSError as error:
         return fail("report", f"cannot write {args.output}: {error.strerror}")
     print(f"report for job {args.job} written to {args.output}")

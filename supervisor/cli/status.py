@@ -16,6 +16,7 @@ from typing import Any
 from supervisor import views
 from supervisor.cli.common import add_state_dir, duration, fail, open_store, print_json, table
 from supervisor.errors import StoreError
+from supervisor.text import one_line
 
 HEADERS = ("JOB", "NAME", "STATE", "NODES", "RESTARTS", "GOODPUT", "CHECKPOINT", "DRAINED")
 
@@ -39,14 +40,14 @@ def row_cells(job: dict[str, Any]) -> list[str]:
     restarts = ", ".join(f"{cause} {count}" for cause, count in sorted(job["restarts"].items()))
     checkpoint = job["last_checkpoint"]
     return [
-        job["job_id"],
-        job["name"],
-        job["state"] + (f" ({job['final_reason'][:60]})" if job["final_reason"] else ""),
+        one_line(job["job_id"]),
+        one_line(job["name"]),
+        job["state"] + (f" ({one_line(job['final_reason'][:60])})" if job["final_reason"] else ""),
         f"{size if size is not None else '-'}/{job['original_nodes']}",
         restarts or "-",
         f"{job['goodput'] * 100:.1f}%",
         "-" if checkpoint is None else _checkpoint_cell(checkpoint),
-        ",".join(job["drained_nodes"]) or "-",
+        one_line(",".join(job["drained_nodes"])) or "-",
     ]
 
 
@@ -86,7 +87,7 @@ def _checkpoint_cell(checkpoint: dict[str, Any]) -> str:
     """Step and age; a script's own file by its name (its step as counted, if known)."""
     age = f"{duration(checkpoint['age_s'])} ago"
     if checkpoint.get("kind") == "torch.save":
-        name = str(checkpoint["path"]).rsplit("/", 1)[-1]
+        name = one_line(str(checkpoint["path"]).rsplit("/", 1)[-1])
         step = checkpoint.get("step")
         return f"{name} (step {step}, {age})" if step is not None else f"{name} ({age})"
     return f"{checkpoint['step']} ({age})"

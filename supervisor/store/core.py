@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -62,6 +63,8 @@ class StoreCore:
         # job -> node -> lease; leases new or of a new incarnation since the last flush
         self._leases: dict[str, dict[str, LeaseRow]] = {}
         self._unwritten_leases: set[tuple[str, str]] = set()
+        # Set by open(read_only=True): nothing is written, closing included.
+        self.read_only = False
         for row in db.execute("SELECT job_id, node, incarnation, last_seen_s FROM leases"):
             self._leases.setdefault(row[0], {})[row[1]] = LeaseRow(*row)
 
@@ -71,6 +74,7 @@ class StoreCore:
         path: str | Path,
         *,
         create: bool = True,
+        read_only: bool = False,
         busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
     ) -> _S:
         """Open (or create) the store at ``path``: check it, migrate it, switch to WAL.
@@ -81,7 +85,14 @@ class StoreCore:
         connection (or before anything writes). A newer schema raises
         ``StoreSchemaError``; an older one is backed up next to the file and
         migrated.
+
+        ``read_only`` is for readers that may not write the store (the CLI's
+        views, an operator in ``state_group``): the file must exist and have
+        this version's schema, nothing is migrated, and :meth:`close` writes
+        nothing (the leases stay as the supervisor flushed them).
         """
+        if read_only:
+            return cls._open_read_only(Path(path), busy_timeout_s)
         path = Path(path)
         log = wal.wal_path(path)
         existed = path.exists()
@@ -134,13 +145,59 @@ class StoreCore:
             raise
         return cls(db, path)
 
+    @classmethod
+    def _open_read_only(cls: type[_S], path: Path, busy_timeout_s: float) -> _S:
+        if not path.exists():
+            raise StoreMissing(f"store {path} does not exist; check the configured path")
+        schema.check_header(path)
+        wal.check_wal(path, schema.RESTORE_HINT)
+        options = "mode=ro"
+        if not wal.wal_path(path).exists() and not os.access(path.parent, os.W_OK):
+            # No log (the supervisor closed the store cleanly) and no right to
+            # create the shared-memory file SQLite wants before reading a WAL
+            # database: read the file as it stands. Should the supervisor start
+            # and write meanwhile, this one command may see a torn read.
+            options += "&immutable=1"
+        try:
+            db = sqlite3.connect(
+                f"{path.resolve().as_uri()}?{options}",
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=busy_timeout_s,
+            )
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot open store {path} to read: {error}") from error
+        try:
+            with _refusing_damage(path):
+                db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+                _check_existing(db, path)
+                version = schema.stored_version(db, path)
+                if version != schema.SCHEMA_VERSION:
+                    raise StoreError(
+                        f"store {path} has schema version {version}, this Resurgo reads "
+                        f"{schema.SCHEMA_VERSION}: run the Resurgo version the supervisor "
+                        "runs (the supervisor migrates the store when it starts)"
+                    )
+            store = cls(db, path)
+        except BaseException:
+            db.close()
+            raise
+        store.read_only = True
+        return store
+
     @locked
     def close(self) -> None:
-        """Write every lease out and close; the store is unusable afterwards (twice is fine)."""
+        """Write every lease out and close; the store is unusable afterwards (twice is fine).
+
+        A store opened read-only only closes."""
         with self._checkpoint_lock:
             if self._checkpointer is not None:
                 self._checkpointer.close()
                 self._checkpointer = None
+        if self.read_only:
+            self._db.close()
+            return
         try:
             self.flush_leases(renewals=True)
         except sqlite3.ProgrammingError:
@@ -259,7 +316,8 @@ class StoreCore:
             raise StoreError("backup() inside a transaction: call it after the block ends")
         if dest.resolve() == self.path.resolve():
             raise StoreError(f"backup destination {dest} is the store itself; pick another path")
-        self.flush_leases(renewals=True)
+        if not self.read_only:
+            self.flush_leases(renewals=True)
         schema.copy_database(self._db, dest)
 
     # ------------------------------------------------------------------

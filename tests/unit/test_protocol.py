@@ -113,6 +113,9 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
     },
     EventKind.AGENT_STOPPED: {"reason": "SIGTERM from Slurm"},
     EventKind.TIME_LIMIT_NEAR: {"end_unix_s": 1.7e9, "save_by_unix_s": 1.7e9 - 60, "attempt": 1},
+    EventKind.WORLD_MISMATCH: {
+        "global_rank": 0, "pid": 4242, "world_size": 1, "local_world_size": 1, "nnodes": 4,
+    },
     EventKind.STEP_LOSSES: {
         "global_rank": 0,
         "steps": [

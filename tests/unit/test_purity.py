@@ -40,6 +40,7 @@ PURE_MODULES = (
     "supervisor/simulate.py",
     "supervisor/stragglers.py",
     "supervisor/store/rows.py",
+    "supervisor/text.py",
     "agent/steps.py",
 )
 # Project modules a pure module may import although they are not pure
