@@ -108,8 +108,10 @@ def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
     assert drained(supervisor, job_id) == []
     assert len(attempts(supervisor, job_id)) == 1
     assert "held" in supervisor.log(), "the save never kept the peers waiting long enough"
-    # The checkpoint column shows the script's own newest file.
-    newest = status(supervisor, job_id)["last_checkpoint"]
+    # Goodput from the observed steps, and the script's own newest file as the checkpoint.
+    shown_job = status(supervisor, job_id)
+    assert shown_job["goodput"] > 0, shown_job
+    newest = shown_job["last_checkpoint"]
     assert newest["kind"] == "torch.save" and newest["step"] == ITERS, newest
     assert newest["path"] == str(tmp_path / "out" / "ckpt.pt"), newest
     shown = supervisor.resurgo("status", str(job_id))
