@@ -45,7 +45,8 @@ import importlib.machinery
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -58,6 +59,9 @@ OFF = frozenset({"0", "no", "off", "false"})
 # Keys under which public training scripts keep their step in a checkpoint dict.
 STEP_KEYS = ("iter_num", "global_step", "step", "iteration", "iter", "steps")
 DCP_MODULE = "torch.distributed.checkpoint"
+DCP_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
+# Never an object's id(): steps of any optimizer are not counted while it is set.
+_NO_OPTIMIZER = 0
 # The end of a checkpoint directory's name that names its step: torchtitan's
 # step-120, Hugging Face's checkpoint-120, DeepSpeed's global_step120.
 _STEP_IN_NAME = re.compile(r"(?:step|checkpoint|iter)[-_]?(\d+)$")
@@ -97,6 +101,9 @@ class AutoProgress:
         self.step = 0
         self._optimizer: int | None = None
         self._handle: Any = None
+        # The thread that trains (of the first counted step) and whether it is in a save.
+        self._trainer = threading.main_thread().ident
+        self._saving = False
         root = os.environ.get(ENV_CKPT_ROOT)
         self._root = os.path.join(os.path.abspath(root), "") if root else None
 
@@ -114,6 +121,7 @@ class AutoProgress:
                 return
             if self._optimizer is None:
                 self._optimizer = id(optimizer)
+                self._trainer = threading.get_ident()
             elif id(optimizer) != self._optimizer:
                 return
             self.step += 1
@@ -136,12 +144,27 @@ class AutoProgress:
         def saving(*args: Any, **kwargs: Any) -> Any:
             if self.standing_down:
                 return save(*args, **kwargs)
-            with self.beats.phase(Phase.CHECKPOINT):
+            with self.checkpointing():
                 result = save(*args, **kwargs)
             self.saved(args[1] if len(args) > 1 else kwargs.get("f"))
             return result
 
         return saving
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Phase checkpoint around a save the training loop waits for: on the training
+        thread, outermost only. DCP writes its non-tensor items with ``torch.save``, and
+        ``async_save`` writes on a thread of its own while training goes on."""
+        if self._saving or threading.get_ident() != self._trainer:
+            yield
+            return
+        self._saving = True
+        try:
+            with self.beats.phase(Phase.CHECKPOINT):
+                yield
+        finally:
+            self._saving = False
 
     def saved(self, target: object) -> None:
         """Note a file the script saved under the job's checkpoint root (any file when
@@ -164,7 +187,7 @@ class AutoProgress:
         def saving(*args: Any, **kwargs: Any) -> Any:
             if self.standing_down:
                 return save(*args, **kwargs)
-            with self.beats.phase(Phase.CHECKPOINT):
+            with self.checkpointing():
                 result = save(*args, **kwargs)
             note = self.dcp_note(args, kwargs)
             if note is not None:
@@ -180,7 +203,7 @@ class AutoProgress:
                 return async_save(*args, **kwargs)
             # Phase checkpoint covers the staging the call blocks on; the upload
             # runs behind the next steps, which beat as usual.
-            with self.beats.phase(Phase.CHECKPOINT):
+            with self.checkpointing():
                 result = async_save(*args, **kwargs)
             note = self.dcp_note(args, kwargs)  # the step as staged, not as it is later
             if note is not None:
@@ -229,6 +252,25 @@ class AutoProgress:
 
         return loading
 
+    def wrap_init_optim_state(self, init: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(init)
+        def initializing(*args: Any, **kwargs: Any) -> Any:
+            # get_state_dict creates a fresh optimizer's state with one step at lr 0
+            # and zero grads: not a training step. Costs the step hook nothing.
+            first, self._optimizer = self._optimizer, _NO_OPTIMIZER
+            try:
+                return init(*args, **kwargs)
+            finally:
+                self._optimizer = first
+
+        return initializing
+
+    def attach_dcp_state_dict(self, state_dict: ModuleType) -> None:
+        """Hook into ``torch.distributed.checkpoint.state_dict`` (``get_state_dict``)."""
+        name = "_init_optim_state"
+        with contextlib.suppress(Exception):
+            setattr(state_dict, name, self.wrap_init_optim_state(getattr(state_dict, name)))
+
     def attach_dcp(self, dcp: ModuleType) -> None:
         """Hook into an imported ``torch.distributed.checkpoint``: its package-level names
         only, which scripts call; ``async_save`` calls the defining module's ``save``
@@ -240,6 +282,7 @@ class AutoProgress:
         ):
             with contextlib.suppress(Exception):
                 setattr(dcp, name, wrap(getattr(dcp, name)))
+        _after_import(DCP_STATE_DICT_MODULE, self.attach_dcp_state_dict)
 
     def wrap_load(self, load: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(load)
@@ -279,10 +322,15 @@ class AutoProgress:
         ):
             with contextlib.suppress(Exception):
                 setattr(owner, name, wrap(getattr(owner, name)))
-        if DCP_MODULE in sys.modules:
-            self.attach_dcp(sys.modules[DCP_MODULE])
-        else:
-            sys.meta_path.insert(0, _AfterImport(DCP_MODULE, self.attach_dcp))
+        _after_import(DCP_MODULE, self.attach_dcp)
+
+
+def _after_import(name: str, then: Callable[[ModuleType], None]) -> None:
+    """Call ``then`` on module ``name`` now if it is imported, else once it is."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, then))
 
 
 def _coordinates(kwargs: dict[str, Any]) -> bool:
@@ -352,9 +400,6 @@ def install(environ: dict[str, str] | os._Environ[str] | None = None) -> AutoPro
     if _installed is not None or not enabled(env):
         return _installed
     progress = AutoProgress(Heartbeat.from_env(env, automatic=True))
-    if "torch" in sys.modules:
-        progress.attach(sys.modules["torch"])
-    else:
-        sys.meta_path.insert(0, _AfterImport("torch", progress.attach))
+    _after_import("torch", progress.attach)
     _installed = progress
     return progress
