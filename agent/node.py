@@ -52,7 +52,7 @@ from agent.procs import RankExit, RankProcess, RankWatcher, pid_alive
 from agent.steps import StepBuffer
 from agent.stopfiles import clear_save_request, held_ranks, read_notice, write_save_request
 from agent.timelimit import Notice
-from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
+from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, StepReport, parse_datagram
 from agent.train.schedule import CheckpointInterval, format_override
 from agent.watch import RankMonitor
 
@@ -143,6 +143,9 @@ class NodeAgent:
         self._watcher: RankWatcher | None = None
         self._plan: LaunchPlan | None = None
         self._world_reported = False
+        # A rank's save in progress (monotonic start) and its last save's seconds.
+        self._saving_since: dict[int, float] = {}
+        self._save_seconds: dict[int, float] = {}
         self._stopping = False
         self._stop_task: asyncio.Task[None] | None = None
         self._exits: dict[int, RankExit] = {}
@@ -406,6 +409,7 @@ class NodeAgent:
                 if adopted is not None:
                     self._check_world([adopted])
             if isinstance(message, RankBeat):
+                self._track_save(message)
                 self.monitor.on_beat(message, self._clocks.monotonic())
             elif isinstance(message, StepReport):
                 # A finished step is progress too: the report doubles as a beat.
@@ -425,7 +429,25 @@ class NodeAgent:
                 if message.automatic:
                     kind = protocol.EventKind.CHECKPOINT_WRITTEN
                     note["total_bytes"] = _size_of(message.path)
+                    note["duration_s"] = self._save_took(message.rank)
                 asyncio.get_running_loop().create_task(self.events.emit(kind, note))
+
+    def _track_save(self, beat: RankBeat) -> None:
+        """How long a rank's last save took: from its first beat in phase checkpoint
+        to its first beat out of it (a script that imports nothing: the bootstrap beats
+        around torch.save and DCP saves)."""
+        now = self._clocks.monotonic()
+        if beat.phase is Phase.CHECKPOINT:
+            self._saving_since.setdefault(beat.rank, now)
+        elif (since := self._saving_since.pop(beat.rank, None)) is not None:
+            self._save_seconds[beat.rank] = now - since
+
+    def _save_took(self, rank: int) -> float | None:
+        """Seconds the save a note reports took (None: no checkpoint phase was seen)."""
+        took = self._save_seconds.pop(rank, None)
+        if took is None and (since := self._saving_since.get(rank)) is not None:
+            took = self._clocks.monotonic() - since  # the note came before the phase ended
+        return None if took is None else round(took, 3)
 
     # -- rank exits ------------------------------------------------------------
 
@@ -675,9 +697,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _size_of(path: str) -> int | None:
-    """A written file's size; None when it cannot be read (moved, or another user's)."""
+    """A written file's size, or the bytes of every file in a written directory (a DCP
+    save); None when it cannot be read (moved, or another user's)."""
     try:
-        return os.stat(path).st_size
+        found = os.stat(path)
+        if not stat.S_ISDIR(found.st_mode):
+            return found.st_size
+        total = 0
+        for root, _, names in os.walk(path):
+            for name in names:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(root, name)).st_size
+        return total
     except OSError:
         return None
 

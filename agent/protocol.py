@@ -1154,6 +1154,8 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("path", _str),
         _Spec("global_rank", _int),
         _Spec("total_bytes", _nullable(_int)),
+        # Seconds from the rank's first beat in phase checkpoint to its first out of it.
+        _Spec("duration_s", _nullable(_float), required=False),
     ),
     EventKind.RANKS_STOPPED: (
         _Spec("reason", _str),

@@ -9,6 +9,7 @@ rendered from the same documents by the CLI.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import PurePosixPath
 from typing import Any
 
 from supervisor.model import at_step
@@ -58,17 +59,28 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
 
 
 def _newest_written(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None:
-    """The newest file a script that imports nothing saved itself (``checkpoint_written``)."""
+    """The newest checkpoint a script that imports nothing saved itself
+    (``checkpoint_written``): a ``torch.save`` file or a DCP directory."""
     events = store.events_for(job_id, kinds=["checkpoint_written"])
     if not events:
         return None
     newest = events[-1]  # stored in the order they came
+    path = newest.payload.get("path")
     return {
         "step": newest.payload.get("step"),
-        "path": newest.payload.get("path"),
+        "path": path,
         "age_s": round(now_s - newest.time_s, 1),
-        "kind": "torch.save",
+        "kind": written_kind(path),
     }
+
+
+def written_kind(path: object) -> str:
+    """``"dcp"`` for a script's checkpoint path that names a directory, ``"torch.save"`` for a
+    file. The note carries only the path, and the store is all a view reads: a DCP
+    save names a directory (torchtitan's ``step-120``), a torch.save a file with a
+    suffix (``ckpt.pt``), so the last part's suffix tells them apart."""
+    name = PurePosixPath(path).name if isinstance(path, str) else ""
+    return "dcp" if name and not PurePosixPath(name).suffix else "torch.save"
 
 
 def status(store: Store, job_ids: Sequence[str], now_s: float) -> dict[str, Any]:

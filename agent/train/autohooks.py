@@ -16,7 +16,15 @@ for ``import torch`` to finish, and then
   ``resurgo status`` shows it); ``torch.load``: a checkpoint dict with an integer under one of
   :data:`STEP_KEYS` (nanoGPT's ``iter_num``, ``step``, ``global_step``, ...)
   says where the script resumes, so the count goes on from there;
-- wraps ``torch.nn.Module.train``: a model put in eval mode is phase eval.
+- wraps ``torch.nn.Module.train``: a model put in eval mode is phase eval;
+- when the script imports ``torch.distributed.checkpoint`` (DCP; never
+  imported here first: it costs seconds), wraps its ``save`` and
+  ``async_save`` (phase checkpoint while the call blocks) and ``load``. A save
+  into a directory under the checkpoint root is noted by the coordinator
+  (rank 0 of the save's group) once it is complete (for ``async_save``, when
+  its upload finishes), with the step the state dict names (:data:`STEP_KEYS`)
+  or the directory's name names (torchtitan's ``step-120``); a ``dcp.load``
+  that fills in such a step key continues the count, as ``torch.load`` does.
 
 These beats carry the automatic flag: the agent reports such a rank as hung
 only when a native-aware stack confirms that a local rank waits in a
@@ -35,8 +43,10 @@ import functools
 import importlib.abc
 import importlib.machinery
 import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -48,6 +58,13 @@ ENV_AUTO_PROGRESS = "RESURGO_AUTO_PROGRESS"
 OFF = frozenset({"0", "no", "off", "false"})
 # Keys under which public training scripts keep their step in a checkpoint dict.
 STEP_KEYS = ("iter_num", "global_step", "step", "iteration", "iter", "steps")
+DCP_MODULE = "torch.distributed.checkpoint"
+DCP_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
+# Never an object's id(): steps of any optimizer are not counted while it is set.
+_NO_OPTIMIZER = 0
+# The end of a checkpoint directory's name that names its step: torchtitan's
+# step-120, Hugging Face's checkpoint-120, DeepSpeed's global_step120.
+_STEP_IN_NAME = re.compile(r"(?:step|checkpoint|iter)[-_]?(\d+)$")
 
 
 def step_named(state: object) -> int | None:
@@ -59,6 +76,12 @@ def step_named(state: object) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
     return None
+
+
+def step_in_name(path: str) -> int | None:
+    """The step a checkpoint directory's name ends with (``step-120``), None: none."""
+    match = _STEP_IN_NAME.search(os.path.basename(path.rstrip(os.sep)))
+    return int(match.group(1)) if match else None
 
 
 def enabled(environ: dict[str, str] | os._Environ[str]) -> bool:
@@ -78,6 +101,9 @@ class AutoProgress:
         self.step = 0
         self._optimizer: int | None = None
         self._handle: Any = None
+        # The thread that trains (of the first counted step) and whether it is in a save.
+        self._trainer = threading.main_thread().ident
+        self._saving = False
         root = os.environ.get(ENV_CKPT_ROOT)
         self._root = os.path.join(os.path.abspath(root), "") if root else None
 
@@ -95,6 +121,7 @@ class AutoProgress:
                 return
             if self._optimizer is None:
                 self._optimizer = id(optimizer)
+                self._trainer = threading.get_ident()
             elif id(optimizer) != self._optimizer:
                 return
             self.step += 1
@@ -117,12 +144,27 @@ class AutoProgress:
         def saving(*args: Any, **kwargs: Any) -> Any:
             if self.standing_down:
                 return save(*args, **kwargs)
-            with self.beats.phase(Phase.CHECKPOINT):
+            with self.checkpointing():
                 result = save(*args, **kwargs)
             self.saved(args[1] if len(args) > 1 else kwargs.get("f"))
             return result
 
         return saving
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Phase checkpoint around a save the training loop waits for: on the training
+        thread, outermost only. DCP writes its non-tensor items with ``torch.save``, and
+        ``async_save`` writes on a thread of its own while training goes on."""
+        if self._saving or threading.get_ident() != self._trainer:
+            yield
+            return
+        self._saving = True
+        try:
+            with self.beats.phase(Phase.CHECKPOINT):
+                yield
+        finally:
+            self._saving = False
 
     def saved(self, target: object) -> None:
         """Note a file the script saved under the job's checkpoint root (any file when
@@ -131,10 +173,116 @@ class AutoProgress:
             if not isinstance(target, str | os.PathLike):
                 return
             path = _final_name(os.path.abspath(os.fspath(target)))
-            if self._root is None or path.startswith(self._root):
+            if self._under_root(path):
                 self.beats.file_written(path)
         except Exception:
             pass
+
+    def _under_root(self, path: str) -> bool:
+        """Whether ``path`` lies under the checkpoint root (anything does when it is unknown)."""
+        return self._root is None or os.path.join(path, "").startswith(self._root)
+
+    def wrap_dcp_save(self, save: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(save)
+        def saving(*args: Any, **kwargs: Any) -> Any:
+            if self.standing_down:
+                return save(*args, **kwargs)
+            with self.checkpointing():
+                result = save(*args, **kwargs)
+            note = self.dcp_note(args, kwargs)
+            if note is not None:
+                self.beats.file_written(*note)
+            return result
+
+        return saving
+
+    def wrap_dcp_async_save(self, async_save: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(async_save)
+        def saving(*args: Any, **kwargs: Any) -> Any:
+            if self.standing_down:
+                return async_save(*args, **kwargs)
+            # Phase checkpoint covers the staging the call blocks on; the upload
+            # runs behind the next steps, which beat as usual.
+            with self.checkpointing():
+                result = async_save(*args, **kwargs)
+            note = self.dcp_note(args, kwargs)  # the step as staged, not as it is later
+            if note is not None:
+                with contextlib.suppress(Exception):
+                    # A Future, or (with an async_stager) an AsyncSaveResponse.
+                    upload = getattr(result, "upload_completion", result)
+                    upload.add_done_callback(lambda done: self._uploaded(done, note))
+            return result
+
+        return saving
+
+    def _uploaded(self, done: Any, note: tuple[str, int]) -> None:
+        """The upload future's callback (DCP's writer thread): a failed save is no checkpoint."""
+        with contextlib.suppress(Exception):
+            if not done.cancelled() and done.exception() is None:
+                self.beats.file_written(*note)
+
+    def dcp_note(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, int] | None:
+        """What to note of a DCP save called with ``args``/``kwargs``: its directory and step,
+        or None when it is not this rank's to note (not the coordinator, not under the root,
+        not a local directory). Looks at the call only: no I/O, no collective."""
+        try:
+            target = kwargs.get("checkpoint_id")
+            if target is None:  # FileSystemWriter(path) keeps it as .path
+                target = getattr(kwargs.get("storage_writer"), "path", None)
+            if not isinstance(target, str | os.PathLike) or "://" in os.fspath(target):
+                return None
+            path = os.path.abspath(os.fspath(target))
+            if not self._under_root(path) or not _coordinates(kwargs):
+                return None
+            step = step_named(args[0] if args else kwargs.get("state_dict"))
+            if step is None:
+                step = step_in_name(path)
+            return path, self.step if step is None else step
+        except Exception:
+            return None
+
+    def wrap_dcp_load(self, load: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(load)
+        def loading(*args: Any, **kwargs: Any) -> Any:
+            result = load(*args, **kwargs)
+            # DCP loads in place: a step key the script left as a placeholder now
+            # holds the saved step.
+            self.resumed_at(args[0] if args else kwargs.get("state_dict"))
+            return result
+
+        return loading
+
+    def wrap_init_optim_state(self, init: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(init)
+        def initializing(*args: Any, **kwargs: Any) -> Any:
+            # get_state_dict creates a fresh optimizer's state with one step at lr 0
+            # and zero grads: not a training step. Costs the step hook nothing.
+            first, self._optimizer = self._optimizer, _NO_OPTIMIZER
+            try:
+                return init(*args, **kwargs)
+            finally:
+                self._optimizer = first
+
+        return initializing
+
+    def attach_dcp_state_dict(self, state_dict: ModuleType) -> None:
+        """Hook into ``torch.distributed.checkpoint.state_dict`` (``get_state_dict``)."""
+        name = "_init_optim_state"
+        with contextlib.suppress(Exception):
+            setattr(state_dict, name, self.wrap_init_optim_state(getattr(state_dict, name)))
+
+    def attach_dcp(self, dcp: ModuleType) -> None:
+        """Hook into an imported ``torch.distributed.checkpoint``: its package-level names
+        only, which scripts call; ``async_save`` calls the defining module's ``save``
+        itself, and that one must stay unwrapped (no second phase, no second note)."""
+        for name, wrap in (
+            ("save", self.wrap_dcp_save),
+            ("async_save", self.wrap_dcp_async_save),
+            ("load", self.wrap_dcp_load),
+        ):
+            with contextlib.suppress(Exception):
+                setattr(dcp, name, wrap(getattr(dcp, name)))
+        _after_import(DCP_STATE_DICT_MODULE, self.attach_dcp_state_dict)
 
     def wrap_load(self, load: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(load)
@@ -174,6 +322,26 @@ class AutoProgress:
         ):
             with contextlib.suppress(Exception):
                 setattr(owner, name, wrap(getattr(owner, name)))
+        _after_import(DCP_MODULE, self.attach_dcp)
+
+
+def _after_import(name: str, then: Callable[[ModuleType], None]) -> None:
+    """Call ``then`` on module ``name`` now if it is imported, else once it is."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+def _coordinates(kwargs: dict[str, Any]) -> bool:
+    """Whether this rank is the coordinator of the DCP save called with ``kwargs`` (rank 0
+    of its process group; every process when it saves alone)."""
+    dist = sys.modules.get("torch.distributed")
+    if kwargs.get("no_dist") or dist is None:
+        return True
+    if not dist.is_available() or not dist.is_initialized():
+        return True
+    return bool(dist.get_rank(kwargs.get("process_group")) == 0)
 
 
 # Written under a temporary name, then renamed (the atomic-save pattern): the
@@ -218,7 +386,8 @@ class _ThenLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        self._then(module)
+        with contextlib.suppress(Exception):  # the script's import succeeds whatever happens
+            self._then(module)
 
 
 _installed: AutoProgress | None = None
@@ -231,9 +400,6 @@ def install(environ: dict[str, str] | os._Environ[str] | None = None) -> AutoPro
     if _installed is not None or not enabled(env):
         return _installed
     progress = AutoProgress(Heartbeat.from_env(env, automatic=True))
-    if "torch" in sys.modules:
-        progress.attach(sys.modules["torch"])
-    else:
-        sys.meta_path.insert(0, _AfterImport("torch", progress.attach))
+    _after_import("torch", progress.attach)
     _installed = progress
     return progress

@@ -503,10 +503,11 @@ class Heartbeat:
         """Tell the agent a checkpoint of ``step`` committed at ``path``; never raises."""
         self._checkpoint_note(step, path, automatic=False)
 
-    def file_written(self, path: str | os.PathLike[str]) -> None:
-        """Tell the agent the script wrote checkpoint file ``path`` at the current step
-        (the bootstrap's note of a ``torch.save``); never raises."""
-        self._checkpoint_note(self._step, path, automatic=True)
+    def file_written(self, path: str | os.PathLike[str], step: int | None = None) -> None:
+        """Tell the agent the script wrote checkpoint ``path`` (a ``torch.save`` file or
+        a DCP directory: the bootstrap's note) of ``step``, the current step when None;
+        never raises."""
+        self._checkpoint_note(self._step if step is None else step, path, automatic=True)
 
     def _checkpoint_note(self, step: int, path: str | os.PathLike[str], automatic: bool) -> None:
         self._send(

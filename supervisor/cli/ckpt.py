@@ -8,13 +8,18 @@ Commands and exit status (2 is a usage error, as in argparse)::
         prints the newest valid checkpoint's path on stdout and, on stderr, why
         each newer one was rejected; 0 found, 1 none valid, 2 ROOT missing
     resurgo ckpt list ROOT     [--json]
-        one row per step-N directory, newest first, then the script's own
-        torch.save files (*.pt, *.pth, *.ckpt, ...); 0, or 2 ROOT missing
+        one row per step-N directory, newest first (COMMITTED "plain": a
+        complete DCP save without Resurgo's manifest, e.g. a script's own
+        dcp.save), then the script's own torch.save files (*.pt, *.pth,
+        *.ckpt, ...); 0, or 2 ROOT missing
 
-A script that keeps its own ``torch.save`` checkpoint (no step-N folders) is
-served too (:mod:`agent.checkpoint.plain`): ``newest`` falls back to its
-files when no step-N checkpoint is valid, checked for being complete and, at
-``full`` and ``load``, test-loaded with ``torch.load(weights_only=True)``.
+A script's own DCP saves into ``step-N`` folders (torchtitan's layout) are
+checkpoints like Resurgo's, validated without the manifest's levels (see
+:mod:`agent.checkpoint.validate`). A script that keeps its own ``torch.save``
+checkpoint (no step-N folders) is served too (:mod:`agent.checkpoint.plain`):
+``newest`` falls back to its files when no step-N checkpoint is valid, checked
+for being complete and, at ``full`` and ``load``, test-loaded with
+``torch.load(weights_only=True)``.
 
 JSON output (``--json``; one document on stdout; keys are stable, enums by value):
 
@@ -37,8 +42,8 @@ JSON output (``--json``; one document on stdout; keys are stable, enums by value
   ``filesystem`` by statfs magic, e.g. "ext4",
   "nfs", "lustre"; ``warnings`` e.g. many ranks writing shards to NFS), each row::
 
-    {"step": int, "path": str, "committed": bool, "valid_quick": bool,
-     "quick_reason": str|null, "total_bytes": int, "mtime_unix_s": float,
+    {"step": int, "path": str, "committed": bool, "has_manifest": bool,
+     "valid_quick": bool, "quick_reason": str|null, "total_bytes": int, "mtime_unix_s": float,
      "age_s": float, "stats": null | {"stall_s": float, "write_s": float,
      "total_bytes": int, "filesystem": str, "mode": str,
      "throughput_bytes_per_s": float|null}}
@@ -269,6 +274,7 @@ def _row(entry: Entry, quick: Report, now_s: float) -> dict[str, Any]:
         "step": entry.step,
         "path": entry.path,
         "committed": entry.committed,
+        "has_manifest": entry.has_manifest,
         "valid_quick": quick.valid,
         "quick_reason": quick.reason,
         "total_bytes": entry.total_bytes,
@@ -289,7 +295,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         cells.append(
             (
                 str(row["step"]),
-                "yes" if row["committed"] else "no",
+                _committed_cell(row),
                 "yes" if row["valid_quick"] else "NO",
                 size(row["total_bytes"]),
                 duration(row["age_s"]),
@@ -299,6 +305,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
             )
         )
     return table(cells[0], cells[1:], right=True)
+
+
+def _committed_cell(row: dict[str, Any]) -> str:
+    """yes / no for Resurgo's commit marker; "plain" for a complete DCP save that has no
+    manifest (a script's own ``dcp.save``), which has no marker to have."""
+    if row["committed"]:
+        return "yes"
+    return "plain" if row["valid_quick"] and not row["has_manifest"] else "no"
 
 
 def _files_table(files: list[Any], now_s: float) -> str:

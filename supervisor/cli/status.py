@@ -84,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_cell(checkpoint: dict[str, Any]) -> str:
-    """Step and age; a script's own file by its name (its step as counted, if known)."""
+    """Step and age; a script's own file or DCP directory by its name (its step as
+    counted or named, if known)."""
     age = f"{duration(checkpoint['age_s'])} ago"
-    if checkpoint.get("kind") == "torch.save":
+    if checkpoint.get("kind") in ("torch.save", "dcp"):
         name = one_line(str(checkpoint["path"]).rsplit("/", 1)[-1])
         step = checkpoint.get("step")
         return f"{name} (step {step}, {age})" if step is not None else f"{name} ({age})"

@@ -235,3 +235,44 @@ def test_a_rank_stopped_before_an_all_reduce_is_blamed_and_the_script_resumes_it
     assert drained(supervisor, job_id) == [(victim, "hang")], text[-3000:]
     assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
     assert f"done at iter {ITERS} with world 3" in text, text[-3000:]
+
+
+FSDP2_PLAIN = PLAIN.with_name("fsdp2_plain.py")
+
+
+def test_an_fsdp2_script_with_a_killed_rank_resumes_from_its_own_dcp_save_on_three_nodes(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """FSDP2 saving its own DCP ``step-N`` directories (tests/workers/fsdp2_plain.py): a
+    SIGKILLed rank's node is drained, the job goes on with 3 nodes, and the script
+    reshards its own step-10 save 4 -> 3 and trains to the end. The bootstrap notes
+    rank 0's saves: the status's checkpoint is the script's newest DCP directory."""
+    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    out_dir.mkdir()
+    done = supervisor.resurgo(
+        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--parsable",
+        "--ckpt-root", str(out_dir), "--",
+        *TORCHRUN, str(FSDP2_PLAIN), "--out-dir", str(out_dir), "--steps", str(ITERS),
+        "--save-every", "10", "--step-s", "0.3", "--kill-at", "15", "--fault-rank", "2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = int(done.stdout.strip())
+    job, text = ended(slurm_cluster, job_id, output)
+    assert job["job_state"] == "COMPLETED", text[-3000:]
+    victim = victim_of(output, "killing itself")
+    assert drained(supervisor, job_id) == [(victim, "rank_signal")], text[-3000:]
+    # What the relaunch loaded: its own step-10 save (the kill came at step 15).
+    resumed = re.findall(r"resuming from (\S+) at step (\d+) ", text)
+    assert resumed == [(str(out_dir / "step-10"), "10")], text[-3000:]
+    assert "with world 4" not in text.split("resuming")[0]
+    assert f"done at step {ITERS} with world 3" in text, text[-3000:]
+    assert len(attempts(supervisor, job_id)) == 2
+    newest = status(supervisor, job_id)["last_checkpoint"]
+    assert (newest["kind"], newest["step"]) == ("dcp", ITERS), newest
+    assert newest["path"] == str(out_dir / f"step-{ITERS}"), newest
+    shown = supervisor.resurgo("status", str(job_id))
+    assert f"step-{ITERS} (step {ITERS}," in shown.stdout, shown.stdout
+    with supervisor.store() as store:
+        written = store.events_for(str(job_id), kinds=["checkpoint_written"])
+    saves = [(e.payload["step"], e.payload["global_rank"]) for e in written]
+    assert saves == [(10, 0), (20, 0), (30, 0), (40, 0)], saves  # rank 0's notes only

@@ -21,6 +21,7 @@ from agent.launch import BOOTSTRAP_DIR, with_bootstrap
 from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, parse_datagram
 
 REPO = Path(__file__).resolve().parents[2]
+FSDP2_PLAIN = REPO / "tests" / "workers" / "fsdp2_plain.py"
 
 # Each line that sends is followed by a pause: the receiver's queue holds only
 # 10 datagrams, and a loaded machine may not run the reading thread for a while.
@@ -185,6 +186,110 @@ def test_the_users_own_sitecustomize_still_runs(tmp_path: Path, agent: Listener)
 def test_a_dead_agent_costs_the_script_nothing(tmp_path: Path) -> None:
     done = run_rank(tmp_path, PLAIN + "print('trained')\n", str(tmp_path / "nobody.sock"))
     assert done.stdout.strip() == "trained" and done.stderr == ""
+
+
+# A script's own DCP checkpoints, imported after torch as scripts do. ELSEWHERE is
+# outside the checkpoint root. One process, no process group: DCP saves alone.
+DCP_SAVES = """
+import os
+import tempfile
+import time
+import warnings
+import torch
+pause = lambda: time.sleep(0.1)
+warnings.simplefilter("ignore")  # DCP's note that it saves without a process group
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    pause()
+import sys
+import agent
+print(agent.__file__, "torch.distributed.checkpoint" in sys.modules)  # not imported early
+import torch.distributed.checkpoint as dcp
+dcp.save({"model": model.state_dict(), "step": 3}, checkpoint_id="out/step-3")
+pause()
+dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter("out/step-5"))
+pause()
+dcp.save({"model": model.state_dict()}, checkpoint_id="out/latest")
+pause()
+dcp.save({"model": model.state_dict(), "step": 3}, checkpoint_id=tempfile.mkdtemp())
+pause()
+dcp.async_save({"model": model.state_dict(), "step": 40}, checkpoint_id="out/step-40").result()
+pause()
+state = {"model": model.state_dict(), "step": 0}
+dcp.load(state, checkpoint_id="out/step-40")
+pause()
+optimizer.step()
+"""
+
+
+def test_dcp_saves_are_phase_checkpoint_and_a_dcp_load_continues_the_count(
+    tmp_path: Path, agent: Listener
+) -> None:
+    done = run_rank(tmp_path, DCP_SAVES, agent.path, RESURGO_CKPT_ROOT=str(tmp_path / "out"))
+    assert done.stdout.split() == [str(REPO / "agent" / "__init__.py"), "False"]
+    got = agent.beats()
+    saved = [(3, Phase.CHECKPOINT), (3, Phase.TRAIN)]
+    assert [(b.step, b.phase) for b in got] == [
+        *((step, Phase.TRAIN) for step in range(1, 4)),
+        *saved * 5,  # four saves, then async_save while its call blocks, once each
+        (40, Phase.TRAIN),  # dcp.load filled in step 40
+        (41, Phase.TRAIN),
+    ]
+
+
+def test_dcp_saves_under_the_checkpoint_root_are_noted_with_their_step_and_others_not(
+    tmp_path: Path, agent: Listener
+) -> None:
+    out = tmp_path / "out"
+    run_rank(tmp_path, DCP_SAVES, agent.path, RESURGO_CKPT_ROOT=str(out))
+    assert [(n.step, n.path, n.automatic) for n in agent.notes()] == [
+        (3, str(out / "step-3"), True),  # the state dict's step
+        (5, str(out / "step-5"), True),  # a FileSystemWriter's path, its name's step
+        (3, str(out / "latest"), True),  # neither: the step as counted
+        (40, str(out / "step-40"), True),  # async_save, once its upload finished
+    ]
+
+
+def run_fsdp2(tmp_path: Path, socket_path: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """fsdp2_plain.py under torchrun, 2 local ranks on gloo, started as the agent starts
+    ranks: the bootstrap first on PYTHONPATH, the agent's socket in the environment."""
+    env = {
+        **os.environ,
+        "RESURGO_AGENT_SOCKET": socket_path,
+        "RESURGO_CKPT_ROOT": str(tmp_path / "out"),
+        "PYTHONPATH": with_bootstrap(str(REPO)),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(FSDP2_PLAIN), "--out-dir", str(tmp_path / "out"), "--steps", "20",
+         "--save-every", "10", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def test_an_fsdp2_script_resumes_from_its_own_dcp_save_and_the_count_goes_on_from_it(
+    tmp_path: Path, agent: Listener
+) -> None:
+    """Killed in step 15 after its step-10 save, the script loads step-10 itself (a
+    step-20 save left without .metadata, as a crash leaves one, is passed over): rank
+    0 notes each save, and the relaunch's beats go on from step 10."""
+    out = tmp_path / "out"
+    first = run_fsdp2(tmp_path, agent.path, "--kill-at", "15", "--fault-rank", "1")
+    assert first.returncode != 0 and "rank 1 killing itself in step 15" in first.stdout
+    assert [(n.rank, n.step, n.path) for n in agent.notes()] == [(0, 10, str(out / "step-10"))]
+    (out / "step-20").mkdir()
+    (out / "step-20" / "__0_0.distcp").write_bytes(b"cut short")
+    agent.received.clear()
+    second = run_fsdp2(tmp_path, agent.path, "--async-save")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resuming from {out / 'step-10'} at step 10 " in second.stdout, second.stdout
+    assert "done at step 20 with world 2" in second.stdout
+    rank_0 = [b.step for b in agent.beats() if b.rank == 0 and b.phase is Phase.TRAIN]
+    assert rank_0[:3] == [10, 11, 12], rank_0  # dcp.load's step 10, then on from it
+    assert [(n.rank, n.step, n.path) for n in agent.notes()] == [(0, 20, str(out / "step-20"))]
 
 
 def test_the_bootstrap_comes_first_once() -> None:

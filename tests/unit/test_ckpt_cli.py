@@ -13,7 +13,7 @@ import pytest
 from agent.checkpoint import format as fmt
 from agent.checkpoint.catalog import list_checkpoints
 from agent.checkpoint.storage import FsKind, filesystem_of
-from agent.checkpoint.validate import Level, validate
+from agent.checkpoint.validate import PLAIN_DCP_NOTE, Level, validate
 from supervisor.cli import ckpt
 from supervisor.cli.main import main
 from tests.ckpt_helpers import data_files, make_committed_checkpoint, save_plain_dcp, small_state
@@ -238,3 +238,29 @@ def test_a_file_still_being_written_and_an_empty_one_are_rejected_in_plain_words
     assert "empty" in str(check_plain(tmp_path / "empty.pt", now, load=True).reason)
     fresh = check_plain(tmp_path / "fresh.pt", now, load=True)
     assert not fresh.valid and "still be writing" in str(fresh.reason)
+
+
+def test_a_scripts_own_dcp_step_directories_are_listed_as_plain_and_the_newest_complete_wins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A script's own ``dcp.save`` into ``step-N`` (no manifest, no marker): checked at the
+    levels that apply; one without ``.metadata`` is a save that never finished."""
+    save_plain_dcp(tmp_path / "step-10", small_state(10))
+    unfinished = save_plain_dcp(tmp_path / "step-20", small_state(20))
+    (unfinished / fmt.DCP_METADATA_NAME).unlink()
+    status, out, err = _run(capsys, "newest", str(tmp_path), "--level", "load")
+    assert status == 0 and out.strip() == str(tmp_path / "step-10")
+    assert "rejected: invalid at quick: step-20" in err
+    status, out, _ = _run(capsys, "newest", str(tmp_path), "--json")
+    newest = json.loads(out)["newest"]
+    assert newest["step"] == 10 and newest["checked"] == ["quick"], newest
+    assert newest["has_manifest"] is False and PLAIN_DCP_NOTE in newest["skipped"]
+    status, out, _ = _run(capsys, "list", str(tmp_path))
+    assert [line.split()[:3] for line in out.splitlines()[1:3]] == [
+        ["20", "no", "NO"], ["10", "plain", "yes"],
+    ]  # fmt: skip
+    _, out, _ = _run(capsys, "list", str(tmp_path), "--json")
+    rows = json.loads(out)["checkpoints"]
+    assert [(r["step"], r["committed"], r["has_manifest"]) for r in rows] == [
+        (20, False, False), (10, False, False),
+    ]  # fmt: skip

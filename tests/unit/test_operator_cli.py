@@ -189,3 +189,52 @@ def test_log_lines_are_json_objects_with_the_decision_fields() -> None:
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "job 7: x" and line["level"] == "info"
     assert (line["job_id"], line["from_state"], line["to_state"]) == ("7", "running", "recovering")
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/ckpt/out/step-120", "dcp"),
+        ("/ckpt/out/checkpoint-120/", "dcp"),
+        ("/ckpt/out/ckpt.pt", "torch.save"),
+        ("/ckpt/out/model.safetensors.pth", "torch.save"),
+        ("", "torch.save"),
+        (None, "torch.save"),
+    ],
+)
+def test_a_scripts_own_checkpoint_is_a_dcp_directory_when_its_name_has_no_suffix(
+    path: str | None, kind: str
+) -> None:
+    from supervisor.views import written_kind
+
+    assert written_kind(path) == kind
+
+
+def test_status_shows_the_scripts_own_newest_dcp_save_by_directory_and_step(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    own = "4712"
+    now = time.time() - 30
+    with Store.open(state_dir / "resurgo.db") as store:
+        store.upsert_job(own, state="running", record={"attempt": 1, "nodes": ["node1"]},
+                         now_s=now, name="fsdp", original_nodes=1, min_nodes=1)  # fmt: skip
+        saves = [(100, "/out/ckpt.pt"), (110, "/out/step-110"), (120, "/out/step-120")]
+        written = [
+            protocol.make_event(
+                EventKind.CHECKPOINT_WRITTEN,
+                own,
+                "node1",
+                INCARNATION,
+                seq,
+                now + seq,
+                {"step": step, "path": path, "global_rank": 0, "total_bytes": 4096},
+            )
+            for seq, (step, path) in enumerate(saves, 1)
+        ]
+        store.record_events(own, written, now_s=now + 5)
+    _, out, _ = run(capsys, "status", own, "--json", "--state-dir", str(state_dir))
+    (job,) = json.loads(out)["jobs"]
+    newest = job["last_checkpoint"]
+    assert (newest["kind"], newest["step"], newest["path"]) == ("dcp", 120, "/out/step-120")
+    _, out, _ = run(capsys, "status", own, "--state-dir", str(state_dir))
+    assert re.search(r"step-120 \(step 120, \d+s ago\)", out), out
