@@ -26,6 +26,7 @@ from agent.train.heartbeat import (
     Phase,
     StepReport,
     encode_beat,
+    encode_checkpoint,
     encode_step_report,
     parse_datagram,
 )
@@ -292,3 +293,51 @@ def test_a_later_job_with_the_same_id_gets_another_run_directory(tmp_path: Path)
         dirs.append(default_run_dir(config))
     assert dirs[0] != dirs[1]
     assert all(d.startswith("/tmp/resurgo-agent-7-node1-1-") for d in dirs)
+
+
+def test_a_scripts_own_dcp_save_is_reported_with_the_bytes_of_its_files_and_its_duration(
+    tmp_path: Path,
+) -> None:
+    saved = tmp_path / "ckpt" / "step-20"
+    saved.mkdir(parents=True)
+    (saved / "__0_0.distcp").write_bytes(b"x" * 1000)
+    (saved / ".metadata").write_bytes(b"y" * 24)
+    now = [100.0]
+    config, command = load_config(
+        ["--job-id", "77", "--node", "node1", "--run-dir", str(tmp_path / "run"), "--", "true"],
+        {},
+    )
+    agent = NodeAgent(config, command, clocks=Clocks(monotonic=lambda: now[0], wall=time.time))
+    emitted: list[tuple[protocol.EventKind, dict[str, Any]]] = []
+
+    async def emit(kind: protocol.EventKind, payload: dict[str, Any]) -> None:
+        emitted.append((kind, payload))
+
+    agent.events.emit = emit  # type: ignore[method-assign]
+    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.setblocking(False)
+    agent._socket = receiver
+
+    def beat(phase: Phase) -> None:
+        sender.send(encode_beat(rank=0, local_rank=0, pid=9, step=20, phase=phase,
+                                wall_time_s=0.0))  # fmt: skip
+        agent._drain_socket()
+
+    async def scenario() -> None:
+        beat(Phase.CHECKPOINT)
+        now[0] = 103.25
+        beat(Phase.TRAIN)
+        note = encode_checkpoint(rank=0, local_rank=0, pid=9, step=20, phase=Phase.TRAIN,
+                                 wall_time_s=0.0, path=str(saved), automatic=True)  # fmt: skip
+        sender.send(note)
+        agent._drain_socket()
+        await asyncio.sleep(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        receiver.close()
+        sender.close()
+    ((kind, payload),) = emitted
+    assert kind is protocol.EventKind.CHECKPOINT_WRITTEN
+    assert payload["total_bytes"] == 1024 and payload["duration_s"] == 3.25
