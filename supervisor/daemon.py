@@ -68,6 +68,7 @@ from supervisor.intake import Intake, TrackedJob
 from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RequeueSmaller, ResumeNode
 from supervisor.logs import setup_logging
 from supervisor.looplag import LoopLag
+from supervisor.manifests import ManifestReader
 from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.model import (
     ClusterView,
@@ -129,6 +130,7 @@ class Supervisor(Intake):
             clock=clock,
         )
         self.jobs: dict[str, TrackedJob] = {}
+        self.manifest_reader = ManifestReader(self._take_save_stats)
         self.cluster = ClusterView()
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._bad_job_dirs: set[str] = set()
@@ -198,6 +200,7 @@ class Supervisor(Intake):
             await shutdown(runner)
             for task in tasks:
                 task.cancel()
+            self.manifest_reader.close()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.store.close()  # writes every lease's last renewal
 
