@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -59,7 +60,7 @@ from agent.periodic import every
 from agent.protocol import RETRY_MAX_S, Event, EventKind
 from supervisor import jobs as jobfiles
 from supervisor import silence
-from supervisor.api import bound_port, build_app, serve, shutdown
+from supervisor.api import bound_port, build_app, build_metrics_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
 from supervisor.errors import SlurmError
 from supervisor.executor import Executor, Validator
@@ -166,9 +167,20 @@ class Supervisor(Intake):
         registry = build_registry(collector)
         lag = LoopLag(registry)
         jobs_dir = str(self.config.jobs_path.resolve())
-        app = build_app(self, metrics=lambda: exposition(registry), jobs_dir=jobs_dir)
+        scrape = functools.partial(exposition, registry)
+        metrics_at = self.config.metrics_address()
+        app = build_app(
+            self,
+            metrics=scrape if metrics_at is None else None,
+            jobs_dir=jobs_dir,
+            body_timeout_s=self.config.body_timeout_s,
+            unauthenticated_buffer_bytes=self.config.unauthenticated_buffer_bytes,
+        )
         runner = await serve(app, self.config.listen_host, self.config.listen_port)
         self.port = bound_port(runner)
+        runners = [runner]
+        if metrics_at is not None:
+            runners.append(await serve(build_metrics_app(scrape), *metrics_at))
         log.info(
             "supervisor started: %s",
             json.dumps({**describe(self.config, self.policy), "url": self.url}),
@@ -197,7 +209,8 @@ class Supervisor(Intake):
             await self._stop.wait()
         finally:
             log.info("supervisor stopping")
-            await shutdown(runner)
+            for each in runners:
+                await shutdown(each)
             for task in tasks:
                 task.cancel()
             self.manifest_reader.close()
