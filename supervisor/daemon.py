@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import gc
 import json
@@ -948,6 +949,27 @@ def _log_decision(job_id: str, before: JobRecord, decision: Decision) -> None:
     )
 
 
+# glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_BYTES = 64 << 10
+
+
+def _return_freed_buffers() -> None:
+    """Have glibc give large freed buffers back to the OS at once.
+
+    The network hands the server its bytes in pieces of up to 256 KiB. glibc
+    maps such a block on its own only until the first one is freed; from then
+    on it raises its threshold and carves them out of the heap, where a burst
+    of aborted uploads left hundreds of MiB that were free yet never returned
+    (docs/security.md, 7). A fixed threshold keeps every block from 64 KiB up
+    in a mapping of its own, unmapped when freed. No-op off glibc.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, 4 * _MMAP_THRESHOLD_BYTES)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``resurgo-supervisor``."""
     try:
@@ -961,6 +983,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # 25-120 ms stop of the event loop (bench/RESULTS.md: p99 at 1,024 agents
     # 39 -> 11 ms). Young collections every 50,000 allocations, full ones rare.
     gc.set_threshold(50_000, 50, 1000)
+    _return_freed_buffers()
     try:
         supervisor = Supervisor(config, policy)
     except (ResurgoError, OSError) as error:

@@ -293,7 +293,7 @@ class _Api:
                 answer.headers["Retry-After"] = "5"
             # Unread body bytes would be taken for the next request (or make aiohttp
             # wait for them): the connection ends with this answer.
-            return answer if request.content.at_eof() else _closing(answer)
+            return answer if request.content.at_eof() else await _send_and_close(request, answer)
         except web.HTTPException as http:
             # The router's own 404/405 (and any other aiohttp refusal).
             if http.status < 400:
@@ -564,6 +564,21 @@ class _ClientGone(Exception):
 
 def _closing(answer: web.Response) -> web.Response:
     answer.force_close()
+    return answer
+
+
+async def _send_and_close(request: web.Request, answer: web.Response) -> web.Response:
+    """Send ``answer``, then close the connection without reading the rest of the body.
+
+    aiohttp would otherwise go on reading ("lingering") what the client still
+    sends, which a client that never finishes makes forever.
+    """
+    answer.force_close()
+    with contextlib.suppress(ConnectionError):
+        await answer.prepare(request)
+        await answer.write_eof()
+    if request.transport is not None:
+        request.transport.close()
     return answer
 
 
