@@ -214,7 +214,7 @@ class Supervisor(Intake):
                 await shutdown(each)
             for task in tasks:
                 task.cancel()
-            self.manifest_reader.close()
+            await self.manifest_reader.aclose()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.store.close()  # writes every lease's last renewal
 

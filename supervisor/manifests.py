@@ -11,11 +11,17 @@ not have, so:
   with ``O_NOFOLLOW``, so a symlink anywhere below the root (placed before the
   check or swapped in after it) is an error, never followed
   (:func:`open_inside`);
-- reading and decoding run in one worker thread of their own, never on the
-  event loop; the file is bounded (the format's manifest limit), read into
-  one buffer with ``readinto`` (the GIL is released while the kernel copies),
-  and decoded by msgspec into the statistics alone, so the loop waits for
-  the GIL for a few tens of milliseconds at most, not for a full JSON parse;
+- reading and decoding run in a child process (``python -m
+  supervisor.manifests ROOT PATH``, one at a time, killed after
+  ``CHILD_TIMEOUT_S``), which answers with the statistics as one JSON line.
+  Neither a worker thread nor a bounded prefix would do: msgspec decodes a
+  64 MiB manifest holding the GIL for 70-250 ms (and zeroing its buffer
+  holds it as long again), which stalled the event loop, every request with
+  it, for up to 2 s under 100 concurrent commits; and the statistics are
+  the *last* key of a manifest written with sorted keys, after its file
+  list. In a child the loop never waits, and the 64 MiB buffer never enters
+  the supervisor's heap. The file is bounded (the format's manifest limit)
+  and decoded by msgspec into the statistics alone;
 - each path is read once, whether it parsed or not, and each job gets a
   bounded number of reads per minute (:class:`ManifestReader`).
 """
@@ -28,10 +34,10 @@ import logging
 import os
 import posixpath
 import stat
+import sys
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import msgspec
@@ -50,8 +56,12 @@ READS_PER_WINDOW = 6
 READ_WINDOW_S = 60.0
 # Paths remembered per job (read, refused or skipped); the oldest are forgotten first.
 _REMEMBERED_PATHS = 4096
-# Reads waiting for the worker, across jobs; more are dropped (and logged).
+# Reads waiting for the child, across jobs; more are dropped (and logged).
 _MAX_QUEUED = 64
+# A child still reading after this long is killed (a manifest on a hung filesystem).
+CHILD_TIMEOUT_S = 30.0
+# The most a child's answer may hold (a few hundred bytes of statistics or a reason).
+_MAX_ANSWER_BYTES = 64 << 10
 
 _Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 
@@ -72,6 +82,16 @@ class _StatsOnly(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(_StatsOnly)
+
+
+class _Answer(msgspec.Struct, forbid_unknown_fields=True):
+    """What the child writes: the statistics (None: the manifest has none), or why not."""
+
+    stats: _Stats | None = None
+    error: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
+
+
+_ANSWER_DECODER = msgspec.json.Decoder(_Answer)
 
 
 class OutsideRoot(CheckpointInvalid):
@@ -181,11 +201,53 @@ def read_save_stats(root: str, path: str) -> SaveStats | None:
     return SaveStats(found.stall_s, found.write_s, found.total_bytes, found.filesystem, found.mode)
 
 
+async def read_in_child(
+    root: str, path: str, timeout_s: float = CHILD_TIMEOUT_S
+) -> SaveStats | None:
+    """:func:`read_save_stats` in a child process; the event loop only waits for its answer.
+
+    Raises :class:`CheckpointInvalid` for anything that kept the statistics
+    from being read (the child's reason, a timeout, a crash).
+    """
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "supervisor.manifests",
+        root,
+        path,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            out, err = await child.communicate()
+    except TimeoutError:
+        raise CheckpointInvalid(f"reading the manifest took over {timeout_s:g} s") from None
+    finally:
+        if child.returncode is None:  # timed out or cancelled (shutdown)
+            child.kill()
+            await child.wait()
+    if child.returncode != 0 or len(out) > _MAX_ANSWER_BYTES:
+        tail = err[-500:].decode(errors="replace").strip()
+        raise CheckpointInvalid(f"the manifest reader exited {child.returncode}: {tail}")
+    try:
+        answer = _ANSWER_DECODER.decode(out)
+    except msgspec.DecodeError as error:
+        raise CheckpointInvalid(f"the manifest reader answered nonsense: {error}") from error
+    if answer.error is not None:
+        raise CheckpointInvalid(answer.error)
+    found = answer.stats
+    if found is None:
+        return None
+    return SaveStats(found.stall_s, found.write_s, found.total_bytes, found.filesystem, found.mode)
+
+
 class ManifestReader:
-    """Reads manifests in one worker thread: once per path, a few per job per minute.
+    """Reads manifests in a child process, one at a time: once per path, a few per job per minute.
 
     ``on_stats(job_id, step, stats)`` runs on the event loop with each
-    statistics found. Call :meth:`close` at shutdown.
+    statistics found. Await :meth:`aclose` at shutdown.
     """
 
     def __init__(
@@ -199,7 +261,7 @@ class ManifestReader:
         self._clock = clock
         self._per_window = per_window
         self._window_s = window_s
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifests")
+        self._one_at_a_time = asyncio.Lock()
         self._seen: dict[str, deque[str]] = {}
         self._reads: dict[str, deque[float]] = {}
         self._queued = 0
@@ -235,9 +297,9 @@ class ManifestReader:
         self._reads.pop(job_id, None)
 
     async def _read(self, job_id: str, root: str, step: int, path: str) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            stats = await loop.run_in_executor(self._executor, read_save_stats, root, path)
+            async with self._one_at_a_time:
+                stats = await read_in_child(root, path)
         except (OSError, CheckpointInvalid) as error:
             log.warning("job %s: no save statistics from %r: %s", job_id, path[:300], error)
             return
@@ -251,6 +313,31 @@ class ManifestReader:
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def close(self) -> None:
-        """Stop the worker; reads not started are abandoned."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    async def aclose(self) -> None:
+        """Abandon every queued read; a child still reading is killed."""
+        for task in list(self._tasks):
+            task.cancel()
+        await self.drain()
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m supervisor.manifests ROOT PATH``: one JSON line on stdout (:class:`_Answer`)."""
+    root, path = argv
+    try:
+        stats = read_save_stats(root, path)
+    except (OSError, CheckpointInvalid) as error:
+        answer = _Answer(error=str(error)[:2000])
+    else:
+        answer = _Answer(
+            stats=None
+            if stats is None
+            else _Stats(
+                stats.stall_s, stats.write_s, stats.total_bytes, stats.filesystem, stats.mode
+            )
+        )
+    sys.stdout.buffer.write(msgspec.json.encode(answer) + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
