@@ -33,6 +33,7 @@ import errno
 import logging
 import os
 import posixpath
+import shutil
 import stat
 import sys
 import time
@@ -201,6 +202,12 @@ def read_save_stats(root: str, path: str) -> SaveStats | None:
     return SaveStats(found.stall_s, found.write_s, found.total_bytes, found.filesystem, found.mode)
 
 
+# The reader runs below the daemon's priority (coreutils' nice, so that no code
+# runs between fork and exec in a process with threads): on a busy head node its
+# start-up and parsing must not take the CPU from the API's event loop.
+_NICE: tuple[str, ...] = ("nice", "-n", "10") if shutil.which("nice") else ()
+
+
 async def read_in_child(
     root: str, path: str, timeout_s: float = CHILD_TIMEOUT_S
 ) -> SaveStats | None:
@@ -210,6 +217,7 @@ async def read_in_child(
     from being read (the child's reason, a timeout, a crash).
     """
     child = await asyncio.create_subprocess_exec(
+        *_NICE,
         sys.executable,
         "-m",
         "supervisor.manifests",

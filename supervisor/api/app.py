@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import logging
 import mmap
@@ -582,6 +583,31 @@ async def _send_and_close(request: web.Request, answer: web.Response) -> web.Res
     return answer
 
 
+# After this many body bytes, once no body is held, freed heap is handed back.
+TRIM_AFTER_BYTES = 64 << 20
+
+
+def trim_heap() -> None:
+    """Return the free pages of the C heap to the OS (glibc's ``malloc_trim``).
+
+    The network hands a body over in pieces of up to 256 KiB, copied through
+    asyncio's and aiohttp's buffers: a burst of uploads aborted mid-body
+    leaves the heap full of free holes that glibc keeps, so RSS would stay
+    hundreds of MiB up after the connections are gone (docs/security.md, 7).
+    Called when the last body being read is released after at least
+    :data:`TRIM_AFTER_BYTES` were read: a few milliseconds, at most once per
+    that many bytes. A no-op off glibc.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        _LIBC.malloc_trim(0)
+
+
+try:
+    _LIBC: Any = ctypes.CDLL(None)
+except OSError:  # not on glibc, or no C library to load: nothing to trim
+    _LIBC = None
+
+
 class _BodyReader:
     """Reads request bodies within a time limit, into memory it returns to the OS at once.
 
@@ -597,6 +623,7 @@ class _BodyReader:
         self._timeout_s = timeout_s
         self._budget_bytes = budget_bytes
         self.held = 0  # bytes held by bodies being read or checked now
+        self._read_since_trim = 0
 
     @contextlib.asynccontextmanager
     async def read(self, request: web.Request) -> AsyncIterator[tuple[memoryview, Any]]:
@@ -624,6 +651,7 @@ class _BodyReader:
                                 "allows; retry in a few seconds"
                             )
                         self.held += len(chunk)
+                        self._read_since_trim += len(chunk)
                         held += len(chunk)
                         area[filled : filled + len(chunk)] = chunk
                         digest.update(chunk)
@@ -646,6 +674,9 @@ class _BodyReader:
         finally:
             self.held -= held
             area.close()
+            if self.held == 0 and self._read_since_trim >= TRIM_AFTER_BYTES:
+                self._read_since_trim = 0
+                trim_heap()
 
     def _too_large(self, length: int | None) -> str:
         size = "the body" if length is None else f"the body ({length} bytes)"
