@@ -661,6 +661,14 @@ class _BodyReader:
                     f"the body did not arrive within {self._timeout_s:g} s"
                 ) from None
             except (ConnectionError, BadHttpMessage) as error:
+                # aiohttp keeps this exception in the request's StreamReader (and its
+                # waiter future); its traceback holds the frames that refer to both, and
+                # this one holds the request, its last chunks and its connection. That
+                # cycle would wait for the garbage collector, which the daemon runs
+                # rarely: a burst of aborted uploads kept ~1-2 MiB each
+                # (docs/security.md, 7). Without the traceback, they go when the
+                # request does.
+                error.__traceback__ = None
                 transport = request.transport
                 if transport is None or transport.is_closing():
                     raise _ClientGone(f"connection lost after {filled} body bytes") from None
