@@ -35,6 +35,8 @@ from tests.integration.crash_world import Api, Daemon, fakeslurm
 NODES = ("node1", "node2")
 BODY_TIMEOUT_S = 3
 MIB = 1 << 20
+# CPU seconds per half second under which the daemon counts as idle (it ticks every 0.2 s).
+IDLE_CPU_S = 0.05
 
 
 class _Daemon(Daemon):
@@ -211,10 +213,13 @@ async def waves(port: int, job_id: str, count: int, size: int, concurrent: int) 
 
 
 def settled_rss(world: World) -> int:
-    """The daemon's RSS once it closed every client connection: the worst of 2 s of samples.
+    """The daemon's RSS once it is done with every aborted upload: the worst of 2 s of samples.
 
-    Measured any earlier, it counts uploads the server is still reading (a loaded
-    machine runs seconds behind the clients), not what the uploads left behind.
+    Done means its connections are closed *and* it is idle (under 10% of a core
+    for half a second): on a loaded machine the server runs seconds behind the
+    clients, still reading and refusing what the kernel already handed it after
+    the connections were reset. Measured any earlier, RSS counts that work in
+    flight, not what the uploads left behind.
     """
     deadline = time.monotonic() + 30
     while any(
@@ -224,6 +229,12 @@ def settled_rss(world: World) -> int:
         if time.monotonic() > deadline:
             raise RuntimeError("the supervisor never closed the aborted uploads")
         time.sleep(0.1)
+    while time.monotonic() < deadline:
+        before = world.process.cpu_times()
+        time.sleep(0.5)
+        after = world.process.cpu_times()
+        if (after.user + after.system) - (before.user + before.system) < IDLE_CPU_S:
+            break
     samples = []
     for _ in range(10):
         samples.append(world.rss())
