@@ -150,7 +150,8 @@ def http_get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
 def read_all(sock: socket.socket, timeout_s: float) -> bytes:
     """Everything until the server closes; AssertionError if still open after ``timeout_s``."""
     sock.settimeout(0.2)
-    chunks, deadline = [], time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             chunk = sock.recv(65536)
