@@ -80,7 +80,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
 _INCARNATION = re.compile(r"[0-9a-f]{8,64}")
 _SIGNATURE = re.compile(r"[0-9a-f]{64}")
 # A heartbeat stream frame's first line: the timestamp (as the header's) and the signature.
-_FRAME_HEAD = re.compile(rb"([0-9]{1,12}) ([0-9a-f]{64})")
+# One spelling per timestamp (no leading zeros): int() would read "0017" as 17,
+# so two spellings would share one canonical string and one signature.
+_FRAME_HEAD = re.compile(rb"(0|[1-9][0-9]{0,11}) ([0-9a-f]{64})")
 _FRAME_HEAD_BYTES = 12 + 1 + 64 + 1
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
 _SEQ = re.compile(r"[1-9][0-9]{0,18}")
@@ -812,23 +814,59 @@ def verify(
     drift both ways), :class:`AuthError` when the signature does not match
     (compared in constant time).
     """
+    check_fresh(timestamp_s, now_s, window_s)
+    verify_hashed(secret, method, path, job_id, timestamp_s, hashlib.sha256(body), signature)
+
+
+def check_fresh(timestamp_s: int, now_s: int, window_s: int = REPLAY_WINDOW_S) -> None:
+    """Raise :class:`StaleTimestamp` unless ``timestamp_s`` is within ``window_s`` of ``now_s``.
+
+    It needs no body: a server can refuse a stale request before reading one.
+    """
     skew = int(timestamp_s) - int(now_s)
     if abs(skew) > window_s:
         raise StaleTimestamp(
             f"request timestamp {timestamp_s} is {skew:+d} s from the verifier's clock "
             f"{now_s}; the window is ±{window_s} s: check the node's clock (NTP)"
         )
+
+
+def verify_hashed(
+    secret: bytes,
+    method: str,
+    path: str,
+    job_id: str,
+    timestamp_s: int,
+    body_hash: Any,
+    signature: str,
+) -> None:
+    """:func:`verify` without the window, given the body's SHA-256 object (``hashlib.sha256``)
+    fed while the body streamed in; raise :class:`AuthError` when the signature is wrong."""
+    if not _SIGNATURE.fullmatch(signature):
+        # Refused before compare_digest, which raises TypeError on non-ASCII text.
+        raise AuthError(
+            f"bad signature for job {job_id!r}: {HEADER_SIGNATURE} is 64 lowercase hex digits"
+        )
     try:
-        expected = sign(secret, method, path, job_id, timestamp_s, body)
+        head = canonical_string(method, path, job_id, timestamp_s, b"")
     except ProtocolError as error:
         raise AuthError(f"request cannot be verified: {error}") from error
-    # Refuse a malformed signature before compare_digest, which raises
-    # TypeError on non-ASCII text.
-    if not _SIGNATURE.fullmatch(signature) or not hmac.compare_digest(signature, expected):
+    # The canonical string ends with the body's hash: the same text sign() makes.
+    message = head[: -len(_EMPTY_SHA256)] + body_hash.hexdigest()
+    expected = hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(signature, expected):
         raise AuthError(
             f"bad signature for job {job_id!r}: the agent and the supervisor do not share "
             "the same job secret, or the request was altered"
         )
+
+
+def is_signature(text: str) -> bool:
+    """Whether ``text`` is spelled as a signature (64 lowercase hex digits)."""
+    return _SIGNATURE.fullmatch(text) is not None
+
+
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def sign_frame(secret: bytes, job_id: str, timestamp_s: int, body: bytes) -> bytes:
@@ -1369,7 +1407,8 @@ def _surrogate_place(document: Any, what: str) -> str:
 def _envelope(value: Any, message_type: str) -> dict[str, Any]:
     document = _object(value, message_type)
     version = _field(document, "protocol", message_type)
-    if version != PROTOCOL_VERSION or isinstance(version, bool):
+    # Only the integer: 1.0 and true compare equal to 1 but are other spellings.
+    if type(version) is not int or version != PROTOCOL_VERSION:
         _fail(
             f"{message_type}: protocol version {version!r} is not supported; this "
             f"Resurgo speaks {PROTOCOL_VERSION}: run the same Resurgo version on "

@@ -74,6 +74,13 @@ class SupervisorConfig:
     - ``slurm_timeout_s``: the limit on every Slurm command.
     - ``log_json``: one JSON object per log line (default: only when stderr
       is not a terminal).
+    - ``body_timeout_s``: how long a request's body may take to arrive; a
+      slower one is answered 408 and its connection closed.
+    - ``unauthenticated_buffer_bytes``: the most bytes the bodies of requests
+      not yet authenticated may hold together (more: 503, retried later).
+    - ``metrics_listen``: ``host:port`` of a listener of its own for
+      ``/metrics`` (e.g. ``127.0.0.1:9740`` for a local Prometheus); empty:
+      ``/metrics`` is served on the API's listener.
     """
 
     state_dir: str = DEFAULT_STATE_DIR
@@ -91,11 +98,14 @@ class SupervisorConfig:
     straggler_check_s: float = 30.0
     slurm_timeout_s: float = 15.0
     log_json: str = "auto"
+    body_timeout_s: float = 30.0
+    unauthenticated_buffer_bytes: int = 128 << 20
+    metrics_listen: str = ""
 
     def __post_init__(self) -> None:
         for name in (
             "poll_s", "tick_s", "lease_s", "reconcile_s", "interval_check_s", "slurm_timeout_s",
-            "straggler_check_s",
+            "straggler_check_s", "body_timeout_s",
         ):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
@@ -104,6 +114,25 @@ class SupervisorConfig:
             raise ConfigError(f"supervisor setting listen_port {self.listen_port} is not a port")
         if self.log_json not in ("auto", "yes", "no"):
             raise ConfigError("supervisor setting log_json must be auto, yes or no")
+        if self.unauthenticated_buffer_bytes < (8 << 20):
+            raise ConfigError(
+                "supervisor setting unauthenticated_buffer_bytes must be at least 8388608 "
+                "(one largest body)"
+            )
+        if self.metrics_listen:
+            self.metrics_address()
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``metrics_listen`` as (host, port); None when /metrics shares the API's listener."""
+        if not self.metrics_listen:
+            return None
+        host, _, port = self.metrics_listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ConfigError(
+                f"supervisor setting metrics_listen {self.metrics_listen!r} is not host:port "
+                "(e.g. 127.0.0.1:9740)"
+            )
+        return host.strip("[]"), int(port)
 
     @property
     def store_path(self) -> Path:

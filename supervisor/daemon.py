@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import gc
 import json
 import logging
@@ -59,7 +61,7 @@ from agent.periodic import every
 from agent.protocol import RETRY_MAX_S, Event, EventKind
 from supervisor import jobs as jobfiles
 from supervisor import silence
-from supervisor.api import bound_port, build_app, serve, shutdown
+from supervisor.api import bound_port, build_app, build_metrics_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
 from supervisor.errors import SlurmError
 from supervisor.executor import Executor, Validator
@@ -68,6 +70,7 @@ from supervisor.intake import Intake, TrackedJob
 from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RequeueSmaller, ResumeNode
 from supervisor.logs import setup_logging
 from supervisor.looplag import LoopLag
+from supervisor.manifests import ManifestReader
 from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.model import (
     ClusterView,
@@ -136,6 +139,7 @@ class Supervisor(Intake):
             clock=clock,
         )
         self.jobs: dict[str, TrackedJob] = {}
+        self.manifest_reader = ManifestReader(self._take_save_stats)
         self.cluster = ClusterView()
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._bad_job_dirs: set[str] = set()
@@ -173,9 +177,20 @@ class Supervisor(Intake):
         registry = build_registry(collector)
         lag = LoopLag(registry)
         jobs_dir = str(self.config.jobs_path.resolve())
-        app = build_app(self, metrics=lambda: exposition(registry), jobs_dir=jobs_dir)
+        scrape = functools.partial(exposition, registry)
+        metrics_at = self.config.metrics_address()
+        app = build_app(
+            self,
+            metrics=scrape if metrics_at is None else None,
+            jobs_dir=jobs_dir,
+            body_timeout_s=self.config.body_timeout_s,
+            unauthenticated_buffer_bytes=self.config.unauthenticated_buffer_bytes,
+        )
         runner = await serve(app, self.config.listen_host, self.config.listen_port)
         self.port = bound_port(runner)
+        runners = [runner]
+        if metrics_at is not None:
+            runners.append(await serve(build_metrics_app(scrape), *metrics_at))
         log.info(
             "supervisor started: %s",
             json.dumps({**describe(self.config, self.policy), "url": self.url}),
@@ -204,9 +219,11 @@ class Supervisor(Intake):
             await self._stop.wait()
         finally:
             log.info("supervisor stopping")
-            await shutdown(runner)
+            for each in runners:
+                await shutdown(each)
             for task in tasks:
                 task.cancel()
+            await self.manifest_reader.aclose()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.store.close()  # writes every lease's last renewal
 
@@ -952,6 +969,27 @@ def _log_decision(job_id: str, before: JobRecord, decision: Decision) -> None:
     )
 
 
+# glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_BYTES = 64 << 10
+
+
+def _return_freed_buffers() -> None:
+    """Have glibc give large freed buffers back to the OS at once.
+
+    The network hands the server its bytes in pieces of up to 256 KiB. glibc
+    maps such a block on its own only until the first one is freed; from then
+    on it raises its threshold and carves them out of the heap, where a burst
+    of aborted uploads left hundreds of MiB that were free yet never returned
+    (docs/security.md, 7). A fixed threshold keeps every block from 64 KiB up
+    in a mapping of its own, unmapped when freed. No-op off glibc.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, 4 * _MMAP_THRESHOLD_BYTES)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``resurgo-supervisor``."""
     try:
@@ -965,6 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # 25-120 ms stop of the event loop (bench/RESULTS.md: p99 at 1,024 agents
     # 39 -> 11 ms). Young collections every 50,000 allocations, full ones rare.
     gc.set_threshold(50_000, 50, 1000)
+    _return_freed_buffers()
     try:
         supervisor = Supervisor(config, policy)
     except (ResurgoError, OSError) as error:

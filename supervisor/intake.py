@@ -12,6 +12,7 @@ the in-job driver. The daemon half (polling, timers, deciding, acting) is in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,10 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import protocol
-from agent.checkpoint import files
-from agent.checkpoint import format as fmt
-from agent.checkpoint.format import parse_step_dir_name
-from agent.errors import CheckpointInvalid
+from agent.checkpoint.format import SaveStats, parse_step_dir_name
 from agent.protocol import (
     Command,
     CommandKind,
@@ -34,6 +32,7 @@ from agent.protocol import (
     EventKind,
     HeartbeatReport,
 )
+from supervisor import manifests
 from supervisor.config import SupervisorConfig
 from supervisor.errors import StoreError
 from supervisor.executor import ALERT_KIND, Executor
@@ -124,6 +123,7 @@ class Intake:
     config: SupervisorConfig
     policy: Policy
     clock: Callable[[], float]
+    manifest_reader: manifests.ManifestReader
 
     def _enqueue(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
         """Hand an observation to the decision task (the daemon provides it)."""
@@ -254,20 +254,39 @@ class Intake:
         elif now - job.idle_since_s >= self.config.lease_s:
             self._release_held(job_id, job)
 
+    async def refuse_events(self, job_id: str, events: Sequence[Event]) -> str | None:
+        """Why the batch cannot be taken: a committed checkpoint outside the job's root.
+
+        Checked in a worker thread (it opens directories below the root, on
+        what may be a network filesystem), before anything is stored: the
+        supervisor would otherwise read, validate and resume from another
+        user's checkpoint with its own privileges.
+        """
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        for event in events:
+            if event.kind is EventKind.CHECKPOINT_COMMITTED:
+                why = await asyncio.to_thread(
+                    manifests.refusal, job.spec.ckpt_root, str(event.payload["path"])
+                )
+                if why is not None:
+                    return why
+        return None
+
     def _note_checkpoint(self, job_id: str, job: TrackedJob, event: Event, now: float) -> None:
-        """Record the commit and its save cost (from the manifest) once per checkpoint."""
+        """Record the commit, and have its save cost read from the manifest (off the loop)."""
         step, path = int(event.payload["step"]), str(event.payload["path"])
         self.store.record_checkpoint(job_id, step, path, now)
         if job.save_cost is not None and job.save_cost[0] >= step:
             return
-        try:
-            manifest = fmt.manifest_from_bytes(files.read_small(Path(path) / fmt.MANIFEST_NAME))
-        except (OSError, ValueError, CheckpointInvalid) as error:
-            log.warning("job %s: no save statistics from %s: %s", job_id, path, error)
+        self.manifest_reader.request(job_id, job.spec.ckpt_root, step, path)
+
+    def _take_save_stats(self, job_id: str, step: int, stats: SaveStats) -> None:
+        """A manifest's save statistics, read by :attr:`manifest_reader`: the job's save cost."""
+        job = self.jobs.get(job_id)
+        if job is None or (job.save_cost is not None and job.save_cost[0] >= step):
             return
-        if manifest.stats is None:
-            return
-        stats = manifest.stats
         job.save_cost = (step, stats.stall_s, stats.write_s)
         self.store.record_observation(
             job_id,
@@ -279,7 +298,7 @@ class Intake:
                 "bytes": stats.total_bytes,
                 "mode": stats.mode,
             },
-            now,
+            self.clock(),
             observation_id=f"{job_id}/checkpoint_stats/{step}",
         )
 

@@ -3,16 +3,29 @@
 Checks run in this order, cheapest and least revealing first, and the first
 failure answers (statuses in :class:`~supervisor.api.refusals.Cause`):
 
-1. signing headers present and well formed, job known (401) — before any of
-   the body is read, so an unauthenticated client cannot make the server
-   read 8 MiB;
-2. body size: ``Content-Length`` over the limit is refused unread, and the
-   body is read with aiohttp's ``client_max_size`` cap (413);
-3. timestamp inside the replay window and HMAC over method, raw path, job,
-   timestamp and body hash (401);
+1. from the headers alone, before any of the body is read: signing headers
+   present and well formed (the timestamp and signature each have one
+   spelling), job known, timestamp inside the replay window (401);
+   ``Content-Length`` over the limit (413);
+2. the body, read by :class:`_BodyReader`: in chunks into an anonymous
+   memory map of its own (unmapped, so returned to the OS, the moment the
+   request ends however it ends), hashed as it arrives, within
+   ``body_timeout_s`` from the first byte wanted (408, and the connection is
+   closed: a body that never ends or a ``Content-Length`` that lies holds
+   nothing longer), cut at the size limit (413), and counted against
+   ``unauthenticated_buffer_bytes``, the most all bodies not yet
+   authenticated may hold together (503 for the request that would pass
+   it). A client that goes away mid-body is no error: counted and logged
+   as a rate-limited ``client_gone``, nothing answered;
+3. HMAC over method, raw path, job, timestamp and the body's hash (401);
 4. ``X-Resurgo-Protocol`` (400), then strict decoding (400, protocol's reason);
 5. every event or heartbeat names the header's job (403) and a node of the
-   job's *current* allocation (403).
+   job's *current* allocation (403); a committed checkpoint lies inside the
+   job's checkpoint root (403, :meth:`JobDirectory.refuse_events`).
+
+Every error answer to a request whose body was not read to its end closes
+the connection. Every refusal and every internal error is logged at most N
+times per cause per minute (:class:`~supervisor.api.refusals.RefusalLog`).
 
 The heartbeat stream (``GET /v1/heartbeat/stream``, a WebSocket) passes
 checks 1-4 on its signed upgrade request (an unsigned or stale upgrade is
@@ -44,11 +57,15 @@ nodes outside their allocation, which is what protects other users.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import hashlib
 import logging
+import mmap
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -69,7 +86,8 @@ JOB_STATUS_PATH = "/v1/jobs/{job_id}"
 # ASCII digits only: int() would also take spaces, underscores and other
 # scripts' digits, letting two header spellings share one canonical string.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_TIMESTAMP = re.compile(r"[0-9]{1,12}")
+# And no leading zeros: "0017" and "17" would otherwise verify with one signature.
+_TIMESTAMP = re.compile(r"0|[1-9][0-9]{0,11}")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REFUSALS = web.AppKey("refusals", RefusalLog)
 # A stream whose agent went away without closing it is noticed by a ping
@@ -79,6 +97,10 @@ STREAM_PING_S = 60.0
 STREAM_CLOSE_S = 2.0
 # The answer to nearly every heartbeat (nothing acknowledged, no commands), encoded once.
 _EMPTY_REPLY = protocol.encode_reply(Reply())
+# How long a request's body may take to arrive, from when the handler wants it.
+BODY_TIMEOUT_S = 30.0
+# The most bytes all requests not yet authenticated may hold together.
+UNAUTHENTICATED_BUFFER_BYTES = 128 << 20
 
 
 def build_app(
@@ -90,6 +112,8 @@ def build_app(
     refusal_log_per_minute: int = 20,
     metrics: Callable[[], bytes] | None = None,
     jobs_dir: str | None = None,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    unauthenticated_buffer_bytes: int = UNAUTHENTICATED_BUFFER_BYTES,
 ) -> web.Application:
     """The supervisor's HTTP API over ``directory``.
 
@@ -103,12 +127,14 @@ def build_app(
     ``resurgo submit`` can say which one a supervisor that does not register
     its job watches (a path every user is told anyway). ``clock`` gives Unix
     seconds for the replay window and the refusal log's rate limit.
+    ``body_timeout_s`` and ``unauthenticated_buffer_bytes``: see the module's
+    docstring, check 2.
     """
     api = _Api(
         directory,
         clock,
         window_s,
-        max_body_bytes,
+        _BodyReader(max_body_bytes, body_timeout_s, unauthenticated_buffer_bytes),
         RefusalLog(logger, clock, per_window=refusal_log_per_minute),
         jobs_dir,
     )
@@ -123,13 +149,30 @@ def build_app(
     app.router.add_get(JOB_STATUS_PATH, api.job_status)
     app.router.add_get(HEALTH_PATH, api.health)
     if metrics is not None:
-
-        async def scrape(request: web.Request) -> web.Response:
-            body = await asyncio.to_thread(metrics)
-            return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
-
-        app.router.add_get(METRICS_PATH, scrape)
+        add_metrics_route(app, metrics)
     return app
+
+
+def build_metrics_app(metrics: Callable[[], bytes]) -> web.Application:
+    """An application serving only ``GET /metrics`` (and ``/healthz``), for its own listener."""
+    app = web.Application()
+    add_metrics_route(app, metrics)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app.router.add_get(HEALTH_PATH, health)
+    return app
+
+
+def add_metrics_route(app: web.Application, metrics: Callable[[], bytes]) -> None:
+    """``GET /metrics``: the exposition text, produced in a worker thread (it reads the store)."""
+
+    async def scrape(request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(metrics)
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    app.router.add_get(METRICS_PATH, scrape)
 
 
 async def serve(
@@ -141,12 +184,13 @@ async def serve(
     only enqueue), and there is no access log: one line per heartbeat of
     thousands of agents would drown everything else.
     """
+    refusals = app.get(_REFUSALS) or RefusalLog(logger, time.time)
     runner = web.AppRunner(
         app,
         handle_signals=False,
         access_log=None,
         shutdown_timeout=shutdown_timeout_s,
-        logger=_ServerLog(app[_REFUSALS]),
+        logger=_ServerLog(refusals),
     )
     await runner.setup()
     try:
@@ -189,7 +233,8 @@ class _ServerLog(logging.LoggerAdapter[logging.Logger]):
 
     aiohttp logs every request its parser refuses (answered 400) with a
     traceback: a flood of garbage would fill the disk. Those go to the
-    rate-limited refusal log instead; anything else stays an ERROR.
+    rate-limited refusal log instead, a client that hung up is no error at
+    all, and anything else is a rate-limited ERROR.
     """
 
     def __init__(self, refusals: RefusalLog) -> None:
@@ -202,7 +247,13 @@ class _ServerLog(logging.LoggerAdapter[logging.Logger]):
         if isinstance(error, BadHttpMessage):
             self._refusals.record(400, Cause.BAD_HTTP.value, error.message, None)
             return
-        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+        if isinstance(error, ConnectionError):
+            self._refusals.record(400, Cause.CLIENT_GONE.value, str(error), None)
+            return
+        if exc_info is True:
+            self._refusals.internal_error(str(msg), *args)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class _Api:
@@ -213,7 +264,7 @@ class _Api:
         directory: JobDirectory,
         clock: Callable[[], float],
         window_s: int,
-        max_body_bytes: int,
+        bodies: _BodyReader,
         refusals: RefusalLog,
         jobs_dir: str | None = None,
     ) -> None:
@@ -221,7 +272,8 @@ class _Api:
         self._jobs_dir = jobs_dir
         self._clock = clock
         self._window_s = window_s
-        self._max_body_bytes = max_body_bytes
+        self._bodies = bodies
+        self._max_body_bytes = bodies.max_bytes
         self.refusals = refusals
         self.streams: set[web.WebSocketResponse] = set()
 
@@ -231,9 +283,18 @@ class _Api:
         job = request.headers.get(protocol.HEADER_JOB)
         try:
             return await handler(request)
+        except _ClientGone as gone:
+            self.refusals.record(Cause.CLIENT_GONE.status, Cause.CLIENT_GONE.value, str(gone), job)
+            # Nobody reads this answer: aiohttp finds the connection closed.
+            return _closing(_error(400, Cause.CLIENT_GONE.value, "the client went away"))
         except RequestRefused as refused:
             self.refusals.record(refused.status, refused.cause, refused.reason, job)
-            return _error(refused.status, refused.cause, refused.reason)
+            answer = _error(refused.status, refused.cause, refused.reason)
+            if refused.status == Cause.BUSY.status:
+                answer.headers["Retry-After"] = "5"
+            # Unread body bytes would be taken for the next request (or make aiohttp
+            # wait for them): the connection ends with this answer.
+            return answer if request.content.at_eof() else await _send_and_close(request, answer)
         except web.HTTPException as http:
             # The router's own 404/405 (and any other aiohttp refusal).
             if http.status < 400:
@@ -247,9 +308,9 @@ class _Api:
                 answer.headers["Allow"] = http.headers["Allow"]
             return answer
         except Exception:
-            # A bug here or in the directory: the traceback goes to the log,
-            # never to the client, and the server keeps serving.
-            logger.exception(
+            # A bug here or in the directory: the traceback goes to the log
+            # (rate-limited), never to the client, and the server keeps serving.
+            self.refusals.internal_error(
                 "unexpected error answering %s %r (job %r)",
                 request.method,
                 request.path[:200],
@@ -283,6 +344,9 @@ class _Api:
                     f"request is signed for job {job_id!r}: a job reports only about itself"
                 )
         self._check_nodes(job_id, [event.node for event in events])
+        why = await self._directory.refuse_events(job_id, events)
+        if why is not None:
+            raise Cause.OUTSIDE_ROOT.refuse(why)
         accepted = self._directory.accept_events(job_id, events)
         senders = {(event.node, event.incarnation) for event in events}
         # Commands are for one agent: a batch mixing agents (which the Reporter
@@ -352,7 +416,9 @@ class _Api:
             self.refusals.record(refused.status, refused.cause, refused.reason, job_id)
             return protocol.encode_refusal(Refusal(refused.status, refused.cause, refused.reason))
         except Exception:
-            logger.exception("unexpected error taking a streamed heartbeat (job %r)", job_id)
+            self.refusals.internal_error(
+                "unexpected error taking a streamed heartbeat (job %r)", job_id
+            )
             return protocol.encode_refusal(
                 Refusal(500, "internal", "internal error; the supervisor's log has details")
             )
@@ -443,49 +509,41 @@ class _Api:
             raise Cause.MALFORMED_AUTH.refuse(f"{protocol.HEADER_JOB} is not a job id") from None
         if not _TIMESTAMP.fullmatch(timestamp):
             raise Cause.MALFORMED_AUTH.refuse(
-                f"{protocol.HEADER_TIMESTAMP} must be integer Unix seconds"
+                f"{protocol.HEADER_TIMESTAMP} must be integer Unix seconds without leading zeros"
+            )
+        if not protocol.is_signature(signature):
+            raise Cause.MALFORMED_AUTH.refuse(
+                f"{protocol.HEADER_SIGNATURE} must be 64 lowercase hex digits"
             )
         secret = self._directory.secret(job_id)
         if secret is None:
             raise Cause.UNKNOWN_JOB.refuse(f"job {job_id!r} is not known to this supervisor")
-        body = await self._read_body(request)
-        now_s = int(self._clock())
         try:
-            protocol.verify(
-                secret,
-                request.method,
-                request.rel_url.raw_path,
-                job_id,
-                int(timestamp),
-                body,
-                signature,
-                now_s=now_s,
-                window_s=self._window_s,
-            )
+            protocol.check_fresh(int(timestamp), int(self._clock()), self._window_s)
         except AuthError as error:
             raise _auth_refusal(error) from None
+        async with self._bodies.read(request) as (body, digest):
+            try:
+                protocol.verify_hashed(
+                    secret,
+                    request.method,
+                    request.rel_url.raw_path,
+                    job_id,
+                    int(timestamp),
+                    digest,
+                    signature,
+                )
+            except AuthError as error:
+                raise _auth_refusal(error) from None
+            # Authenticated: the body leaves the map (and the unauthenticated budget).
+            data = bytes(body)
         version = headers.get(protocol.HEADER_PROTOCOL)
         if version != str(protocol.PROTOCOL_VERSION):
             raise Cause.UNSUPPORTED_PROTOCOL.refuse(
                 f"{protocol.HEADER_PROTOCOL} is {(version or '')[:16]!r}; this supervisor speaks "
                 f"{protocol.PROTOCOL_VERSION}: run one Resurgo version on agents and supervisor"
             )
-        return job_id, body
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The body, refusing (413) one over the limit without buffering more than the limit."""
-        length = request.content_length
-        if length is not None and length > self._max_body_bytes:
-            raise Cause.TOO_LARGE.refuse(self._too_large(length))
-        try:
-            # client_max_size stops reading a chunked or lying body at the cap.
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise Cause.TOO_LARGE.refuse(self._too_large(None)) from None
-
-    def _too_large(self, length: int | None) -> str:
-        size = "the body" if length is None else f"the body ({length} bytes)"
-        return f"{size} is over the limit of {self._max_body_bytes} bytes: send smaller batches"
+        return job_id, data
 
     def _check_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
         """Refuse (403) reports about a node outside the job's current allocation."""
@@ -499,6 +557,138 @@ class _Api:
 
 
 _API = web.AppKey("api", _Api)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before its body was read (never an error)."""
+
+
+def _closing(answer: web.Response) -> web.Response:
+    answer.force_close()
+    return answer
+
+
+async def _send_and_close(request: web.Request, answer: web.Response) -> web.Response:
+    """Send ``answer``, then close the connection without reading the rest of the body.
+
+    aiohttp would otherwise go on reading ("lingering") what the client still
+    sends, which a client that never finishes makes forever.
+    """
+    answer.force_close()
+    with contextlib.suppress(ConnectionError):
+        await answer.prepare(request)
+        await answer.write_eof()
+    if request.transport is not None:
+        request.transport.close()
+    return answer
+
+
+# After this many body bytes, once no body is held, freed heap is handed back.
+TRIM_AFTER_BYTES = 64 << 20
+
+
+def trim_heap() -> None:
+    """Return the free pages of the C heap to the OS (glibc's ``malloc_trim``).
+
+    The network hands a body over in pieces of up to 256 KiB, copied through
+    asyncio's and aiohttp's buffers: a burst of uploads aborted mid-body
+    leaves the heap full of free holes that glibc keeps, so RSS would stay
+    hundreds of MiB up after the connections are gone (docs/security.md, 7).
+    Called when the last body being read is released after at least
+    :data:`TRIM_AFTER_BYTES` were read: a few milliseconds, at most once per
+    that many bytes. A no-op off glibc.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        _LIBC.malloc_trim(0)
+
+
+try:
+    _LIBC: Any = ctypes.CDLL(None)
+except OSError:  # not on glibc, or no C library to load: nothing to trim
+    _LIBC = None
+
+
+class _BodyReader:
+    """Reads request bodies within a time limit, into memory it returns to the OS at once.
+
+    A body is read chunk by chunk into an anonymous ``mmap`` sized for the
+    largest body allowed (or the announced length): pages are taken only as
+    bytes arrive, and ``close`` unmaps them whatever the allocator would have
+    kept of a ``bytes`` grown piecewise. While a body is being read it counts
+    against ``budget_bytes``, shared by every request not yet authenticated.
+    """
+
+    def __init__(self, max_bytes: int, timeout_s: float, budget_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._timeout_s = timeout_s
+        self._budget_bytes = budget_bytes
+        self.held = 0  # bytes held by bodies being read or checked now
+        self._read_since_trim = 0
+
+    @contextlib.asynccontextmanager
+    async def read(self, request: web.Request) -> AsyncIterator[tuple[memoryview, Any]]:
+        """``(body, its hashlib.sha256)`` while the context lasts; refusals raise."""
+        digest = hashlib.sha256()
+        if not request.body_exists:
+            yield memoryview(b""), digest
+            return
+        length = request.content_length
+        if length is not None and length > self.max_bytes:
+            raise Cause.TOO_LARGE.refuse(self._too_large(length))
+        size = self.max_bytes if length is None else length
+        area = mmap.mmap(-1, max(size, 1))
+        held = 0
+        try:
+            filled = 0
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    while chunk := await request.content.readany():
+                        if filled + len(chunk) > size:
+                            raise Cause.TOO_LARGE.refuse(self._too_large(length))
+                        if self.held + len(chunk) > self._budget_bytes:
+                            raise Cause.BUSY.refuse(
+                                "the supervisor holds as many unauthenticated bodies as it "
+                                "allows; retry in a few seconds"
+                            )
+                        self.held += len(chunk)
+                        self._read_since_trim += len(chunk)
+                        held += len(chunk)
+                        area[filled : filled + len(chunk)] = chunk
+                        digest.update(chunk)
+                        filled += len(chunk)
+            except TimeoutError:
+                raise Cause.BODY_TIMEOUT.refuse(
+                    f"the body did not arrive within {self._timeout_s:g} s"
+                ) from None
+            except (ConnectionError, BadHttpMessage) as error:
+                # aiohttp keeps this exception in the request's StreamReader (and its
+                # waiter future); its traceback holds the frames that refer to both, and
+                # this one holds the request, its last chunks and its connection. That
+                # cycle would wait for the garbage collector, which the daemon runs
+                # rarely: a burst of aborted uploads kept ~1-2 MiB each
+                # (docs/security.md, 7). Without the traceback, they go when the
+                # request does.
+                error.__traceback__ = None
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    raise _ClientGone(f"connection lost after {filled} body bytes") from None
+                raise Cause.BAD_HTTP.refuse(f"the body is not valid HTTP: {error}") from None
+            if length is not None and filled != length:
+                raise Cause.MALFORMED.refuse(
+                    f"the body has {filled} bytes, Content-Length said {length}"
+                )
+            with memoryview(area) as view, view[:filled] as body:
+                yield body, digest
+        finally:
+            self.held -= held
+            area.close()
+            if self.held == 0 and self._read_since_trim >= TRIM_AFTER_BYTES:
+                self._read_since_trim = 0
+                trim_heap()
+
+    def _too_large(self, length: int | None) -> str:
+        size = "the body" if length is None else f"the body ({length} bytes)"
+        return f"{size} is over the limit of {self.max_bytes} bytes: send smaller batches"
 
 
 def _reply(accepted: Sequence[str], commands: Sequence[Command]) -> web.Response:

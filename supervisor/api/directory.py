@@ -48,6 +48,11 @@ class JobDirectory(Protocol):
         """
         ...
 
+    async def refuse_events(self, job_id: str, events: Sequence[Event]) -> str | None:
+        """Why a batch that passed every other check cannot be taken (answered 403
+        ``outside_root``), or None. Checks that touch the disk belong here, off the loop."""
+        ...
+
     def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
         """Take a node's heartbeat; one older than that node's newest may be ignored."""
         ...
@@ -157,6 +162,10 @@ class MemoryDirectory:
                     job.event_ids.add(event.event_id)
                     job.events.append(event)
             return [event.event_id for event in events]
+
+    async def refuse_events(self, job_id: str, events: Sequence[Event]) -> str | None:
+        """See :meth:`JobDirectory.refuse_events`: this directory knows no checkpoint roots."""
+        return None
 
     def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
         """See :meth:`JobDirectory.accept_heartbeat`; one older than the newest is ignored."""

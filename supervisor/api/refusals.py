@@ -33,6 +33,12 @@ class Cause(enum.Enum):
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     BAD_HTTP = "bad_http"  # not valid HTTP/1.1; refused by aiohttp's parser before any handler
+    OUTSIDE_ROOT = "outside_root"  # a checkpoint path outside the job's checkpoint root
+    BODY_TIMEOUT = "body_timeout"  # the body did not arrive within the body timeout
+    BUSY = "busy"  # unauthenticated bodies already hold the buffer cap; retry later
+    # The client went away before its request was read: nobody gets the answer.
+    CLIENT_GONE = "client_gone"
+    INTERNAL = "internal"  # a bug behind a handler (answered 500, logged with its traceback)
 
     @property
     def status(self) -> int:
@@ -58,6 +64,11 @@ _STATUS = {
     Cause.NOT_FOUND: 404,
     Cause.METHOD_NOT_ALLOWED: 405,
     Cause.BAD_HTTP: 400,
+    Cause.OUTSIDE_ROOT: 403,
+    Cause.BODY_TIMEOUT: 408,
+    Cause.BUSY: 503,
+    Cause.CLIENT_GONE: 400,
+    Cause.INTERNAL: 500,
 }
 
 _LOGGED_CHARS = 300
@@ -95,12 +106,7 @@ class RefusalLog:
 
     def record(self, status: int, cause: str, reason: str, job: str | None) -> None:
         """Count one refusal and log it unless its cause already filled this window."""
-        now = self._clock()
-        self.flush(now)
-        self.totals[cause] += 1
-        window = self._windows.setdefault(cause, _Window(start=now))
-        window.count += 1
-        if window.count <= self._per_window:
+        if self._count(cause):
             self._logger.warning(
                 "refused request: job=%s status=%d cause=%s reason=%r",
                 "-" if job is None else repr(job[:64]),
@@ -108,6 +114,22 @@ class RefusalLog:
                 cause,
                 reason[:_LOGGED_CHARS],
             )
+
+    def internal_error(self, message: str, *args: object) -> None:
+        """Log an unexpected error with its traceback (call in an ``except``), at most
+        ``per_window`` per window like refusals: a bug a client can trigger must not
+        fill the disk either."""
+        if self._count(Cause.INTERNAL.value):
+            self._logger.error(message, *args, exc_info=True)
+
+    def _count(self, cause: str) -> bool:
+        """Count one of ``cause``; whether it may be logged in the current window."""
+        now = self._clock()
+        self.flush(now)
+        self.totals[cause] += 1
+        window = self._windows.setdefault(cause, _Window(start=now))
+        window.count += 1
+        return window.count <= self._per_window
 
     def flush(self, now: float) -> None:
         """Close the windows that ended by ``now``, logging how many lines each suppressed."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ import aiohttp
 import pytest
 import tenacity
 from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp.web_protocol import RequestHandler
 
 from agent import protocol
 from agent.client import Reporter, new_secret
@@ -521,6 +524,55 @@ def test_refused_requests_are_logged_with_job_status_and_cause(
         run(scenario(test))
     [message] = [r.getMessage() for r in caplog.records if r.name.startswith("supervisor.api")]
     assert "job='4711'" in message and "status=401" in message and "cause=bad_signature" in message
+
+
+def test_an_upload_aborted_mid_body_is_freed_without_the_garbage_collector() -> None:
+    """What a reset connection held (request, handler, chunks) goes with it, by reference
+    counting: the daemon runs the cycle collector rarely, and a burst of aborted
+    uploads once kept ~1-2 MiB each until it did (docs/security.md, 7)."""
+
+    async def abort_mid_body(api: Api) -> None:
+        host, port = api.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        head = [f"POST {protocol.EVENTS_PATH} HTTP/1.1", f"Host: {host}",
+                f"Content-Length: {4 << 20}", f"{protocol.HEADER_JOB}: {JOB}",
+                f"{protocol.HEADER_TIMESTAMP}: {NOW}", f"{protocol.HEADER_SIGNATURE}: {'0' * 64}",
+                f"{protocol.HEADER_PROTOCOL}: 1"]  # fmt: skip
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + b"x" * (1 << 20))
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the server reads what came
+        # A reset, not a close: SO_LINGER with a zero timeout.
+        writer.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+        )
+        writer.transport.abort()
+
+    async def test(api: Api) -> None:
+        for _ in range(3):
+            await abort_mid_body(api)
+        for _ in range(100):
+            async with api.session.get(api.url + "/healthz") as response:
+                if (await response.json())["refused"].get("client_gone", 0) >= 3:
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the server never noticed the aborted uploads")
+        await asyncio.sleep(0.2)  # and closed their connections
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            left = [o for o in gc.garbage if isinstance(o, (web.BaseRequest, RequestHandler))]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert left == [], left
+
+    gc.collect()
+    gc.disable()
+    try:
+        run(scenario(test))
+    finally:
+        gc.enable()
 
 
 # -- lifecycle and the real agent --------------------------------------------
