@@ -980,8 +980,9 @@ def _return_freed_buffers() -> None:
     The network hands the server its bytes in pieces of up to 256 KiB. glibc
     maps such a block on its own only until the first one is freed; from then
     on it raises its threshold and carves them out of the heap, where a burst
-    of aborted uploads left hundreds of MiB that were free yet never returned
-    (docs/security.md, 7). A fixed threshold keeps every block from 64 KiB up
+    of aborted uploads leaves free memory that is not returned (with this and
+    the API's heap trim, 1.5 MiB kept after 300 aborted 8 MiB uploads against
+    20.7 MiB without: bench/RESULTS.md, docs/security.md 7). A fixed threshold keeps every block from 64 KiB up
     in a mapping of its own, unmapped when freed. No-op off glibc.
     """
     with contextlib.suppress(OSError, AttributeError):

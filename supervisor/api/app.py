@@ -592,8 +592,9 @@ def trim_heap() -> None:
 
     The network hands a body over in pieces of up to 256 KiB, copied through
     asyncio's and aiohttp's buffers: a burst of uploads aborted mid-body
-    leaves the heap full of free holes that glibc keeps, so RSS would stay
-    hundreds of MiB up after the connections are gone (docs/security.md, 7).
+    leaves free holes in the heap that glibc keeps (with the fixed mmap
+    threshold of the daemon, about 20 MiB after 300 aborted 8 MiB uploads
+    without this trim, 1.5 MiB with it: bench/RESULTS.md, docs/security.md 7).
     Called when the last body being read is released after at least
     :data:`TRIM_AFTER_BYTES` were read: a few milliseconds, at most once per
     that many bytes. A no-op off glibc.
