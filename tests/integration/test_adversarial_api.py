@@ -182,3 +182,26 @@ def test_checkpoint_paths_outside_the_root_are_refused_403_and_never_opened(
     # Let the detector's thread go.
     with contextlib.suppress(OSError):
         os.close(os.open(secret_step / "resurgo.manifest.json", os.O_RDONLY | os.O_NONBLOCK))
+
+
+def test_metrics_listen_serves_metrics_on_its_own_listener_and_not_on_the_apis(
+    tmp_path: Path,
+) -> None:
+    """For a local Prometheus: /metrics (job ids and states, docs/security.md) off the
+    agents' listener, which then answers it 404."""
+    import urllib.error
+    import urllib.request
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    world = World(tmp_path, extra_env={"RESURGO_SUPERVISOR_METRICS_LISTEN": f"127.0.0.1:{port}"})
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        assert f'job_id="{world.job_id}"' in text
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{world.daemon.url}/metrics", timeout=10)
+        assert refused.value.code == 404
+    finally:
+        world.close()
