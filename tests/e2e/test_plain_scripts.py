@@ -29,18 +29,28 @@ PLAIN = Path(__file__).resolve().parents[1] / "workers" / "ddp_plain.py"
 ITERS = 40
 
 
-def submit_plain(supervisor: SupervisorProcess, where: Path, *script_args: str) -> tuple[int, Path]:
+def submit_job(
+    supervisor: SupervisorProcess,
+    where: Path,
+    command: list[str],
+    sizes: tuple[str, ...] = ("-N", "4", "--min-nodes", "2"),
+) -> tuple[int, Path]:
+    """``resurgo submit`` of ``command`` (its own checkpoints in ``where/out``, its output
+    in ``where/job.out``); (the job id, the output file)."""
     output = where / "job.out"
-    out_dir = where / "out"
-    out_dir.mkdir()
     done = supervisor.resurgo(
-        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--parsable",
-        "--ckpt-root", str(out_dir), "--",
-        *TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", str(ITERS),
-        *script_args,
+        "submit", *sizes, f"--output={output}", "--parsable",
+        "--ckpt-root", str(where / "out"), "--", *command,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return int(done.stdout.strip()), output
+
+
+def submit_plain(supervisor: SupervisorProcess, where: Path, *script_args: str) -> tuple[int, Path]:
+    out_dir = where / "out"
+    out_dir.mkdir()
+    command = [*TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", str(ITERS)]
+    return submit_job(supervisor, where, [*command, *script_args])
 
 
 def status(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: ignore[type-arg]
@@ -141,15 +151,12 @@ def test_a_wrapper_scripts_torchrun_gets_the_jobs_world_and_a_killed_rank_is_rec
         '#!/bin/bash\nset -euo pipefail\necho "wrapper on $(hostname) for $SLURMD_NODENAME"\n'
         f'exec torchrun --standalone --nnodes=1 --nproc-per-node=1 {PLAIN} "$@"\n'
     )
-    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    out_dir = tmp_path / "out"
     out_dir.mkdir()
-    done = supervisor.resurgo(
-        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--parsable",
-        "--ckpt-root", str(out_dir), "--", "bash", str(wrapper), "--out-dir", str(out_dir),
-        "--max-iters", str(ITERS), "--kill-at", "15", "--fault-rank", "2",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    job_id = int(done.stdout.strip())
+    job_id, output = submit_job(supervisor, tmp_path, [
+        "bash", str(wrapper), "--out-dir", str(out_dir), "--max-iters", str(ITERS),
+        "--kill-at", "15", "--fault-rank", "2",
+    ])  # fmt: skip
     job, text = ended(slurm_cluster, job_id, output)
     assert job["job_state"] == "COMPLETED", text[-3000:]
     victim = victim_of(output, "killing itself")
@@ -167,16 +174,13 @@ def test_an_srun_style_script_runs_one_process_per_rank_and_an_exception_is_retr
     agents start the ranks themselves (a nested srun would wait for nodes its own step
     holds). Two ranks per node, so each rank's SLURM_PROCID must be its own, not its
     agent's. A Python exception is retried once, on the same nodes, with no drain."""
-    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    out_dir = tmp_path / "out"
     out_dir.mkdir()
-    done = supervisor.resurgo(
-        "submit", "-N", "2", "--min-nodes", "1", f"--output={output}", "--parsable",
-        "--ckpt-root", str(out_dir), "--", "srun", "-u", "--ntasks-per-node=2",
-        sys.executable, str(PLAIN), "--init", "slurm", "--out-dir", str(out_dir),
-        "--max-iters", str(ITERS), "--raise-at", "15", "--fault-rank", "1",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    job_id = int(done.stdout.strip())
+    job_id, output = submit_job(supervisor, tmp_path, [
+        "srun", "-u", "--ntasks-per-node=2", sys.executable, str(PLAIN), "--init", "slurm",
+        "--out-dir", str(out_dir), "--max-iters", str(ITERS), "--raise-at", "15",
+        "--fault-rank", "1",
+    ], sizes=("-N", "2", "--min-nodes", "1"))  # fmt: skip
     job, text = ended(slurm_cluster, job_id, output)
     assert job["job_state"] == "COMPLETED", text[-3000:]
     assert "RuntimeError: rank 1 fails in iter 15" in text, text[-3000:]
@@ -195,7 +199,7 @@ def test_a_wrapper_whose_torchrun_keeps_its_own_world_is_stopped_at_once(
     some frameworks do) with `--standalone --nnodes=1` keeps world 1 on every node:
     four trainings writing one checkpoint. Resurgo says so at once and never calls
     the job complete."""
-    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    out_dir = tmp_path / "out"
     out_dir.mkdir()
     launcher = tmp_path / "launch.py"
     launcher.write_text(
@@ -205,12 +209,7 @@ def test_a_wrapper_whose_torchrun_keeps_its_own_world_is_stopped_at_once(
     )
     wrapper = tmp_path / "run.sh"
     wrapper.write_text(f"#!/bin/bash\nexec {sys.executable} {launcher}\n")
-    done = supervisor.resurgo(
-        "submit", "-N", "4", f"--output={output}", "--parsable", "--ckpt-root", str(out_dir),
-        "--", "bash", str(wrapper),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    job_id = int(done.stdout.strip())
+    job_id, output = submit_job(supervisor, tmp_path, ["bash", str(wrapper)], sizes=("-N", "4"))
     job, text = ended(slurm_cluster, job_id, output)
     assert job["job_state"] != "COMPLETED", text[-3000:]
     shown = status(supervisor, job_id)
@@ -247,16 +246,12 @@ def test_an_fsdp2_script_with_a_killed_rank_resumes_from_its_own_dcp_save_on_thr
     SIGKILLed rank's node is drained, the job goes on with 3 nodes, and the script
     reshards its own step-10 save 4 -> 3 and trains to the end. The bootstrap notes
     rank 0's saves: the status's checkpoint is the script's newest DCP directory."""
-    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    out_dir = tmp_path / "out"
     out_dir.mkdir()
-    done = supervisor.resurgo(
-        "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--parsable",
-        "--ckpt-root", str(out_dir), "--",
+    job_id, output = submit_job(supervisor, tmp_path, [
         *TORCHRUN, str(FSDP2_PLAIN), "--out-dir", str(out_dir), "--steps", str(ITERS),
         "--save-every", "10", "--step-s", "0.3", "--kill-at", "15", "--fault-rank", "2",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    job_id = int(done.stdout.strip())
+    ])  # fmt: skip
     job, text = ended(slurm_cluster, job_id, output)
     assert job["job_state"] == "COMPLETED", text[-3000:]
     victim = victim_of(output, "killing itself")
