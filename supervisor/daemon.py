@@ -982,8 +982,9 @@ def _return_freed_buffers() -> None:
     on it raises its threshold and carves them out of the heap, where a burst
     of aborted uploads leaves free memory that is not returned (with this and
     the API's heap trim, 1.5 MiB kept after 300 aborted 8 MiB uploads against
-    20.7 MiB without: bench/RESULTS.md, docs/security.md 7). A fixed threshold keeps every block from 64 KiB up
-    in a mapping of its own, unmapped when freed. No-op off glibc.
+    20.7 MiB without: bench/RESULTS.md, docs/security.md 7). A fixed threshold
+    keeps every block from 64 KiB up in a mapping of its own, unmapped when
+    freed. No-op off glibc.
     """
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None)

@@ -5,7 +5,9 @@ shell in between, so spaces, quotes and ``=`` arrive exactly as typed).
 Resurgo reads only a few of them: the node count (``-N``/``--nodes``, a
 ``MIN-MAX`` range becomes the minimum size the job may shrink to), the job
 name, whether the user set task counts, the time limit (for the warning
-before it) and a ``--signal`` of the user's own, and it refuses job arrays. The same
+before it), a ``--signal`` of the user's own (only ``B:USR1@N`` reaches the
+driver) and the output paths and ``--chdir`` (checked at submit); it refuses
+job arrays and ``--no-requeue``. The same
 reading applies to ``#SBATCH`` lines of a script given with ``--script``;
 command-line options win over them, as in sbatch.
 """
@@ -43,10 +45,23 @@ class SbatchRequest:
     # Tasks per node asked for (``--ntasks-per-node``, or ``--ntasks`` over the
     # nodes): the ranks per node of a per-rank command (srun-style, python train.py).
     tasks_per_node: int | None = None
+    # ``-o``/``-e`` file patterns and ``-D``/``--chdir``, for checks at submit.
+    output: str | None = None
+    error: str | None = None
+    chdir: str | None = None
     # ``--time``/``-t`` in seconds (None: the partition's limit); the lead of the
     # user's own ``--signal=...@N``, which then times the planned stop.
     time_limit_s: float | None = None
     signal_lead_s: float | None = None
+
+
+def script_commands(script_text: str) -> list[str]:
+    """The lines of a batch script that would run: not blank, not comments or ``#SBATCH``."""
+    return [
+        line.strip()
+        for line in script_text.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
 
 
 def directives_of(script_text: str) -> tuple[str, ...]:
@@ -106,6 +121,7 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
     signal_lead_s: float | None = None
     per_node: str | None = None
     total: str | None = None
+    paths: dict[str, str | None] = {}
     for name, value in [*_options(directives), *_options(options)]:
         if name in ("-a", "--array"):
             raise ConfigError(
@@ -125,8 +141,18 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
                 total = value
         elif name == "--signal":
             sets_signal = True
-            lead = (value or "").rpartition("@")[2]
-            signal_lead_s = float(lead) if lead.isdigit() else None
+            signal_lead_s = _warning_lead(value or "")
+        elif name == "--no-requeue":
+            raise ConfigError(
+                "--no-requeue: Resurgo requeues the job itself after a node fault or at its "
+                "time limit, and its restart budget bounds how often; drop --no-requeue"
+            )
+        elif name in ("-o", "--output"):
+            paths["output"] = value
+        elif name in ("-e", "--error"):
+            paths["error"] = value
+        elif name in ("-D", "--chdir"):
+            paths["chdir"] = value
         elif name in ("-t", "--time"):
             time_limit_s = parse_slurm_duration(value or "")
         elif name == "--open-mode":
@@ -134,6 +160,9 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
     maximum, minimum = nodes
     return SbatchRequest(
         tasks_per_node=_tasks_per_node(per_node, total, maximum),
+        output=paths.get("output"),
+        error=paths.get("error"),
+        chdir=paths.get("chdir"),
         options=tuple(options),
         directives=tuple(directives),
         nodes=maximum,
@@ -146,6 +175,26 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
         time_limit_s=time_limit_s,
         signal_lead_s=signal_lead_s,
     )
+
+
+_USR1 = {"USR1", "SIGUSR1", "10"}
+
+
+def _warning_lead(value: str) -> float | None:
+    """The lead of a user's ``--signal``, which must reach the driver as the batch
+    script's USR1 (``B:USR1@N``); ConfigError for any other signal or target."""
+    flags, colon, rest = value.partition(":")
+    if not colon:
+        flags, rest = "", value
+    name, _, lead = rest.partition("@")
+    if "B" not in flags.upper() or name.upper() not in _USR1:
+        raise ConfigError(
+            f"--signal={value}: Resurgo's driver takes the time-limit warning as USR1 to the "
+            "batch script and stops the ranks after a final checkpoint; another signal, or "
+            "one sent to the steps, would kill the driver or the agents. Give "
+            "--signal=B:USR1@SECONDS to choose the lead, or drop --signal"
+        )
+    return float(lead) if lead.isdigit() else None
 
 
 def _tasks_per_node(per_node: str | None, total: str | None, nodes: int) -> int | None:

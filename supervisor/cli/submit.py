@@ -40,6 +40,7 @@ from supervisor.sbatch import (
     directives_of,
     parse_request,
     procs_per_node,
+    script_commands,
     training_script,
 )
 from supervisor.slurm import SlurmClient
@@ -120,21 +121,37 @@ def spec_from(args: argparse.Namespace, sbatch_args: list[str], command: list[st
     directives: tuple[str, ...] = ()
     if args.script is not None:
         try:
-            directives = directives_of(args.script.read_text())
+            text = args.script.read_text()
         except OSError as error:
             raise ConfigError(f"cannot read --script {args.script}: {error.strerror}") from None
+        commands = script_commands(text)
+        if commands:
+            raise ConfigError(
+                f"--script {args.script}: only its #SBATCH lines are used, and its commands "
+                f"would not run (first: {commands[0][:80]!r}); give the training command "
+                "after --, or keep only #SBATCH lines in the file"
+            )
+        directives = directives_of(text)
     request = parse_request(sbatch_args, directives)
     if not command:
         raise ConfigError(f"no training command after --: {USAGE}")
     problem = launch_refusal(command, request.nodes)
     if problem is not None:
         raise ConfigError(problem)
+    workdir = Path(request.chdir) if request.chdir else Path.cwd()
     script = training_script(command)
-    if script is not None and not Path(script).exists():
+    if script is not None and not (workdir / script).exists():
         raise ConfigError(
-            f"training script {script} not found (from {Path.cwd()}): give its path as the "
+            f"training script {script} not found (from {workdir}): give its path as the "
             "compute nodes see it"
         )
+    for option, pattern in (("--output", request.output), ("--error", request.error)):
+        folder = (workdir / pattern).parent if pattern else None
+        if folder is not None and "%" not in str(folder) and not folder.is_dir():
+            raise ConfigError(
+                f"{option}={pattern}: the folder {folder} does not exist, and Slurm would "
+                "fail the job at its start (JobLaunchFailure): create it first"
+            )
     if not args.ckpt_root:
         raise ConfigError(
             f"where should checkpoints go? pass --ckpt-root DIR or set {ENV_CKPT_ROOT}"

@@ -69,7 +69,7 @@ def test_options_pass_through_verbatim_with_resurgos_additions_after_them() -> N
 
 
 def test_the_users_own_name_tasks_and_signal_are_kept() -> None:
-    user = ("-J", "mine", "--ntasks-per-node=8", "--signal=B:USR2@60", "--nodes=2",
+    user = ("-J", "mine", "--ntasks-per-node=8", "--signal=B:USR1@60", "--nodes=2",
             "--open-mode=truncate")  # fmt: skip
     argv = sbatch_options(spec(sbatch_options=user, directives=()))
     assert argv == [*user, "--requeue"]
@@ -139,6 +139,13 @@ def test_dry_run_prints_the_script_and_the_sbatch_command(
             ["--ckpt-root", "/c", "--script", "/no/such.sbatch", "--", "true"],
             "cannot read --script",
         ),
+        (["--ckpt-root", "/c", "--no-requeue", "--", "true"], "drop --no-requeue"),
+        (["--ckpt-root", "/c", "--signal=B:USR2@60", "--", "true"], "--signal=B:USR1@SECONDS"),
+        (["--ckpt-root", "/c", "--signal=USR1@60", "--", "true"], "sent to the steps"),
+        (["--ckpt-root", "/c", "-o", "/no/such/dir/%j.out", "--", "true"], "does not exist"),
+        (["--ckpt-root", "/c", "--error=/no/such/e.txt", "--", "true"], "create it first"),
+        (["--ckpt-root", "/c", "--", "mpirun", "-np", "8", "x"], "mpirun is an MPI launcher"),
+        (["--ckpt-root", "/c", "--", "srun", "--cpu-bind=cores", "x"], "is not applied"),
     ],
 )
 def test_user_mistakes_get_one_line_saying_what_to_do(
@@ -161,3 +168,43 @@ def test_without_slurm_on_path_submit_says_so(
     status = main(["submit", "--ckpt-root", "/c", "--", "true"])
     assert status == 1
     assert "sbatch is not on PATH" in capsys.readouterr().err
+
+
+def test_a_script_with_commands_is_refused_since_only_its_sbatch_lines_are_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --time=1:00:00\n\nsrun python train.py\n")
+    status = main(["submit", "--ckpt-root", "/c", "--script", str(script), "--dry-run", "--",
+                   "true"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2 and "its commands would not run (first: 'srun python train.py')" in err
+    script.write_text("#!/bin/bash\n#SBATCH --time=1:00:00\n# a comment\n")
+    assert main(["submit", "--ckpt-root", "/c", "--script", str(script), "--dry-run", "--",
+                 "true"]) == 0  # fmt: skip
+
+
+def test_paths_are_checked_from_the_jobs_chdir_and_patterns_are_left_to_slurm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.py").write_text("")
+    (tmp_path / "run" / "logs").mkdir()
+    ok = main(["submit", "--ckpt-root", "/c", f"--chdir={tmp_path / 'run'}", "-o",
+               "logs/%j.out", "-e", "%x-%j/err", "--dry-run", "--", "torchrun",
+               "train.py"])  # fmt: skip
+    assert ok == 0, capsys.readouterr().err
+    missing = main(["submit", "--ckpt-root", "/c", "-D", str(tmp_path), "--dry-run", "--",
+                    "torchrun", "train.py"])  # fmt: skip
+    assert missing == 2 and f"not found (from {tmp_path})" in capsys.readouterr().err
+
+
+def test_an_srun_style_command_takes_its_ranks_per_node_from_srun_or_the_job() -> None:
+    from supervisor.cli.submit import ranks_per_node
+
+    request = parse_request(["-N", "2", "--ntasks-per-node=4"])
+    assert ranks_per_node(["srun", "python", "t.py"], request) == 4
+    assert ranks_per_node(["srun", "-n", "2", "python", "t.py"], request) == 1
+    assert ranks_per_node(["python", "t.py"], parse_request(["-N", "2", "-n", "6"])) == 3
+    assert ranks_per_node(["torchrun", "--nproc-per-node=8", "t.py"], request) == 8
+    assert ranks_per_node(["bash", "run.sh"], request) == 1
