@@ -262,7 +262,10 @@ def sbatch_options(spec: JobSpec) -> list[str]:
     :func:`supervisor.sbatch.supervision_options`); a job name when the user gave none."""
     request = parse_request(spec.sbatch_options, spec.directives)
     named = [] if request.job_name else [f"--job-name={spec.name}"]
-    sized = [] if request.sets_nodes else [f"--nodes={spec.nodes}"]
+    # A MIN-MAX range starts the job on MAX (Slurm would take MIN and Resurgo then
+    # grow it back at once, a restart for nothing); MIN is only the shrink floor.
+    ranged = request.min_nodes is not None
+    sized = [] if request.sets_nodes and not ranged else [f"--nodes={spec.nodes}"]
     return [*spec.sbatch_options, *named, *sized, *supervision_options(request)]
 
 

@@ -208,3 +208,11 @@ def test_an_srun_style_command_takes_its_ranks_per_node_from_srun_or_the_job() -
     assert ranks_per_node(["python", "t.py"], parse_request(["-N", "2", "-n", "6"])) == 3
     assert ranks_per_node(["torchrun", "--nproc-per-node=8", "t.py"], request) == 8
     assert ranks_per_node(["bash", "run.sh"], request) == 1
+
+
+def test_a_node_range_starts_the_job_on_its_maximum_and_shrinks_to_its_minimum() -> None:
+    argv = sbatch_options(spec(sbatch_options=("-N", "2-4"), directives=(), nodes=4, min_nodes=2))
+    assert argv[:2] == ["-N", "2-4"] and "--nodes=4" in argv[2:]
+    ranged_script = sbatch_options(spec(sbatch_options=(), directives=("--nodes=2-4",), nodes=4))
+    assert "--nodes=4" in ranged_script
+    assert "--nodes=4" not in sbatch_options(spec(sbatch_options=("-N", "4"), directives=()))
