@@ -1,0 +1,63 @@
+"""Where the store is when nobody said: the system path for root and the site-wide
+service, the user's XDG state directory for a researcher who cannot use it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from supervisor.config import DEFAULT_STATE_DIR, default_state_dir, load_config
+
+USER = 1000
+HOME = {"HOME": "/home/ada"}
+
+
+@pytest.mark.parametrize(
+    ("environ", "uid", "usable", "expected"),
+    [
+        # Root keeps today's default, whatever the environment says.
+        ({**HOME, "XDG_STATE_HOME": "/x"}, 0, False, DEFAULT_STATE_DIR),
+        ({**HOME}, 0, True, DEFAULT_STATE_DIR),
+        # The site-wide unit's user (or an operator who may read the store) keeps it too.
+        ({**HOME, "XDG_STATE_HOME": "/x"}, USER, True, DEFAULT_STATE_DIR),
+        # A researcher who cannot use it gets their own directory.
+        ({**HOME, "XDG_STATE_HOME": "/scr/ada"}, USER, False, "/scr/ada/resurgo"),
+        ({**HOME}, USER, False, "/home/ada/.local/state/resurgo"),
+        ({**HOME, "XDG_STATE_HOME": ""}, USER, False, "/home/ada/.local/state/resurgo"),
+        # The XDG specification ignores a relative XDG_STATE_HOME.
+        ({**HOME, "XDG_STATE_HOME": "state"}, USER, False, "/home/ada/.local/state/resurgo"),
+        # No home to put it in: the system path, and its error names it.
+        ({}, USER, False, DEFAULT_STATE_DIR),
+        ({"HOME": "relative"}, USER, False, DEFAULT_STATE_DIR),
+    ],
+)
+def test_the_default_state_dir_is_the_system_one_unless_this_user_cannot_use_it(
+    environ: Mapping[str, str], uid: int, usable: bool, expected: str
+) -> None:
+    assert default_state_dir(environ, uid, system_dir_usable=usable) == expected
+
+
+def test_an_explicit_state_dir_wins_over_the_per_user_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Whoever runs the tests: pretend to be a researcher with no usable system path.
+    monkeypatch.setattr("supervisor.config.os.geteuid", lambda: USER)
+    monkeypatch.setattr("supervisor.config.os.access", lambda path, mode: False)
+    environ = {"XDG_STATE_HOME": "/home/ada/.local/state"}
+    config, _ = load_config([], environ)
+    assert config.state_dir == "/home/ada/.local/state/resurgo"
+    config, _ = load_config([], {**environ, "RESURGO_STATE_DIR": "/srv/a"})
+    assert config.state_dir == "/srv/a"
+    config, _ = load_config([], {**environ, "RESURGO_SUPERVISOR_STATE_DIR": "/srv/b"})
+    assert config.state_dir == "/srv/b"
+    config, _ = load_config(["--state-dir", "/srv/c"], environ)
+    assert config.state_dir == "/srv/c"
+
+
+def test_root_running_the_supervisor_keeps_the_system_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("supervisor.config.os.geteuid", lambda: 0)
+    config, _ = load_config([], {"XDG_STATE_HOME": "/root/.local/state"})
+    assert config.state_dir == DEFAULT_STATE_DIR
