@@ -3,10 +3,12 @@ service, the user's XDG state directory for a researcher who cannot use it."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 
 import pytest
 
+from supervisor.cli.common import add_state_dir
 from supervisor.config import DEFAULT_STATE_DIR, default_state_dir, load_config
 
 USER = 1000
@@ -61,3 +63,19 @@ def test_root_running_the_supervisor_keeps_the_system_path(
     monkeypatch.setattr("supervisor.config.os.geteuid", lambda: 0)
     config, _ = load_config([], {"XDG_STATE_HOME": "/root/.local/state"})
     assert config.state_dir == DEFAULT_STATE_DIR
+
+
+def test_the_commands_look_in_the_researchers_own_state_dir_when_the_system_one_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("supervisor.config.os.geteuid", lambda: USER)
+    monkeypatch.setattr("supervisor.config.os.access", lambda path, mode: False)
+    monkeypatch.delenv("RESURGO_STATE_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", "/home/ada/.local/state")
+    parser = argparse.ArgumentParser()
+    add_state_dir(parser)
+    assert parser.parse_args([]).state_dir == "/home/ada/.local/state/resurgo"
+    monkeypatch.setenv("RESURGO_STATE_DIR", "/srv/a")
+    parser = argparse.ArgumentParser()
+    add_state_dir(parser)
+    assert parser.parse_args([]).state_dir == "/srv/a"
