@@ -46,7 +46,7 @@ DEFAULT_PORT = 8740
 def default_state_dir(environ: Mapping[str, str], uid: int, *, system_dir_usable: bool) -> str:
     """The state directory when none is configured: :data:`DEFAULT_STATE_DIR`, unless a
     user other than root cannot use it (``system_dir_usable``: it exists and they may
-    write it, for the supervisor, or read it, for the ``resurgo`` commands); then
+    write it, for the supervisor, or search it, for the ``resurgo`` commands); then
     ``$XDG_STATE_HOME/resurgo``, else ``$HOME/.local/state/resurgo``, where the
     per-user unit's ``StateDirectory=resurgo`` puts it (``systemd/user/``).
 
@@ -67,8 +67,10 @@ def default_state_dir(environ: Mapping[str, str], uid: int, *, system_dir_usable
 
 def this_users_state_dir(environ: Mapping[str, str], *, write: bool) -> str:
     """:func:`default_state_dir` for the user running this process; ``write``: the
-    supervisor (it writes the store), else a ``resurgo`` command (it reads it)."""
-    mode = (os.W_OK if write else os.R_OK) | os.X_OK
+    supervisor (it writes the store), else a ``resurgo`` command."""
+    # A command needs only the search bit: a site-wide supervisor gives users 0701/2751
+    # so that `resurgo submit` reaches <state_dir>/jobs, and they must keep finding it.
+    mode = os.W_OK | os.X_OK if write else os.X_OK
     usable = os.path.isdir(DEFAULT_STATE_DIR) and os.access(DEFAULT_STATE_DIR, mode)
     return default_state_dir(environ, os.geteuid(), system_dir_usable=usable)
 

@@ -92,7 +92,7 @@ def add_state_dir(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(ENV_STATE_DIR) or this_users_state_dir(os.environ, write=False),
         help=(
             f"the supervisor's state directory (default ${ENV_STATE_DIR}, else "
-            f"{DEFAULT_STATE_DIR}, or $XDG_STATE_HOME/resurgo for a user who cannot read that)"
+            f"{DEFAULT_STATE_DIR}, or $XDG_STATE_HOME/resurgo for a user shut out of that)"
         ),
     )
 

@@ -4,12 +4,18 @@ service, the user's XDG state directory for a researcher who cannot use it."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping
 
 import pytest
 
 from supervisor.cli.common import add_state_dir
-from supervisor.config import DEFAULT_STATE_DIR, default_state_dir, load_config
+from supervisor.config import (
+    DEFAULT_STATE_DIR,
+    default_state_dir,
+    load_config,
+    this_users_state_dir,
+)
 
 USER = 1000
 HOME = {"HOME": "/home/ada"}
@@ -79,3 +85,16 @@ def test_the_commands_look_in_the_researchers_own_state_dir_when_the_system_one_
     parser = argparse.ArgumentParser()
     add_state_dir(parser)
     assert parser.parse_args([]).state_dir == "/srv/a"
+
+
+def test_a_user_who_may_only_enter_the_system_dir_keeps_it_for_commands_not_for_a_supervisor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A site-wide supervisor's state dir at 0701/2751: users may enter it (to reach
+    # <state_dir>/jobs for `resurgo submit`), not list or write it.
+    monkeypatch.setattr("supervisor.config.os.geteuid", lambda: USER)
+    monkeypatch.setattr("supervisor.config.os.path.isdir", lambda path: True)
+    monkeypatch.setattr("supervisor.config.os.access", lambda path, mode: mode == os.X_OK)
+    environ = {"XDG_STATE_HOME": "/home/ada/.local/state"}
+    assert this_users_state_dir(environ, write=False) == DEFAULT_STATE_DIR
+    assert this_users_state_dir(environ, write=True) == "/home/ada/.local/state/resurgo"
