@@ -5,7 +5,8 @@ Sources, later ones winning (:mod:`agent.settings`): a TOML file
 ``[policy]`` table), the environment (``RESURGO_SUPERVISOR_<FIELD>``,
 ``RESURGO_POLICY_<FIELD>``; ``RESURGO_STATE_DIR`` and ``RESURGO_JOBS_DIR``,
 which the ``resurgo`` commands read too, are the lowest-priority source of
-those two directories), then flags (``--state-dir``,
+those two directories; with neither set anywhere, the state directory is
+:func:`default_state_dir`), then flags (``--state-dir``,
 ``--policy-max-drain-share-per-hour``, ...). Durations carry their unit in
 the name.
 
@@ -40,6 +41,38 @@ POLICY_ENV_PREFIX = "RESURGO_POLICY_"
 POLICY_FLAG_PREFIX = "policy-"
 DEFAULT_STATE_DIR = "/var/lib/resurgo"
 DEFAULT_PORT = 8740
+
+
+def default_state_dir(environ: Mapping[str, str], uid: int, *, system_dir_usable: bool) -> str:
+    """The state directory when none is configured: :data:`DEFAULT_STATE_DIR`, unless a
+    user other than root cannot use it (``system_dir_usable``: it exists and they may
+    write it, for the supervisor, or search it, for the ``resurgo`` commands); then
+    ``$XDG_STATE_HOME/resurgo``, else ``$HOME/.local/state/resurgo``, where the
+    per-user unit's ``StateDirectory=resurgo`` puts it (``systemd/user/``).
+
+    Root, and the site-wide service's user (its ``StateDirectory`` exists and is
+    theirs), keep the system path, as before.
+    """
+    if uid == 0 or system_dir_usable:
+        return DEFAULT_STATE_DIR
+    # The XDG base-directory specification ignores a relative XDG_STATE_HOME.
+    xdg = environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):
+        return os.path.join(xdg, "resurgo")
+    home = environ.get("HOME", "")
+    if os.path.isabs(home):
+        return os.path.join(home, ".local", "state", "resurgo")
+    return DEFAULT_STATE_DIR
+
+
+def this_users_state_dir(environ: Mapping[str, str], *, write: bool) -> str:
+    """:func:`default_state_dir` for the user running this process; ``write``: the
+    supervisor (it writes the store), else a ``resurgo`` command."""
+    # A command needs only the search bit: a site-wide supervisor gives users 0701/2751
+    # so that `resurgo submit` reaches <state_dir>/jobs, and they must keep finding it.
+    mode = os.W_OK | os.X_OK if write else os.X_OK
+    usable = os.path.isdir(DEFAULT_STATE_DIR) and os.access(DEFAULT_STATE_DIR, mode)
+    return default_state_dir(environ, os.geteuid(), system_dir_usable=usable)
 
 
 @dataclass(frozen=True)
@@ -184,11 +217,10 @@ def load_config(
         raise ConfigError(f"[policy] in {args.config} must be a table")
     source = str(args.config)
     # The CLI's RESURGO_STATE_DIR names the same directory: one variable serves both.
-    shared = {
-        name: env[variable]
-        for name, variable in (("state_dir", "RESURGO_STATE_DIR"), ("jobs_dir", "RESURGO_JOBS_DIR"))
-        if env.get(variable)
-    }
+    # Without it, a user who may not write the system path gets their own directory.
+    shared = {"state_dir": env.get("RESURGO_STATE_DIR") or this_users_state_dir(env, write=True)}
+    if env.get("RESURGO_JOBS_DIR"):
+        shared["jobs_dir"] = env["RESURGO_JOBS_DIR"]
     config = layered(
         SupervisorConfig,
         owner="supervisor",

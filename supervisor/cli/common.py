@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import DEFAULT_STATE_DIR
+from supervisor.config import DEFAULT_STATE_DIR, this_users_state_dir
 from supervisor.errors import StoreError
 from supervisor.store import Store
 from supervisor.text import one_line
@@ -85,11 +85,15 @@ def fail(command: str, message: str, status: int = 1) -> int:
 
 
 def add_state_dir(parser: argparse.ArgumentParser) -> None:
-    """``--state-dir`` (default ``$RESURGO_STATE_DIR`` or the supervisor's default)."""
+    """``--state-dir`` (default ``$RESURGO_STATE_DIR``, else the supervisor's default as
+    this user's supervisor would resolve it: :func:`supervisor.config.default_state_dir`)."""
     parser.add_argument(
         "--state-dir",
-        default=os.environ.get(ENV_STATE_DIR, DEFAULT_STATE_DIR),
-        help=f"the supervisor's state directory (default ${ENV_STATE_DIR} or {DEFAULT_STATE_DIR})",
+        default=os.environ.get(ENV_STATE_DIR) or this_users_state_dir(os.environ, write=False),
+        help=(
+            f"the supervisor's state directory (default ${ENV_STATE_DIR}, else "
+            f"{DEFAULT_STATE_DIR}, or $XDG_STATE_HOME/resurgo for a user shut out of that)"
+        ),
     )
 
 

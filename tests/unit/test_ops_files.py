@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS = REPO / "deploy" / "prometheus"
 UNIT = REPO / "systemd" / "resurgo-supervisor.service"
+USER_UNIT = REPO / "systemd" / "user" / "resurgo-supervisor.service"
 DASHBOARD = REPO / "deploy" / "grafana" / "resurgo-dashboard.json"
 
 
@@ -21,8 +23,12 @@ def tool(name: str) -> str:
     return found
 
 
-def run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+def run(
+    argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_the_prometheus_config_and_rules_pass_promtool_check() -> None:
@@ -49,6 +55,31 @@ def test_the_supervisor_unit_passes_systemd_analyze_verify(tmp_path: Path) -> No
     for hardening in ("NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
                       "Restart=on-failure", "User=resurgo", "--config /etc/resurgo/"):  # fmt: skip
         assert hardening in text
+
+
+def test_the_per_user_unit_passes_systemd_analyze_verify_user(tmp_path: Path) -> None:
+    daemon = Path(sys.executable).with_name("resurgo-supervisor")
+    assert daemon.exists(), "resurgo-supervisor is not installed in this environment"
+    text = USER_UNIT.read_text().replace("/opt/resurgo/venv/bin/resurgo-supervisor", str(daemon))
+    unit = tmp_path / USER_UNIT.name
+    unit.write_text(text)
+    # verify --user starts a user manager in miniature: it needs a runtime directory,
+    # which a session has and a test runner (root, or CI) may not.
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    done = run([tool("systemd-analyze"), "verify", "--user", str(unit)], env=env)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+    # A researcher's supervisor: no other user, no capability, its own state
+    # directory, localhost until told otherwise.
+    for absent in ("User=", "Group=", "AmbientCapabilities=", "CAP_"):
+        assert absent not in text
+    for setting in ("StateDirectory=resurgo", "RESURGO_STATE_DIR=%S/resurgo",
+                    "RESURGO_SUPERVISOR_LISTEN_HOST=127.0.0.1",
+                    "EnvironmentFile=-%E/resurgo/supervisor.env", "Restart=on-failure",
+                    "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
+                    "WantedBy=default.target"):  # fmt: skip
+        assert setting in text
 
 
 def test_the_dashboard_is_provisioning_ready_and_templated_by_job() -> None:
