@@ -15,6 +15,7 @@ import json
 import re
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,14 @@ def test_a_wrapper_scripts_torchrun_gets_the_jobs_world_and_a_killed_rank_is_rec
     assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
     assert f"done at iter {ITERS} with world 3" in text, text[-3000:]
     assert len(attempts(supervisor, job_id)) == 2
+    # Detection and recovery are timed from the bootstrap's steps, as for our trainer.
+    with urllib.request.urlopen(f"{supervisor.url}/metrics", timeout=30) as answer:
+        metrics = answer.read().decode()
+    for name in ("detect", "recover"):
+        count = re.search(
+            rf'resurgo_job_time_to_{name}_seconds_count{{job_id="{job_id}"}} (\S+)', metrics
+        )
+        assert count is not None and float(count.group(1)) == 1.0, (name, metrics[-2000:])
 
 
 def test_an_srun_style_script_runs_one_process_per_rank_and_an_exception_is_retried_once(
