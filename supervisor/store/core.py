@@ -114,16 +114,7 @@ class StoreCore:
         if checked:
             with _refusing_damage(path):
                 _check_read_only(path, busy_timeout_s)
-        try:
-            db = sqlite3.connect(
-                f"{path.resolve().as_uri()}?mode={mode}",
-                uri=True,
-                isolation_level=None,
-                check_same_thread=False,
-                timeout=busy_timeout_s,
-            )
-        except sqlite3.Error as error:
-            raise StoreError(f"cannot open store {path}: {error}") from error
+        db = _connect(path, f"mode={mode}", busy_timeout_s, "open")
         try:
             with _refusing_damage(path):
                 if existed and not checked:
@@ -158,16 +149,7 @@ class StoreCore:
             # database: read the file as it stands. Should the supervisor start
             # and write meanwhile, this one command may see a torn read.
             options += "&immutable=1"
-        try:
-            db = sqlite3.connect(
-                f"{path.resolve().as_uri()}?{options}",
-                uri=True,
-                isolation_level=None,
-                check_same_thread=False,
-                timeout=busy_timeout_s,
-            )
-        except sqlite3.Error as error:
-            raise StoreError(f"cannot open store {path} to read: {error}") from error
+        db = _connect(path, options, busy_timeout_s, "open to read")
         try:
             with _refusing_damage(path):
                 db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
@@ -511,3 +493,17 @@ def in_clause(column: str, values: Iterable[Label] | None) -> tuple[str, tuple[s
     if not texts:
         return "WHERE 0", ()
     return f"WHERE {column} IN ({', '.join('?' * len(texts))})", texts
+
+
+def _connect(path: Path, options: str, busy_timeout_s: float, what: str) -> sqlite3.Connection:
+    """A connection to the store's URI with ``options``; StoreError saying what failed."""
+    try:
+        return sqlite3.connect(
+            f"{path.resolve().as_uri()}?{options}",
+            uri=True,
+            isolation_level=None,
+            check_same_thread=False,
+            timeout=busy_timeout_s,
+        )
+    except sqlite3.Error as error:
+        raise StoreError(f"cannot {what} store {path}: {error}") from error
