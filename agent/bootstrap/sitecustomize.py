@@ -18,8 +18,11 @@ def _arm() -> None:
         from agent.torchrunshim import refit_if_torchrun
 
         refit_if_torchrun()
-    except SystemExit:
-        raise  # torchrun arguments that cannot be fitted: said, and the launch fails
+    except SystemExit as refused:
+        # torchrun arguments that cannot be fitted: said in one line, and this torchrun
+        # ends (raised from here, Python would call it a fatal error of its start).
+        print(refused, file=sys.stderr, flush=True)
+        os._exit(2)
     except Exception:  # never stop a rank from starting
         pass
     try:

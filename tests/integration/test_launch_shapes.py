@@ -115,3 +115,24 @@ def test_a_launcher_that_keeps_its_own_world_is_reported_once_at_once(
     agent.wait_file("step.1")
     time.sleep(1.0)
     assert len([e for e in agent.events() if e.kind is EventKind.WORLD_MISMATCH]) == 1
+
+
+def test_a_wrapped_torchrun_that_cannot_be_fitted_ends_with_one_line_saying_why(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+
+    from agent.launch import BOOTSTRAP_DIR, ENV_ALLOCATION
+
+    allocation = '{"job_id": "7", "node": "node1", "nnodes": 2, "node_rank": 0, ' \
+        '"master_addr": "127.0.0.1", "master_port": 29999}'  # fmt: skip
+    done = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--nproc-per-node=gpu", str(WORKER)],
+        env={**os.environ, "PYTHONPATH": BOOTSTRAP_DIR, ENV_ALLOCATION: allocation},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "resurgo: torchrun: --nproc-per-node='gpu': Resurgo needs an explicit number of ranks "
+        "per node (e.g. --nproc-per-node=8) to know when every rank has started"
+    ]
