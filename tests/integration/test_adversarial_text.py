@@ -172,12 +172,17 @@ def test_under_umask_022_the_state_directory_and_store_are_private(world: World)
 def test_a_newline_and_nul_in_a_checkpoint_path_never_forge_a_log_line(world: World) -> None:
     leader = world.running_agents()[0]
     path = f"{world.root}/ckpt/step-7\n{FORGED}\x00"
-    world.deliver(leader, EventKind.CHECKPOINT_COMMITTED,
-                  {"step": 7, "path": path, "global_rank": 0})  # fmt: skip
-    world.until("the path logged", lambda: any("step-7\\n" in line for line in world.log_lines()))
+    leader.emit(EventKind.CHECKPOINT_COMMITTED, {"step": 7, "path": path, "global_rank": 0})
+    # No such directory can lie inside the root: refused (403), and the refusal,
+    # which quotes the path, is logged on one line.
+    world.until(
+        "the refusal logged",
+        lambda: any("outside_root" in line and "ERROR ALERT node9" in line
+                    for line in world.log_lines()),
+    )  # fmt: skip
+    leader.outbox.pop()  # refused for good: no later test waits behind it
     assert b"\x00" not in world.daemon.log_path.read_bytes()
     assert _forged(world.log_lines()) == []
-    assert any(f"step-7\\n{FORGED}\\x00" in line for line in world.log_lines())
 
 
 def _checkpoint(world: World, step: int, stall: str) -> str:
@@ -207,17 +212,20 @@ def test_non_finite_save_statistics_are_refused_and_never_stored(
     world: World, step: int, stall: str
 ) -> None:
     leader = world.running_agents()[0]
-    good = step - 5
-    path = _checkpoint(world, good, "2.5")
-    world.deliver(leader, EventKind.CHECKPOINT_COMMITTED,
-                  {"step": good, "path": path, "global_rank": 0})  # fmt: skip
-    world.until("finite statistics stored", lambda: good in _stats_steps(world))
+    if not _stats_steps(world):
+        # Finite statistics are stored: shown once per module, since the supervisor
+        # reads at most 6 manifests per job a minute (supervisor/manifests.py).
+        good = step - 5
+        path = _checkpoint(world, good, "2.5")
+        world.deliver(leader, EventKind.CHECKPOINT_COMMITTED,
+                      {"step": good, "path": path, "global_rank": 0})  # fmt: skip
+        world.until("finite statistics stored", lambda: good in _stats_steps(world))
     path = _checkpoint(world, step, stall)
     world.deliver(leader, EventKind.CHECKPOINT_COMMITTED,
                   {"step": step, "path": path, "global_rank": 0})  # fmt: skip
     world.until(
         "the refusal logged",
-        lambda: any(f"step-{step}" in line and "stats.stall_s must be a finite number" in line
+        lambda: any(f"step-{step}" in line and "no save statistics" in line
                     for line in world.log_lines()),
     )  # fmt: skip
     assert step not in _stats_steps(world)
