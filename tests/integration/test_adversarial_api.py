@@ -60,7 +60,8 @@ def test_a_trickling_chunked_body_is_closed_within_the_body_timeout(world: World
         sock.sendall(stranger_head(world.job_id, None))
         sock.setblocking(False)
         closed = False
-        while time.monotonic() - started < BODY_TIMEOUT_S + 3 and not closed:
+        # Without the timeout a trickle is held for ever; the slack is for a loaded machine.
+        while time.monotonic() - started < BODY_TIMEOUT_S + 10 and not closed:
             with contextlib.suppress(BlockingIOError):
                 sock.send(b"1\r\nz\r\n")  # 16 bytes a second, one byte per chunk
             with contextlib.suppress(BlockingIOError):
@@ -68,7 +69,7 @@ def test_a_trickling_chunked_body_is_closed_within_the_body_timeout(world: World
                 closed = data == b"" or b"408" in data
             time.sleep(1 / 16)
     assert closed
-    assert time.monotonic() - started <= BODY_TIMEOUT_S + 2
+    assert time.monotonic() - started <= BODY_TIMEOUT_S + 5
 
 
 def test_a_stale_or_unknown_request_is_refused_from_its_headers_before_its_body(
