@@ -416,7 +416,7 @@ class NodeAgent:
                 self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
                 self._steps.add(message)
             elif isinstance(message, CheckpointNote):
-                if not _is_unicode(message.path):
+                if not protocol.is_unicode(message.path):
                     # Undecodable bytes kept by surrogateescape: the protocol
                     # carries valid Unicode only, and the supervisor refuses it.
                     log.warning(
@@ -711,14 +711,6 @@ def _size_of(path: str) -> int | None:
         return total
     except OSError:
         return None
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 if __name__ == "__main__":

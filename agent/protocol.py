@@ -1376,15 +1376,17 @@ def _holds_lone_surrogate(document: Any) -> bool:
     # Strict UTF-8 decoding already refused encoded surrogates; only JSON's
     # \uXXXX escapes can make one, and no UTF-8 writer (a log, a terminal,
     # the store's readers) can write it out again.
-    return any(not text.isascii() and _unencodable(text) for text in _strings(document))
+    return any(not text.isascii() and not is_unicode(text) for text in _strings(document))
 
 
-def _unencodable(text: str) -> bool:
+def is_unicode(text: str) -> bool:
+    """False for text the protocol cannot carry: a lone surrogate (e.g. undecodable
+    bytes of a path kept by ``surrogateescape``)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        return True
-    return False
+        return False
+    return True
 
 
 def _surrogate_place(document: Any, what: str) -> str:
@@ -1392,11 +1394,11 @@ def _surrogate_place(document: Any, what: str) -> str:
     pending: list[tuple[Any, str]] = [(document, what)]
     while pending:
         item, where = pending.pop(0)
-        if isinstance(item, str) and _unencodable(item):
+        if isinstance(item, str) and not is_unicode(item):
             return where
         if isinstance(item, dict):
             for key, value in item.items():
-                if _unencodable(key):
+                if not is_unicode(key):
                     return f"a key of {where}"
                 pending.append((value, f"{where}.{key[:64]}"))
         elif isinstance(item, list):
