@@ -263,6 +263,14 @@ class RankMonitor:
         collective = {
             key: in_collective(dumps[rank.pid]) for key, rank in live.items() if dumps[rank.pid].ok
         }
+        for key in live.keys() - collective.keys():
+            # No evidence dump (a stopped rank under load can time out): what the
+            # detection itself saw still places it, inside a collective or not.
+            seen = self._placed.get(key)
+            if seen is None and self._samples.get(key):
+                seen = self._samples[key][-1].in_collective
+            if seen is not None:
+                collective[key] = seen
         await self._emit(
             protocol.EventKind.HANG,
             {

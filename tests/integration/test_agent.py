@@ -167,7 +167,7 @@ def test_hang_in_an_uninstrumented_script_is_found_from_stacks(agent_factory) ->
     assert hung[0]["detector"] == "stack"  # rank 0 frozen inside all_reduce
     assert set(event.payload["stacks"]) == {"0", "1"}
     assert "all_reduce" in event.payload["stacks"]["0"]
-    assert event.payload["culprits"][0]["global_rank"] == 1
+    assert event.payload["culprits"][0]["global_rank"] == 1, event.payload
 
 
 @pytest.mark.slow

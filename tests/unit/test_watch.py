@@ -123,3 +123,28 @@ def test_native_dumps_back_off_while_nothing_is_confirmed(monkeypatch: pytest.Mo
         check(rankmon, now[0])
     gaps = [later - earlier for earlier, later in itertools.pairwise(rounds)]
     assert gaps[:5] == [2.0, 4.0, 8.0, 16.0, 32.0] and set(gaps[5:]) == {60.0}, gaps
+
+
+def test_a_stopped_rank_whose_evidence_dump_fails_is_still_the_first_suspect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No beats at all (uninstrumented): the stack samples that found the hang place
+    each rank when the evidence dump of the stopped one times out."""
+    samples = {
+        100: StackDump(100, True, "", (ThreadStack(100, "MainThread", True, (
+            Frame("all_reduce", "torch/distributed/distributed_c10d.py", 1, False),)),), None),
+        101: dump(101, "kill"),
+    }  # fmt: skip
+    evidence = {
+        100: dump(100, "gloo::AllreduceRing::run", native=True),
+        101: StackDump(101, False, "", (), "py-spy timed out after 5 s"),
+    }
+    rankmon, reports = monitor(evidence, monkeypatch)
+    monkeypatch.setattr(
+        watch, "dump_all", lambda pids, timeout_s: {p: samples[p] for p in pids}
+    )
+    for now in range(0, 30):
+        check(rankmon, float(now))
+    assert reports, "no hang found"
+    assert [c["global_rank"] for c in reports[0]["culprits"]] == [1, 0]
+    assert reports[0]["culprits"][0]["in_collective"] is False
