@@ -140,9 +140,7 @@ def test_a_stopped_rank_whose_evidence_dump_fails_is_still_the_first_suspect(
         101: StackDump(101, False, "", (), "py-spy timed out after 5 s"),
     }
     rankmon, reports = monitor(evidence, monkeypatch)
-    monkeypatch.setattr(
-        watch, "dump_all", lambda pids, timeout_s: {p: samples[p] for p in pids}
-    )
+    monkeypatch.setattr(watch, "dump_all", lambda pids, timeout_s: {p: samples[p] for p in pids})
     for now in range(0, 30):
         check(rankmon, float(now))
     assert reports, "no hang found"
