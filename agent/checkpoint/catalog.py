@@ -15,7 +15,7 @@ from pathlib import Path
 
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
-from agent.checkpoint.validate import Level, Report, validate
+from agent.checkpoint.report import Level, Report
 from agent.errors import CheckpointInvalid
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ def newest_valid(
     Returns ``(None, rejections)`` when no checkpoint is valid. Rejections are
     ordered newest first; each report's ``reason`` says why it was passed over.
     """
+    from agent.checkpoint.validate import validate  # torch: only where a check runs
+
     rejected: list[Report] = []
     for entry in list_checkpoints(root):
         report = validate(entry.path, level)

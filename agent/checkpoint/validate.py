@@ -27,13 +27,12 @@ loader unless the caller trusts the checkpoint (``trust_pickled_objects``).
 
 from __future__ import annotations
 
-import enum
 import io
 import math
 import os
 import pickle
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
+from agent.checkpoint.report import Level, Report
 from agent.errors import CheckpointInvalid
 
 # DCP metadata grows with the number of tensors times shards; large FSDP models
@@ -53,50 +53,7 @@ _MARKER_LIMIT_BYTES = 4096
 PLAIN_DCP_NOTE = "no Resurgo manifest: checksums not checked (plain DCP directory)"
 
 
-class Level(enum.Enum):
-    """How deep validation goes; each level includes every level before it."""
-
-    QUICK = "quick"
-    FULL = "full"
-    LOAD = "load"
-
-
 _LADDER = (Level.QUICK, Level.FULL, Level.LOAD)
-
-
-@dataclass(frozen=True)
-class Report:
-    """The outcome of validating one checkpoint directory (a value, never an exception).
-
-    ``checked`` lists the levels actually applied (a plain DCP directory never
-    gets FULL); ``failed_level`` and ``reason`` name the first failure;
-    ``skipped`` says, one sentence each, what did not apply and why.
-    """
-
-    path: str
-    valid: bool
-    level: Level
-    checked: tuple[Level, ...]
-    failed_level: Level | None
-    reason: str | None
-    step: int | None
-    has_manifest: bool
-    skipped: tuple[str, ...] = ()
-    manifest: fmt.Manifest | None = field(default=None, compare=False, repr=False)
-
-    def to_json_dict(self) -> dict[str, Any]:
-        """JSON-ready form with stable keys; enums by value; the manifest left out."""
-        return {
-            "path": self.path,
-            "valid": self.valid,
-            "level": self.level.value,
-            "checked": [level.value for level in self.checked],
-            "failed_level": None if self.failed_level is None else self.failed_level.value,
-            "reason": self.reason,
-            "step": self.step,
-            "has_manifest": self.has_manifest,
-            "skipped": list(self.skipped),
-        }
 
 
 def validate(

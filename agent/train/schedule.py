@@ -48,9 +48,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from agent.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -149,6 +146,11 @@ def broadcast_from_rank0(flag: bool) -> bool:
     The tensor lives on the current CUDA device under NCCL, which cannot carry
     CPU tensors, and on the CPU otherwise.
     """
+    # torch here, not at the top: the node agent reads this module's schedule
+    # types and starts without importing torch.
+    import torch
+    import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         return flag
     if dist.get_backend() == "nccl":

@@ -58,3 +58,17 @@ def test_the_main_block_comes_last(path: Path) -> None:
     if mains:
         after = body[mains[0] + 1 :]
         assert not after, f"{path.name}: defined after the __main__ block, line {after[0].lineno}"
+
+
+@pytest.mark.parametrize(
+    "module", ["agent.node", "agent.driver", "agent.rankexec", "supervisor.cli.main"]
+)
+def test_what_starts_each_attempt_does_not_import_torch(module: str) -> None:
+    """The driver and every node's agent start on each attempt, on CPUs the ranks
+    also need: importing torch there cost ~10 s of a 2-core node's restart."""
+    code = f"import sys, {module}; print([m for m in sys.modules if m.split('.')[0] == 'torch'])"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"{module} imports torch: {done.stdout}"

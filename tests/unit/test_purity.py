@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 PURE_MODULES = (
     "agent/errors.py",
     "agent/checkpoint/format.py",
+    "agent/checkpoint/report.py",
     "agent/checkpoint/interval.py",
     "agent/protocol.py",
     "agent/launch.py",
