@@ -16,9 +16,9 @@ One real ``resurgo-supervisor`` (fake Slurm, one running job; the harness of
   events (before and after, ``plain``), and ``checkpoint_committed`` events
   whose manifests have ``--manifest-mib`` each (``commits``: while the
   burst is answered; ``reading``: after it, while the manifests are read).
-  The burst is compared with the plain one: on a loaded machine a
-  single-threaded server answers the 101st request of a burst late,
-  whatever it does with manifests.
+  The target is met when no probe, during the commit burst or while its
+  manifests are read, waited over 100 ms; the plain burst beside it says
+  what a burst costs without manifests.
 
 Run: ``python -m bench.api_abuse [--waves 3] [--uploads 100] [--size-mib 8]
 [--commits 100] [--manifest-mib 64]``. The last line printed is one JSON object.
@@ -146,7 +146,7 @@ def latency(world: World, commits: int, manifest_size: int) -> dict[str, object]
             not refused
             and during.readers >= 1
             and max(reading) <= HEALTHZ_TARGET_S
-            and burst_delay <= HEALTHZ_TARGET_S
+            and max(during.burst) <= HEALTHZ_TARGET_S
         ),
     }
 
