@@ -298,6 +298,7 @@ async def submit(
         script.write(batch_script(spec, jobs_dir))
         script.flush()
         try:
+            doubt = await slurm.test_only(sbatch_options(spec), script.name)
             job_id = await slurm.submit_held(sbatch_options(spec), script.name)
         except SlurmError as error:
             raise SubmitError(f"sbatch refused the job: {error}") from error
@@ -320,7 +321,36 @@ async def submit(
         raise SubmitError(
             f"job {job_id} is submitted but held: `scontrol release {job_id}` starts it ({error})"
         ) from error
+    if doubt is not None:
+        await _refuse_if_never_runs(slurm, job_id, doubt)
     return str(job_id)
+
+
+# How long a released job whose request `sbatch --test-only` refused is watched for
+# the scheduler's verdict (it looks at a released job within a second or two).
+NEVER_RUNS_SETTLE_S = 15.0
+
+
+async def _refuse_if_never_runs(slurm: SlurmClient, job_id: int, doubt: str) -> None:
+    """Cancel a released job that no node can ever run, as plain sbatch would have refused it.
+
+    A held submission is accepted whatever it asks for; ``sbatch --test-only``
+    refused this one (``doubt``), which may be for now only (a drained node).
+    The scheduler's pending reason decides.
+    """
+    try:
+        reason = await slurm.never_runs(job_id, NEVER_RUNS_SETTLE_S)
+    except SlurmError:
+        return  # unknown is not never: the job stays, as sbatch left it
+    if reason is None:
+        return
+    await _cancel_quietly(slurm, job_id)
+    raise SubmitError(
+        f"job {job_id} was cancelled: Slurm can never run it as requested (pending reason "
+        f"{reason}; sbatch --test-only: {doubt}). Ask for what the partition has: "
+        "`sinfo -o '%P %D %c %m %l'` lists its nodes, CPUs and memory per node, and time "
+        "limit; then change -N, --ntasks-per-node, --cpus-per-task, --mem or --time"
+    )
 
 
 async def _cancel_quietly(slurm: SlurmClient, job_id: int) -> None:

@@ -214,6 +214,47 @@ class SlurmClient:
         log.info("slurm: %s", " ".join(argv))
         return parse.parse_sbatch_id(await self._run(argv))
 
+    async def test_only(self, options: Sequence[str], script: str) -> str | None:
+        """None when ``sbatch --test-only`` accepts the request now, else Slurm's words.
+
+        A refusal may be for now only (a needed node drained), so it is a
+        question for :meth:`never_runs` once the job is released, not a verdict.
+        """
+        try:
+            await self._run(parse.test_only_argv(options, script))
+        except SlurmCommandFailed as refused:
+            return " ".join(refused.stderr.split())[:500] or f"exit code {refused.returncode}"
+        return None
+
+    async def never_runs(self, job_id: int, settle_s: float) -> str | None:
+        """The pending reason that says the released job can never start, or None.
+
+        Waits up to ``settle_s`` for the scheduler's first look at the job; a
+        job that runs, ends, or pends for any other reason (resources,
+        priority, an unavailable node) is None.
+        """
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(max(1, int(settle_s / self._retry_wait_s))),
+            wait=wait_fixed(self._retry_wait_s),
+            retry=retry_if_exception_type(_NotYet),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    job = await self.job(job_id)
+                    if job is None or job.state is not JobState.PENDING:
+                        return None
+                    if job.state_reason in parse.NEVER_REASONS:
+                        return job.state_reason
+                    if job.state_reason in ("None", "") or job.state_reason.startswith("JobHeld"):
+                        raise _NotYet
+                    return None
+        except _NotYet:
+            return None
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
     async def release(self, job_id: int) -> None:
         """Release a held job."""
         await self._mutate(parse.release_argv(job_id))

@@ -21,6 +21,7 @@ import msgspec
 from supervisor.errors import SlurmParseError
 
 __all__ = [
+    "NEVER_REASONS",
     "DrainReason",
     "JobState",
     "NodeFlag",
@@ -43,6 +44,7 @@ __all__ = [
     "sinfo_argv",
     "squeue_argv",
     "start_now_argv",
+    "test_only_argv",
     "update_size_argv",
 ]
 
@@ -634,6 +636,29 @@ def release_argv(job_id: int) -> list[str]:
 def sbatch_argv(options: Sequence[str], script: str) -> list[str]:
     """Submit batch script ``script`` held (released once Resurgo registered it); prints the id."""
     return ["sbatch", "--parsable", "--hold", *options, script]
+
+
+def test_only_argv(options: Sequence[str], script: str) -> list[str]:
+    """Ask whether (and when) Slurm would run the batch script; submits nothing.
+
+    A held submission is accepted even when no node could ever run it (plain
+    sbatch would refuse it), so ``resurgo submit`` asks first.
+    """
+    return ["sbatch", "--test-only", *options, script]
+
+
+# Pending reasons that no amount of waiting ends: the request exceeds what the
+# partition has or allows (until an administrator changes Slurm's configuration).
+NEVER_REASONS = frozenset(
+    {
+        "BadConstraints",
+        "PartitionNodeLimit",
+        "PartitionTimeLimit",
+        "PartitionConfig",
+        "InvalidAccount",
+        "InvalidQOS",
+    }
+)
 
 
 _JOB_ID = re.compile(r"[0-9]{1,18}")

@@ -96,3 +96,38 @@ def test_submit_to_a_supervisor_watching_another_jobs_dir_is_refused_and_leaves_
         for job_id in _jobs_named(slurm_cluster, name):
             slurm_cluster.run(["scancel", str(job_id)])
         supervisor.stop()
+
+
+def test_a_request_no_node_can_run_is_refused_at_submit_and_one_that_waits_is_not(
+    slurm_cluster: LiveCluster, tmp_path: Path
+) -> None:
+    """Held, any request is accepted: 8 tasks per node on 2-CPU nodes sat pending for
+    ever. Slurm's own verdict decides, and a drained node (a wait) is no refusal."""
+    supervisor = SupervisorProcess(slurm_cluster, tmp_path / "state", {})
+    supervisor.start()
+    name = f"never-{tmp_path.name}"[:40]
+
+    def submit(*options: str) -> subprocess.CompletedProcess[str]:
+        return supervisor.resurgo(
+            "submit", *options, f"--job-name={name}", f"--output={tmp_path / 'out.txt'}",
+            "--ckpt-root", str(tmp_path / "ckpt"), "--", "sleep", "60",
+        )  # fmt: skip
+
+    try:
+        refused = submit("-N", "1", "--ntasks-per-node=8")
+        assert refused.returncode == 1, refused
+        assert "can never run it as requested" in refused.stderr, refused.stderr
+        assert "BadConstraints" in refused.stderr and "sinfo" in refused.stderr, refused.stderr
+        assert _jobs_named(slurm_cluster, name) == [], "the impossible job was left in Slurm"
+
+        slurm_cluster.run(["scontrol", "update", "NodeName=node4", "State=DRAIN", "Reason=t"])
+        waits = submit("-N", "4")
+        assert waits.returncode == 0, waits.stderr
+        (job_id,) = _jobs_named(slurm_cluster, name)
+        job = slurm_cluster.job(job_id)
+        assert job is not None and job["job_state"] == "PENDING", job
+    finally:
+        slurm_cluster.run(["scontrol", "update", "NodeName=node4", "State=RESUME"])
+        for job_id in _jobs_named(slurm_cluster, name):
+            slurm_cluster.run(["scancel", str(job_id)])
+        supervisor.stop()

@@ -94,7 +94,8 @@ def test_submit_holds_the_job_until_its_secret_exists_then_releases_it(tmp_path:
     runner = Recorder()
     job_id = asyncio.run(submit(spec(), tmp_path, SlurmClient(runner=runner)))
     assert job_id == "4711"
-    sbatch, release = runner.calls
+    test_only, sbatch, release = runner.calls
+    assert test_only[:2] == ["sbatch", "--test-only"] and test_only[2:] == sbatch[3:]
     assert sbatch[:3] == ["sbatch", "--parsable", "--hold"]
     assert "--nodes=4" in sbatch and "--requeue" in sbatch
     assert release == ["scontrol", "release", "4711"]
