@@ -280,3 +280,26 @@ def test_an_fsdp2_script_with_a_killed_rank_resumes_from_its_own_dcp_save_on_thr
         written = store.events_for(str(job_id), kinds=["checkpoint_written"])
     saves = [(e.payload["step"], e.payload["global_rank"]) for e in written]
     assert saves == [(10, 0), (20, 0), (30, 0), (40, 0)], saves  # rank 0's notes only
+
+
+@pytest.mark.parametrize("export", ["NONE", "PATH"])
+def test_a_job_that_exports_nothing_or_one_variable_is_still_supervised(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path, export: str
+) -> None:
+    """``--export=NONE`` (a clean environment, as many sites advise) and ``--export=VAR``
+    (only that variable) reach Resurgo's driver and agents with what they need: the
+    job is supervised, its exception retried once and its progress seen."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    job_id, output = submit_job(supervisor, tmp_path, [
+        *TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", str(ITERS),
+        "--raise-at", "15", "--fault-rank", "1",
+    ], sizes=("-N", "2", "--min-nodes", "1", f"--export={export}"))  # fmt: skip
+    job, text = ended(slurm_cluster, job_id, output)
+    assert job["job_state"] == "COMPLETED", text[-3000:]
+    assert "RuntimeError: rank 1 fails in iter 15" in text, text[-3000:]
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
+    assert f"done at iter {ITERS} with world 2" in text, text[-3000:]
+    seen = status(supervisor, job_id)
+    assert seen["restarts"] == {"user_exception": 1}, seen
+    assert seen["state"] == "completed", seen
