@@ -27,6 +27,7 @@ loader unless the caller trusts the checkpoint (``trust_pickled_objects``).
 
 from __future__ import annotations
 
+import enum
 import io
 import math
 import os
@@ -530,12 +531,36 @@ _METADATA_GLOBALS = frozenset(
 )
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(EnumClass, "NAME")`` for an enum member, and nothing else.
+
+    Python 3.11 before 3.11.4 (Debian 12's 3.11.2, for one) pickles an enum
+    member as a call of ``builtins.getattr`` on its class; DCP metadata holds
+    one (``_MEM_FORMAT_ENCODING``). A general getattr would reach any
+    attribute of an allowed class, and from there code: only a member of an
+    enum the metadata may reference is given.
+    """
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
+        return cls[name]
+    raise pickle.UnpicklingError(
+        f"it asks for attribute {name!r} of {cls!r}, which is not an enum member DCP "
+        "metadata holds"
+    )
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata, refusing every class DCP metadata never holds."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch":
             value = getattr(torch, name, None)
             if name == "Size" or isinstance(

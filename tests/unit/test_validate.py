@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import enum
+import io
 import json
 import os
 import pickle
@@ -391,3 +393,48 @@ def test_metadata_of_dcp_classes_with_garbage_fields_is_invalid_at_quick(tmp_pat
         report = validate(directory, Level.LOAD)
         assert report.failed_level is Level.QUICK, report
         assert report.reason is not None and "inconsistent" in report.reason
+
+
+class _EnumsByGetattr(pickle.Pickler):
+    """Pickles enum members as Python 3.11.0-3.11.3 do: ``getattr(EnumClass, "NAME")``."""
+
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _repickle_enums_by_getattr(directory: Path) -> bytes:
+    path = directory / fmt.DCP_METADATA_NAME
+    metadata = pickle.loads(path.read_bytes())  # our own file, just written by torch
+    buffer = io.BytesIO()
+    _EnumsByGetattr(buffer).dump(metadata)
+    return buffer.getvalue()
+
+
+def test_metadata_pickled_by_python_3_11_2_with_enum_members_by_getattr_is_valid(
+    tmp_path: Path,
+) -> None:
+    """Debian 12's Python writes ``builtins.getattr`` for DCP's memory-format enum: a
+    user's every checkpoint was refused at full validation."""
+    directory = save_plain_dcp(tmp_path / "step-1", {"t": torch.ones(3), "u": torch.zeros(2)})
+    payload = _repickle_enums_by_getattr(directory)
+    assert b"getattr" in payload
+    (directory / fmt.DCP_METADATA_NAME).write_bytes(payload)
+    report = validate(directory, Level.FULL)
+    assert report.valid, report.reason
+
+
+def test_getattr_in_metadata_reaches_nothing_but_an_enum_member(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    directory = save_plain_dcp(tmp_path / "step-1", {"t": torch.ones(3)})
+
+    class Reach:
+        def __reduce__(self) -> object:
+            return getattr, (Metadata, "__init__")
+
+    (directory / fmt.DCP_METADATA_NAME).write_bytes(pickle.dumps(Reach()))
+    report = validate(directory, Level.QUICK)
+    assert report.failed_level is Level.QUICK
+    assert report.reason is not None and "not an enum member" in report.reason, report.reason
