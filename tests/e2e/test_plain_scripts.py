@@ -300,6 +300,11 @@ def test_a_job_that_exports_nothing_or_one_variable_is_still_supervised(
     assert "RuntimeError: rank 1 fails in iter 15" in text, text[-3000:]
     assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
     assert f"done at iter {ITERS} with world 2" in text, text[-3000:]
-    seen = status(supervisor, job_id)
+    # The supervisor learns of the end from its next Slurm poll (every 2 s).
+    seen = slurm_cluster.wait_for(
+        "the supervisor to see the job end",
+        lambda: (job := status(supervisor, job_id))["state"] != "running" and job,
+        timeout_s=30,
+    )
     assert seen["restarts"] == {"user_exception": 1}, seen
     assert seen["state"] == "completed", seen
