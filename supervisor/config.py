@@ -114,6 +114,13 @@ class SupervisorConfig:
     - ``metrics_listen``: ``host:port`` of a listener of its own for
       ``/metrics`` (e.g. ``127.0.0.1:9740`` for a local Prometheus); empty:
       ``/metrics`` is served on the API's listener.
+    - ``slurm_rights``: ``auto`` (detect whether this user may drain nodes:
+      root, the SlurmUser or an operator AdminLevel), ``operator`` or
+      ``user``. Without operator rights a blamed node is excluded and a drain
+      ticket raised instead of a drain (``supervisor/slurm/rights.py``).
+    - ``ticket_hook``: a command that receives each drain ticket as one JSON
+      object on its standard input (e.g. a script that mails the admins);
+      empty: none.
     """
 
     state_dir: str = DEFAULT_STATE_DIR
@@ -134,6 +141,8 @@ class SupervisorConfig:
     body_timeout_s: float = 30.0
     unauthenticated_buffer_bytes: int = 128 << 20
     metrics_listen: str = ""
+    slurm_rights: str = "auto"
+    ticket_hook: str = ""
 
     def __post_init__(self) -> None:
         for name in (
@@ -147,6 +156,11 @@ class SupervisorConfig:
             raise ConfigError(f"supervisor setting listen_port {self.listen_port} is not a port")
         if self.log_json not in ("auto", "yes", "no"):
             raise ConfigError("supervisor setting log_json must be auto, yes or no")
+        if self.slurm_rights not in ("auto", "operator", "user"):
+            raise ConfigError(
+                f"supervisor setting slurm_rights must be auto, operator or user, got "
+                f"{self.slurm_rights!r}"
+            )
         if self.unauthenticated_buffer_bytes < (8 << 20):
             raise ConfigError(
                 "supervisor setting unauthenticated_buffer_bytes must be at least 8388608 "

@@ -92,14 +92,16 @@ from supervisor.observations import (
     from_event,
 )
 from supervisor.policy import Decision, Policy, decide, permits
-from supervisor.probation import NodeHistory, lifted_outside, release
+from supervisor.probation import NodeHistory, avoid_list, lifted_outside, release
 from supervisor.reconcile import KIND_OF, intent_of
 from supervisor.recovery import drain_limit, fast_path_started
-from supervisor.slurm import SlurmClient
+from supervisor.slurm import SlurmClient, rights
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
-from supervisor.store import ActionState, Actor, EventSource, LeaseRow, Store
+from supervisor.slurm.rights import Rights
+from supervisor.store import ActionState, Actor, EventSource, LeaseRow, Store, TicketRow
 from supervisor.store.modes import make_private
 from supervisor.stragglers import find_stragglers
+from supervisor.ticket_hook import ticket_hook
 from supervisor.timeline import node_faults
 
 log = logging.getLogger("resurgo.supervisor")
@@ -137,7 +139,12 @@ class Supervisor(Intake):
             checkpoint_root_of=self._checkpoint_root,
             validate_fn=validate_fn,
             clock=clock,
+            ticket_hook=ticket_hook(config.ticket_hook),
         )
+        # May this supervisor drain? Asked of Slurm at the first poll that reads the nodes.
+        self.rights: Rights | None = None
+        # The nodes the user's next jobs should leave out, and why (see avoid_list).
+        self.avoid: list[dict[str, Any]] = []
         self.jobs: dict[str, TrackedJob] = {}
         self.manifest_reader = ManifestReader(self._take_save_stats)
         self.cluster = ClusterView()
@@ -171,8 +178,10 @@ class Supervisor(Intake):
             self.store,
             cluster_nodes=lambda: self.cluster.size,
             connected_agents=self.connected_agents,
-            drains_allowed_per_hour=lambda: drain_limit(self.policy, self.cluster.size),
+            drains_allowed_per_hour=self._drains_allowed_per_hour,
             clock=self.clock,
+            may_drain=lambda: self.cluster.may_drain,
+            open_tickets=self._open_tickets,
         )
         registry = build_registry(collector)
         lag = LoopLag(registry)
@@ -183,6 +192,7 @@ class Supervisor(Intake):
             self,
             metrics=scrape if metrics_at is None else None,
             jobs_dir=jobs_dir,
+            facts=self.public_facts,
             body_timeout_s=self.config.body_timeout_s,
             unauthenticated_buffer_bytes=self.config.unauthenticated_buffer_bytes,
         )
@@ -346,8 +356,10 @@ class Supervisor(Intake):
         except SlurmError as error:
             log.warning("sinfo failed, nothing concluded: %s", error)
             nodes = None
+        if nodes is not None and self.rights is None:
+            self.rights = await self._detect_rights()
         now = self.clock()
-        if nodes is not None:
+        if nodes is not None and self.rights is not None:
             self._note_lifted_drains(nodes, nodes_read_s, now)
             self.cluster = self._cluster_view(nodes, now)
             self._cluster_known.set()
@@ -362,6 +374,33 @@ class Supervisor(Intake):
             if nodes is not None:
                 self._observe_nodes(job_id, job, nodes)
 
+    async def _detect_rights(self) -> Rights | None:
+        """Whether this supervisor may drain (None: Slurm could not be asked; next poll)."""
+        try:
+            found = await rights.detect(self.slurm, self.config.slurm_rights)
+        except SlurmError as error:
+            log.warning("could not ask Slurm whether this user may drain nodes: %s", error)
+            return None
+        log.info("slurm rights: %s", found.describe())
+        self.store.set_fact(
+            "rights",
+            {"mode": found.mode, "operator": found.operator, "why": found.describe()},
+            self.clock(),
+        )
+        return found
+
+    def _drains_allowed_per_hour(self) -> int:
+        return drain_limit(self.policy, self.cluster.size) if self.cluster.may_drain else 0
+
+    def _open_tickets(self) -> list[TicketRow]:
+        """The drain tickets that keep their node out of the user's jobs now."""
+        return self.store.open_tickets(self.clock() - self.policy.probation_s)
+
+    def public_facts(self) -> dict[str, Any]:
+        """What ``/healthz`` adds for ``resurgo submit``: the mode and the nodes to avoid."""
+        mode = None if self.rights is None else self.rights.mode
+        return {"mode": mode, "avoid_nodes": self.avoid}
+
     def _say_policy(self) -> None:
         """Log what the policy permits on the cluster as it is now: at the first
         read of the nodes, and again whenever their number changes."""
@@ -369,6 +408,13 @@ class Supervisor(Intake):
         if size == self._policy_said_for:
             return
         self._policy_said_for = size
+        if self.rights is not None and not self.rights.operator:
+            log.info(
+                "policy on %d nodes: no drain (%s); a node blamed %d times within %g d is a lemon",
+                size, self.rights.describe(), self.policy.lemon_blames,
+                self.policy.lemon_window_s / 86400,
+            )  # fmt: skip
+            return
         log.info("policy %s", permits(self.policy, size))
 
     def _note_lifted_drains(self, nodes: dict[str, SlurmNode], read_s: float, now: float) -> None:
@@ -403,15 +449,19 @@ class Supervisor(Intake):
         down = frozenset(n for n, node in nodes.items() if node.down or node.not_responding)
         lemons = self.store.lemons(self.policy.lemon_blames, self.policy.lemon_window_s, now)
         idle = frozenset(n for n, node in nodes.items() if node.state is NodeState.IDLE)
+        may_drain = self.rights is None or self.rights.operator
+        tickets = [] if may_drain else self._open_tickets()
+        self.avoid = avoid_list(lemons, tickets, self.policy)
         return ClusterView(
             usable=frozenset(nodes) - drained - down,
             idle=idle - drained - down,
             drained=drained,
             down=down,
             drains_last_hour=len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR)),
-            lemons=frozenset(lemon.node for lemon in lemons),
+            lemons=frozenset(lemon.node for lemon in lemons) | {t.node for t in tickets},
             lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
             lemon_window_s=self.policy.lemon_window_s,
+            may_drain=may_drain,
         )
 
     def _observe_slurm_job(

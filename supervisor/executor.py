@@ -41,6 +41,7 @@ from supervisor.errors import SlurmError, SlurmRequeueFailed, SlurmUnavailable, 
 from supervisor.intents import (
     Alert,
     DrainNode,
+    DrainTicket,
     Intent,
     PushInterval,
     RelaunchStep,
@@ -74,6 +75,7 @@ from supervisor.reconcile import (
     validated_doc,
 )
 from supervisor.store import ActionRow, ActionState, Store
+from supervisor.ticket_hook import TicketHook
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +116,16 @@ class Executor:
         checkpoint_root_of: Callable[[str], Path | None],
         validate_fn: Validator | None = None,
         clock: Callable[[], float] = time.time,
+        ticket_hook: TicketHook | None = None,
     ) -> None:
-        """``checkpoint_root_of(job_id)`` is where the job saves (None: unknown)."""
+        """``checkpoint_root_of(job_id)`` is where the job saves (None: unknown);
+        ``ticket_hook`` gets each drain ticket (:mod:`supervisor.ticket_hook`)."""
         self._store = store
         self._slurm = slurm
         self._checkpoint_root_of = checkpoint_root_of
         self._validate = validate_fn or validate_checkpoint
         self._clock = clock
+        self._ticket_hook = ticket_hook
 
     # ------------------------------------------------------------------
     # Plan and execute.
@@ -308,6 +313,9 @@ class Executor:
         if isinstance(intent, ResumeNode):
             await self._slurm.resume(intent.node)
             return {"node": intent.node}, []
+        if isinstance(intent, DrainTicket):
+            hook = "" if self._ticket_hook is None else await self._ticket_hook(ticket_doc(intent))
+            return {"node": intent.node, "hook": hook}, []
         if isinstance(intent, StopRanks | PushInterval):
             command = command_for(intent)
             new = self._store.queue_command(intent.job_id, None, command, now_s)
@@ -353,6 +361,25 @@ class Executor:
                 )
             elif isinstance(intent, ResumeNode):
                 self._store.record_undrain(intent.node, now_s=now_s)
+            elif isinstance(intent, DrainTicket):
+                self._store.record_ticket(
+                    intent.node,
+                    cause=intent.cause,
+                    job_id=intent.job_id,
+                    evidence=intent.evidence,
+                    now_s=now_s,
+                    hook=result.get("hook", ""),
+                    action_id=intent.action_id,
+                )
+                message = ticket_message(intent)
+                log.warning("ALERT job=%s: %s", intent.job_id, message)
+                self._store.record_observation(
+                    intent.job_id,
+                    ALERT_KIND,
+                    {"severity": Severity.WARNING.value, "message": message},
+                    now_s,
+                    observation_id=intent.action_id,
+                )
             elif isinstance(intent, Alert):
                 self._store.record_observation(
                     intent.job_id,
@@ -417,6 +444,30 @@ class Executor:
             attempts = [int(row.args.get("attempt", 0)) for row in self._store.list_actions(job_id)]
             cache[job_id] = max(attempts, default=0)
         return cache[job_id]
+
+
+def ticket_doc(intent: DrainTicket) -> dict[str, Any]:
+    """The JSON object the operator hook receives for a ticket."""
+    return {
+        "kind": "resurgo_drain_ticket",
+        "node": intent.node,
+        "cause": intent.cause.value,
+        "job_id": intent.job_id,
+        "attempt": intent.attempt,
+        "evidence": intent.evidence,
+        "ticket": intent.action_id,
+        "asks": f'scontrol update nodename={intent.node} state=drain reason="..."',
+    }
+
+
+def ticket_message(intent: DrainTicket) -> str:
+    """The alert that goes with a ticket, in words."""
+    return (
+        f"drain ticket for {intent.node} ({intent.cause.value}: {intent.evidence}): this "
+        f"supervisor has no Slurm operator rights, so job {intent.job_id} goes on without "
+        f"{intent.node} and your later jobs leave it out; an admin should drain and check it "
+        f"(`resurgo nodes` lists the ticket; `resurgo nodes forgive {intent.node}` clears it)"
+    )
 
 
 def _retryable(error: SlurmError) -> bool:

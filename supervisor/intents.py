@@ -71,6 +71,29 @@ class DrainNode:
 
 
 @dataclass(frozen=True)
+class DrainTicket:
+    """Ask the admins to drain ``node``: a supervisor without Slurm operator rights.
+
+    The node is already out of the job (its relaunch and requeue exclude it);
+    the ticket keeps it out of the user's later jobs until it expires or is
+    forgiven, shows in ``resurgo nodes``, on ``/metrics`` and as an alert, and
+    reaches the operator hook (``ticket_hook``) as JSON. ``evidence`` is the
+    blame's, as a drain's reason would carry it.
+    """
+
+    job_id: str
+    attempt: int
+    node: str
+    cause: Cause
+    evidence: str
+
+    @property
+    def action_id(self) -> str:
+        """Idempotency key: one ticket for this node per job attempt."""
+        return f"{self.job_id}/{self.attempt}/ticket/{self.node}"
+
+
+@dataclass(frozen=True)
 class ResumeNode:
     """Return ``node`` to service (``scontrol update state=resume``) after probation."""
 
@@ -217,6 +240,7 @@ class PushInterval:
 
 Intent = (
     DrainNode
+    | DrainTicket
     | ResumeNode
     | StopRanks
     | ValidateCheckpoints

@@ -17,7 +17,8 @@ time-to-detect and time-to-recover histograms, world size now and original,
 last committed step and checkpoint age, save stall and background write
 seconds of the newest checkpoint, the recommended checkpoint interval.
 Cluster: drains by cause, nodes drained by Resurgo, the per-node MTBF
-estimate, connected agents, and ``resurgo_up`` (the supervisor answers).
+estimate, connected agents, whether the supervisor may drain and its open
+drain tickets by node, and ``resurgo_up`` (the supervisor answers).
 
 Only jobs that are running or ended within ``ended_job_window_s`` are
 exported, so series of long-gone jobs disappear instead of piling up.
@@ -39,7 +40,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from supervisor.goodput import Fact, RecoveryDurations, mtbf_estimate, recommended_interval
-from supervisor.store import Store
+from supervisor.store import Store, TicketRow
 from supervisor.timeline import CHECKPOINT_STATS_KIND, JobTimeline, node_faults
 
 STATES = (
@@ -84,7 +85,13 @@ class StoreCollector(Collector):
         drains_allowed_per_hour: Callable[[], int],
         clock: Callable[[], float] = time.time,
         ended_job_window_s: float = 86400.0,
+        may_drain: Callable[[], bool] = lambda: True,
+        open_tickets: Callable[[], list[TicketRow]] = list,
     ) -> None:
+        """``may_drain``: whether the supervisor has Slurm operator rights;
+        ``open_tickets``: the drain tickets that keep their node out now."""
+        self._may_drain = may_drain
+        self._open_tickets = open_tickets
         self._store = store
         self._cluster_nodes = cluster_nodes
         self._connected_agents = connected_agents
@@ -266,6 +273,24 @@ class StoreCollector(Collector):
             "Node agents whose lease is current.",
             value=float(self._connected_agents()),
         )
+        yield GaugeMetricFamily(
+            "resurgo_may_drain",
+            "1: the supervisor has Slurm operator rights and drains blamed nodes; 0: it "
+            "excludes them and raises drain tickets.",
+            value=1.0 if self._may_drain() else 0.0,
+        )
+        tickets = GaugeMetricFamily(
+            "resurgo_drain_tickets_open",
+            "Open drain tickets by node: a blamed node the supervisor may not drain; an "
+            "admin should drain and check it.",
+            labels=["node"],
+        )
+        per_node: dict[str, int] = {}
+        for ticket in self._open_tickets():
+            per_node[ticket.node] = per_node.get(ticket.node, 0) + 1
+        for node, count in sorted(per_node.items()):
+            tickets.add_metric([node], float(count))
+        yield tickets
         yield GaugeMetricFamily("resurgo_up", "The supervisor is serving (1).", value=1.0)
 
 

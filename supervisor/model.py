@@ -310,7 +310,10 @@ class ClusterView:
     below its original size grows back onto idle nodes, so ``idle`` holds
     only nodes the supervised jobs may use (their partition).
     ``lemon_blames``: (lemon, standing blames within ``lemon_window_s``)
-    pairs, so a decision can say why a lemon is kept out.
+    pairs, so a decision can say why a lemon is kept out. ``may_drain``:
+    the supervisor has Slurm operator rights; without them a blamed node is
+    excluded and ticketed (:class:`~supervisor.intents.DrainTicket`), never
+    drained, and ``lemons`` also holds the nodes with an open ticket.
     """
 
     usable: frozenset[str] = frozenset()
@@ -321,6 +324,7 @@ class ClusterView:
     idle: frozenset[str] = frozenset()
     lemon_blames: tuple[tuple[str, int], ...] = ()
     lemon_window_s: float = 0.0
+    may_drain: bool = True
 
     @property
     def size(self) -> int:

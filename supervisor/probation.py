@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from supervisor.intents import ResumeNode
 from supervisor.policy import Policy
 from supervisor.slurm.parse import SlurmNode
+from supervisor.store.rows import Lemon, TicketRow
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,29 @@ def lifted_outside(
         if drained_s < read_s and slurm_node is not None and not slurm_node.drained:
             lifted.add(node)
     return tuple(sorted(lifted))
+
+
+def avoid_list(
+    lemon_rows: Iterable[Lemon], open_tickets: Iterable[TicketRow], policy: Policy
+) -> list[dict[str, Any]]:
+    """The nodes a user's next jobs leave out (``resurgo submit`` adds them to ``--exclude``).
+
+    Lemons, until their blames age out of ``lemon_window_s``; and, for a
+    supervisor that may not drain, each node with an open drain ticket, for
+    ``probation_s`` after it was raised (as long as a drained node would stay
+    out before its health check). Sorted by node; each entry says why.
+    """
+    entries: dict[str, dict[str, Any]] = {}
+    for ticket in open_tickets:
+        entries[ticket.node] = {
+            "node": ticket.node,
+            "why": f"drain ticket {ticket.ticket_id}: {ticket.cause} in job {ticket.job_id}",
+            "until_s": ticket.raised_s + policy.probation_s,
+        }
+    for lemon in lemon_rows:
+        entries[lemon.node] = {
+            "node": lemon.node,
+            "why": f"lemon: blamed {lemon.drains} times within {policy.lemon_window_s / 86400:g} d",
+            "until_s": lemon.last_drained_s + policy.lemon_window_s,
+        }
+    return [entries[node] for node in sorted(entries)]

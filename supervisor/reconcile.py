@@ -25,6 +25,7 @@ from supervisor.errors import StoreError
 from supervisor.intents import (
     Alert,
     DrainNode,
+    DrainTicket,
     Intent,
     PushInterval,
     RelaunchStep,
@@ -73,6 +74,7 @@ class SlurmActions(Protocol):
 
 KIND_OF: dict[type, str] = {
     DrainNode: "drain",
+    DrainTicket: "ticket",
     ResumeNode: "resume",
     StopRanks: "stop_ranks",
     ValidateCheckpoints: "validate",

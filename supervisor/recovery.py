@@ -20,6 +20,7 @@ from supervisor.blame import Blame
 from supervisor.intents import (
     Alert,
     DrainNode,
+    DrainTicket,
     Intent,
     RelaunchStep,
     RequeueSmaller,
@@ -129,7 +130,12 @@ def _drain(
     cluster: ClusterView,
     slurm_took_it: bool,
 ) -> tuple[JobRecord, tuple[Intent, ...], str]:
-    """Exclude and (rate limit permitting) drain the blamed node; what was done, in words."""
+    """Exclude and (rate limit permitting) drain the blamed node; what was done, in words.
+
+    A supervisor without Slurm operator rights (``cluster.may_drain`` False)
+    raises a drain ticket for the admins instead: the node is kept out of the
+    job all the same.
+    """
     node = blame.node
     if node is None or blame.confidence < policy.drain_confidence:
         return (
@@ -150,6 +156,14 @@ def _drain(
     evidence = "; ".join(blame.evidence)
     if slurm_took_it or node in cluster.drained or node in cluster.down:
         return excluded, (), f"{node} excluded; Slurm already took it out of service"
+    if not cluster.may_drain:
+        ticket = DrainTicket(record.job_id, record.attempt, node, blame.cause, evidence[:500])
+        return (
+            excluded,
+            (ticket,),
+            f"{node} excluded and a drain ticket raised (no Slurm operator rights to drain): "
+            f"{blame.confidence:.2f}: {evidence}",
+        )
     if drains_allowed(policy, cluster) < 1:
         limit = drain_limit(policy, cluster.size)
         message = (

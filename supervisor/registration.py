@@ -48,9 +48,13 @@ class Registration(enum.Enum):
 
 @dataclass(frozen=True)
 class Health:
-    """What ``/healthz`` said: it answered, and the jobs directory it names (if any)."""
+    """What ``/healthz`` said: it answered, the jobs directory it names (if any), its
+    mode (``drain``, ``exclude``; None: not yet known or an older supervisor) and the
+    nodes a user's next jobs should leave out, as (node, why) pairs."""
 
     jobs_dir: str | None
+    mode: str | None = None
+    avoid_nodes: tuple[tuple[str, str], ...] = ()
 
 
 def verdict(status: int, body: bytes) -> Registration:
@@ -117,8 +121,20 @@ def health(url: str, timeout_s: float = 3.0) -> Health | None:
             document: Any = json.loads(answer.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
-    watched = document.get("jobs_dir") if isinstance(document, dict) else None
-    return Health(watched if isinstance(watched, str) else None)
+    if not isinstance(document, dict):
+        return Health(None)
+    watched = document.get("jobs_dir")
+    mode = document.get("mode")
+    avoid = document.get("avoid_nodes")
+    return Health(
+        watched if isinstance(watched, str) else None,
+        mode if isinstance(mode, str) else None,
+        tuple(
+            (entry["node"], str(entry.get("why", "")))
+            for entry in (avoid if isinstance(avoid, list) else [])
+            if isinstance(entry, dict) and isinstance(entry.get("node"), str)
+        ),
+    )
 
 
 async def wait_registered(

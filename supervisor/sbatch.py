@@ -53,6 +53,9 @@ class SbatchRequest:
     # user's own ``--signal=...@N``, which then times the planned stop.
     time_limit_s: float | None = None
     signal_lead_s: float | None = None
+    # ``-x``/``--exclude`` and ``-w``/``--nodelist`` as given (hostlists).
+    exclude: str | None = None
+    nodelist: str | None = None
 
 
 def script_commands(script_text: str) -> list[str]:
@@ -153,6 +156,10 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
             paths["error"] = value
         elif name in ("-D", "--chdir"):
             paths["chdir"] = value
+        elif name in ("-x", "--exclude"):
+            paths["exclude"] = value
+        elif name in ("-w", "--nodelist"):
+            paths["nodelist"] = value
         elif name in ("-t", "--time"):
             time_limit_s = parse_slurm_duration(value or "")
         elif name == "--open-mode":
@@ -163,6 +170,8 @@ def parse_request(options: Sequence[str], directives: Sequence[str] = ()) -> Sba
         output=paths.get("output"),
         error=paths.get("error"),
         chdir=paths.get("chdir"),
+        exclude=paths.get("exclude"),
+        nodelist=paths.get("nodelist"),
         options=tuple(options),
         directives=tuple(directives),
         nodes=maximum,

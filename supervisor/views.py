@@ -87,8 +87,10 @@ def status(store: Store, job_ids: Sequence[str], now_s: float) -> dict[str, Any]
     """``resurgo status``: the named jobs (all when none are named), oldest first."""
     ids = list(job_ids) or [row.job_id for row in store.list_jobs()]
     rows = [status_row(store, job_id, now_s) for job_id in ids]
+    rights = store.fact("rights")
     return {
         "version": STATUS_VERSION,
+        "supervisor": None if rights is None else {"mode": rights["mode"], "why": rights["why"]},
         "jobs": [row for row in rows if row is not None],
         "unknown": [job_id for job_id, row in zip(ids, rows, strict=True) if row is None],
     }
@@ -208,7 +210,9 @@ def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[st
 
 def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
           lemon_blames: int, lemon_window_s: float) -> dict[str, Any]:  # fmt: skip
-    """``resurgo nodes``: drained nodes with reasons, blame history, the lemon list.
+    """``resurgo nodes``: drained nodes with reasons, open drain tickets (with Slurm's
+    state of their node, which shows whether an admin acted), blame history, the
+    lemon list.
 
     ``slurm_nodes`` None means Slurm did not answer: the store's view alone.
     """
@@ -251,6 +255,16 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
         "version": STATUS_VERSION,
         "slurm_answered": slurm_nodes is not None,
         "drained": drained,
+        "tickets": [
+            {
+                **ticket.document(),
+                "slurm_state": None if node is None else node.state_text,
+                "drained_in_slurm": None if node is None else node.drained,
+            }
+            for ticket in store.all_tickets()
+            if ticket.closed_s is None
+            for node in [(slurm_nodes or {}).get(ticket.node)]
+        ],
         "history": {name: rows for name, rows in history.items() if rows},
         "lemons": [
             {"node": lemon.node, "drains": lemon.drains, "last_drained_s": lemon.last_drained_s}

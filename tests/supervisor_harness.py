@@ -11,8 +11,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from supervisor.jobs import JobSpec, submit
 from supervisor.slurm import SlurmClient
@@ -31,6 +32,28 @@ TOY = REPO / "deploy" / "demo" / "train_toy.py"
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1")
 
 
+@dataclass(frozen=True)
+class LocalUser:
+    """A local Linux user without Slurm rights, and the Python it can run Resurgo with.
+
+    The venv's interpreter may lie where others cannot read (a pyenv build
+    under /root); then Debian's python3 of the same version runs with the
+    venv's packages on ``PYTHONPATH``.
+    """
+
+    name: str
+    python: str
+    pythonpath: str
+
+    def popen(self) -> dict[str, Any]:
+        """Popen's arguments that run a process as this user, without root's groups."""
+        return {"user": self.name, "group": self.name, "extra_groups": []}
+
+    def env(self, home: Path) -> dict[str, str]:
+        return {"USER": self.name, "LOGNAME": self.name, "HOME": str(home),
+                "PYTHONPATH": self.pythonpath}  # fmt: skip
+
+
 class SupervisorProcess:
     """``python -m supervisor.daemon`` on a fixed port, its log in ``state_dir/supervisor.log``."""
 
@@ -40,9 +63,14 @@ class SupervisorProcess:
         state_dir: Path,
         policy: dict[str, str],
         extra_env: dict[str, str] | None = None,
+        user: LocalUser | None = None,
     ) -> None:
-        """``extra_env`` reaches the daemon and, through ``resurgo submit``, the job."""
+        """``extra_env`` reaches the daemon and, through ``resurgo submit``, the job;
+        ``user`` runs the daemon and every ``resurgo`` command as that local user,
+        with the interpreter it can run (the test runs as root)."""
         self.extra_env = dict(extra_env or {})
+        self.user = user
+        self.python = sys.executable if user is None else user.python
         self.cluster = cluster
         self.state_dir = state_dir
         self.port = free_port()
@@ -54,6 +82,8 @@ class SupervisorProcess:
 
     def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.user is not None:
+            shutil.chown(self.state_dir, self.user.name, self.user.name)
         env = {
             **self.cluster.env,
             "RESURGO_SUPERVISOR_STATE_DIR": str(self.state_dir),
@@ -70,10 +100,11 @@ class SupervisorProcess:
         }
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.daemon"],
-            env=env,
+            [self.python, "-m", "supervisor.daemon"],
+            env={**env, **self._user_env()},
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            **self._as_user(),
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -128,13 +159,21 @@ class SupervisorProcess:
         """Run ``resurgo ARGS`` as a user would (a separate process); ``env`` adds to its
         environment (and so, through ``submit``, to the job's)."""
         return subprocess.run(
-            [sys.executable, "-m", "supervisor.cli.main", *args],
-            env={**self.cli_env(), **(env or {})},
+            [self.python, "-m", "supervisor.cli.main", *args],
+            env={**self.cli_env(), **self._user_env(), **(env or {})},
             capture_output=True,
             text=True,
             timeout=120,
             check=False,
+            **self._as_user(),
         )
+
+    def _as_user(self) -> dict[str, Any]:
+        """Popen's arguments that run a process as :attr:`user` (none for the test's own)."""
+        return {} if self.user is None else {**self.user.popen(), "cwd": self.state_dir}
+
+    def _user_env(self) -> dict[str, str]:
+        return {} if self.user is None else self.user.env(self.state_dir)
 
     def submit(self, spec: JobSpec, extra_env: dict[str, str] | None = None) -> int:
         """Submit ``spec`` as `resurgo submit` does; return the Slurm job id."""

@@ -112,6 +112,7 @@ def build_app(
     refusal_log_per_minute: int = 20,
     metrics: Callable[[], bytes] | None = None,
     jobs_dir: str | None = None,
+    facts: Callable[[], dict[str, Any]] | None = None,
     body_timeout_s: float = BODY_TIMEOUT_S,
     unauthenticated_buffer_bytes: int = UNAUTHENTICATED_BUFFER_BYTES,
 ) -> web.Application:
@@ -125,7 +126,10 @@ def build_app(
     (both unauthenticated: they carry no secrets). ``jobs_dir``, the
     directory the daemon registers jobs from, is named in ``/healthz`` so that
     ``resurgo submit`` can say which one a supervisor that does not register
-    its job watches (a path every user is told anyway). ``clock`` gives Unix
+    its job watches (a path every user is told anyway). ``facts`` adds the
+    supervisor's mode (drain or exclude) and the nodes a user's next jobs
+    should leave out, for ``resurgo submit`` (node names, as ``sinfo`` shows
+    anyone, and the blame's cause and job id). ``clock`` gives Unix
     seconds for the replay window and the refusal log's rate limit.
     ``body_timeout_s`` and ``unauthenticated_buffer_bytes``: see the module's
     docstring, check 2.
@@ -137,6 +141,7 @@ def build_app(
         _BodyReader(max_body_bytes, body_timeout_s, unauthenticated_buffer_bytes),
         RefusalLog(logger, clock, per_window=refusal_log_per_minute),
         jobs_dir,
+        facts,
     )
     app = web.Application(client_max_size=max_body_bytes, middlewares=[api.guard])
     app[_REFUSALS] = api.refusals
@@ -267,9 +272,11 @@ class _Api:
         bodies: _BodyReader,
         refusals: RefusalLog,
         jobs_dir: str | None = None,
+        facts: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self._directory = directory
         self._jobs_dir = jobs_dir
+        self._facts = facts
         self._clock = clock
         self._window_s = window_s
         self._bodies = bodies
@@ -328,6 +335,8 @@ class _Api:
         }
         if self._jobs_dir is not None:
             document["jobs_dir"] = self._jobs_dir
+        if self._facts is not None:
+            document.update(self._facts())
         return web.json_response(document)
 
     async def events(self, request: web.Request) -> web.Response:

@@ -1,12 +1,15 @@
 """`resurgo nodes [--json]`, `resurgo nodes undrain NODE [--wrong]`, `resurgo nodes forgive NODE`.
 
 Lists the nodes drained in Slurm (Resurgo's drains and anyone else's) with
-the reason, every node's blame history across jobs, and the lemon list
-(nodes blamed too often, kept out). ``undrain`` returns a node to service
-(``scontrol update state=resume``) and records it in the audit as the
+the reason, the open drain tickets (what a supervisor without operator
+rights asked the admins to drain, with the evidence), every node's blame
+history across jobs, and the lemon list (nodes blamed too often, kept
+out). ``undrain`` returns a node to service (``scontrol update
+state=resume``) and records it in the audit as the
 operator's act; with ``--wrong`` it also withdraws Resurgo's verdicts
 against the node. ``forgive`` withdraws them alone (the node stays as Slurm
-has it): withdrawn verdicts no longer count towards the lemon list.
+has it) and closes the node's drain tickets: withdrawn verdicts no longer
+count towards the lemon list.
 ``--json`` prints :func:`supervisor.views.nodes`.
 """
 
@@ -32,7 +35,7 @@ from supervisor.text import one_line
 _NOT_PERMITTED = ("access/permission denied", "invalid user id", "access denied")
 OPERATOR_RIGHTS = (
     "Slurm refused: returning a node to service needs Slurm operator rights "
-    "(root, the SlurmUser, or AdminLevel=Operator); run it as one, or ask an admin"
+    "(root, the SlurmUser, or AdminLevel=Administrator); run it as one, or ask an admin"
 )
 
 
@@ -59,7 +62,7 @@ def register(subparsers: Any) -> None:
 
 
 def render(document: dict[str, Any], now_s: float) -> str:
-    """Drained nodes, then history, then lemons."""
+    """Drained nodes, open drain tickets, then history, then lemons."""
     lines = []
     if not document["slurm_answered"]:
         lines.append("warning: Slurm did not answer; showing the supervisor's records only")
@@ -75,6 +78,21 @@ def render(document: dict[str, Any], now_s: float) -> str:
     lines.append(
         table(("NODE", "STATE", "BY", "REASON"), drained) if drained else "no drained nodes"
     )
+    tickets = [
+        [
+            one_line(t["node"]),
+            f"{duration(now_s - t['raised_s'])} ago",
+            one_line(f"{t['cause']} (job {t['job_id']})"),
+            one_line(t["slurm_state"] or "?"),
+            one_line(t["evidence"])[:80],
+            one_line(t["hook"] or "-")[:40],
+        ]
+        for t in document["tickets"]
+    ]
+    if tickets:
+        lines.append("")
+        lines.append("drain tickets (open; an admin should drain and check these nodes):")
+        lines.append(table(("NODE", "RAISED", "CAUSE", "STATE", "EVIDENCE", "HOOK"), tickets))
     if document["history"]:
         lines.append("")
         lines.append("blame history:")
@@ -119,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
                 return fail("nodes", f"could not forgive {args.node}: {_read_only(store)}")
             withdrawn = store.withdraw_blames(args.node, now_s=time.time())
             print(
-                f"{args.node}: {withdrawn} verdict(s) withdrawn; they no longer count towards "
-                "lemon status"
+                f"{args.node}: {withdrawn} verdict(s) withdrawn (drain tickets closed); they no "
+                "longer count towards lemon status, and your next jobs may use the node"
                 if withdrawn
                 else f"{args.node}: no standing verdict of Resurgo's to withdraw"
             )

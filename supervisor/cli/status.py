@@ -57,6 +57,9 @@ def render(document: dict[str, Any]) -> str:
     if not document["jobs"]:
         lines = ["no supervised jobs"]
     lines.extend(f"job {job_id}: not known to the supervisor" for job_id in document["unknown"])
+    supervisor = document.get("supervisor")
+    if supervisor is not None and supervisor["mode"] == "exclude":
+        lines.append(one_line(f"supervisor in exclude mode: {supervisor['why']}"))
     return "\n".join(lines)
 
 

@@ -13,7 +13,10 @@ sbatch prints it. Before the job is released, the supervisor must have
 registered it (``--register-wait-s``): one that reads its jobs from another
 directory gets the job cancelled, with the directories named. If no
 supervisor answers at all, the job is submitted anyway and runs unsupervised
-until the supervisor registers it.
+until the supervisor registers it. The nodes the supervisor keeps out (its
+lemons, and the nodes it raised a drain ticket for when it may not drain)
+are added to ``--exclude``, each named on stderr, unless ``--nodelist``
+asks for them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import shlex
 import shutil
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from agent.launch import Shape, launch_shape, split_srun, srun_tasks_per_node
 from agent.launch import refusal as launch_refusal
 from supervisor.cli.common import ENV_JOBS_DIR, add_state_dir, jobs_dir
 from supervisor.config import DEFAULT_PORT
+from supervisor.errors import SlurmParseError
 from supervisor.jobs import JobSpec, SubmitError, batch_script, sbatch_options, submit
 from supervisor.registration import Health, Registration, health, refusal, wait_registered
 from supervisor.sbatch import (
@@ -44,6 +49,7 @@ from supervisor.sbatch import (
     training_script,
 )
 from supervisor.slurm import SlurmClient
+from supervisor.slurm.parse import compress_hostlist, expand_hostlist
 
 USAGE = "resurgo submit [resurgo options] [sbatch options...] -- COMMAND..."
 ENV_URL = "RESURGO_URL"
@@ -182,6 +188,34 @@ def ranks_per_node(command: Sequence[str], request: SbatchRequest) -> int:
     return procs_per_node(command) or 1
 
 
+def leave_out(spec: JobSpec, found: Health) -> tuple[JobSpec, list[str]]:
+    """``spec`` with the supervisor's nodes to avoid added to ``--exclude``; what was
+    added, in words (one line per node).
+
+    The user's own ``--exclude`` (command line or ``#SBATCH``) is kept: the
+    merged list goes last on the command line, which overrides both. A node
+    the user names in ``--nodelist`` is theirs to use and is not excluded.
+    """
+    if not found.avoid_nodes:
+        return spec, []
+    request = parse_request(spec.sbatch_options, spec.directives)
+    try:
+        wanted = set(expand_hostlist(request.nodelist or ""))
+        already = set(expand_hostlist(request.exclude or ""))
+    except SlurmParseError:
+        return spec, []  # a hostlist file or a form Slurm reads itself: leave it to Slurm
+    added = [(node, why) for node, why in found.avoid_nodes if node not in wanted | already]
+    if not added:
+        return spec, []
+    nodes = sorted(already | {node for node, _ in added})
+    options = (*spec.sbatch_options, f"--exclude={compress_hostlist(nodes)}")
+    notes = [
+        f"leaving out {node} ({why}); `resurgo nodes forgive {node}` clears it"
+        for node, why in added
+    ]
+    return replace(spec, sbatch_options=options), notes
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``resurgo submit``; ``argv`` follows the word ``submit``."""
     words = list(argv)
@@ -204,6 +238,10 @@ def main(argv: Sequence[str]) -> int:
         return _fail("sbatch is not on PATH: run resurgo submit where Slurm's commands are")
     found = health(spec.supervisor_url)
     supervised = found is not None
+    if found is not None:
+        spec, notes = leave_out(spec, found)
+        for note in notes:
+            print(f"resurgo submit: {note}", file=sys.stderr)
     try:
         jobs = jobs_dir(args.state_dir, args.jobs_dir)
         confirm = (

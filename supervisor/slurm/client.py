@@ -184,6 +184,14 @@ class SlurmClient:
         # As for jobs(); unchanged nodes are not built again (SinfoParser).
         return await asyncio.to_thread(self._sinfo.parse, text)
 
+    async def show_config(self) -> str:
+        """``scontrol show config`` (for :mod:`supervisor.slurm.rights`)."""
+        return await self._query(["scontrol", "show", "config"])
+
+    async def admin_level(self, user: str) -> str:
+        """``user``'s AdminLevel in the accounting database (SlurmCommandFailed without one)."""
+        return await self._query(["sacctmgr", "-nP", "show", "user", user, "format=AdminLevel"])
+
     async def hostnames(self, node_list: str) -> tuple[str, ...]:
         """Slurm's own expansion of a hostlist, cached per distinct list."""
         if node_list not in self._hostnames:

@@ -19,6 +19,7 @@ from supervisor.store.rows import (
     Lemon,
     ProgressRow,
     StepRow,
+    TicketRow,
 )
 from supervisor.store.schema import SCHEMA_VERSION
 from supervisor.store.store import Store
@@ -40,4 +41,5 @@ __all__ = [
     "ProgressRow",
     "StepRow",
     "Store",
+    "TicketRow",
 ]

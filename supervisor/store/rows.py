@@ -206,6 +206,36 @@ class DrainRow:
 
 
 @dataclass(frozen=True)
+class TicketRow:
+    """A drain ticket: Resurgo asked the admins to drain ``node``; open until ``closed_s``."""
+
+    ticket_id: int
+    node: str
+    cause: str
+    job_id: str | None
+    evidence: str
+    raised_s: float
+    closed_s: float | None
+    closed_by: Actor | None
+    hook: str
+    action_id: str | None
+
+    def document(self) -> dict[str, Any]:
+        """The ticket as the operator hook and ``resurgo nodes --json`` get it."""
+        return {
+            "ticket_id": self.ticket_id,
+            "node": self.node,
+            "cause": self.cause,
+            "job_id": self.job_id,
+            "evidence": self.evidence,
+            "raised_s": self.raised_s,
+            "closed_s": self.closed_s,
+            "closed_by": None if self.closed_by is None else self.closed_by.value,
+            "hook": self.hook,
+        }
+
+
+@dataclass(frozen=True)
 class Lemon:
     """A node the supervisor drained at least a threshold of times within a window."""
 

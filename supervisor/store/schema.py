@@ -184,7 +184,36 @@ ALTER TABLE drains ADD COLUMN withdrawn_s REAL;
 ALTER TABLE drains ADD COLUMN withdrawn_by TEXT;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
+# Drain tickets: a supervisor without Slurm operator rights asks the admins
+# to drain a node it blamed instead of draining it. A ticket is a blame (it
+# counts towards the lemon list) and keeps the node out of the user's jobs
+# while open; closed_by says who closed it (an operator's forgive). The
+# hook's answer is kept for `resurgo nodes`. supervisor_facts: what the running
+# supervisor found out about itself (its Slurm rights), for `resurgo status`.
+_V4 = """
+CREATE TABLE tickets (
+    ticket_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    node TEXT NOT NULL,
+    cause TEXT NOT NULL,
+    job_id TEXT REFERENCES jobs (job_id),
+    evidence TEXT NOT NULL,
+    raised_s REAL NOT NULL,
+    closed_s REAL,
+    closed_by TEXT,
+    hook TEXT NOT NULL DEFAULT '',
+    action_id TEXT UNIQUE
+);
+CREATE INDEX tickets_by_node ON tickets (node, raised_s);
+CREATE INDEX tickets_open ON tickets (raised_s) WHERE closed_s IS NULL;
+
+CREATE TABLE supervisor_facts (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL,
+    updated_s REAL NOT NULL
+);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 RESTORE_HINT = (

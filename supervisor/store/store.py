@@ -83,6 +83,7 @@ from supervisor.store.rows import (
     loads,
 )
 from supervisor.store.steps import StepReports
+from supervisor.store.tickets import Tickets
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ _DONE, _FAILED = ActionState.DONE.value, ActionState.FAILED.value
 _QUIET_JOBS_REMEMBERED = 10_000
 
 
-class Store(History, StepReports):
+class Store(History, StepReports, Tickets):
     """The supervisor's store; open it with :meth:`Store.open`. See the module docstring."""
 
     def __init__(self, db: sqlite3.Connection, path: Path) -> None:
@@ -293,9 +294,9 @@ class Store(History, StepReports):
     def withdraw_blames(self, node: str, *, now_s: float, by: Actor = Actor.OPERATOR) -> int:
         """Mark every standing verdict of Resurgo against ``node`` wrong; return how many.
 
-        The drains stay in the audit (an open one stays open: the node is
-        still drained in Slurm until someone resumes it); none counts towards
-        the lemon list any more.
+        Its open drain tickets are closed. The drains stay in the audit (an
+        open one stays open: the node is still drained in Slurm until someone
+        resumes it); none counts towards the lemon list any more.
         """
         with self._tx(durable=True):
             cursor = self._db.execute(
@@ -303,7 +304,7 @@ class Store(History, StepReports):
                 " WHERE node = ? AND drained_by = ? AND withdrawn_s IS NULL",
                 (now_s, by.value, node, Actor.SUPERVISOR.value),
             )
-        return cursor.rowcount
+            return cursor.rowcount + self.close_tickets(node, now_s=now_s, by=by)
 
     @locked
     def open_drains(self) -> list[DrainRow]:
@@ -324,17 +325,20 @@ class Store(History, StepReports):
 
     @locked
     def lemons(self, threshold: int, window_s: float, now_s: float) -> list[Lemon]:
-        """Nodes the supervisor drained at least ``threshold`` times in the last ``window_s``.
+        """Nodes the supervisor blamed at least ``threshold`` times in the last ``window_s``.
 
-        Operator drains (maintenance) are not blame and do not count, nor do
-        withdrawn verdicts (lifted outside Resurgo, or forgiven).
+        A blame is a drain, or a drain ticket where the supervisor may not
+        drain. Operator drains (maintenance) are not blame and do not count,
+        nor do withdrawn verdicts (lifted outside Resurgo, or forgiven).
         """
         rows = self._db.execute(
-            "SELECT node, COUNT(*), MAX(drained_s) FROM drains"
+            "SELECT node, COUNT(*), MAX(blamed_s) FROM ("
+            " SELECT node, drained_s AS blamed_s FROM drains"
             " WHERE drained_by = ? AND drained_s > ? AND withdrawn_s IS NULL"
-            " GROUP BY node HAVING COUNT(*) >= ?"
+            " UNION ALL SELECT node, raised_s FROM tickets WHERE raised_s > ? AND closed_s IS NULL"
+            ") GROUP BY node HAVING COUNT(*) >= ?"
             " ORDER BY COUNT(*) DESC, node",
-            (Actor.SUPERVISOR.value, now_s - window_s, threshold),
+            (Actor.SUPERVISOR.value, now_s - window_s, now_s - window_s, threshold),
         )
         return [Lemon(*row) for row in rows]
 

@@ -34,8 +34,8 @@ from tests.supervisor_harness import (
 pytestmark = pytest.mark.slurm
 
 POLICY = {
-    # Four nodes: a share of 1/4 allows exactly one drain per hour.
-    "max_drain_share_per_hour": "0.25",
+    # The default drain limit: on four nodes the share (0.1) rounds down to none,
+    # and the floor (min_drains_per_hour 1) allows one drain per hour.
     "backoff_base_s": "2",
     "validation_level": "full",
 }

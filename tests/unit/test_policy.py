@@ -15,6 +15,7 @@ from supervisor.blame import EXIT_TIE_TOLERANCE_S
 from supervisor.intents import (
     Alert,
     DrainNode,
+    DrainTicket,
     RelaunchStep,
     RequeueSmaller,
     ShrinkAllocation,
@@ -242,6 +243,42 @@ def test_a_drain_beyond_the_floor_alerts_naming_the_settings_to_change():
     assert "min_drains_per_hour 1" in alert.message
     assert "max_drain_share_per_hour 0.1" in alert.message
     assert "The job goes on without node3" in alert.message
+
+
+def test_without_operator_rights_a_blamed_node_is_ticketed_and_excluded_never_drained():
+    user = replace(FOUR, may_drain=False)
+    crash, validated = run(
+        running(),
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(100, CKPT, True),
+        cluster=user,
+    )
+    assert kinds(crash) == [DrainTicket, StopRanks, ValidateCheckpoints]
+    ticket = crash.intents[0]
+    assert isinstance(ticket, DrainTicket) and ticket.node == "node3"
+    assert ticket.cause is Cause.RANK_SIGNAL and "SIGKILL" in ticket.evidence
+    assert ticket.action_id == "42/2/ticket/node3"
+    assert "drain ticket raised (no Slurm operator rights" in crash.explanation
+    assert crash.record.blamed_nodes == ("node3",)
+    # The job goes on without the node, on the three others.
+    assert validated.intents == (
+        ShrinkAllocation("42", 2, ("node1", "node2", "node4")),
+        RelaunchStep("42", 2, ("node1", "node2", "node4"), CKPT),
+    )
+
+
+def test_without_operator_rights_no_drain_share_is_spent_or_alerted():
+    # Drains of the last hour do not matter: a ticket is not a drain.
+    user = replace(FOUR, may_drain=False, drains_last_hour=5)
+    (crash,) = run(running(), rank_exit(sig=9), cluster=user)
+    assert kinds(crash)[0] is DrainTicket
+    assert not any(isinstance(i, Alert | DrainNode) for i in crash.intents)
+
+
+def test_a_node_slurm_already_took_out_gets_no_ticket():
+    user = replace(FOUR, may_drain=False, drained=frozenset({"node3"}))
+    (crash,) = run(running(), rank_exit(sig=9), cluster=user)
+    assert DrainTicket not in kinds(crash) and DrainNode not in kinds(crash)
 
 
 def test_the_share_still_limits_a_large_cluster():
