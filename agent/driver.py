@@ -15,8 +15,11 @@
 4. when a step fails, asks again (phase ``ended``) and, told so, starts a
    new step on the nodes the supervisor names, with ``RESURGO_RESUME_FROM``
    set through the agent, and confirms the relaunch (phase ``relaunched``);
-5. exits 0 when a step succeeds, and exits 1 with the supervisor's reason
-   when told to stop;
+5. exits 0 when a step succeeds, and exits :data:`DO_NOT_REQUEUE_EXIT` (93)
+   with the supervisor's reason when told to stop (a crash loop, a user
+   error, no valid checkpoint, an operator's cancel): Slurm records the job
+   FAILED with exit code 93, which tells wrappers and dependency chains not
+   to start it again;
 6. before the time limit (Slurm's ``USR1``, requested by ``resurgo submit``,
    or its own timer from the job's time left and the measured save time)
    runs the planned stop of :mod:`agent.timelimit`: a notice to the agents
@@ -69,6 +72,9 @@ log = logging.getLogger("resurgo.driver")
 START_CHECK_S = 5.0
 # Slurm's USR1 this much earlier than the lead is taken as early, not as the moment.
 EARLY_WARNING_SLACK_S = 5.0
+# The batch script's exit code when the supervisor ended the job for good: the
+# convention of torch elastic's launchers for "do not restart" (docs/operations.md).
+DO_NOT_REQUEUE_EXIT = 93
 # The supervisor requeues as soon as the ranks stopped; the driver does it itself
 # only this close to the end (the requeue takes about two seconds).
 SELF_REQUEUE_BEFORE_END_S = 5.0
@@ -279,8 +285,12 @@ class Driver:
             ended_with: int | None = None  # the exit code of the step last run
             while not self._stopping:
                 if answer.action is DriverAction.STOP:
-                    print(f"resurgo: job stopped by the supervisor: {answer.reason}", flush=True)
-                    return 1
+                    print(
+                        f"resurgo: job stopped by the supervisor: {answer.reason} (exit "
+                        f"{DO_NOT_REQUEUE_EXIT}: do not requeue)",
+                        flush=True,
+                    )
+                    return DO_NOT_REQUEUE_EXIT
                 if answer.action is DriverAction.WAIT and self._time_limit:
                     return await self._await_requeue(None)
                 if answer.action is DriverAction.WAIT:

@@ -54,6 +54,7 @@ from supervisor.intents import (
     ValidateCheckpoints,
     ValidationLevel,
 )
+from supervisor.model import JobState
 from supervisor.observations import (
     CheckpointValidated,
     Observation,
@@ -87,6 +88,10 @@ _PREREQUISITES = (StopRanks, ValidateCheckpoints, ShrinkAllocation, RequeueSmall
 _UNFINISHED = (ActionState.PLANNED, ActionState.STARTED, ActionState.FAILED)
 # A shrink refused this often (or for good) abandons the fast path: requeue instead.
 SHRINK_ATTEMPTS = 3
+# A job stopped for good (status failed) is left this long to its in-job driver,
+# which learns of the stop at its next question (every few seconds) and ends
+# the job with exit code 93, "do not requeue"; only then is it cancelled.
+DRIVER_STOP_GRACE_S = 30.0
 ALERT_KIND = "alert"
 REQUEUE_BASELINE_KIND = "requeue_baseline"
 
@@ -270,6 +275,8 @@ class Executor:
                 await self._record_requeue_baseline(intent, now_s)
             self._store.mark_started(intent.action_id, now_s)
             _log_transition(intent, row.state.value, "started", "")
+            if isinstance(intent, StopJob) and await self._left_to_the_driver(intent, row, now_s):
+                return _Outcome()  # started: reconcile cancels it if the driver has not
             if isinstance(intent, RelaunchStep):
                 log.info(
                     "action %s job=%s kind=relaunch: handed to the in-job driver (%d nodes)",
@@ -389,6 +396,29 @@ class Executor:
                     observation_id=intent.action_id,
                 )
             self._store.mark_done(intent.action_id, result, now_s)
+
+    async def _left_to_the_driver(self, intent: StopJob, row: ActionRow, now_s: float) -> bool:
+        """Whether a stop for good still waits for the job's driver to end the job itself.
+
+        A job that failed for good should end FAILED with exit code 93 (``do not
+        requeue``), which only its driver can give it: ``scancel`` would make it
+        CANCELLED. The driver is told at its next question; the job is cancelled
+        once :data:`DRIVER_STOP_GRACE_S` passed since the stop was planned.
+        """
+        if intent.status is not JobState.FAILED:
+            return False
+        left_s = DRIVER_STOP_GRACE_S - (now_s - row.planned_s)
+        if left_s <= 0:
+            return False
+        job = await self._slurm.job(slurm_job_id(intent.job_id))
+        if job is None or job.state.finished:
+            return False
+        log.info(
+            "action %s job=%s kind=stop_job: left %.0f s more to the job's driver, which ends "
+            "it with exit code 93 (do not requeue); cancelled after that",
+            intent.action_id, intent.job_id, left_s,
+        )  # fmt: skip
+        return True
 
     async def _validate_checkpoints(self, intent: ValidateCheckpoints) -> list[CheckpointValidated]:
         root = self._checkpoint_root_of(intent.job_id)

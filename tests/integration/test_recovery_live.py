@@ -232,7 +232,11 @@ def test_a_python_exception_at_the_same_step_twice_stops_the_job_as_a_crash_loop
     job_id = supervisor.submit(spec)
     job = _wait_ended(slurm_cluster, job_id, supervisor, output)
 
-    assert job["job_state"] == "CANCELLED"  # the supervisor stopped it
+    # The driver ended it when told: FAILED with exit code 93, "do not requeue"
+    # (squeue shows the raw wait status), not CANCELLED by scancel.
+    assert job["job_state"] == "FAILED", supervisor.log()[-3000:]
+    assert job["exit_code"] >> 8 == 93, job["exit_code"]
+    assert "(exit 93: do not requeue)" in output.read_text()
     _wait_recorded(supervisor, job_id, "failed")
     with supervisor.store() as store:
         row = store.get_job(str(job_id))

@@ -193,12 +193,12 @@ def test_told_to_wait_before_its_first_launch_the_driver_asks_to_start_again(
     assert phases == [(DriverPhase.START, None), (DriverPhase.START, None)]
 
 
-def test_told_to_stop_the_driver_exits_with_a_failure_and_the_reason(
+def test_told_to_stop_the_driver_exits_93_do_not_requeue_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     stop = DriverAnswer(DriverAction.STOP, 2, reason="crash loop: exit:1 at step 6 again")
     status, _ = drive(tmp_path, [1], [DriverAnswer(DriverAction.LAUNCH, 1), stop])
-    assert status == 1
+    assert status == 93
     assert "crash loop: exit:1 at step 6 again" in capsys.readouterr().out
 
 

@@ -16,7 +16,13 @@ import pytest
 
 from agent.protocol import CommandKind, Reply, decode_reply, encode_reply
 from supervisor.errors import SlurmCommandFailed, SlurmUnavailable
-from supervisor.executor import ALERT_KIND, Executor, Validator, validate_checkpoint
+from supervisor.executor import (
+    ALERT_KIND,
+    DRIVER_STOP_GRACE_S,
+    Executor,
+    Validator,
+    validate_checkpoint,
+)
 from supervisor.intents import (
     Alert,
     DrainNode,
@@ -380,6 +386,29 @@ def test_stop_job_does_not_cancel_a_job_slurm_already_ended(store: Store, slurm:
     other = StopJob(JOB, 3, JobState.CANCELLED, "operator")
     run_execute(executor(store, slurm), [other])
     assert slurm.calls == [("cancel", 4242)]
+
+
+def test_a_job_stopped_for_good_is_left_to_its_driver_then_cancelled_after_the_grace(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    """The driver ends it with exit 93 (do not requeue); scancel only if it does not."""
+    stop = StopJob(JOB, 2, JobState.FAILED, "crash loop")
+    ex = executor(store, slurm)
+    run_execute(ex, [stop])
+    assert slurm.calls == [] and state_of(store, stop) is ActionState.STARTED
+    asyncio.run(ex.reconcile(NOW + DRIVER_STOP_GRACE_S - 5))
+    assert slurm.calls == [] and state_of(store, stop) is ActionState.STARTED
+    asyncio.run(ex.reconcile(NOW + DRIVER_STOP_GRACE_S + 1))
+    assert slurm.calls == [("cancel", 4242)] and state_of(store, stop) is ActionState.DONE
+
+
+def test_a_job_its_driver_ended_is_not_cancelled(store: Store, slurm: FakeSlurm) -> None:
+    stop = StopJob(JOB, 2, JobState.FAILED, "crash loop")
+    ex = executor(store, slurm)
+    run_execute(ex, [stop])
+    slurm.the_job = job(NODES, SlurmState.FAILED)  # the driver exited 93
+    asyncio.run(ex.reconcile(NOW + 5))
+    assert slurm.calls == [] and state_of(store, stop) is ActionState.DONE
 
 
 def test_stored_actions_rebuild_the_intents_they_were_planned_from(store: Store) -> None:
