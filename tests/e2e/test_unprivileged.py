@@ -16,10 +16,7 @@ import os
 import pwd
 import re
 import shutil
-import stat
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -28,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.slurm.parse import expand_hostlist
-from tests.conftest import REPO, LiveCluster
+from tests.conftest import LiveCluster
 from tests.e2e.test_faults import (
     AGENTS,
     DAEMON,
@@ -41,6 +38,7 @@ from tests.e2e.test_faults import (
     restore_cluster,
     story,
 )
+from tests.other_users import python_for, reachable_by_others
 from tests.supervisor_harness import LocalUser, SupervisorProcess
 
 pytestmark = pytest.mark.slurm
@@ -62,43 +60,6 @@ def _run_as(user: str, argv: list[str], env: dict[str, str]) -> subprocess.Compl
     )  # fmt: skip
 
 
-def _searchable_by_others(paths: list[Path]) -> list[tuple[Path, int]]:
-    """Give others the search bit on every directory above ``paths`` that lacks it
-    (a checkout under a 0700 temporary directory); the modes to put back."""
-    changed = []
-    for path in paths:
-        for directory in [*reversed(path.parents), path]:
-            mode = directory.stat().st_mode
-            if directory.is_dir() and not mode & stat.S_IXOTH:
-                changed.append((directory, stat.S_IMODE(mode)))
-                directory.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
-    return changed
-
-
-def _interpreter(user: str) -> tuple[str, str]:
-    """The Python (and PYTHONPATH) with which ``user`` can import Resurgo and torch."""
-    site = sysconfig.get_paths()["purelib"]
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    tried = []
-    debian = shutil.which(f"python{version}", path="/usr/bin") or ""
-    for python, path in ((sys.executable, str(REPO)), (debian, f"{REPO}:{site}")):
-        if not python:
-            continue
-        env = {"PYTHONPATH": path, "PATH": os.environ["PATH"]}
-        try:
-            probe = _run_as(user, [python, "-c", "import supervisor, torch"], env)
-        except OSError as error:  # it may not even execute it
-            tried.append(f"{python}: {error}")
-            continue
-        if probe.returncode == 0:
-            return python, path
-        tried.append(f"{python}: {probe.stderr.strip()[-300:]}")
-    raise AssertionError(
-        f"user {user} can run no Python {version} that imports Resurgo and torch (deploy/setup "
-        f"installs Debian's python3): {tried}"
-    )
-
-
 @pytest.fixture(scope="module")
 def local_user() -> Iterator[LocalUser]:
     """A local user created for the test, removed after it; root is needed to create it."""
@@ -110,16 +71,13 @@ def local_user() -> Iterator[LocalUser]:
         ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
         check=True, capture_output=True,
     )  # fmt: skip
-    site = Path(sysconfig.get_paths()["purelib"])
-    changed = _searchable_by_others([REPO, site, Path(sys.executable).parent])
     try:
-        python, path = _interpreter(USER)
-        yield LocalUser(USER, python, path)
+        with reachable_by_others():
+            python, path = python_for(USER)
+            yield LocalUser(USER, python, path)
     finally:
         subprocess.run(["pkill", "-KILL", "-u", USER], check=False, capture_output=True)
         subprocess.run(["userdel", USER], check=False, capture_output=True)
-        for directory, mode in reversed(changed):
-            directory.chmod(mode)
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import parse_sinfo_json
 from tests.conftest import REPO, free_port
 from tests.integration.crash_world import Agent, Api, Daemon, Driver, StoreView, fakeslurm
+from tests.other_users import python_for, reachable_by_others
 
 NODES = ("node1", "node2", "node3", "node4")
 FORGED = "resurgo-supervisor 2026-01-01 00:00:00,000 ERROR ALERT node9 is on fire"
@@ -344,21 +345,6 @@ def test_every_cli_view_prints_a_store_holding_bad_text_from_before_strict_decod
 # --- a user who may only read the store --------------------------------------------------
 
 
-def _reader_python() -> str:
-    """An interpreter the unprivileged user can run (a venv's may sit under /root)."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for candidate in (sys.executable, shutil.which(version) or "", f"/usr/bin/{version}"):
-        try:
-            ran = subprocess.run(
-                [candidate, "-c", "pass"], user="nobody", capture_output=True, check=False
-            )
-        except OSError:  # not executable by nobody, or absent
-            continue
-        if ran.returncode == 0:
-            return candidate
-    raise AssertionError(f"no {version} that user nobody can run: install one system-wide")
-
-
 class _OperatorsDaemon(Daemon):
     """The supervisor with ``state_group = "nogroup"``: its members may read the store."""
 
@@ -381,7 +367,11 @@ def test_a_user_who_may_only_read_the_store_gets_the_views_and_one_line_refusals
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: the test runs the CLI as user nobody of group nogroup")
-    python = _reader_python()
+    with reachable_by_others():
+        _as_a_reader_of_the_store(shared_dir, *python_for("nobody", "nogroup"))
+
+
+def _as_a_reader_of_the_store(shared_dir: Path, python: str, pythonpath: str) -> None:
     fake_dir = shared_dir / "slurm"
     fakeslurm.create(fake_dir, NODES)
     daemon = _OperatorsDaemon(shared_dir / "state", free_port(), fake_dir,
@@ -401,13 +391,12 @@ def test_a_user_who_may_only_read_the_store_gets_the_views_and_one_line_refusals
     )
     for script in ("sinfo", "scontrol"):
         (reader_bin / script).chmod(0o755)
-    site = next(p for p in sys.path if p.endswith("site-packages"))
 
     def as_reader(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [python, "-m", "supervisor.cli.main", *args, "--state-dir", str(daemon.state_dir)],
             user="nobody", group="nogroup", extra_groups=[], cwd="/",
-            env={"PATH": f"{reader_bin}:/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{site}",
+            env={"PATH": f"{reader_bin}:/usr/bin:/bin", "PYTHONPATH": pythonpath,
                  "HOME": "/nonexistent"},
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
