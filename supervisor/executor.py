@@ -378,24 +378,24 @@ class Executor:
                     hook=result.get("hook", ""),
                     action_id=intent.action_id,
                 )
-                message = ticket_message(intent)
-                log.warning("ALERT job=%s: %s", intent.job_id, message)
-                self._store.record_observation(
-                    intent.job_id,
-                    ALERT_KIND,
-                    {"severity": Severity.WARNING.value, "message": message},
-                    now_s,
-                    observation_id=intent.action_id,
+                alert = Alert(
+                    intent.job_id, intent.attempt, Severity.WARNING, ticket_message(intent)
                 )
+                log.warning("ALERT job=%s: %s", alert.job_id, alert.message)
+                self._record_alert(alert, intent.action_id, now_s)
             elif isinstance(intent, Alert):
-                self._store.record_observation(
-                    intent.job_id,
-                    ALERT_KIND,
-                    {"severity": intent.severity.value, "message": intent.message},
-                    now_s,
-                    observation_id=intent.action_id,
-                )
+                self._record_alert(intent, intent.action_id, now_s)
             self._store.mark_done(intent.action_id, result, now_s)
+
+    def _record_alert(self, alert: Alert, observation_id: str, now_s: float) -> None:
+        """The alert in the job's events (``resurgo events``, the report)."""
+        self._store.record_observation(
+            alert.job_id,
+            ALERT_KIND,
+            {"severity": alert.severity.value, "message": alert.message},
+            now_s,
+            observation_id=observation_id,
+        )
 
     async def _left_to_the_driver(self, intent: StopJob, row: ActionRow, now_s: float) -> bool:
         """Whether a stop for good still waits for the job's driver to end the job itself.
