@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from supervisor.api import (
     serve,
     shutdown,
 )
+from supervisor.api.app import INTAKE_AT_ONCE
 
 NOW = 1_760_000_000
 JOB = "4711"
@@ -489,6 +491,56 @@ def test_a_bug_behind_a_handler_is_a_logged_500_without_details(
         run(scenario(test, directory=directory))
     [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert record.exc_info is not None
+
+
+# -- the intake gate ---------------------------------------------------------
+
+
+class SlowDirectory(MemoryDirectory):
+    """Takes each batch with a stop of the loop, as store writes do, and counts who is inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = 0
+        self.most_inside = 0
+
+    async def refuse_events(self, job_id: str, events: Sequence[Event]) -> str | None:
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        await asyncio.sleep(0.001)  # the disk check, in a worker thread
+        self.inside -= 1
+        return None
+
+    def accept_events(self, job_id: str, events: Sequence[Event]) -> Sequence[str]:
+        time.sleep(0.005)
+        return super().accept_events(job_id, events)
+
+
+def test_a_probe_after_a_burst_of_reports_is_answered_before_the_burst_is_taken() -> None:
+    directory = SlowDirectory()
+    directory.add_job(JOB, SECRET, NODES)
+    done: list[str] = []
+
+    async def test(api: Api) -> None:
+        async def report(seq: int) -> None:
+            answer = await api.send(protocol.EVENTS_PATH, protocol.encode_events([event(seq)]))
+            assert answer.status == 200, answer.body
+            done.append(f"event {seq}")
+
+        async def probe() -> None:
+            async with api.session.get(api.url + "/healthz") as answer:
+                assert answer.status == 200
+            done.append("healthz")
+
+        burst = [asyncio.create_task(report(seq)) for seq in range(1, 41)]
+        await asyncio.sleep(0.05)  # every report's connection is open and sent
+        await asyncio.gather(*burst, probe())
+
+    run(scenario(test, directory=directory))
+    assert len(done) == 41
+    # Without the gate each batch is taken whole on arrival, and the probe comes last.
+    assert done.index("healthz") < 20, done
+    assert directory.most_inside == INTAKE_AT_ONCE
 
 
 # -- logging -----------------------------------------------------------------
