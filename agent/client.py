@@ -19,7 +19,9 @@ Heartbeats are best effort and never spooled: only the newest matters. They
 go over one WebSocket to the supervisor's heartbeat stream, opened with a
 signed upgrade request and kept open (a request per heartbeat costs the
 supervisor several times more), and are sent as POSTs to a supervisor that
-has no stream. The wire format and signing live in :mod:`agent.protocol`.
+has no stream. The wire format and signing live in :mod:`agent.protocol`, the
+spool in :mod:`agent.spool`, the job secret and signed requests in
+:mod:`agent.auth`.
 """
 
 from __future__ import annotations
@@ -27,45 +29,33 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import fcntl
-import json
 import logging
-import os
 import secrets
-import stat
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
-from urllib.parse import urlsplit
+from typing import Any
 
 import aiohttp
 import tenacity
 
 from agent import protocol
-from agent.checkpoint.files import fsync_dir, open_regular, write_durably
-from agent.errors import ConfigError, ResurgoError
+from agent.auth import Rejected, signed_post
+from agent.auth import load_secret as load_secret  # re-exported: supervisor/jobs.py
+from agent.auth import new_secret as new_secret  # re-exported: supervisor/jobs.py
+from agent.auth import write_secret as write_secret  # re-exported: supervisor/jobs.py
+from agent.errors import ConfigError
 from agent.protocol import Command, Event, EventKind, HeartbeatReport, Refusal, Reply
+from agent.spool import Spool
 
 logger = logging.getLogger(__name__)
 
-SECRET_BYTES = 32
-# The hex form and a newline, with room for stray whitespace.
-_SECRET_FILE_LIMIT = 4096
 DEFAULT_BACKOFF = tenacity.wait_random_exponential(multiplier=0.5, max=protocol.RETRY_MAX_S)
 DEFAULT_HEARTBEAT_TIMEOUT_S = 2.0
 
-# A fully acknowledged spool segment larger than this is replaced by a fresh
-# one, so that a long job's spool does not grow without bound.
-ROTATE_BYTES = 1 << 20
 # Remembered command ids; a supervisor repeats a command for seconds, not for
 # thousands of commands.
 _SEEN_COMMANDS = 4096
-_SEGMENT_PREFIX = "events-"
-_SEGMENT_SUFFIX = ".jsonl"
-_CURSOR_NAME = "cursor.json"
-_LOCK_NAME = "lock"
 # Upgrade refusals that mean "no heartbeat stream here" (an older supervisor,
 # a proxy without WebSockets): heartbeats go as POSTs instead.
 _NO_STREAM_STATUSES = frozenset({400, 404, 405, 426, 501})
@@ -73,284 +63,6 @@ _NO_STREAM_STATUSES = frozenset({400, 404, 405, 426, 501})
 _UNDELIVERED = (aiohttp.ClientError, TimeoutError, ConnectionError, protocol.ProtocolError)
 # How long closing a broken stream may wait for the supervisor's close frame.
 _STREAM_CLOSE_S = 1.0
-
-
-class SpoolLocked(ResurgoError):
-    """Another live Reporter holds the spool directory; two writers would interleave events."""
-
-
-class Rejected(ResurgoError):
-    """The supervisor answered with a status other than 200; ``reason`` is its body."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(f"supervisor answered {status}: {reason}")
-        self.status = status
-        self.reason = reason
-
-
-async def signed_post(
-    session: aiohttp.ClientSession,
-    url: str,
-    job_id: str,
-    secret: bytes,
-    body: bytes,
-    *,
-    timeout_s: float,
-    clock: Callable[[], float] = time.time,
-) -> bytes:
-    """POST ``body`` signed for ``job_id``; the answer's body, or :class:`Rejected` (not 200)."""
-    headers = protocol.signed_headers(
-        secret, protocol.METHOD, urlsplit(url).path, job_id, int(clock()), body
-    )
-    headers["Content-Type"] = "application/json"
-    async with session.post(
-        url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-    ) as response:
-        data = await response.read()
-        if response.status != 200:
-            reason = protocol.clip_text(data.decode("utf-8", "replace").strip(), 2000)
-            raise Rejected(response.status, reason)
-        return data
-
-
-def new_secret() -> bytes:
-    """A fresh 256-bit per-job signing secret."""
-    return secrets.token_bytes(SECRET_BYTES)
-
-
-def parse_secret(text: str) -> bytes:
-    """The secret spelled as 64 hex digits (its form in files and the environment)."""
-    try:
-        secret = bytes.fromhex(text.strip())
-    except ValueError as error:
-        raise ConfigError("the job secret must be 64 hex digits") from error
-    if len(secret) != SECRET_BYTES:
-        raise ConfigError(f"the job secret must be {SECRET_BYTES * 2} hex digits")
-    return secret
-
-
-def write_secret(path: Path, secret: bytes) -> None:
-    """Store ``secret`` as hex in ``path`` with mode 0600 (durably, replacing any old file)."""
-    if len(secret) != SECRET_BYTES:
-        raise ConfigError(f"a job secret is {SECRET_BYTES} bytes, got {len(secret)}")
-    temporary = path.with_name(f".{path.name}.tmp")
-    # Created 0600 from the first byte, never briefly readable by others.
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (secret.hex() + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
-    fsync_dir(path.parent)
-
-
-def load_secret(path: Path) -> bytes:
-    """Read a job secret written by :func:`write_secret`, refusing a file others can read.
-
-    The file sits in a directory its user controls, and the supervisor reads
-    it: anything but a small regular file of hex digits (a FIFO, a device, a
-    huge or binary file) is a :class:`ConfigError`, never a blocked or
-    crashed reader.
-    """
-    try:
-        with open_regular(path) as handle:
-            mode = stat.S_IMODE(os.fstat(handle.fileno()).st_mode)
-            raw = handle.read(_SECRET_FILE_LIMIT + 1)
-    except OSError as error:
-        raise ConfigError(f"cannot read the job secret {path}: {error}") from error
-    if len(raw) > _SECRET_FILE_LIMIT:
-        raise ConfigError(f"job secret {path} is larger than {_SECRET_FILE_LIMIT} bytes")
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        raise ConfigError(f"job secret {path} is not hex text") from None
-    if mode & 0o077:
-        raise ConfigError(
-            f"job secret {path} has mode {mode:04o}, readable by group or others: "
-            f"run `chmod 600 {path}`"
-        )
-    try:
-        return parse_secret(text)
-    except ConfigError as error:
-        raise ConfigError(f"job secret {path}: {error}") from error
-
-
-@dataclass(frozen=True)
-class _Spooled:
-    """An event waiting in the spool; ``position`` is the cursor once it is acknowledged."""
-
-    event: Event
-    encoded_bytes: int
-    position: tuple[int, int]  # (segment number, byte offset just past its line)
-
-
-class _Spool:
-    """Append-only JSON-lines segments plus a durable "acknowledged up to" cursor.
-
-    Layout of the directory: ``events-<n>.jsonl`` segments (each Reporter start
-    appends to a new one), ``cursor.json`` = ``{"segment": n, "offset": b}``
-    meaning every byte before ``b`` in segment ``n`` and every earlier segment
-    was accepted by the supervisor, and ``lock`` (flock) against a second
-    writer. Not thread-safe: one asyncio loop owns it.
-    """
-
-    def __init__(self, directory: Path, job_id: str, node: str) -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock = open(directory / _LOCK_NAME, "a")  # noqa: SIM115 (held until close)
-        try:
-            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as error:
-            self._lock.close()
-            raise SpoolLocked(
-                f"spool {directory} is in use by another agent process on this node: "
-                "stop it first, or give each agent its own spool directory"
-            ) from error
-        self.pending: collections.deque[_Spooled] = collections.deque()
-        self._cursor = self._read_cursor()
-        self._load(job_id, node)
-        self._segment = max(max(self._segments(), default=0), self._cursor[0]) + 1
-        self._file: IO[bytes] = open(self._path(self._segment), "ab")  # noqa: SIM115
-        self._offset = 0
-        fsync_dir(directory)
-        self._remove_acknowledged_segments()
-
-    def append(self, event: Event) -> None:
-        """Write ``event`` durably, then queue it for sending."""
-        line = protocol.encode_event(event) + b"\n"
-        self._file.write(line)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._offset += len(line)
-        self.pending.append(_Spooled(event, len(line), (self._segment, self._offset)))
-
-    def batch(self, max_events: int, max_bytes: int) -> list[Event]:
-        """The oldest pending events, at most ``max_events`` and about ``max_bytes`` encoded."""
-        events: list[Event] = []
-        size = 0
-        for spooled in self.pending:
-            if events and (len(events) >= max_events or size + spooled.encoded_bytes > max_bytes):
-                break
-            events.append(spooled.event)
-            size += spooled.encoded_bytes
-        return events
-
-    def acknowledge(self, count: int) -> None:
-        """Drop the ``count`` oldest pending events: advance the cursor past them, durably."""
-        last = None
-        for _ in range(count):
-            last = self.pending.popleft()
-        if last is None:
-            return
-        self._write_cursor(last.position, last.event.event_id)
-        self._remove_acknowledged_segments()
-        if not self.pending and self._offset > ROTATE_BYTES:
-            self._rotate()
-
-    def close(self) -> None:
-        """Close the segment and release the directory lock."""
-        self._file.close()
-        self._lock.close()
-
-    def _rotate(self) -> None:
-        old = self._segment
-        self._segment += 1
-        self._file.close()
-        self._file = open(self._path(self._segment), "ab")  # noqa: SIM115
-        self._offset = 0
-        fsync_dir(self.directory)
-        # The new, empty segment exists before the cursor names it, so a crash
-        # in between leaves a cursor that points at a real file.
-        self._write_cursor((self._segment, 0), None)
-        self._path(old).unlink(missing_ok=True)
-
-    def _path(self, segment: int) -> Path:
-        return self.directory / f"{_SEGMENT_PREFIX}{segment:08d}{_SEGMENT_SUFFIX}"
-
-    def _segments(self) -> list[int]:
-        numbers = []
-        for path in self.directory.glob(f"{_SEGMENT_PREFIX}*{_SEGMENT_SUFFIX}"):
-            digits = path.name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)]
-            if digits.isdigit():
-                numbers.append(int(digits))
-        return sorted(numbers)
-
-    def _read_cursor(self) -> tuple[int, int]:
-        path = self.directory / _CURSOR_NAME
-        if not path.exists():
-            return (0, 0)
-        try:
-            document = json.loads(path.read_bytes())
-            segment, offset = document["segment"], document["offset"]
-            if not (isinstance(segment, int) and isinstance(offset, int)):
-                raise ValueError("segment and offset must be integers")
-            return (segment, offset)
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            # Written atomically, so this is damage from outside; replaying
-            # everything is safe because the supervisor dedups by event id.
-            logger.error("spool cursor %s unreadable (%s): replaying the whole spool", path, error)
-            return (0, 0)
-
-    def _write_cursor(self, position: tuple[int, int], event_id: str | None) -> None:
-        self._cursor = position
-        document = {"segment": position[0], "offset": position[1], "last_event_id": event_id}
-        write_durably(self.directory / _CURSOR_NAME, json.dumps(document).encode())
-
-    def _load(self, job_id: str, node: str) -> None:
-        for segment in self._segments():
-            if segment < self._cursor[0]:
-                continue
-            start = self._cursor[1] if segment == self._cursor[0] else 0
-            for event, end in self._read_segment(segment, start):
-                if (event.job_id, event.node) != (job_id, node):
-                    self._lock.close()
-                    raise ConfigError(
-                        f"spool {self.directory} holds undelivered events of job "
-                        f"{event.job_id} on node {event.node}, not {job_id} on {node}: "
-                        "give each job and node its own spool directory"
-                    )
-                encoded = len(protocol.encode_event(event)) + 1
-                self.pending.append(_Spooled(event, encoded, (segment, end)))
-        if self.pending:
-            logger.info(
-                "spool %s: %d undelivered events from earlier runs will be sent first",
-                self.directory,
-                len(self.pending),
-            )
-
-    def _read_segment(self, segment: int, start: int) -> Iterator[tuple[Event, int]]:
-        data = self._path(segment).read_bytes()
-        offset = start
-        while offset < len(data):
-            end = data.find(b"\n", offset)
-            if end < 0:
-                # The append that wrote this was never fsynced to completion, so
-                # emit() never returned it: nobody was told it was recorded.
-                logger.warning(
-                    "spool segment %s ends in a torn line (%d bytes): ignored",
-                    self._path(segment),
-                    len(data) - offset,
-                )
-                return
-            line = data[offset:end]
-            offset = end + 1
-            try:
-                yield protocol.decode_event(line), offset
-            except protocol.ProtocolError as error:
-                logger.error(
-                    "spool segment %s: skipping an undecodable line at byte %d (%s): %r",
-                    self._path(segment),
-                    end - len(line),
-                    error,
-                    line[:200],
-                )
-
-    def _remove_acknowledged_segments(self) -> None:
-        for segment in self._segments():
-            if segment < self._cursor[0]:
-                self._path(segment).unlink(missing_ok=True)
 
 
 class Reporter:
@@ -409,7 +121,7 @@ class Reporter:
         self._timeout_s = timeout_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._backoff = backoff
-        self._spool = _Spool(Path(spool_dir), self.job_id, self.node)
+        self._spool = Spool(Path(spool_dir), self.job_id, self.node)
         self._seq = 0
         self._seen_commands: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._session: aiohttp.ClientSession | None = None

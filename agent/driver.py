@@ -58,8 +58,8 @@ import aiohttp
 import tenacity
 
 from agent import protocol
+from agent.auth import Rejected, load_secret, signed_post
 from agent.checkpoint.catalog import list_checkpoints
-from agent.client import Rejected, load_secret, signed_post
 from agent.errors import ConfigError, ResurgoError
 from agent.ports import rendezvous_port
 from agent.protocol import DriverAction, DriverAnswer, DriverPhase, DriverRequest

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from agent import protocol
-from agent.client import Reporter, load_secret
+from agent.auth import load_secret
+from agent.client import Reporter
 from agent.config import AgentConfig
 from agent.errors import ConfigError
 

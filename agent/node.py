@@ -18,21 +18,20 @@ One asyncio loop per node. It
    SIGKILLs what remains, and says what happened.
 
 Signal handlers only enqueue; every decision is made in the loop. A failing
-tick is logged with its traceback and the loop goes on.
+tick is logged with its traceback and the loop goes on. The steps a command,
+a stop or the time limit take are in :mod:`agent.commands`; the ranks' save
+notes in :mod:`agent.savenotes`; the run directory in :mod:`agent.rundir`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import signal
 import socket
-import stat
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -40,20 +39,28 @@ from pathlib import Path
 from typing import Any
 
 from agent import protocol
-from agent.checkpoint import files
 from agent.checkpoint.catalog import newest_committed_step
+from agent.commands import (
+    await_final_checkpoint,
+    notice_is_ours,
+    queued,
+    ranks_stopped,
+    terminate,
+    write_interval,
+)
 from agent.config import AgentConfig, build_parser, load_config
 from agent.errors import ResurgoError
 from agent.events import EventOut
 from agent.health import run_health_check
 from agent.launch import Allocation, LaunchPlan, LaunchSettings, Shape, plan_launch, torchrun_shim
 from agent.periodic import every
-from agent.procs import RankExit, RankProcess, RankWatcher, pid_alive
+from agent.procs import RankExit, RankProcess, RankWatcher
+from agent.rundir import default_run_dir, private_dir
+from agent.savenotes import SaveNotes
 from agent.steps import StepBuffer
-from agent.stopfiles import clear_save_request, held_ranks, read_notice, write_save_request
+from agent.stopfiles import clear_save_request, read_notice, write_save_request
 from agent.timelimit import Notice
-from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, StepReport, parse_datagram
-from agent.train.schedule import CheckpointInterval, format_override
+from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
 from agent.watch import RankMonitor
 
 log = logging.getLogger(__name__)
@@ -66,52 +73,6 @@ STACK_SAMPLES_KEPT = 32
 EXIT_STATUS_UNHEALTHY = 3
 # After a clean end, how long unsent reports are still tried before the agent exits.
 CLEAN_DRAIN_S = 10.0
-
-
-def private_dir(path: Path) -> Path:
-    """``path`` as a directory only this user can enter, created 0700 if missing.
-
-    The run directory holds the ranks' heartbeat socket, their exit records
-    and the event spool, and its default name under ``/tmp`` is predictable.
-    A directory of that name that another user made (or a symlink) would let
-    them forge exits, read the spool or take the socket: it is left alone and
-    a fresh private directory beside it is used instead (an event spool left
-    in the usual one is then not resumed). One of ours is made 0700.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    found = os.lstat(path)
-    if stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid():
-        if stat.S_IMODE(found.st_mode) & 0o077:
-            os.chmod(path, 0o700)  # ours (an explicit --run-dir, say): made private
-        return path
-    fresh = Path(tempfile.mkdtemp(prefix=f"{path.name}-", dir=path.parent))
-    log.warning(
-        "run directory %s is not this user's (owner uid %d, mode %04o, %s); using %s instead",
-        path,
-        found.st_uid,
-        stat.S_IMODE(found.st_mode),
-        "a directory" if stat.S_ISDIR(found.st_mode) else "not a directory",
-        fresh,
-    )
-    return fresh
-
-
-def default_run_dir(config: AgentConfig) -> str:
-    """``/tmp/resurgo-agent-<job>-<node>-<launch>[-<job secret tag>]``.
-
-    Job ids start over when a cluster's Slurm state is reset; the tag (from
-    the job's secret, new at every submission) keeps a later job with the
-    same id from resuming an earlier one's event spool, which the new
-    secret would sign and the supervisor would take for this job's events.
-    """
-    name = f"/tmp/resurgo-agent-{config.job_id}-{config.node}-{config.launch_nonce}"
-    if config.secret_file:
-        with contextlib.suppress(OSError):
-            digest = hashlib.sha256(Path(config.secret_file).read_bytes()).hexdigest()
-            name += f"-{digest[:12]}"
-    return name
 
 
 @dataclass(frozen=True)
@@ -143,9 +104,7 @@ class NodeAgent:
         self._watcher: RankWatcher | None = None
         self._plan: LaunchPlan | None = None
         self._world_reported = False
-        # A rank's save in progress (monotonic start) and its last save's seconds.
-        self._saving_since: dict[int, float] = {}
-        self._save_seconds: dict[int, float] = {}
+        self._saves = SaveNotes(self._clocks.monotonic)
         self._stopping = False
         self._stop_task: asyncio.Task[None] | None = None
         self._exits: dict[int, RankExit] = {}
@@ -321,7 +280,7 @@ class NodeAgent:
                 elif what == "stop":
                     self._start_stop(args["reason"], args["command_id"], args["grace_s"])
                 elif what == "interval":
-                    self._write_interval(args)
+                    write_interval(self.run_dir / "checkpoint-interval.json", args)
             except Exception:
                 log.exception("handling %s failed", what)
 
@@ -334,25 +293,9 @@ class NodeAgent:
 
     def _on_command(self, command: protocol.Command) -> None:
         """Reporter callback: commands are only queued here, acted on in the loop."""
-        if command.kind is protocol.CommandKind.STOP_RANKS:
-            self._queue.put_nowait(
-                (
-                    "stop",
-                    {
-                        "reason": command.args.get("reason") or "stop command from supervisor",
-                        "command_id": command.command_id,
-                        "grace_s": float(command.args["grace_s"]),
-                    },
-                )
-            )
-        elif command.kind is protocol.CommandKind.SET_CHECKPOINT_INTERVAL:
-            self._queue.put_nowait(("interval", dict(command.args)))
-
-    def _write_interval(self, args: dict[str, Any]) -> None:
-        interval = CheckpointInterval(seconds=args.get("interval_s"), steps=args.get("every_steps"))
-        path = self.run_dir / "checkpoint-interval.json"
-        files.write_durably(path, format_override(interval).encode())
-        log.info("checkpoint interval set to %s", interval)
+        item = queued(command)
+        if item is not None:
+            self._queue.put_nowait(item)
 
     # -- health ----------------------------------------------------------------
 
@@ -409,45 +352,16 @@ class NodeAgent:
                 if adopted is not None:
                     self._check_world([adopted])
             if isinstance(message, RankBeat):
-                self._track_save(message)
+                self._saves.on_beat(message)
                 self.monitor.on_beat(message, self._clocks.monotonic())
             elif isinstance(message, StepReport):
                 # A finished step is progress too: the report doubles as a beat.
                 self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
                 self._steps.add(message)
             elif isinstance(message, CheckpointNote):
-                if not protocol.is_unicode(message.path):
-                    # Undecodable bytes kept by surrogateescape: the protocol
-                    # carries valid Unicode only, and the supervisor refuses it.
-                    log.warning(
-                        "checkpoint path %s is not UTF-8: not reported", ascii(message.path)
-                    )
-                    continue
-                # A commit of ours, or a file a script that imports nothing saved.
-                note = {"step": message.step, "path": message.path, "global_rank": message.rank}
-                kind = protocol.EventKind.CHECKPOINT_COMMITTED
-                if message.automatic:
-                    kind = protocol.EventKind.CHECKPOINT_WRITTEN
-                    note["total_bytes"] = _size_of(message.path)
-                    note["duration_s"] = self._save_took(message.rank)
-                asyncio.get_running_loop().create_task(self.events.emit(kind, note))
-
-    def _track_save(self, beat: RankBeat) -> None:
-        """How long a rank's last save took: from its first beat in phase checkpoint
-        to its first beat out of it (a script that imports nothing: the bootstrap beats
-        around torch.save and DCP saves)."""
-        now = self._clocks.monotonic()
-        if beat.phase is Phase.CHECKPOINT:
-            self._saving_since.setdefault(beat.rank, now)
-        elif (since := self._saving_since.pop(beat.rank, None)) is not None:
-            self._save_seconds[beat.rank] = now - since
-
-    def _save_took(self, rank: int) -> float | None:
-        """Seconds the save a note reports took (None: no checkpoint phase was seen)."""
-        took = self._save_seconds.pop(rank, None)
-        if took is None and (since := self._saving_since.get(rank)) is not None:
-            took = self._clocks.monotonic() - since  # the note came before the phase ended
-        return None if took is None else round(took, 3)
+                event = self._saves.event(message)
+                if event is not None:
+                    asyncio.get_running_loop().create_task(self.events.emit(*event))
 
     # -- rank exits ------------------------------------------------------------
 
@@ -527,16 +441,9 @@ class NodeAgent:
         if self._time_limit is not None or self._stopping:
             return
         notice = read_notice(Path(self.config.time_limit_file))
-        if notice is None or not self._notice_is_ours(notice):
+        if notice is None or not notice_is_ours(notice, self.config.attempt, self._started_unix_s):
             return
         self._time_limit = asyncio.create_task(self._stop_for_time_limit(notice))
-
-    def _notice_is_ours(self, notice: Notice) -> bool:
-        """A notice for this launch: its attempt (when the driver named one), and never
-        one written before this agent started (left by an earlier run of the job)."""
-        if self.config.attempt and notice.attempt != self.config.attempt:
-            return False
-        return notice.warned_unix_s >= self._started_unix_s - 1.0
 
     async def _stop_for_time_limit(self, notice: Notice) -> None:
         """Final checkpoint, then a graceful stop (agent.timelimit): ask the ranks to save at
@@ -570,16 +477,15 @@ class NodeAgent:
         if asked:
             assert root
             log.info("time limit near: final checkpoint requested (newest committed: %s)", before)
-            outcome = f"no checkpoint newer than step {before} committed by the deadline"
-            while self._clocks.wall() < notice.save_by_unix_s:
-                step = newest_committed_step(root)
-                committed = step is not None and (before is None or step > before)
-                live = {rank.global_rank for rank in self._watcher.live_ranks}
-                # Every rank holds after the save: none is cut short in its saved step.
-                if committed and live <= held_ranks(self._save_request_path()):
-                    outcome = f"final checkpoint at step {step} committed"
-                    break
-                await asyncio.sleep(0.25)
+            watcher = self._watcher
+            outcome = await await_final_checkpoint(
+                root,
+                before,
+                notice.save_by_unix_s,
+                lambda: {rank.global_rank for rank in watcher.live_ranks},
+                self._save_request_path(),
+                self._clocks.wall,
+            )
         log.info("time limit near: %s; stopping the ranks", outcome)
         self._start_stop(f"time limit: {outcome}", None)
 
@@ -627,48 +533,13 @@ class NodeAgent:
         self._watcher.discover()
         ranks = self._watcher.live_ranks
         log.info("stopping %d rank(s): %s (grace %.0f s)", len(ranks), reason, grace)
-        targets = [rank.pid for rank in ranks] + [self._process.pid]
-        for pid in targets:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = self._clocks.monotonic() + grace
-        while self._clocks.monotonic() < deadline and any(pid_alive(pid) for pid in targets):
-            await asyncio.sleep(0.1)
-        killed = set()
-        for rank in ranks:
-            for maybe_pid in (rank.pid, rank.shim_pid):
-                if maybe_pid is not None and pid_alive(maybe_pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(maybe_pid, signal.SIGKILL)
-                    killed.add(rank.global_rank)
-        if pid_alive(self._process.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGKILL)
-        await asyncio.sleep(0.2)
+        killed = await terminate(ranks, self._process.pid, grace, self._clocks.monotonic)
         for rank_exit in self._watcher.poll_exits(self._clocks.wall()):
             await self._emit_exit(rank_exit)
-        statuses = self._exits
         await self.events.emit(
             protocol.EventKind.RANKS_STOPPED,
-            {
-                "reason": reason,
-                "command_id": command_id,
-                "grace_s": float(grace),
-                "ranks": [
-                    {
-                        "global_rank": rank.global_rank,
-                        "local_rank": rank.local_rank,
-                        "pid": rank.pid,
-                        "method": "sigkill" if rank.global_rank in killed else "sigterm",
-                        "exit_code": statuses[rank.global_rank].exit_code
-                        if rank.global_rank in statuses else None,
-                        "signal": statuses[rank.global_rank].signal
-                        if rank.global_rank in statuses else None,
-                    }
-                    for rank in ranks
-                ],
-            },
-        )  # fmt: skip
+            ranks_stopped(reason, command_id, grace, ranks, killed, self._exits),
+        )
 
 
 def _signal_name(signum: int) -> str:
@@ -694,23 +565,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ResurgoError as error:
         print(f"resurgo-agent: {error}", file=sys.stderr)
         return 2
-
-
-def _size_of(path: str) -> int | None:
-    """A written file's size, or the bytes of every file in a written directory (a DCP
-    save); None when it cannot be read (moved, or another user's)."""
-    try:
-        found = os.stat(path)
-        if not stat.S_ISDIR(found.st_mode):
-            return found.st_size
-        total = 0
-        for root, _, names in os.walk(path):
-            for name in names:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(root, name)).st_size
-        return total
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ remedy: torchrun never reports it. So the port is chosen before the launch:
 - **On the master node** (``nodes[0]`` of the step, whose torchrun hosts the
   store): the driver probes in its own process when ``nodes[0]`` is the node
   it runs on (``SLURMD_NODENAME``; the batch host is kept first after a
-  shrink, ``supervisor.recovery.relaunch``), else with a one-task
+  shrink, ``supervisor.core.recovery.relaunch``), else with a one-task
   ``srun --overlap`` step on that node running ``python -m agent.ports``.
   One design for both: the probe is the same function.
 - **Asked of the OS** (bind to port 0 on every address), so a port in use by

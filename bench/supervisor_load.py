@@ -18,7 +18,7 @@ every agent keeps its own keep-alive connections (one for heartbeats, one
 for events, as the two concurrent requests of the real agent's aiohttp
 session) and signs every request with the protocol's
 :func:`~agent.protocol.signed_headers` (``--client aiohttp`` sends through
-:func:`agent.client.signed_post` instead, at several times the generator's
+:func:`agent.auth.signed_post` instead, at several times the generator's
 CPU). Each agent:
 
 - sends ``agent_started`` (attempt 1) when it starts (start times jittered
@@ -106,8 +106,8 @@ import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent import protocol
+from agent.auth import Rejected, load_secret, signed_post
 from agent.checkpoint import format as fmt
-from agent.client import Rejected, load_secret, signed_post
 from agent.protocol import EventKind, HeartbeatReport, RankStatus, Refusal
 from supervisor.jobs import SECRET_NAME, JobSpec, write_job_dir
 from supervisor.slurm.parse import compress_hostlist

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--secret-file", required=True, type=Path, help="0600 hex secret file")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
-    from agent.client import load_secret
+    from agent.auth import load_secret
 
     with RecordingServer({args.job: load_secret(args.secret_file)}, port=args.port) as server:
         print(f"listening on {server.url}", flush=True)

@@ -18,6 +18,10 @@ methods in the same order (they run collectives). A save goes through:
 
 A crash at any instant leaves either a committed checkpoint or a directory
 without a valid marker, which validation and retention treat as uncommitted.
+
+Step 2 is :mod:`agent.checkpoint.staging`, what steps 1 and 4 put on disk is
+:mod:`agent.checkpoint.commit`, and the documents the ranks exchange travel
+through :mod:`agent.checkpoint.gather`.
 """
 
 from __future__ import annotations
@@ -25,8 +29,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -36,16 +38,25 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import psutil
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
-from agent.checkpoint import files, storage
 from agent.checkpoint import format as fmt
+from agent.checkpoint import storage
+from agent.checkpoint.commit import (
+    all_files,
+    discard_fresh_dir,
+    own_data_files,
+    prepare_step_dir,
+    write_commit,
+)
+from agent.checkpoint.gather import all_gather_json
+from agent.checkpoint.staging import (
+    HostStager,
+    available_host_memory,
+    local_tensor_bytes,
+    plain_state_dict,
+)
 from agent.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -56,11 +67,6 @@ DEFAULT_MEMORY_HEADROOM = 1.25
 # The background thread's collectives wait this long for a slow or dead peer
 # before failing the save (a gloo timeout, not a hang).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
-# Votes, outcomes and file lists are a few hundred bytes: each rank sends a
-# fixed-size frame (length + inline payload), so one all_gather suffices; only
-# a longer document costs a second, exact-size round.
-_GATHER_INLINE_BYTES = 4096
-_GATHER_LENGTH = struct.Struct("<q")
 
 
 class WhenBusy(enum.Enum):
@@ -109,11 +115,7 @@ class _Pending:
     stall_s: float
     write_started: float
     staged: dict[str, Any] | None = field(default=None)  # None: already written (SYNC)
-    stager: _HostStager | None = field(default=None)
-
-
-def _available_host_memory() -> int:
-    return int(psutil.virtual_memory().available)
+    stager: HostStager | None = field(default=None)
 
 
 class Checkpointer:
@@ -136,7 +138,7 @@ class Checkpointer:
         after_commit: Callable[[Path], None] | None = None,
         memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
         keep_staging_buffers: bool = True,
-        available_memory: Callable[[], int] = _available_host_memory,
+        available_memory: Callable[[], int] = available_host_memory,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         ranks_warning_threshold: int = storage.DEFAULT_RANKS_WARNING_THRESHOLD,
         clock: Callable[[], float] = time.monotonic,
@@ -183,7 +185,7 @@ class Checkpointer:
             self._rank = dist.get_rank(self._io_pg)
             self._world_size = dist.get_world_size(self._io_pg)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resurgo-ckpt")
-        self._stager: _HostStager | None = _HostStager() if keep_staging_buffers else None
+        self._stager: HostStager | None = HostStager() if keep_staging_buffers else None
         self._staged_bytes = 0
         self._inflight: Future[None] | None = None
         self._inflight_step: int | None = None
@@ -246,8 +248,8 @@ class Checkpointer:
         path = self._root / fmt.step_dir_name(step)
         if self._when_busy is WhenBusy.WAIT:
             self.wait()
-        plain = _plain_state_dict(state_dict)
-        local_bytes = _local_tensor_bytes(plain)
+        plain = plain_state_dict(state_dict)
+        local_bytes = local_tensor_bytes(plain)
         # Kept staging buffers already hold the bytes of the last save; only
         # growth needs new memory.
         needed = max(0, local_bytes - self._staged_bytes)
@@ -268,7 +270,7 @@ class Checkpointer:
         busy_ranks = [rank for rank, vote in enumerate(votes) if vote["busy"]]
         if busy_ranks:
             if prepared is not None and prepared["error"] is None:
-                _discard_fresh_dir(path)
+                discard_fresh_dir(path)
             why = (
                 f"step {self._inflight_step} is still being written on rank(s) {busy_ranks} "
                 "and when_busy=skip; save less often or use when_busy=wait"
@@ -289,7 +291,7 @@ class Checkpointer:
         stager = None
         staged = None
         if mode is SaveMode.ASYNC:
-            stager = self._stager if self._stager is not None else _HostStager()
+            stager = self._stager if self._stager is not None else HostStager()
             staged = self._stage(step, plain, stager)
             self._staged_bytes = local_bytes if self._keep_staging_buffers else 0
             write_started = self._clock()
@@ -358,7 +360,7 @@ class Checkpointer:
                 dist.destroy_process_group(group)
         self._control_pg = self._io_pg = None
 
-    def _stage(self, step: int, plain: dict[str, Any], stager: _HostStager) -> dict[str, Any]:
+    def _stage(self, step: int, plain: dict[str, Any], stager: HostStager) -> dict[str, Any]:
         """Copy this rank's tensors into the stager's host buffers (the stall)."""
         # dcp.async_save would stage, then start a new thread pool that runs
         # dcp.save; we run that dcp.save on our commit thread instead, which
@@ -434,12 +436,7 @@ class Checkpointer:
         try:
             if pending.staged is not None:
                 self._write(pending.path, pending.staged)
-            prefix = f"__{self._rank}_"  # FileSystemWriter names data files by group rank
-            entries = [
-                asdict(files.describe_file(pending.path, name))
-                for name in sorted(os.listdir(pending.path))
-                if name.startswith(prefix) and name.endswith(fmt.DCP_DATA_SUFFIX)
-            ]
+            entries = [asdict(entry) for entry in own_data_files(pending.path, self._rank)]
         except Exception as error:
             logger.exception("checkpoint step %d: write failed on this rank", pending.step)
             local_error = f"rank {self._rank}: {error!r}"
@@ -468,10 +465,7 @@ class Checkpointer:
             logger.error("%s", message)
             return {"error": message}
         try:
-            entries = [fmt.FileEntry(**entry) for report in reports for entry in report["files"]]
-            # .metadata is final: DCP renamed it into place before the future completed.
-            entries.append(files.describe_file(pending.path, fmt.DCP_METADATA_NAME))
-            entries.sort(key=lambda entry: entry.path)
+            entries = all_files(pending.path, reports)
             stats = fmt.SaveStats(
                 stall_s=pending.stall_s,
                 write_s=self._clock() - pending.write_started,
@@ -488,16 +482,7 @@ class Checkpointer:
                 stats=stats,
                 user=pending.user,
             )
-            data = fmt.manifest_to_bytes(manifest)
-            # The step directory's entry in root (prepare_step_dir leaves it
-            # unsynced, so the training loop never waits on a journal commit)
-            # must be durable before the marker can commit what is inside.
-            files.fsync_dir(pending.path.parent)
-            # The manifest's durable write also fsyncs the directory, which makes
-            # DCP's own .metadata rename durable: DCP renames without a dir fsync.
-            files.write_durably(pending.path / fmt.MANIFEST_NAME, data)
-            # The commit point: before this rename lands, the directory is uncommitted.
-            files.write_durably(pending.path / fmt.MARKER_NAME, fmt.marker_bytes(data))
+            write_commit(pending.path, manifest)
         except Exception as error:
             logger.exception("checkpoint step %d: commit failed", pending.step)
             return {"error": f"committing step {pending.step} failed: {error!r}"}
@@ -521,88 +506,21 @@ class Checkpointer:
     def _all_gather_json(
         self, group: dist.ProcessGroup | None, document: dict[str, Any]
     ) -> list[dict[str, Any]]:
-        """Every rank's ``document``, in rank order, over ``group``.
-
-        JSON in uint8 tensors rather than ``all_gather_object``: no pickle
-        crosses a process boundary, and gloo moves plain CPU tensors.
-        """
+        """Every rank's ``document``, in rank order, over ``group`` (only ours when alone)."""
         if not self._distributed:
             return [document]
-        payload = json.dumps(document).encode()
-        frame = bytearray(_GATHER_LENGTH.size + _GATHER_INLINE_BYTES)
-        _GATHER_LENGTH.pack_into(frame, 0, len(payload))
-        inline = payload[:_GATHER_INLINE_BYTES]
-        frame[_GATHER_LENGTH.size : _GATHER_LENGTH.size + len(inline)] = inline
-        frames = self._all_gather_bytes(group, frame)
-        lengths = [_GATHER_LENGTH.unpack_from(received)[0] for received in frames]
-        longest = max(lengths)
-        if longest <= _GATHER_INLINE_BYTES:
-            bodies = [received[_GATHER_LENGTH.size :] for received in frames]
-        else:
-            bodies = self._all_gather_bytes(group, bytearray(payload.ljust(longest, b"\0")))
-        return [json.loads(body[:n]) for body, n in zip(bodies, lengths, strict=True)]
-
-    def _all_gather_bytes(self, group: dist.ProcessGroup | None, data: bytearray) -> list[bytes]:
-        """Every rank's ``data`` (the same length on every rank), in rank order."""
-        local = torch.frombuffer(data, dtype=torch.uint8)
-        gathered = [torch.empty_like(local) for _ in range(self._world_size)]
-        dist.all_gather(gathered, local, group=group)
-        return [tensor.numpy().tobytes() for tensor in gathered]
+        return all_gather_json(group, document, self._world_size)
 
     def _release_staging_buffers(self, *, reusable: bool = True) -> None:
         """Free the kept host copy (before a sync fallback, or for good on close)."""
         if self._stager is not None:
             self._stager.close()
-            self._stager = _HostStager() if reusable and self._keep_staging_buffers else None
+            self._stager = HostStager() if reusable and self._keep_staging_buffers else None
         self._staged_bytes = 0
 
     def _log_rank0(self, level: int, message: str, *args: Any) -> None:
         if self._rank == 0:
             logger.log(level, message, *args)
-
-
-def prepare_step_dir(path: Path, now_unix_s: float) -> Path:
-    """Make ``path`` a fresh, empty step directory; return it.
-
-    A committed checkpoint there is never overwritten (CheckpointError). An
-    uncommitted leftover (a crashed save) is renamed aside to
-    ``step-<N>.aborted-<unix>``, a name retention and restore do not take for a
-    checkpoint: DCP writing into it would keep its stale ``.metadata`` until
-    the new one lands, so a crash could leave old metadata beside new shards.
-
-    The new entry is not fsynced here: nothing in the directory counts until
-    the commit, which fsyncs ``path.parent`` before it writes the marker.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        if is_committed(path):
-            raise CheckpointError(
-                f"{path} is already a committed checkpoint and Resurgo never overwrites one; "
-                "save under a new step, or move it away deliberately"
-            )
-        aside = files.move_aside(path, "aborted", now_unix_s)
-        logger.warning("uncommitted leftover %s renamed to %s before saving", path, aside.name)
-    path.mkdir()
-    return path
-
-
-def _discard_fresh_dir(path: Path) -> None:
-    """Rank 0: remove the empty directory prepared for a save that was skipped."""
-    try:
-        path.rmdir()
-    except OSError as error:  # left as an uncommitted leftover, renamed aside next time
-        logger.warning("could not remove unused %s: %s", path, error)
-
-
-def is_committed(path: Path) -> bool:
-    """True when ``path`` holds a manifest and a marker that commits exactly it."""
-    try:
-        manifest = files.read_small(path / fmt.MANIFEST_NAME)
-        marker = files.read_small(path / fmt.MARKER_NAME)
-        fmt.check_marker(marker, manifest)
-    except (OSError, ValueError, CheckpointError):
-        return False
-    return True
 
 
 def _writer(path: Path) -> dcp.FileSystemWriter:
@@ -611,163 +529,6 @@ def _writer(path: Path) -> dcp.FileSystemWriter:
     # future completes. overwrite=False: the directory is fresh, so an existing
     # .metadata means something else writes here; fail rather than mix saves.
     return dcp.FileSystemWriter(path, sync_files=True, overwrite=False)
-
-
-class _HostStager:
-    """Copies a state dict's tensors into host buffers that the next save reuses.
-
-    Plain CPU tensors and DTensors with CPU shards (the CPU training this
-    module is measured on) take the lean path: each distinct storage is
-    copied whole, as 8-byte words, into a kept buffer of the same size, and
-    the staged tree holds views of the buffers with the sources' offsets,
-    sizes and strides. DCP's DefaultStager does the same through a deepcopy
-    of the tree and byte-wise storage copies, which measured 7-10 ms (~10%)
-    slower per 300 MB rank with 4 ranks on 2 cores. A tree holding anything else
-    (device tensors, other subclasses, objects that are not plain data) goes
-    through DefaultStager, which pins memory and deep-copies objects.
-    Reusing a buffer of the right size is what matters, not which source it
-    held before: its pages are already faulted in.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
-        self._fallback: DefaultStager | None = None
-
-    def stage(self, tree: dict[str, Any]) -> dict[str, Any]:
-        """A copy of ``tree`` whose tensors share no memory with the live ones."""
-        if not _lean_stageable(tree):
-            self._buffers = {}
-            if self._fallback is None:
-                self._fallback = _new_default_stager()
-            fallback = self._fallback.stage(tree)
-            if not isinstance(fallback, dict):  # a Future would mean asynchronous staging
-                raise TypeError(f"DefaultStager returned {type(fallback).__name__}")
-            return fallback
-        if self._fallback is not None:
-            self._fallback.close()
-            self._fallback = None
-        spare: dict[int, list[torch.Tensor]] = {}
-        for buffer in self._buffers.values():
-            spare.setdefault(buffer.numel(), []).append(buffer)
-        self._buffers = {}
-        staged: dict[str, Any] = self._copy_tree(tree, spare)
-        return staged
-
-    def close(self) -> None:
-        """Drop the kept buffers."""
-        self._buffers = {}
-        if self._fallback is not None:
-            self._fallback.close()
-            self._fallback = None
-
-    def _copy_tree(self, item: Any, spare: dict[int, list[torch.Tensor]]) -> Any:
-        if isinstance(item, DTensor):
-            local = self._copy_tensor(item.to_local(), spare)
-            # run_check=False with shape and stride given: no collective.
-            return DTensor.from_local(
-                local,
-                item.device_mesh,
-                item.placements,
-                run_check=False,
-                shape=item.size(),
-                stride=item.stride(),
-            )
-        if isinstance(item, torch.Tensor):
-            return self._copy_tensor(item, spare)
-        if isinstance(item, dict):
-            return {key: self._copy_tree(value, spare) for key, value in item.items()}
-        if isinstance(item, list):
-            return [self._copy_tree(value, spare) for value in item]
-        if isinstance(item, tuple):
-            return tuple(self._copy_tree(value, spare) for value in item)
-        return item  # immutable: _lean_stageable admitted only atoms
-
-    def _copy_tensor(self, tensor: torch.Tensor, spare: dict[int, list[torch.Tensor]]) -> Any:
-        source = tensor.untyped_storage()
-        key = (source.data_ptr(), source.nbytes())
-        buffer = self._buffers.get(key)
-        if buffer is None:  # first tensor of this storage in this save
-            same_size = spare.get(source.nbytes())
-            buffer = (
-                same_size.pop() if same_size else torch.empty(source.nbytes(), dtype=torch.uint8)
-            )
-            _as_words(buffer.untyped_storage()).copy_(_as_words(source))
-            self._buffers[key] = buffer
-        return torch.empty(0, dtype=tensor.dtype).set_(
-            buffer.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
-        )
-
-
-def _lean_stageable(item: Any) -> bool:
-    """True when ``item`` is containers, atoms and CPU tensors that _HostStager copies itself."""
-    if isinstance(item, DTensor):
-        item = item.to_local()
-    if isinstance(item, torch.Tensor):
-        return (
-            type(item) in (torch.Tensor, torch.nn.Parameter)
-            and item.device.type == "cpu"
-            and item.layout is torch.strided
-            and not (item.is_quantized or item.is_conj() or item.is_neg())
-        )
-    if isinstance(item, dict):
-        return all(_lean_stageable(value) for value in item.values())
-    if isinstance(item, list | tuple):
-        return all(_lean_stageable(value) for value in item)
-    return item is None or type(item) in (bool, int, float, str, bytes)
-
-
-def _as_words(storage: torch.UntypedStorage) -> torch.Tensor:
-    # A byte-wise copy measured ~12% slower than an 8-byte-word copy of the
-    # same memory; storages are allocated 64-byte aligned.
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return flat.view(torch.int64) if storage.nbytes() % 8 == 0 else flat
-
-
-def _new_default_stager() -> DefaultStager:
-    # DefaultStager caches its copies per source storage, so a repeated save
-    # is a memcpy into warm pages (measured on 256 MiB: 0.3-0.5 s fresh vs
-    # 0.02 s reused), like _HostStager's lean path.
-    # Synchronous staging (the copy must finish before save() returns, or the
-    # caller's next optimizer.step would race it); pinned memory only helps
-    # device-to-host copies and needs CUDA; shared memory only matters for the
-    # process executor, which we do not use.
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=torch.cuda.is_available(),
-            use_shared_memory=False,
-            use_async_staging=False,
-            use_non_blocking_copy=False,
-        )
-    )
-
-
-def _plain_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Call ``state_dict()`` on Stateful values now, as DCP would, so we can size them."""
-    return {
-        key: value.state_dict() if isinstance(value, Stateful) else value
-        for key, value in state_dict.items()
-    }
-
-
-def _local_tensor_bytes(tree: Any) -> int:
-    """Bytes the stager copies for this rank: each distinct local storage once."""
-    seen: set[int] = set()
-    total = 0
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, DTensor):
-            item = item.to_local()
-        if isinstance(item, torch.Tensor):
-            untyped = item.untyped_storage()
-            if untyped.data_ptr() not in seen:
-                seen.add(untyped.data_ptr())
-                total += untyped.nbytes()
-        elif isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
-    return total
 
 
 def _json_checked(user: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agent import protocol
-from agent.client import write_secret
+from agent.auth import write_secret
 from agent.protocol import Command, CommandKind, Event, EventKind
 from tests.conftest import REPO, LiveCluster, free_port
 from tests.recording_server import RecordingServer

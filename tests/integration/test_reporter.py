@@ -21,8 +21,9 @@ import aiohttp
 import pytest
 import tenacity
 
-from agent import client, protocol
-from agent.client import Reporter, SpoolLocked, load_secret, new_secret, write_secret
+from agent import client, protocol, spool
+from agent.auth import load_secret, new_secret, write_secret
+from agent.client import Reporter
 from agent.errors import ConfigError
 from agent.protocol import (
     Command,
@@ -33,6 +34,7 @@ from agent.protocol import (
     ProtocolError,
     RankStatus,
 )
+from agent.spool import SpoolLocked
 from tests.recording_server import RecordingServer
 
 JOB = "4711"
@@ -325,7 +327,7 @@ def test_a_torn_last_line_from_a_crash_is_ignored_on_restart(
 def test_an_acknowledged_spool_is_rotated_and_stays_small(
     server: RecordingServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client, "ROTATE_BYTES", 500)
+    monkeypatch.setattr(spool, "ROTATE_BYTES", 500)
 
     async def scenario() -> None:
         async with make_reporter(server, tmp_path) as reporter:

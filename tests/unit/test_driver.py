@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from agent import protocol
-from agent.client import new_secret, write_secret
+from agent.auth import new_secret, write_secret
 from agent.driver import Driver, DriverSettings, agent_argv, settings_from
 from agent.errors import ConfigError
 from agent.protocol import DriverAction, DriverAnswer, DriverPhase
