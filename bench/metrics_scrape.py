@@ -31,10 +31,10 @@ if not __package__:
     sys.exit("run the benchmarks from the repository root: python -m bench.metrics_scrape")
 
 from supervisor import metrics
-from supervisor.goodput import Goodput
+from supervisor.core.goodput import Goodput
 from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.store import Store
-from supervisor.timeline import CHECKPOINT_STATS_KIND, JobTimeline
+from supervisor.views.timeline import CHECKPOINT_STATS_KIND, JobTimeline
 
 STEP_EVERY_S = 5.0
 SAVE_EVERY_S = 300.0

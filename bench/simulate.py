@@ -23,7 +23,7 @@ if not __package__:
     sys.exit("run the benchmarks from the repository root as modules: python -m bench.simulate")
 
 from agent.checkpoint.interval import recommended_interval_s
-from supervisor.simulate import llama3, simulate, sweep
+from supervisor.core.simulate import llama3, simulate, sweep
 
 TARGET_S = 10.0
 SWEEP_POINTS = 25

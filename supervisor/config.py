@@ -34,7 +34,7 @@ from typing import Any
 
 from agent.errors import ConfigError
 from agent.settings import add_flags, layered, read_toml
-from supervisor.policy import Policy
+from supervisor.core.policy import Policy
 
 ENV_PREFIX = "RESURGO_SUPERVISOR_"
 POLICY_ENV_PREFIX = "RESURGO_POLICY_"
@@ -77,7 +77,7 @@ def this_users_state_dir(environ: Mapping[str, str], *, write: bool) -> str:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """The daemon's settings (the policy is separate: :class:`supervisor.policy.Policy`).
+    """The daemon's settings (the policy is separate: :class:`supervisor.core.policy.Policy`).
 
     - ``state_dir``: the store (``resurgo.db``; a local filesystem: SQLite's
       WAL needs shared memory, which NFS does not give).

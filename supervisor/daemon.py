@@ -4,23 +4,23 @@ One asyncio loop holds it together (DESIGN §2-§3):
 
 - the API (:mod:`supervisor.api`) takes agents' events and heartbeats and the
   in-job drivers' questions; :class:`Supervisor`'s :class:`~supervisor.intake.Intake`
-  half is its :class:`~supervisor.api.JobDirectory` over the SQLite store;
+  layer is its :class:`~supervisor.api.JobDirectory` over the SQLite store;
 - a poll task registers newly submitted jobs (:mod:`supervisor.jobs`) and
   reads Slurm (``squeue``/``sinfo``) every ``poll_s``; a failed read is
-  "unknown" and changes nothing;
+  "unknown" and changes nothing (:mod:`supervisor.polling`);
 - a tick task releases waits (evidence windows, backoff), turns expired
-  agent leases into :class:`~supervisor.observations.LeaseExpired` and
+  agent leases into :class:`~supervisor.core.observations.LeaseExpired` and
   retries unfinished actions every ``reconcile_s``;
 - every ``straggler_check_s`` each running job's ranks are compared by the
-  compute time they measure (:mod:`supervisor.stragglers`): a straggler is
+  compute time they measure (:mod:`supervisor.core.stragglers`): a straggler is
   reported to the core as long as it lasts;
 - a WAL task folds the store's write-ahead log into the database
   from a worker thread every ``WAL_CHECKPOINT_S``, off the event loop;
 - one decision task takes observations in arrival order, runs the pure
-  :func:`~supervisor.policy.decide`, stores the new record, the decision and
+  :func:`~supervisor.core.policy.decide`, stores the new record, the decision and
   the planned actions in ONE transaction, then has the
-  :class:`~supervisor.executor.Executor` carry them out, feeding what they
-  report back in.
+  :class:`~supervisor.act.executor.Executor` carry them out, feeding what they
+  report back in (:mod:`supervisor.deciding`).
 
 At start nothing is decided before Slurm answered once (the cluster view
 decides where a job relaunches). Then the executor reconciles: an action
@@ -50,66 +50,61 @@ import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import uvloop
 
 from agent.errors import ConfigError, ResurgoError
 from agent.periodic import every
-from agent.protocol import RETRY_MAX_S, Event, EventKind
+from agent.protocol import RETRY_MAX_S, EventKind
 from supervisor import jobs as jobfiles
-from supervisor import silence
+from supervisor.act.executor import Executor, Validator
+from supervisor.act.ticket_hook import ticket_hook
 from supervisor.api import bound_port, build_app, build_metrics_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
+from supervisor.core import silence
+from supervisor.core.goodput import interval_push, mtbf_estimate
+from supervisor.core.intents import DRAIN_REASON_PREFIX
+from supervisor.core.model import (
+    ClusterView,
+    JobState,
+    record_from_json,
+)
+from supervisor.core.observations import (
+    AgentEvent,
+    LeaseExpired,
+    RelaunchFinished,
+    SilenceShared,
+    Tick,
+)
+from supervisor.core.policy import Policy
+from supervisor.core.probation import NodeHistory, release
+from supervisor.core.recovery import fast_path_started
+from supervisor.core.stragglers import find_stragglers
 from supervisor.errors import SlurmError
-from supervisor.executor import Executor, Validator
-from supervisor.goodput import interval_push, mtbf_estimate
-from supervisor.intake import Intake, TrackedJob
-from supervisor.intents import DRAIN_REASON_PREFIX, Intent, RequeueSmaller, ResumeNode
+from supervisor.intake import TrackedJob
 from supervisor.logs import setup_logging
 from supervisor.looplag import LoopLag
 from supervisor.manifests import ManifestReader
 from supervisor.metrics import StoreCollector, build_registry, exposition
-from supervisor.model import (
-    ClusterView,
-    JobRecord,
-    JobState,
-    new_record,
-    record_from_json,
-    record_to_json,
-)
-from supervisor.observations import (
-    AgentEvent,
-    LeaseExpired,
-    Observation,
-    RelaunchFinished,
-    SilenceShared,
-    SlurmJobSeen,
-    SlurmNodeSeen,
-    Tick,
-    from_event,
-)
-from supervisor.policy import Decision, Policy, decide, permits
-from supervisor.probation import NodeHistory, avoid_list, lifted_outside, release
-from supervisor.reconcile import KIND_OF, intent_of
-from supervisor.recovery import drain_limit, fast_path_started
-from supervisor.slurm import SlurmClient, rights
-from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
-from supervisor.slurm.rights import Rights
-from supervisor.store import ActionState, Actor, EventSource, LeaseRow, Store, TicketRow
+from supervisor.polling import SlurmWatch
+from supervisor.slurm import SlurmClient
+from supervisor.slurm.parse import SlurmNode
+from supervisor.store import Actor, LeaseRow, Store
 from supervisor.store.modes import make_private
-from supervisor.stragglers import find_stragglers
-from supervisor.ticket_hook import ticket_hook
-from supervisor.timeline import node_faults
+from supervisor.views.timeline import node_faults
 
 log = logging.getLogger("resurgo.supervisor")
 
 
-class Supervisor(Intake):
-    """The daemon's state and tasks; the API's :class:`~supervisor.api.JobDirectory` is
-    its :class:`~supervisor.intake.Intake` half."""
+class Supervisor(SlurmWatch):
+    """The daemon's state and tasks, in layers, each in a module of its own:
+
+    - :class:`~supervisor.intake.Intake`: the API's :class:`~supervisor.api.JobDirectory`;
+    - :class:`~supervisor.deciding.Deciding`: the decision task;
+    - :class:`~supervisor.polling.SlurmWatch`: job registration and Slurm polling;
+    - this class: the state they share, the lifecycle, and the timers.
+    """
 
     def __init__(
         self,
@@ -141,20 +136,16 @@ class Supervisor(Intake):
             clock=clock,
             ticket_hook=ticket_hook(config.ticket_hook),
         )
-        # May this supervisor drain? Asked of Slurm at the first poll that reads the nodes.
-        self.rights: Rights | None = None
-        # The nodes the user's next jobs should leave out, and why (see avoid_list).
-        self.avoid: list[dict[str, Any]] = []
+        self.rights = None
+        self.avoid = []
         self.jobs: dict[str, TrackedJob] = {}
         self.manifest_reader = ManifestReader(self._take_save_stats)
         self.cluster = ClusterView()
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._bad_job_dirs: set[str] = set()
+        self._queue = asyncio.Queue()
+        self._bad_job_dirs = set()
         self._stop = asyncio.Event()
-        # Set by the first poll that read the nodes: no decision is taken before.
         self._cluster_known = asyncio.Event()
-        # The cluster size the policy was last described for (see _say_policy).
-        self._policy_said_for: int | None = None
+        self._policy_said_for = None
         # Leases in the store were renewed before this start; their agents
         # could not call in while no supervisor was up (see tick()).
         self._started_s = clock()
@@ -279,238 +270,7 @@ class Supervisor(Intake):
             self.jobs[row.job_id] = job
 
     # ------------------------------------------------------------------
-    # Registration: jobs submitted into the state directory.
-
-    async def register_new_jobs(self, slurm_jobs: dict[int, SlurmJob] | None) -> None:
-        """Register every job directory not yet in the store (see :mod:`supervisor.jobs`)."""
-        jobs_dir = self.config.jobs_path
-        if not jobs_dir.is_dir():
-            return
-        for directory in sorted(jobs_dir.iterdir()):
-            job_id = directory.name
-            if job_id.startswith(".") or job_id in self.jobs or job_id in self._bad_job_dirs:
-                continue
-            if not job_id.isdigit() or not directory.is_dir():
-                continue
-            try:
-                spec = jobfiles.read_spec(directory)
-                secret = jobfiles.read_secret(directory)
-            except ConfigError as error:
-                if (directory / jobfiles.SPEC_NAME).exists():
-                    log.error("job %s not registered: %s", job_id, error)
-                    self._bad_job_dirs.add(job_id)
-                continue  # still being written
-            # Registered only once Slurm lists the job and says whose it is: a
-            # failed squeue or an unnamed user decides nothing (next poll).
-            slurm_job = None if slurm_jobs is None else slurm_jobs.get(int(job_id))
-            if slurm_job is None or not slurm_job.user_name:
-                continue
-            owner = jobfiles.owner_name(directory)
-            if owner != slurm_job.user_name:
-                log.error(
-                    "job %s not registered: %s is owned by %s but Slurm runs the job "
-                    "for %s", job_id, directory, owner, slurm_job.user_name,
-                )  # fmt: skip
-                self._bad_job_dirs.add(job_id)
-                continue
-            now = self.clock()
-            record = new_record(
-                job_id,
-                spec.nodes,
-                spec.submitted_s or now,
-                min_nodes=spec.floor,
-                unit=spec.unit,
-                procs_per_node=spec.procs_per_node,
-            )
-            self.store.upsert_job(
-                job_id,
-                state=record.state.value,
-                record=_doc(record),
-                now_s=now,
-                name=spec.name,
-                original_nodes=spec.nodes,
-                min_nodes=spec.floor,
-                secret_path=str(directory / jobfiles.SECRET_NAME),
-            )
-            self.jobs[job_id] = TrackedJob(record=record, secret=secret, spec=spec)
-            log.info(
-                "job %s registered: %s, %d node(s) (min %d, unit %d), checkpoints in %s",
-                job_id, spec.name, spec.nodes, spec.floor, spec.unit, spec.ckpt_root,
-            )  # fmt: skip
-
-    # ------------------------------------------------------------------
-    # Slurm polling and timers.
-
-    async def poll(self) -> None:
-        """Read Slurm once: register new jobs, refresh the cluster view, observe each job."""
-        read_s = self.clock()
-        try:
-            slurm_jobs = await self.slurm.jobs()
-        except SlurmError as error:
-            log.warning("squeue failed, nothing concluded: %s", error)
-            slurm_jobs = None
-        await self.register_new_jobs(slurm_jobs)
-        nodes_read_s = self.clock()
-        try:
-            nodes = await self.slurm.nodes()
-        except SlurmError as error:
-            log.warning("sinfo failed, nothing concluded: %s", error)
-            nodes = None
-        if nodes is not None and self.rights is None:
-            self.rights = await self._detect_rights()
-        now = self.clock()
-        if nodes is not None and self.rights is not None:
-            self._note_lifted_drains(nodes, nodes_read_s, now)
-            self.cluster = self._cluster_view(nodes, now)
-            self._cluster_known.set()
-            self._say_policy()
-        for job_id, job in self.jobs.items():
-            if job.record.state.terminal:
-                continue
-            if slurm_jobs is not None:
-                seen = slurm_jobs.get(int(job_id))
-                if seen is not None:
-                    self._observe_slurm_job(job_id, job, seen, read_s)
-            if nodes is not None:
-                self._observe_nodes(job_id, job, nodes)
-
-    async def _detect_rights(self) -> Rights | None:
-        """Whether this supervisor may drain (None: Slurm could not be asked; next poll)."""
-        try:
-            found = await rights.detect(self.slurm, self.config.slurm_rights)
-        except SlurmError as error:
-            log.warning("could not ask Slurm whether this user may drain nodes: %s", error)
-            return None
-        log.info("slurm rights: %s", found.describe())
-        self.store.set_fact(
-            "rights",
-            {"mode": found.mode, "operator": found.operator, "why": found.describe()},
-            self.clock(),
-        )
-        return found
-
-    def _drains_allowed_per_hour(self) -> int:
-        return drain_limit(self.policy, self.cluster.size) if self.cluster.may_drain else 0
-
-    def _open_tickets(self) -> list[TicketRow]:
-        """The drain tickets that keep their node out of the user's jobs now."""
-        return self.store.open_tickets(self.clock() - self.policy.probation_s)
-
-    def public_facts(self) -> dict[str, Any]:
-        """What ``/healthz`` adds for ``resurgo submit``: the mode and the nodes to avoid."""
-        mode = None if self.rights is None else self.rights.mode
-        return {"mode": mode, "avoid_nodes": self.avoid}
-
-    def _say_policy(self) -> None:
-        """Log what the policy permits on the cluster as it is now: at the first
-        read of the nodes, and again whenever their number changes."""
-        size = self.cluster.size
-        if size == self._policy_said_for:
-            return
-        self._policy_said_for = size
-        if self.rights is not None and not self.rights.operator:
-            log.info(
-                "policy on %d nodes: no drain (%s); a node blamed %d times within %g d is a lemon",
-                size, self.rights.describe(), self.policy.lemon_blames,
-                self.policy.lemon_window_s / 86400,
-            )  # fmt: skip
-            return
-        log.info("policy %s", permits(self.policy, size))
-
-    def _note_lifted_drains(self, nodes: dict[str, SlurmNode], read_s: float, now: float) -> None:
-        """Record Resurgo's drains that someone lifted with Slurm's own tools as undone.
-
-        Skips a node whose ResumeNode is in flight: that resume is Resurgo's
-        own, recorded when the executor finishes it.
-        """
-        ours = [
-            (drain.node, drain.drained_s)
-            for drain in self.store.open_drains()
-            if drain.drained_by is Actor.SUPERVISOR
-        ]
-        lifted = lifted_outside(ours, nodes, read_s)
-        if not lifted:
-            return
-        resuming = {
-            row.args.get("node")
-            for row in self.store.unfinished_actions()
-            if row.kind == KIND_OF[ResumeNode]
-        }
-        for node in (name for name in lifted if name not in resuming):
-            if self.store.record_lifted_outside(node, now_s=now):
-                log.info(
-                    "node %s: Resurgo's drain was lifted outside Resurgo; its blame no "
-                    "longer counts towards the lemon list",
-                    node,
-                )
-
-    def _cluster_view(self, nodes: dict[str, SlurmNode], now: float) -> ClusterView:
-        drained = frozenset(n for n, node in nodes.items() if node.drained)
-        down = frozenset(n for n, node in nodes.items() if node.down or node.not_responding)
-        lemons = self.store.lemons(self.policy.lemon_blames, self.policy.lemon_window_s, now)
-        idle = frozenset(n for n, node in nodes.items() if node.state is NodeState.IDLE)
-        may_drain = self.rights is None or self.rights.operator
-        tickets = [] if may_drain else self._open_tickets()
-        self.avoid = avoid_list(lemons, tickets, self.policy)
-        return ClusterView(
-            usable=frozenset(nodes) - drained - down,
-            idle=idle - drained - down,
-            drained=drained,
-            down=down,
-            drains_last_hour=len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR)),
-            lemons=frozenset(lemon.node for lemon in lemons) | {t.node for t in tickets},
-            lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
-            lemon_window_s=self.policy.lemon_window_s,
-            may_drain=may_drain,
-        )
-
-    def _observe_slurm_job(
-        self, job_id: str, job: TrackedJob, seen: SlurmJob, read_s: float
-    ) -> None:
-        job.slurm_nodes = seen.nodes
-        # The same sighting is news again once the record moved (Slurm's own
-        # requeue adopted while Slurm already runs the job again: now it starts).
-        key = (seen.state.value, seen.nodes, seen.restart_count, job.record.state.value)
-        if key == job.last_seen:
-            return
-        job.last_seen = key
-        observation = SlurmJobSeen(
-            seen.state.value, seen.nodes, seen.restart_count, seen.state_reason
-        )
-        self._queue.put_nowait(_Sighting(job_id, observation, read_s))
-
-    def _stale(self, sighting: _Sighting) -> bool:
-        """Whether Slurm was read before a requeue of the job finished (or while it runs).
-
-        Such a sighting may show the job still RUNNING on its old nodes, and
-        decided after the requeue it would pass for the requeued job's start:
-        it is dropped, and the next poll reports the job afresh.
-        """
-        for row in self.store.list_actions(sighting.job_id, states=_REQUEUE_TOUCHED):
-            if row.kind != KIND_OF[RequeueSmaller] or row.started_s is None:
-                continue
-            if row.finished_s is None or row.finished_s > sighting.read_s:
-                return True
-        return False
-
-    def _observe_nodes(self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode]) -> None:
-        for name in job.record.nodes:
-            node = nodes.get(name)
-            bad = node is not None and (node.down or node.not_responding)
-            if bad and name not in job.nodes_flagged:
-                job.nodes_flagged.add(name)
-                assert node is not None
-                self._enqueue(
-                    job_id,
-                    SlurmNodeSeen(
-                        name,
-                        down=node.down,
-                        not_responding=node.not_responding,
-                        drained=node.drained,
-                    ),
-                )
-            elif not bad:
-                job.nodes_flagged.discard(name)
+    # Timers: leases, waits, probation, intervals, stragglers.
 
     async def tick(self) -> None:
         """Release waits, expire leases, write new leases out.
@@ -693,7 +453,7 @@ class Supervisor(Intake):
             resume = release(history, healthy, now, self.policy)
             if resume is not None:
                 log.info("node %s: probation over and healthy; returning it to service", node.name)
-                self._queue.put_nowait(_Act(resume.job_id, (resume,)))
+                self._act(resume.job_id, (resume,))
 
     async def _node_healthy(self, node: SlurmNode) -> bool:
         if not self.config.probation_check:
@@ -709,185 +469,6 @@ class Supervisor(Intake):
         except (OSError, TimeoutError) as error:
             log.warning("probation check of %s failed to run: %s", node.name, error)
             return False
-
-    async def _ask_reconcile(self) -> None:
-        # The executor is used by the decision task alone: it runs the reconcile.
-        self._queue.put_nowait(_RECONCILE)
-
-    async def reconcile(self) -> None:
-        """Finish unfinished actions (after a restart, or after Slurm was unreachable)."""
-        for job_id, observation in await self.executor.reconcile(self.clock()):
-            await self.apply(job_id, observation)
-
-    async def resume_recoveries(self) -> None:
-        """After a restart: carry each unfinished job's newest decision on.
-
-        Executing its intents again runs what is unfinished and replays what
-        finished actions reported (a validated checkpoint), which the previous
-        daemon may have died before deciding on.
-        """
-        for job_id, job in list(self.jobs.items()):
-            if job.record.state.terminal:
-                continue
-            decisions = [d for d in self.store.decisions_for(job_id) if d.detail.get("actions")]
-            if not decisions:
-                continue
-            intents = []
-            for action_id in decisions[-1].detail["actions"]:
-                row = self.store.get_action(action_id)
-                if row is not None:
-                    intents.append(intent_of(row))
-            log.info("job %s: resuming its last decision (%d action(s))", job_id, len(intents))
-            for seen in await self.executor.execute(job_id, intents, self.clock()):
-                await self.apply(job_id, seen)
-
-    async def replay_undecided(self) -> None:
-        """After a restart: decide again on each unfinished job's agent events stored
-        after the newest one a decision names.
-
-        The API acknowledges an event once it is stored and the decision task
-        takes it up a moment later (seconds, while it carries a recovery out);
-        a supervisor killed in between would never decide on it, and the agent
-        does not send it again. Replaying events already decided on is safe:
-        agents' retries deliver events more than once, and the core keeps what
-        it already knows (a known checkpoint, an exit already collected, a
-        rank that finished). Reports of earlier launches stay undecided, and
-        stragglers are measured again at the next check instead.
-        """
-        for job_id, job in list(self.jobs.items()):
-            if job.record.state.terminal:
-                continue
-            named = {row.event_id for row in self.store.decisions_for(job_id) if row.event_id}
-            events = self.store.events_for(job_id, kinds=_REPLAYED_KINDS)
-            cursor = max((row.seq for row in events if row.event_id in named), default=0)
-            for row in events:
-                if row.seq <= cursor or row.source is not EventSource.AGENT:
-                    continue
-                event = Event(
-                    EventKind(row.kind), job_id, row.node or "", row.event_id,
-                    row.agent_seq or 0, row.time_s, row.payload,
-                )  # fmt: skip
-                if self._current(job, event.incarnation):
-                    await self.apply(job_id, from_event(event), row.event_id)
-
-    # ------------------------------------------------------------------
-    # Deciding.
-
-    def _enqueue(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
-        self._queue.put_nowait((job_id, observation, ref))
-
-    async def _decide_loop(self) -> None:
-        # Deciding needs the cluster view (usable, idle and drained nodes): a
-        # relaunch decided on an empty view would requeue the job with the few
-        # nodes it still holds. Until Slurm answers once, observations wait.
-        await self._cluster_known.wait()
-        await self.reconcile()
-        await self.resume_recoveries()
-        await self.replay_undecided()
-        while True:
-            await self._handle(await self._queue.get())
-
-    async def settle(self) -> None:
-        """Handle everything queued so far (the decision task's work, run to empty)."""
-        while not self._queue.empty():
-            await self._handle(self._queue.get_nowait())
-
-    async def _handle(self, item: _Item) -> None:
-        try:
-            if isinstance(item, _Reconcile):
-                await self.reconcile()
-            elif isinstance(item, _Sighting):
-                job = self.jobs.get(item.job_id)
-                if job is not None and self._stale(item):
-                    log.info(
-                        "job %s: Slurm's %s from before a requeue finished ignored; "
-                        "polling again", item.job_id, item.observation.state,
-                    )  # fmt: skip
-                    job.last_seen = None
-                else:
-                    await self.apply(item.job_id, item.observation)
-            elif isinstance(item, _Act):
-                for seen in await self.executor.execute(item.job_id, item.intents, self.clock()):
-                    await self.apply(item.job_id, seen)
-            else:
-                job_id, observation, ref = item
-                await self.apply(job_id, observation, ref)
-        except Exception:
-            log.exception("deciding on %r failed; continuing", item)
-
-    async def apply(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
-        """Decide on one observation, persist, act, and decide on what acting reported."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            return
-        before = job.record
-        now = self.clock()
-        decision = decide(before, observation, now, self.policy, self.cluster)
-        after = decision.record
-        if after == before and not decision.intents:
-            return
-        self._persist(job_id, before, decision, ref, now)
-        job.record = after
-        if after.attempt != before.attempt:
-            self.store.drop_leases(job_id)
-            job.compute.clear()  # the new launch's ranks measure afresh
-        if after.state is not before.state or decision.intents:
-            _log_decision(job_id, before, decision)
-        for seen in await self.executor.execute(job_id, decision.intents, now):
-            await self.apply(job_id, seen)
-
-    def _persist(
-        self, job_id: str, before: JobRecord, decision: Decision, ref: str | None, now: float
-    ) -> None:
-        after = decision.record
-        # A record that only took news in (a newer checkpoint, a straggler
-        # measured) decides nothing and starts nothing: committed without the
-        # fsync, which on a busy head node held the event loop up to 0.1 s.
-        # Whatever moves the job, plans an action or records a decision is fsynced.
-        routine = (
-            after.state is before.state
-            and after.attempt == before.attempt
-            and not decision.intents
-            and decision.cause is None
-        )
-        with self.store.transaction(durable=not routine):
-            self.store.upsert_job(
-                job_id,
-                state=after.state.value,
-                record=_doc(after),
-                now_s=now,
-                world_size=len(after.nodes) or None,
-            )
-            if after.state is not before.state or decision.intents or decision.cause:
-                self.store.record_decision(
-                    job_id,
-                    ref,
-                    before.state.value,
-                    after.state.value,
-                    decision.cause.value if decision.cause else "none",
-                    {
-                        "explanation": decision.explanation,
-                        "attempt": after.attempt,
-                        "actions": [intent.action_id for intent in decision.intents],
-                    },
-                    now,
-                )
-            if after.attempt != before.attempt:
-                self._end_attempt(job_id, before, decision, now)
-            if after.nodes and after.state in (JobState.STARTING, JobState.RELAUNCHING):
-                resumed = after.recovery.resume_from if after.recovery else None
-                self.store.start_attempt(
-                    job_id, after.attempt, nodes=after.nodes, resumed_from=resumed, now_s=now
-                )
-            if after.state.terminal:
-                self._end_attempt(job_id, before, decision, now)
-            self.executor.plan(job_id, decision.intents, now)
-
-    def _end_attempt(self, job_id: str, before: JobRecord, decision: Decision, now: float) -> None:
-        attempts = {row.attempt for row in self.store.attempts_for(job_id)}
-        if before.attempt in attempts:
-            cause = decision.cause.value if decision.cause else decision.record.state.value
-            self.store.end_attempt(job_id, before.attempt, cause=cause, now_s=now)
 
     def _checkpoint_root(self, job_id: str) -> Path | None:
         job = self.jobs.get(job_id)
@@ -917,7 +498,7 @@ class Supervisor(Intake):
                     "job %s: checkpoint interval %.0f s (node MTBF %.0f s, save stall %.2f s)",
                     job_id, push.interval_s, node_mtbf or 0.0, stall_s,
                 )  # fmt: skip
-                self._queue.put_nowait(_Act(job_id, (push,)))
+                self._act(job_id, (push,))
 
     async def check_stragglers(self) -> None:
         """Compare each running job's ranks' compute times; report a straggler while it lasts."""
@@ -954,69 +535,9 @@ class Supervisor(Intake):
                 self._enqueue(job_id, seen, row.event_id)
 
 
-class _Reconcile:
-    """A queue item: run the executor's reconcile in the decision task."""
-
-
-@dataclass(frozen=True)
-class _Act:
-    """A queue item: intents decided outside the core (an interval push) to plan and run."""
-
-    job_id: str
-    intents: tuple[Intent, ...]
-
-
-@dataclass(frozen=True)
-class _Sighting:
-    """A queue item: the job as a poll that began at ``read_s`` saw it in Slurm."""
-
-    job_id: str
-    observation: SlurmJobSeen
-    read_s: float
-
-
-_RECONCILE = _Reconcile()
 # How often the store's write-ahead log is checkpointed off the event loop
 # (Store.checkpoint_in_background): at 4,096 agents it grows ~1,000 pages in 10 s.
 WAL_CHECKPOINT_S = 2.0
-# A requeue touched the job once it started: started, done or failed.
-_REQUEUE_TOUCHED = (ActionState.STARTED, ActionState.DONE, ActionState.FAILED)
-_Item = tuple[str, Observation, str | None] | _Reconcile | _Act | _Sighting
-# Agents' events the core decides on, replayed after a restart (replay_undecided).
-_REPLAYED_KINDS = (
-    EventKind.RANK_EXITED,
-    EventKind.HANG,
-    EventKind.HEALTH_CHECK_FAILED,
-    EventKind.CHECKPOINT_COMMITTED,
-    EventKind.LAUNCHER_EXITED,
-    EventKind.AGENT_STOPPED,
-    EventKind.WORLD_MISMATCH,
-)
-
-
-def _doc(record: JobRecord) -> dict[str, Any]:
-    document: dict[str, Any] = json.loads(record_to_json(record))
-    return document
-
-
-def _log_decision(job_id: str, before: JobRecord, decision: Decision) -> None:
-    after = decision.record
-    log.info(
-        "job %s: %s -> %s (attempt %d): %s%s",
-        job_id,
-        before.state.value,
-        after.state.value,
-        after.attempt,
-        decision.explanation,
-        "".join(f"\n  action {intent.action_id}" for intent in decision.intents),
-        extra={
-            "job_id": job_id,
-            "from_state": before.state.value,
-            "to_state": after.state.value,
-            "cause": decision.cause.value if decision.cause else None,
-            "actions": [intent.action_id for intent in decision.intents],
-        },
-    )
 
 
 # glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD (malloc.h).

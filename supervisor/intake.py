@@ -33,26 +33,26 @@ from agent.protocol import (
     HeartbeatReport,
 )
 from supervisor import manifests
+from supervisor.act.executor import ALERT_KIND, Executor
+from supervisor.act.reconcile import command_attempt
 from supervisor.config import SupervisorConfig
-from supervisor.errors import StoreError
-from supervisor.executor import ALERT_KIND, Executor
-from supervisor.goodput import Goodput
-from supervisor.intents import RelaunchStep
-from supervisor.jobs import JobSpec
-from supervisor.model import JobRecord, JobState
-from supervisor.observations import (
+from supervisor.core.goodput import Goodput
+from supervisor.core.intents import RelaunchStep
+from supervisor.core.model import JobRecord, JobState
+from supervisor.core.observations import (
     Observation,
     StepEnded,
     StepProgress,
     TimeLimitNear,
     from_event,
 )
-from supervisor.policy import Policy
-from supervisor.reconcile import command_attempt
+from supervisor.core.policy import Policy
+from supervisor.core.stragglers import ComputeSample
+from supervisor.core.verify import check_resume
+from supervisor.errors import StoreError
+from supervisor.jobs import JobSpec
 from supervisor.store import Store
-from supervisor.stragglers import ComputeSample
-from supervisor.timeline import CHECKPOINT_STATS_KIND, goodput_of
-from supervisor.verify import check_resume
+from supervisor.views.timeline import CHECKPOINT_STATS_KIND, goodput_of
 
 log = logging.getLogger("resurgo.supervisor")
 

@@ -4,7 +4,7 @@ One explicit :class:`~prometheus_client.CollectorRegistry` holds one
 collector, :class:`StoreCollector`: nothing is counted in the daemon's hot
 paths, every scrape reads the store (the single source of truth, so a
 restarted supervisor reports the same totals). Goodput and the recovery
-durations come from a :class:`~supervisor.timeline.JobTimeline` per job,
+durations come from a :class:`~supervisor.views.timeline.JobTimeline` per job,
 which reads only what is new since the previous scrape: a week-long job
 costs a scrape no more than a new one (``bench/metrics_scrape.py``). ``docs/operations.md``
 lists every metric with its labels; names and units follow Prometheus
@@ -39,9 +39,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.goodput import Fact, RecoveryDurations, mtbf_estimate, recommended_interval
+from supervisor.core.goodput import Fact, RecoveryDurations, mtbf_estimate, recommended_interval
 from supervisor.store import Store, TicketRow
-from supervisor.timeline import CHECKPOINT_STATS_KIND, JobTimeline, node_faults
+from supervisor.views.timeline import CHECKPOINT_STATS_KIND, JobTimeline, node_faults
 
 STATES = (
     "submitted", "starting", "running", "recovering", "relaunching", "requeued",
@@ -55,7 +55,7 @@ RECOVER_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0
 
 def recovery_durations(facts: Iterable[Fact]) -> tuple[list[float], list[float]]:
     """(time to detect, time to recover) of each recovery in a timeline (see
-    :class:`~supervisor.goodput.RecoveryDurations`)."""
+    :class:`~supervisor.core.goodput.RecoveryDurations`)."""
     durations = RecoveryDurations()
     for fact in sorted(facts, key=lambda f: f.time_s):
         durations.feed(fact)

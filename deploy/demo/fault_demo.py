@@ -53,10 +53,10 @@ def resurgo(*args: str, env: dict[str, str]) -> str:
 def summary(state: Path, job: str) -> str:
     """Faults, detection and recovery times, drains and goodput, from the supervisor's store."""
     sys.path.insert(0, str(REPO))
-    from supervisor.goodput import FactKind
+    from supervisor.core.goodput import FactKind
     from supervisor.metrics import recovery_durations
     from supervisor.store import Store
-    from supervisor.timeline import goodput_of, timeline_of
+    from supervisor.views.timeline import goodput_of, timeline_of
 
     with Store.open(state / "resurgo.db", create=False) as store:
         now = time.time()

@@ -14,7 +14,7 @@ would be worse than waiting. :meth:`Executor.reconcile` picks them up.
 
 After a restart, :meth:`Executor.reconcile` finishes what is unfinished: a
 ``started`` action may or may not have taken effect, so Slurm is asked first
-(``supervisor/reconcile.py``) and it is marked done or run again, never
+(``supervisor/act/reconcile.py``) and it is marked done or run again, never
 blindly re-run. Reconcile also retries retryable failures of the job's
 newest attempt, so the daemon calls it at start and then every few ticks.
 
@@ -37,8 +37,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.errors import SlurmError, SlurmRequeueFailed, SlurmUnavailable, StoreError
-from supervisor.intents import (
+from supervisor.act.reconcile import (
+    KIND_OF,
+    SlurmActions,
+    Verdict,
+    args_of,
+    command_for,
+    effect_of,
+    intent_of,
+    kind_of,
+    relaunch_finished,
+    replay,
+    slurm_job_id,
+    validated_doc,
+)
+from supervisor.act.ticket_hook import TicketHook
+from supervisor.core.intents import (
     Alert,
     DrainNode,
     DrainTicket,
@@ -54,29 +68,15 @@ from supervisor.intents import (
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.model import JobState
-from supervisor.observations import (
+from supervisor.core.model import JobState
+from supervisor.core.observations import (
     CheckpointValidated,
     Observation,
     RelaunchFinished,
     RequeueFailed,
 )
-from supervisor.reconcile import (
-    KIND_OF,
-    SlurmActions,
-    Verdict,
-    args_of,
-    command_for,
-    effect_of,
-    intent_of,
-    kind_of,
-    relaunch_finished,
-    replay,
-    slurm_job_id,
-    validated_doc,
-)
+from supervisor.errors import SlurmError, SlurmRequeueFailed, SlurmUnavailable, StoreError
 from supervisor.store import ActionRow, ActionState, Store
-from supervisor.ticket_hook import TicketHook
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Executor:
         ticket_hook: TicketHook | None = None,
     ) -> None:
         """``checkpoint_root_of(job_id)`` is where the job saves (None: unknown);
-        ``ticket_hook`` gets each drain ticket (:mod:`supervisor.ticket_hook`)."""
+        ``ticket_hook`` gets each drain ticket (:mod:`supervisor.act.ticket_hook`)."""
         self._store = store
         self._slurm = slurm
         self._checkpoint_root_of = checkpoint_root_of

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.protocol import Command, CommandKind
-from supervisor.errors import StoreError
-from supervisor.intents import (
+from supervisor.core.intents import (
     Alert,
     DrainNode,
     DrainTicket,
@@ -38,8 +37,9 @@ from supervisor.intents import (
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.model import Cause, JobState
-from supervisor.observations import CheckpointValidated, Observation, RelaunchFinished
+from supervisor.core.model import Cause, JobState
+from supervisor.core.observations import CheckpointValidated, Observation, RelaunchFinished
+from supervisor.errors import StoreError
 from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.slurm.parse import SlurmJob, SlurmNode, parse_drain_reason
 from supervisor.store import ActionRow, ActionState

@@ -1,7 +1,7 @@
 """The operator hook: a command of the site's that receives each drain ticket as JSON.
 
 A supervisor without Slurm operator rights cannot drain a node it blamed; it
-raises a drain ticket instead (:class:`supervisor.intents.DrainTicket`). When
+raises a drain ticket instead (:class:`supervisor.core.intents.DrainTicket`). When
 ``ticket_hook`` is set, the command runs once per ticket with the ticket as
 one JSON object on its standard input, to open a ticket in the site's
 tracker or mail the admins. Its outcome is kept with the ticket, in words; a

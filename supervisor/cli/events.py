@@ -5,7 +5,7 @@ explanation) and action; a run of identical lines in a row (the same kind,
 node and summary, e.g. a driver asking every 2 s) is printed once, with its
 count and the time of the last. Stack dumps of hang reports are collapsed to one
 line per rank; ``--stacks`` prints them in full. ``--json`` prints
-:func:`supervisor.views.events`.
+:func:`supervisor.views.documents.events`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import argparse
 import time
 from typing import Any
 
-from supervisor import views
 from supervisor.cli.common import add_state_dir, fail, open_store, print_json
 from supervisor.errors import StoreError
 from supervisor.text import one_line
+from supervisor.views import documents as views
 
 
 def register(subparsers: Any) -> None:

@@ -10,7 +10,7 @@ operator's act; with ``--wrong`` it also withdraws Resurgo's verdicts
 against the node. ``forgive`` withdraws them alone (the node stays as Slurm
 has it) and closes the node's drain tickets: withdrawn verdicts no longer
 count towards the lemon list.
-``--json`` prints :func:`supervisor.views.nodes`.
+``--json`` prints :func:`supervisor.views.documents.nodes`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import sqlite3
 import time
 from typing import Any
 
-from supervisor import views
 from supervisor.cli.common import add_state_dir, duration, fail, open_store, print_json, table
+from supervisor.core.policy import Policy
 from supervisor.errors import SlurmCommandFailed, SlurmError, StoreError
-from supervisor.policy import Policy
 from supervisor.slurm import SlurmClient
 from supervisor.store import Actor, Store
 from supervisor.text import one_line
+from supervisor.views import documents as views
 
 # What scontrol prints when slurmctld refuses a caller without operator
 # rights (22.05: "Invalid user id" for a uid it does not know,

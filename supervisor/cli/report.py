@@ -3,7 +3,7 @@
 The timeline (step against time with checkpoints, faults, drains and
 relaunches marked; world size over time), the goodput breakdown and the
 event table, in one file with no external resources (see
-:mod:`supervisor.report`).
+:mod:`supervisor.views.report`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report."""
-    from supervisor.report import render  # matplotlib: loaded only by this command
+    from supervisor.views.report import render  # matplotlib: loaded only by this command
 
     try:
         store = open_store(args.state_dir)

@@ -5,7 +5,7 @@
     resurgo simulate --preset opt175b --plot goodput.png
 
 A flag left out takes the preset's value (``--preset llama3`` by default; the
-defaults and their sources are in :mod:`supervisor.simulate`). ``--plot``
+defaults and their sources are in :mod:`supervisor.core.simulate`). ``--plot``
 sweeps fixed intervals on the same failures and draws goodput against the
 interval, Young's and Daly's optima marked. ``--json`` prints one object:
 ``goodput``, ``interval_s`` (the mean interval in force), ``interruptions``
@@ -26,7 +26,7 @@ from typing import Any
 
 from agent.checkpoint.interval import recommended_interval_s
 from supervisor.cli.common import BadInput, fail, number
-from supervisor.simulate import (
+from supervisor.core.simulate import (
     HOUR_S,
     PRESETS,
     BadParameter,

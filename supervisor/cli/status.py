@@ -3,7 +3,7 @@
 Columns: id, name, state, world size now/original, restarts by cause,
 goodput, newest checkpoint step and age, nodes drained for the job. Read from
 the supervisor's store, so it works while the supervisor is down (showing
-what it last knew). ``--json`` prints :func:`supervisor.views.status`.
+what it last knew). ``--json`` prints :func:`supervisor.views.documents.status`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 import time
 from typing import Any
 
-from supervisor import views
 from supervisor.cli.common import add_state_dir, duration, fail, open_store, print_json, table
 from supervisor.errors import StoreError
 from supervisor.text import one_line
+from supervisor.views import documents as views
 
 HEADERS = ("JOB", "NAME", "STATE", "NODES", "RESTARTS", "GOODPUT", "CHECKPOINT", "DRAINED")
 

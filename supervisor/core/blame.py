@@ -25,8 +25,8 @@ import signal as signals
 from dataclasses import dataclass, replace
 
 from agent.protocol import EventKind
-from supervisor.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect, at_step
-from supervisor.observations import AgentEvent, LeaseExpired, Observation, SlurmNodeSeen
+from supervisor.core.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect, at_step
+from supervisor.core.observations import AgentEvent, LeaseExpired, Observation, SlurmNodeSeen
 
 # Deaths that come from the machine, not from Python: bad memory, a bus error,
 # an illegal instruction on a broken CPU, the kernel's OOM killer or a

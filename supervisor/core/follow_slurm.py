@@ -1,7 +1,7 @@
 """Following Slurm's view of a job: its starts, its own requeues, its ends; pure.
 
-:func:`on_job_seen` is :func:`supervisor.policy.decide` for a
-:class:`~supervisor.observations.SlurmJobSeen`. The rule (DESIGN §4): Slurm
+:func:`on_job_seen` is :func:`supervisor.core.policy.decide` for a
+:class:`~supervisor.core.observations.SlurmJobSeen`. The rule (DESIGN §4): Slurm
 reacts to some faults by itself (a node's slurmd died under a ``--requeue``
 job: Slurm requeues it); the supervisor adopts such a reaction and never
 requeues on top of it. Preemption and the time limit end the allocation
@@ -14,17 +14,12 @@ never taken for Slurm's own.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-from supervisor import recovery
-from supervisor.blame import Blame
-from supervisor.model import Cause, ClusterView, JobRecord, JobState
-from supervisor.observations import SlurmJobSeen
-from supervisor.recovery import LIVE as _LIVE
-from supervisor.recovery import decision
-
-if TYPE_CHECKING:
-    from supervisor.policy import Decision, Policy
+from supervisor.core import recovery
+from supervisor.core.blame import Blame
+from supervisor.core.decision import LIVE, Decision, Policy, decision
+from supervisor.core.model import Cause, ClusterView, JobRecord, JobState
+from supervisor.core.observations import SlurmJobSeen
 
 # Slurm job states that mean the job ended and will not come back by itself.
 _SLURM_FAILED = frozenset({"FAILED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
@@ -89,7 +84,7 @@ def _restart_requeued(
     record: JobRecord, verdict: Blame, now_s: float, policy: Policy, cluster: ClusterView
 ) -> Decision:
     """Slurm ended the allocation: recover through the requeue path."""
-    if record.state not in _LIVE and record.state is not JobState.RECOVERING:
+    if record.state not in LIVE and record.state is not JobState.RECOVERING:
         return _nothing(record, f"{verdict.cause.value} while {record.state.value}: nothing runs")
     if record.state is JobState.RECOVERING and record.recovery is not None:
         return recovery.add_fault(

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent.checkpoint.interval import recommended_interval_s
-from supervisor.intents import PushInterval
+from supervisor.core.intents import PushInterval
 
 
 class FactKind(enum.Enum):

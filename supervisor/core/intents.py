@@ -12,7 +12,7 @@ import enum
 import hashlib
 from dataclasses import dataclass
 
-from supervisor.model import Cause, JobState
+from supervisor.core.model import Cause, JobState
 from supervisor.text import fragment
 
 # The executor writes this prefix into every drain reason, so an operator (and
@@ -125,7 +125,7 @@ class StopRanks:
 class ValidateCheckpoints:
     """Validate the job's checkpoints newest first at ``level``.
 
-    Report each as a :class:`~supervisor.observations.CheckpointValidated`,
+    Report each as a :class:`~supervisor.core.observations.CheckpointValidated`,
     stopping at the first valid one; report ``path=None`` when none is left.
     ``skip`` lists paths already rejected in this recovery.
     """
@@ -160,7 +160,7 @@ class RelaunchStep:
     """Start a new srun step on ``nodes`` via the in-job driver (the fast path).
 
     ``resume_from`` becomes ``RESURGO_RESUME_FROM`` (None: start from scratch).
-    The executor reports :class:`~supervisor.observations.RelaunchFinished`.
+    The executor reports :class:`~supervisor.core.observations.RelaunchFinished`.
     """
 
     job_id: str

@@ -1,8 +1,8 @@
 """The decision core's vocabulary: job states and their transitions, causes, the job record.
 
 What the core consumes (observations) and emits (intents) lives in
-:mod:`supervisor.observations` and :mod:`supervisor.intents`; the pure function
-that joins them is :func:`supervisor.policy.decide`. The store persists a
+:mod:`supervisor.core.observations` and :mod:`supervisor.core.intents`; the pure function
+that joins them is :func:`supervisor.core.policy.decide`. The store persists a
 :class:`JobRecord` as the JSON document :func:`record_to_json` writes.
 
 This module is pure: no clock, no OS (STYLE.md §2).
@@ -312,7 +312,7 @@ class ClusterView:
     ``lemon_blames``: (lemon, standing blames within ``lemon_window_s``)
     pairs, so a decision can say why a lemon is kept out. ``may_drain``:
     the supervisor has Slurm operator rights; without them a blamed node is
-    excluded and ticketed (:class:`~supervisor.intents.DrainTicket`), never
+    excluded and ticketed (:class:`~supervisor.core.intents.DrainTicket`), never
     drained, and ``lemons`` also holds the nodes with an open ticket.
     """
 

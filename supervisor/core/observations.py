@@ -63,7 +63,7 @@ class LeaseExpired:
 @dataclass(frozen=True)
 class SilenceShared:
     """The agents on ``nodes`` stopped calling in together with others: a common
-    cause (:mod:`supervisor.silence`), no node fault; ``reason`` says why."""
+    cause (:mod:`supervisor.core.silence`), no node fault; ``reason`` says why."""
 
     nodes: tuple[str, ...]
     reason: str
@@ -114,7 +114,7 @@ class CheckpointValidated:
 
 @dataclass(frozen=True)
 class RelaunchFinished:
-    """The executor's report on a :class:`~supervisor.intents.RelaunchStep` of ``attempt``."""
+    """The executor's report on a :class:`~supervisor.core.intents.RelaunchStep` of ``attempt``."""
 
     attempt: int
     ok: bool

@@ -21,15 +21,11 @@ allocation is about to end, so the fast path inside it is pointless.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-from supervisor import recovery
-from supervisor.blame import Blame
-from supervisor.model import Cause, ClusterView, JobRecord, JobState
-from supervisor.recovery import LIVE, decision
-
-if TYPE_CHECKING:
-    from supervisor.policy import Decision, Policy
+from supervisor.core import recovery
+from supervisor.core.blame import Blame
+from supervisor.core.decision import LIVE, Decision, Policy, decision
+from supervisor.core.model import Cause, ClusterView, JobRecord, JobState
 
 # Requeue no later than this long before Slurm ends the job when the ranks'
 # stop was never reported: requeuehold, resize and release take about 2 s

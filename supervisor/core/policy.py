@@ -10,7 +10,7 @@ Per cause (issue 5, items 3-4):
   launcher has ended, or for at most ``exit_evidence_window_s`` (their peers
   fail moments later and the reports arrive in any order), then act on the
   root cause alone: the earliest death, a node signal winning a tie
-  (:func:`supervisor.blame.blame_exits`);
+  (:func:`supervisor.core.blame.blame_exits`);
 - rank killed by a node signal -> blame its node, drain (within the hourly
   share, else alert), stop ranks, validate checkpoints, relaunch smaller;
 - Python exception -> no drain, ``user_exception_retries`` retries; the same
@@ -29,24 +29,23 @@ Per cause (issue 5, items 3-4):
   its original size and idle nodes allow a larger one: stop the ranks and
   requeue at that size from the checkpoint, no budget spent (``grow_back``).
   A relaunch likewise requeues at a larger size instead of shrinking inside
-  the allocation when idle nodes allow it (:func:`supervisor.recovery.relaunch`).
+  the allocation when idle nodes allow it (:func:`supervisor.core.recovery.relaunch`).
 
 Every restart spends budget only without progress (no committed step newer
 than at the previous restart), counted once the cause is decided (never
 when an evidence window opens); ``max_restarts_without_progress`` of them in a
 row stop the job. Between restarts the relaunch waits ``not_before_s``
-(exponential backoff); a :class:`~supervisor.observations.Tick` releases it.
+(exponential backoff); a :class:`~supervisor.core.observations.Tick` releases it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 
-from agent.errors import ConfigError
 from agent.protocol import EventKind
-from supervisor import follow_slurm, planned_stop, recovery
-from supervisor.blame import (
+from supervisor.core import follow_slurm, planned_stop, recovery
+from supervisor.core.blame import (
     Blame,
     blame,
     blame_exits,
@@ -55,8 +54,9 @@ from supervisor.blame import (
     is_failure,
     suspects_of,
 )
-from supervisor.intents import Alert, Intent, Severity, ValidateCheckpoints, ValidationLevel
-from supervisor.model import (
+from supervisor.core.decision import LIVE, Decision, Policy
+from supervisor.core.intents import Alert, Severity, ValidateCheckpoints
+from supervisor.core.model import (
     MAX_EXITS,
     Cause,
     ClusterView,
@@ -67,7 +67,7 @@ from supervisor.model import (
     Recovery,
     at_step,
 )
-from supervisor.observations import (
+from supervisor.core.observations import (
     AgentEvent,
     CancelRequested,
     CheckpointValidated,
@@ -84,111 +84,6 @@ from supervisor.observations import (
 )
 
 __all__ = ["ClusterView", "Decision", "Policy", "decide", "permits"]
-
-_LIVE = recovery.LIVE
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The supervisor's recovery settings; durations in seconds (``_s``).
-
-    - ``max_drain_share_per_hour``: at most this share of the cluster's nodes
-      drained per hour (rounded down); beyond it, alert instead.
-    - ``min_drains_per_hour``: drains allowed per hour whatever the share says:
-      on a small cluster the share rounds down to none (0.1 of 4 nodes), and a
-      policy that can never drain only alerts.
-    - ``drain_confidence``: the least blame confidence that drains a node.
-    - ``straggler_drain`` / ``straggler_reports_to_drain``: drain a straggler's
-      node after that many reports (off by default: slow is not broken).
-    - ``straggler_factor`` / ``straggler_min_steps``: a rank whose median
-      compute time over at least that many steps exceeds the factor x the
-      other ranks' median is a straggler (:mod:`supervisor.stragglers`); the
-      daemon reports it at each straggler check while it lasts.
-    - ``max_restarts_without_progress``: consecutive restarts with no newer
-      committed checkpoint before the job is stopped as FAILED.
-    - ``backoff_base_s`` / ``backoff_max_s``: the wait before a relaunch,
-      doubled per restart without progress.
-    - ``user_exception_retries``: relaunches after a Python exception.
-    - ``stop_grace_s``: SIGTERM to SIGKILL when stopping ranks.
-    - ``validation_level``: how deep a checkpoint is validated before resuming.
-    - ``hang_evidence_window_s``: how long other nodes' hang reports are
-      awaited before blaming.
-    - ``exit_evidence_window_s``: after a rank fails, the longest the other
-      ranks' exits are awaited before the earliest death is taken as the
-      root cause (0: act on the first exit reported). The window closes
-      sooner once every node's launcher has ended: their exits are all in.
-    - ``resume_loss_tolerance``: replayed losses may differ by this much
-      (absolute) and the resume still counts as verified (0: exact).
-    - ``probation_s``: a node drained once for a transient fault returns to
-      service this long after its drain, once its health check passes.
-    - ``lemon_blames`` / ``lemon_window_s``: a node blamed that often within
-      the window (across jobs) is a lemon: it stays out and no job uses it.
-    - ``grow_back``: a job running below its original size is requeued at a
-      larger one from a checkpoint it just committed when idle nodes allow it.
-    - ``relaunch_start_timeout_s``: a relaunched step none of whose agents
-      called in by then never started (Slurm kept its nodes busy): the job
-      falls back to the requeue path.
-    - ``silence_share`` / ``silence_min_agents``: when at least this share of
-      all agents (and at least that many) go silent within one lease, or every
-      agent of a job does, the silence has a common cause (the supervisor was
-      away, the network, the job ended): no node is blamed for it, and Slurm's
-      view decides (:mod:`supervisor.silence`).
-
-    Job sizes (original, minimum, unit) are the job's, on its record.
-    """
-
-    max_drain_share_per_hour: float = 0.1
-    min_drains_per_hour: int = 1
-    drain_confidence: float = 0.6
-    straggler_drain: bool = False
-    straggler_reports_to_drain: int = 3
-    straggler_factor: float = 1.5
-    straggler_min_steps: int = 10
-    max_restarts_without_progress: int = 3
-    backoff_base_s: float = 10.0
-    backoff_max_s: float = 600.0
-    user_exception_retries: int = 1
-    stop_grace_s: float = 30.0
-    validation_level: ValidationLevel = ValidationLevel.FULL
-    hang_evidence_window_s: float = 30.0
-    # Peers see a dead rank's closed connection within a second or so and the
-    # window closes once every launcher ended; the longest wait covers a
-    # loaded node whose agent reports late (peers that hang never end).
-    exit_evidence_window_s: float = 10.0
-    resume_loss_tolerance: float = 0.0
-    probation_s: float = 1800.0
-    lemon_blames: int = 2
-    lemon_window_s: float = 7 * 86400.0
-    grow_back: bool = True
-    relaunch_start_timeout_s: float = 300.0
-    silence_share: float = 0.5
-    silence_min_agents: int = 4
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("straggler_drain", "grow_back", "validation_level"):
-                expected = ValidationLevel if f.name == "validation_level" else bool
-                if not isinstance(value, expected):
-                    raise ConfigError(f"policy: {f.name} must be a {expected.__name__}")
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"policy: {f.name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"policy: {f.name} must be finite and >= 0, got {value!r}")
-        if self.max_drain_share_per_hour > 1:
-            raise ConfigError("policy: max_drain_share_per_hour is a share, at most 1")
-        if self.silence_share > 1:
-            raise ConfigError("policy: silence_share is a share, at most 1")
-        if self.drain_confidence > 1:
-            raise ConfigError("policy: drain_confidence is at most 1")
-        for name in ("straggler_reports_to_drain", "lemon_blames", "straggler_min_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"policy: {name} must be >= 1")
-        if self.straggler_factor <= 1:
-            raise ConfigError("policy: straggler_factor must be > 1")
-        if self.backoff_max_s < self.backoff_base_s:
-            raise ConfigError("policy: backoff_max_s must be >= backoff_base_s")
 
 
 def permits(policy: Policy, cluster_size: int) -> str:
@@ -227,16 +122,6 @@ def permits(policy: Policy, cluster_size: int) -> str:
     )
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What :func:`decide` concluded: the new record, intents in order, the cause, why."""
-
-    record: JobRecord
-    intents: tuple[Intent, ...]
-    cause: Cause | None
-    explanation: str
-
-
 def decide(
     record: JobRecord,
     observation: Observation,
@@ -246,7 +131,7 @@ def decide(
 ) -> Decision:
     """The next record and intents for ``observation`` (see the module docstring).
 
-    Raises :class:`~supervisor.model.IllegalTransition` only on a bug in the core.
+    Raises :class:`~supervisor.core.model.IllegalTransition` only on a bug in the core.
     """
     if record.state.terminal:
         return _nothing(record, f"job already {record.state.value}")
@@ -358,7 +243,7 @@ def _on_rank_exit(
         if seen.signal is None:
             return _nothing(record, f"rank {seen.global_rank} finished")
         return _nothing(record, "; ".join(blame(event, record, cluster).evidence))
-    if record.state in _LIVE:
+    if record.state in LIVE:
         return _open_exit_window(record, seen, now_s, policy, cluster)
     pending = record.recovery
     if record.state is not JobState.RECOVERING or pending is None:
@@ -427,7 +312,7 @@ def _on_step_ended(
     """
     if (
         ended.attempt != record.attempt
-        or record.state not in _LIVE
+        or record.state not in LIVE
         or ended.exit_code in (None, 0)
         or record.time_limit_end_s is not None
     ):
@@ -490,7 +375,7 @@ def _on_hang(
     record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
 ) -> Decision:
     pending = record.recovery
-    if record.state in _LIVE:
+    if record.state in LIVE:
         record = replace(
             recovery.to_state(record, JobState.RECOVERING, now_s),
             recovery=Recovery(
@@ -570,7 +455,7 @@ def _on_node_fault(
     slurm_took_it: bool = False,
 ) -> Decision:
     lost_batch_host = verdict.cause is Cause.NODE_LOST and verdict.node == record.batch_host
-    if record.state in _LIVE:
+    if record.state in LIVE:
         return recovery.start(
             record,
             now_s,

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.intents import ResumeNode
-from supervisor.policy import Policy
+from supervisor.core.intents import ResumeNode
+from supervisor.core.policy import Policy
 from supervisor.slurm.parse import SlurmNode
 from supervisor.store.rows import Lemon, TicketRow
 
@@ -43,7 +43,7 @@ def is_lemon(history: NodeHistory, now_s: float, policy: Policy) -> bool:
 
 
 def lemons(histories: tuple[NodeHistory, ...], now_s: float, policy: Policy) -> frozenset[str]:
-    """The lemon list for a :class:`~supervisor.model.ClusterView`."""
+    """The lemon list for a :class:`~supervisor.core.model.ClusterView`."""
     return frozenset(h.node for h in histories if is_lemon(h, now_s, policy))
 
 

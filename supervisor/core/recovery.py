@@ -1,7 +1,7 @@
 """The steps of one recovery, in DESIGN §3's order, as pure functions over the job record.
 
-:func:`supervisor.policy.decide` calls these; each returns a
-:class:`~supervisor.policy.Decision`. The order: account the restart against
+:func:`supervisor.core.policy.decide` calls these; each returns a
+:class:`~supervisor.core.policy.Decision`. The order: account the restart against
 the budget, drain the blamed node (rate-limited), stop the ranks, validate
 checkpoints newest first, wait out the backoff, then relaunch inside the
 allocation (fast path) or requeue with the new size. Besides recoveries, a job
@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-from supervisor.blame import Blame
-from supervisor.intents import (
+from supervisor.core.blame import Blame
+from supervisor.core.decision import Decision, Policy, decision
+from supervisor.core.intents import (
     Alert,
     DrainNode,
     DrainTicket,
@@ -31,7 +31,7 @@ from supervisor.intents import (
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.model import (
+from supervisor.core.model import (
     MAX_SIGNATURES,
     NO_BUDGET_CAUSES,
     Cause,
@@ -43,12 +43,6 @@ from supervisor.model import (
     check_transition,
 )
 
-if TYPE_CHECKING:
-    from supervisor.policy import Decision, Policy
-
-# States in which ranks run (or are being started): a fault there starts a recovery.
-LIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RELAUNCHING})
-
 
 def to_state(record: JobRecord, state: JobState, now_s: float) -> JobRecord:
     """``record`` in ``state``; raises IllegalTransition for a change TRANSITIONS forbids."""
@@ -56,15 +50,6 @@ def to_state(record: JobRecord, state: JobState, now_s: float) -> JobRecord:
     if record.state is state:
         return record
     return replace(record, state=state, state_since_s=now_s)
-
-
-def decision(
-    record: JobRecord, intents: tuple[Intent, ...], cause: Cause | None, explanation: str
-) -> Decision:
-    """A :class:`~supervisor.policy.Decision` (imported late: policy imports this module)."""
-    from supervisor.policy import Decision
-
-    return Decision(record, intents, cause, explanation)
 
 
 def world_size(available: int, record: JobRecord) -> int | None:
@@ -235,7 +220,7 @@ def start(
     if stop_ranks and not requeue:
         intents.append(StopRanks(record.job_id, record.attempt, policy.stop_grace_s))
     # Before the time limit, a full read of a large checkpoint takes longer than the
-    # time left, and healthy ranks just wrote it (supervisor.planned_stop).
+    # time left, and healthy ranks just wrote it (supervisor.core.planned_stop).
     level = ValidationLevel.QUICK if cause is Cause.TIME_LIMIT else policy.validation_level
     intents.append(ValidateCheckpoints(record.job_id, record.attempt, level))
     return decision(record, tuple(intents), cause, f"{cause.value}: {drained}")

@@ -3,13 +3,13 @@
 A job of ``gpus`` GPUs (``gpus_per_node`` to a node) trains for ``days`` in a
 partition holding its nodes and ``spare_nodes`` idle ones. Components fail at
 per-GPU rates (:class:`Component`: a share of interruptions, the
-:class:`~supervisor.model.Cause` the supervisor records, whether the node is
+:class:`~supervisor.core.model.Cause` the supervisor records, whether the node is
 lost). Each interruption goes the way a supervised recovery goes:
 
 1. the fault; the supervisor notices it ``detect_s`` later (DETECTION);
 2. a faulty node is drained; it comes back idle after ``repair_s``;
 3. the relaunch, sized by the supervisor's own rule
-   (:func:`supervisor.recovery.world_size`, as :func:`~supervisor.recovery.relaunch`
+   (:func:`supervisor.core.recovery.world_size`, as :func:`~supervisor.core.recovery.relaunch`
    applies it): onto idle nodes when they make the job larger (a requeue
    that starts at once), else smaller on the healthy nodes (the fast path)
    when the job's minimum and unit allow it, else a requeue that waits in
@@ -22,11 +22,11 @@ Saves are asynchronous: training stalls ``save_stall_s`` per save
 checkpoint is committed only when it ends; one save is in flight at a time,
 so a save due before the previous write ended waits for it (a stall too). A
 job running below its size grows back at the first commit after idle nodes
-can make it larger (:data:`~supervisor.model.Cause.GROW`, as
-:func:`supervisor.recovery.grow`). The checkpoint interval follows
+can make it larger (:data:`~supervisor.core.model.Cause.GROW`, as
+:func:`supervisor.core.recovery.grow`). The checkpoint interval follows
 :class:`IntervalPolicy`, from :mod:`agent.checkpoint.interval` and, for the
 adaptive policy, the daemon's own MTBF estimate and interval push
-(:mod:`supervisor.goodput`).
+(:mod:`supervisor.core.goodput`).
 
 The simulation jumps from event to event: between two interruptions it
 computes the saves in closed form, so 54 days of 16,384 GPUs (about 420
@@ -52,9 +52,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from agent.checkpoint.interval import daly_interval_s, recommended_interval_s, young_interval_s
-from supervisor.goodput import Badput, Goodput, interval_push, mtbf_estimate
-from supervisor.model import NODE_FAULT_CAUSES, Cause, JobRecord, new_record
-from supervisor.recovery import world_size
+from supervisor.core.goodput import Badput, Goodput, interval_push, mtbf_estimate
+from supervisor.core.model import NODE_FAULT_CAUSES, Cause, JobRecord, new_record
+from supervisor.core.recovery import world_size
 
 if TYPE_CHECKING:
     import numpy as np
@@ -277,7 +277,7 @@ PRESETS = {"llama3": llama3, "opt175b": opt175b}
 class Outcome:
     """What one simulation measured.
 
-    ``accounting`` splits the wall time as :func:`supervisor.goodput.account`
+    ``accounting`` splits the wall time as :func:`supervisor.core.goodput.account`
     does (its ``ratio`` is the goodput; ``by_fault_cause_s`` is keyed by
     cause value). ``useful_work_share`` weighs productive time by the job's
     size against its full size, so running shrunk counts as lost capacity.
@@ -512,7 +512,7 @@ class _Simulation:
         return self.relaunch(now, component.recover_s, cause)
 
     def relaunch(self, now: float, recover_s: float, cause: str) -> float:
-        """Relaunch as :func:`supervisor.recovery.relaunch` decides; when the job trains again.
+        """Relaunch as :func:`supervisor.core.recovery.relaunch` decides; when the job trains again.
 
         The fast path when the healthy nodes make a valid size, unless idle
         nodes make a larger one (then a requeue onto them, which starts at

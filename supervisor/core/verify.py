@@ -5,8 +5,8 @@ step ``N`` is the N-th optimizer step, with its loss and the data cursor (global
 samples consumed before it). The daemon stores every ``step_losses`` event
 under the attempt it belongs to and, after storing reports of the current
 attempt, calls :func:`check_resume` until it returns a result; the comparisons
-themselves are :func:`supervisor.goodput.verify_resume` and
-:func:`~supervisor.goodput.verify_cursor`. Reads go through :class:`StepSource`
+themselves are :func:`supervisor.core.goodput.verify_resume` and
+:func:`~supervisor.core.goodput.verify_cursor`. Reads go through :class:`StepSource`
 (the store) and are all indexed: while waiting for data a call costs two or
 three index probes; once the replay is in, one range read per attempt.
 """
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Protocol
 
-from supervisor.goodput import VerifyResult, verify_cursor, verify_resume
+from supervisor.core.goodput import VerifyResult, verify_cursor, verify_resume
 from supervisor.store.rows import StepRow
 
 

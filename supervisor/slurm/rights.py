@@ -6,7 +6,7 @@ the accounting database (slurmctld lets only these "super users" update a
 node; an Operator level is not enough). A researcher's own supervisor
 (``systemd/user``) has none of these: it runs in exclude mode, where a blamed
 node is excluded from the job and ticketed for the admins
-(:class:`supervisor.intents.DrainTicket`), never drained.
+(:class:`supervisor.core.intents.DrainTicket`), never drained.
 
 ``slurm_rights`` (a supervisor setting) is ``auto`` (detect, below),
 ``operator`` or ``user`` (say so; e.g. ``user`` for an operator who wants

@@ -1,7 +1,7 @@
 """The store's step reports: per-step losses and data cursors, kept for resume verification.
 
 The daemon stores each ``step_losses`` event's steps under the job's current
-attempt (:meth:`StepReports.record_steps`); :mod:`supervisor.verify` reads them
+attempt (:meth:`StepReports.record_steps`); :mod:`supervisor.core.verify` reads them
 back with the three indexed queries below. A job runs for up to millions of
 steps, so nothing here reads more rows than the caller asked for.
 """

@@ -2,7 +2,7 @@
 and the facts the supervisor found out about itself.
 
 Such a supervisor never drains (Slurm would refuse it). A node it blames is
-excluded from the job and ticketed (:class:`supervisor.intents.DrainTicket`):
+excluded from the job and ticketed (:class:`supervisor.core.intents.DrainTicket`):
 the ticket is the audit of that blame, counts towards the lemon list as a
 drain would, and keeps the node out of the user's jobs while it is open
 (raised within ``policy.probation_s`` and not closed). ``resurgo nodes

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
-from supervisor.model import at_step
+from supervisor.core.model import at_step
 from supervisor.slurm.parse import SlurmNode
 from supervisor.store import Store
-from supervisor.timeline import goodput_of
+from supervisor.views.timeline import goodput_of
 
 STATUS_VERSION = 1
 STACK_PREVIEW_LINES = 3

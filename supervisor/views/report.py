@@ -4,7 +4,7 @@
   (detections), drains and relaunches marked, and the world size over time
   below it;
 - a goodput/badput breakdown;
-- the event table (:func:`supervisor.views.events`), stack dumps collapsed
+- the event table (:func:`supervisor.views.documents.events`), stack dumps collapsed
   per rank in ``<details>``.
 
 Plots are matplotlib figures embedded as inline SVG: the file needs nothing
@@ -26,10 +26,10 @@ matplotlib.use("Agg")  # no display on a head node
 import matplotlib.pyplot as plt
 
 from agent.checkpoint.format import parse_step_dir_name
-from supervisor import views
-from supervisor.goodput import Badput, Goodput
+from supervisor.core.goodput import Badput, Goodput
 from supervisor.store import Store
-from supervisor.timeline import goodput_of
+from supervisor.views import documents as views
+from supervisor.views.timeline import goodput_of
 
 COLORS = {
     "step": "#1f4e79",

@@ -2,8 +2,8 @@
 
 :func:`timeline_of` turns what the store recorded about one job (its
 decisions, attempts, progress samples, checkpoints and save statistics) into
-the :class:`~supervisor.goodput.Fact` list that the pure
-:func:`~supervisor.goodput.account` walks. The mapping:
+the :class:`~supervisor.core.goodput.Fact` list that the pure
+:func:`~supervisor.core.goodput.account` walks. The mapping:
 
 - the job's registration is QUEUED; a decision out of ``submitted`` or
   ``requeued`` into ``starting``/``running`` is ALLOCATED; a decision into
@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.checkpoint.format import parse_step_dir_name
-from supervisor.goodput import Accountant, Fact, FactKind, Goodput, RecoveryDurations, account
-from supervisor.model import NODE_FAULT_CAUSES
+from supervisor.core.goodput import Accountant, Fact, FactKind, Goodput, RecoveryDurations, account
+from supervisor.core.model import NODE_FAULT_CAUSES
 from supervisor.store import DecisionRow, JobRow, ProgressRow, Store
 
 CHECKPOINT_STATS_KIND = "checkpoint_stats"
@@ -127,7 +127,7 @@ class JobTimeline:
     :func:`timeline_of` walks a job's whole history; a scrape every 15 s of a
     week-long job would walk it again each time. :meth:`advance` reads only
     what is newer than the last call and feeds it to a
-    :class:`~supervisor.goodput.Accountant`. Facts dated within ``settle_s``
+    :class:`~supervisor.core.goodput.Accountant`. Facts dated within ``settle_s``
     of now wait for the next call, so a row written a moment late is never
     skipped; a fault's cause is the one known when its window is read.
     """

@@ -71,9 +71,9 @@ from typing import Any
 import pytest
 
 from agent.protocol import EventKind
+from supervisor.act.reconcile import command_attempt
 from supervisor.jobs import JobSpec, read_secret, submit
 from supervisor.jobs import job_dir as job_directory
-from supervisor.reconcile import command_attempt
 from supervisor.slurm import SlurmClient
 from tests.conftest import free_port
 from tests.integration.crash_world import (

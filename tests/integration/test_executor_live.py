@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.executor import Executor
-from supervisor.intents import DrainNode
-from supervisor.model import Cause
-from supervisor.reconcile import args_of, is_our_drain, kind_of
+from supervisor.act.executor import Executor
+from supervisor.act.reconcile import args_of, is_our_drain, kind_of
+from supervisor.core.intents import DrainNode
+from supervisor.core.model import Cause
 from supervisor.slurm.client import SlurmClient
 from supervisor.store import ActionState, Store
 from tests.conftest import LiveCluster

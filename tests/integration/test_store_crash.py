@@ -1,6 +1,6 @@
 """The executor keeps actions exactly-once across SIGKILLs of the process running it.
 
-A worker process runs the real :class:`supervisor.executor.Executor` on a real
+A worker process runs the real :class:`supervisor.act.executor.Executor` on a real
 store: at start it reconciles what it finds unfinished (``Executor.reconcile``),
 then records a decision and carries out one drain after another
 (``Executor.execute``: plan, ``mark_started``, the side effect, ``mark_done``).
@@ -33,9 +33,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from supervisor.executor import Executor
-from supervisor.intents import DrainNode
-from supervisor.model import Cause
+from supervisor.act.executor import Executor
+from supervisor.core.intents import DrainNode
+from supervisor.core.model import Cause
 from supervisor.slurm.parse import NodeFlag, NodeState, SlurmNode
 from supervisor.store import ActionState, Store
 
@@ -66,7 +66,7 @@ class _Nodes:
 
 
 class LoggedSlurm:
-    """The drains of :class:`~supervisor.reconcile.SlurmActions`, applied to the log."""
+    """The drains of :class:`~supervisor.act.reconcile.SlurmActions`, applied to the log."""
 
     def __init__(self, path: Path, kill_after: int) -> None:
         self._path = path

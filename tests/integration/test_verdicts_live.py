@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
+from supervisor.act.executor import Executor
 from supervisor.config import SupervisorConfig
+from supervisor.core.intents import DrainNode
+from supervisor.core.model import Cause
+from supervisor.core.policy import Policy
 from supervisor.daemon import Supervisor
-from supervisor.executor import Executor
-from supervisor.intents import DrainNode
-from supervisor.model import Cause
-from supervisor.policy import Policy
 from supervisor.slurm.client import SlurmClient
 from supervisor.store import Actor
 from tests.conftest import LiveCluster

@@ -28,10 +28,10 @@ from agent.errors import CheckpointInvalid, ConfigError
 from agent.node import NodeAgent
 from agent.protocol import EventKind, ProtocolError
 from agent.train.heartbeat import Phase, encode_checkpoint
+from supervisor.core.intents import MAX_DRAIN_DETAIL_CHARS, DrainNode
+from supervisor.core.model import Cause
 from supervisor.errors import StoreMissing
-from supervisor.intents import MAX_DRAIN_DETAIL_CHARS, DrainNode
 from supervisor.logs import JsonFormatter, TextFormatter
-from supervisor.model import Cause
 from supervisor.store import Store
 from supervisor.store.modes import make_private
 from supervisor.text import fragment, one_line

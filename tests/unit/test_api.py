@@ -26,7 +26,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.web_protocol import RequestHandler
 
 from agent import protocol
-from agent.client import Reporter, new_secret
+from agent.auth import new_secret
+from agent.client import Reporter
 from agent.protocol import (
     Command,
     CommandKind,

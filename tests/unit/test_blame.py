@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from agent.protocol import EventKind
-from supervisor.blame import (
+from supervisor.core.blame import (
     CONFIDENCE_HANG_BEHIND,
     CONFIDENCE_HANG_FIRST_STOPPED,
     CONFIDENCE_HANG_OUTSIDE_COLLECTIVE,
@@ -20,9 +20,9 @@ from supervisor.blame import (
     exit_seen,
     is_failure,
 )
-from supervisor.model import Cause, ClusterView, ExitSeen, JobState, Suspect, new_record
-from supervisor.observations import AgentEvent, Culprit, LeaseExpired, SlurmNodeSeen
-from supervisor.policy import Policy
+from supervisor.core.model import Cause, ClusterView, ExitSeen, JobState, Suspect, new_record
+from supervisor.core.observations import AgentEvent, Culprit, LeaseExpired, SlurmNodeSeen
+from supervisor.core.policy import Policy
 
 NOW = 1_000_000.0
 RECORD = replace(
@@ -99,7 +99,7 @@ def test_collective_hang_blame_across_nodes(suspects, node, confidence):
 
 
 def test_hang_event_is_compared_with_suspects_already_collected():
-    from supervisor.model import Recovery
+    from supervisor.core.model import Recovery
 
     record = replace(
         RECORD,
@@ -204,7 +204,7 @@ NODE_DAY = 86400.0
 def test_probation_returns_a_single_offender_and_keeps_lemons_out(
     blames, drained_at, health, now, resumed
 ):
-    from supervisor.probation import NodeHistory, lemons, release
+    from supervisor.core.probation import NodeHistory, lemons, release
 
     history = NodeHistory("n7", blames, drained_at, "42", 2)
     verdict = release(history, health, now, Policy())

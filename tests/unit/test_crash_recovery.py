@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from agent import protocol
+from supervisor.act.executor import Executor
+from supervisor.core.model import JobState
+from supervisor.core.observations import LeaseExpired
 from supervisor.daemon import Supervisor
-from supervisor.executor import Executor
-from supervisor.model import JobState
-from supervisor.observations import LeaseExpired
 from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.store import ActionState, Store
 from tests.unit.test_daemon import Slurm, killed, registered_and_running, run, started

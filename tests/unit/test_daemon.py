@@ -21,11 +21,11 @@ import pytest
 from agent import protocol
 from agent.protocol import CommandKind, EventKind
 from supervisor.config import SupervisorConfig
+from supervisor.core.observations import RelaunchFinished
+from supervisor.core.policy import Policy
 from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmUnavailable
 from supervisor.jobs import JobSpec, write_job_dir
-from supervisor.observations import RelaunchFinished
-from supervisor.policy import Policy
 from supervisor.store import Actor
 from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
 from tests.unit.test_executor import JOB, NODES, FakeSlurm

@@ -11,7 +11,7 @@ from typing import Any
 from agent.config import AgentConfig
 from agent.settings import show_default
 from supervisor.config import SupervisorConfig
-from supervisor.policy import Policy
+from supervisor.core.policy import Policy
 
 OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 UNITS = {"s": 1, "min": 60, "h": 3600, "d": 86400, "day": 86400, "days": 86400}

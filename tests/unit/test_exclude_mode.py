@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.act.executor import ALERT_KIND, Executor
+from supervisor.act.ticket_hook import ticket_hook
 from supervisor.cli.submit import leave_out
+from supervisor.core.intents import DrainTicket
+from supervisor.core.model import Cause
+from supervisor.core.policy import Policy
+from supervisor.core.probation import avoid_list
 from supervisor.errors import SlurmCommandFailed, SlurmUnavailable
-from supervisor.executor import ALERT_KIND, Executor
-from supervisor.intents import DrainTicket
 from supervisor.jobs import JobSpec
-from supervisor.model import Cause
-from supervisor.policy import Policy
-from supervisor.probation import avoid_list
 from supervisor.registration import Health
 from supervisor.slurm import rights
 from supervisor.store import Actor, Store
-from supervisor.ticket_hook import ticket_hook
 from tests.unit.test_executor import FakeSlurm
 
 NOW = 1_700_000_000.0

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from agent.protocol import CommandKind, Reply, decode_reply, encode_reply
-from supervisor.errors import SlurmCommandFailed, SlurmUnavailable
-from supervisor.executor import (
+from supervisor.act.executor import (
     ALERT_KIND,
     DRIVER_STOP_GRACE_S,
     Executor,
     Validator,
     validate_checkpoint,
 )
-from supervisor.intents import (
+from supervisor.act.reconcile import args_of, intent_of, kind_of
+from supervisor.core.intents import (
     Alert,
     DrainNode,
     Intent,
@@ -37,9 +37,9 @@ from supervisor.intents import (
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.model import Cause, JobState
-from supervisor.observations import CheckpointValidated, RelaunchFinished
-from supervisor.reconcile import args_of, intent_of, kind_of
+from supervisor.core.model import Cause, JobState
+from supervisor.core.observations import CheckpointValidated, RelaunchFinished
+from supervisor.errors import SlurmCommandFailed, SlurmUnavailable
 from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.slurm.parse import NodeFlag, NodeState, SlurmJob, SlurmNode
 from supervisor.store import ActionState, Store

@@ -604,9 +604,9 @@ def store_digest(path: Path) -> str:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Api, Any, bytes]]:
     from supervisor.config import SupervisorConfig
+    from supervisor.core.policy import Policy
     from supervisor.daemon import Supervisor
     from supervisor.jobs import JobSpec, read_secret, write_job_dir
-    from supervisor.policy import Policy
     from tests.unit.test_executor import JOB as DAEMON_JOB
     from tests.unit.test_executor import FakeSlurm
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.model import (
+from supervisor.core.model import (
     Cause,
     CrashSignature,
     ExitSeen,

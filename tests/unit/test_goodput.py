@@ -7,7 +7,7 @@ import math
 import pytest
 
 from agent.checkpoint.interval import recommended_interval_s
-from supervisor.goodput import (
+from supervisor.core.goodput import (
     Badput,
     Fact,
     FactKind,
@@ -121,7 +121,7 @@ def test_resized_resume_must_start_at_the_checkpoint_cursor():
 
 
 def test_interval_is_pushed_only_when_it_changes_enough():
-    from supervisor.goodput import interval_push
+    from supervisor.core.goodput import interval_push
 
     job_mtbf = 3 * 3600.0
     target = recommended_interval_s(120.0, 0.0, job_mtbf)

@@ -11,7 +11,7 @@ import pytest
 from agent import config as agent_config
 from agent.settings import add_flags, show_default
 from supervisor import config as supervisor_config
-from supervisor.policy import Policy
+from supervisor.core.policy import Policy
 
 PARSERS = {
     "resurgo-supervisor": supervisor_config.build_parser,

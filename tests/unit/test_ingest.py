@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from agent import protocol
 from agent.protocol import Command, CommandKind, HeartbeatReport, ProtocolError, RankStatus, Reply
+from supervisor.core.model import new_record
 from supervisor.intake import TrackedJob
 from supervisor.jobs import JobSpec
-from supervisor.model import new_record
 from supervisor.store import Store
 from tests.unit.test_api import heartbeat, run, scenario
 from tests.unit.test_daemon import registered_and_running

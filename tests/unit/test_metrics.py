@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.goodput import Fact, FactKind
+from supervisor.core.goodput import Fact, FactKind
 from supervisor.looplag import LoopLag
 from supervisor.metrics import StoreCollector, build_registry, exposition, recovery_durations
 from supervisor.store import Store

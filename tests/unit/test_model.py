@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.protocol import EventKind, make_event
-from supervisor.intents import (
+from supervisor.core.intents import (
     Alert,
     DrainNode,
     RelaunchStep,
@@ -20,7 +20,7 @@ from supervisor.intents import (
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.model import (
+from supervisor.core.model import (
     TRANSITIONS,
     Cause,
     CrashSignature,
@@ -35,7 +35,7 @@ from supervisor.model import (
     record_from_json,
     record_to_json,
 )
-from supervisor.observations import from_event
+from supervisor.core.observations import from_event
 
 NOW = 1_000_000.0
 

@@ -12,7 +12,7 @@ import pytest
 from agent import protocol
 from agent.protocol import EventKind
 from supervisor.cli.main import main
-from supervisor.model import Cause
+from supervisor.core.model import Cause
 from supervisor.store import Store
 
 JOB = "4711"
@@ -205,7 +205,7 @@ def test_log_lines_are_json_objects_with_the_decision_fields() -> None:
 def test_a_scripts_own_checkpoint_is_a_dcp_directory_when_its_name_has_no_suffix(
     path: str | None, kind: str
 ) -> None:
-    from supervisor.views import written_kind
+    from supervisor.views.documents import written_kind
 
     assert written_kind(path) == kind
 

@@ -8,14 +8,14 @@ from dataclasses import replace
 import pytest
 
 from agent.protocol import EventKind
-from supervisor.intents import (
+from supervisor.core.intents import (
     DrainNode,
     RequeueSmaller,
     StopRanks,
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.model import (
+from supervisor.core.model import (
     Cause,
     ClusterView,
     JobRecord,
@@ -23,7 +23,7 @@ from supervisor.model import (
     record_from_json,
     record_to_json,
 )
-from supervisor.observations import (
+from supervisor.core.observations import (
     AgentEvent,
     CheckpointValidated,
     RequeueFailed,
@@ -31,8 +31,8 @@ from supervisor.observations import (
     Tick,
     TimeLimitNear,
 )
-from supervisor.planned_stop import REQUEUE_MARGIN_S
-from supervisor.policy import Decision, decide
+from supervisor.core.planned_stop import REQUEUE_MARGIN_S
+from supervisor.core.policy import Decision, decide
 from tests.unit.test_policy import CLUSTER, NODES, NOW, POLICY, rank_exit, running
 
 STRICT = replace(POLICY, validation_level=ValidationLevel.FULL)

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from agent.errors import ConfigError
 from agent.protocol import EventKind
-from supervisor.blame import EXIT_TIE_TOLERANCE_S
-from supervisor.intents import (
+from supervisor.core.blame import EXIT_TIE_TOLERANCE_S
+from supervisor.core.intents import (
     Alert,
     DrainNode,
     DrainTicket,
@@ -24,7 +24,7 @@ from supervisor.intents import (
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.model import (
+from supervisor.core.model import (
     MAX_EXITS,
     TRANSITIONS,
     Cause,
@@ -35,7 +35,7 @@ from supervisor.model import (
     record_from_json,
     record_to_json,
 )
-from supervisor.observations import (
+from supervisor.core.observations import (
     AgentEvent,
     CancelRequested,
     CheckpointValidated,
@@ -48,8 +48,8 @@ from supervisor.observations import (
     StepProgress,
     Tick,
 )
-from supervisor.policy import Decision, Policy, decide, permits
-from supervisor.recovery import drain_limit
+from supervisor.core.policy import Decision, Policy, decide, permits
+from supervisor.core.recovery import drain_limit
 
 NOW = 1_000_000.0
 NODES = ("node1", "node2", "node3", "node4")
@@ -161,7 +161,7 @@ def test_world_size_is_the_largest_healthy_multiple_of_the_unit():
     ],
 )
 def test_world_size_table(available, original, minimum, unit, expected):
-    from supervisor.recovery import world_size
+    from supervisor.core.recovery import world_size
 
     record = running(original_nodes=original, min_nodes=minimum, unit=unit)
     assert world_size(available, record) == expected
@@ -1175,7 +1175,7 @@ def test_a_world_that_is_not_the_jobs_stops_the_job_as_failed_at_once_without_dr
 
 def test_a_world_mismatch_event_reads_as_what_the_rank_saw_against_the_job() -> None:
     from agent import protocol
-    from supervisor.observations import from_event
+    from supervisor.core.observations import from_event
 
     payload = {"global_rank": 0, "pid": 77, "world_size": 1, "local_world_size": 2, "nnodes": 4}
     event = protocol.make_event(

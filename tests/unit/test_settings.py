@@ -9,7 +9,7 @@ import pytest
 from agent.config import load_config as load_agent_config
 from agent.errors import ConfigError
 from supervisor.config import load_config
-from supervisor.intents import ValidationLevel
+from supervisor.core.intents import ValidationLevel
 
 
 def test_supervisor_settings_come_from_toml_then_environment_then_flags(tmp_path: Path) -> None:

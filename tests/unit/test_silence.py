@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.observations import LeaseExpired, SilenceShared
-from supervisor.policy import decide
-from supervisor.silence import common_cause, quiet_after_s, quiet_by_job
+from supervisor.core.observations import LeaseExpired, SilenceShared
+from supervisor.core.policy import decide
+from supervisor.core.silence import common_cause, quiet_after_s, quiet_by_job
 from tests.unit.test_policy import CLUSTER, NOW, POLICY, running
 
 FOUR = frozenset({"node1", "node2", "node3", "node4"})

@@ -22,11 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.checkpoint.interval import daly_interval_s, recommended_interval_s, young_interval_s
-from supervisor import simulate as sim
 from supervisor.cli.main import main
-from supervisor.goodput import Badput
-from supervisor.model import Cause
-from supervisor.simulate import IntervalPolicy, Params, _Saves, llama3, opt175b, simulate
+from supervisor.core import simulate as sim
+from supervisor.core.goodput import Badput
+from supervisor.core.model import Cause
+from supervisor.core.simulate import IntervalPolicy, Params, _Saves, llama3, opt175b, simulate
 
 REPO = Path(__file__).resolve().parents[2]
 MINUTE = 60.0
@@ -361,13 +361,13 @@ def test_bad_parameters_are_refused_naming_the_field(change: dict[str, object], 
 
 
 def test_the_simulator_sizes_relaunches_with_the_supervisors_own_rule() -> None:
-    source = (REPO / "supervisor" / "simulate.py").read_text()
+    source = (REPO / "supervisor" / "core" / "simulate.py").read_text()
     modules = {
         node.module
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.ImportFrom) and node.module
     }
-    assert "supervisor.recovery" in modules  # purity: tests/unit/test_purity.py
+    assert "supervisor.core.recovery" in modules  # purity: tests/unit/test_purity.py
 
 
 # --- CLI -----------------------------------------------------------------------

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor.intents import DrainNode
-from supervisor.model import JobRecord, JobState
-from supervisor.observations import StepEnded
-from supervisor.policy import decide
+from supervisor.core.intents import DrainNode
+from supervisor.core.model import JobRecord, JobState
+from supervisor.core.observations import StepEnded
+from supervisor.core.policy import decide
 from tests.unit.test_policy import CLUSTER, NOW, POLICY, running
 
 RUNNING = running()  # attempt 0

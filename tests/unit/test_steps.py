@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from agent import protocol
-from agent.client import new_secret, write_secret
+from agent.auth import new_secret, write_secret
 from agent.config import load_config
 from agent.node import Clocks, NodeAgent, default_run_dir
 from agent.procs import RankExit, RankProcess

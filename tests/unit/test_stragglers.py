@@ -7,7 +7,7 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.stragglers import ComputeSample, Straggler, find_stragglers
+from supervisor.core.stragglers import ComputeSample, Straggler, find_stragglers
 
 
 def sample(rank: int, p50_s: float, observed: int = 20) -> ComputeSample:

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.goodput import Badput, account
+from supervisor.core.goodput import Badput, account
 from supervisor.metrics import recovery_durations
 from supervisor.store import Store
-from supervisor.timeline import (
+from supervisor.views.timeline import (
     CHECKPOINT_STATS_KIND,
     JobTimeline,
     goodput_of,

@@ -17,20 +17,20 @@ from typing import Any
 
 import pytest
 
-from supervisor import views
+from supervisor.act.reconcile import KIND_OF, args_of
 from supervisor.cli import nodes as nodes_cli
 from supervisor.cli.main import main
 from supervisor.config import SupervisorConfig
+from supervisor.core.intents import RequeueSmaller, ResumeNode
+from supervisor.core.model import Cause, ClusterView, JobState, Recovery, new_record
+from supervisor.core.policy import Policy
+from supervisor.core.probation import lifted_outside
+from supervisor.core.recovery import exclusions, relaunch
 from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmCommandFailed
-from supervisor.intents import RequeueSmaller, ResumeNode
-from supervisor.model import Cause, ClusterView, JobState, Recovery, new_record
-from supervisor.policy import Policy
-from supervisor.probation import lifted_outside
-from supervisor.reconcile import KIND_OF, args_of
-from supervisor.recovery import exclusions, relaunch
 from supervisor.slurm.parse import drain_reason
 from supervisor.store import Actor, Store, schema
+from supervisor.views import documents as views
 from tests.unit.test_executor import FakeSlurm, node
 
 NOW = 1_760_000_000.0

@@ -1,4 +1,4 @@
-"""supervisor.verify.check_resume over a real store: which reports it compares, and when."""
+"""supervisor.core.verify.check_resume over a real store: which reports it compares, and when."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.goodput import VerifyResult
+from supervisor.core.goodput import VerifyResult
+from supervisor.core.verify import check_resume
 from supervisor.store import StepRow, Store
-from supervisor.verify import check_resume
 
 NOW = 1_700_000_000.0
 JOB = "4711"

@@ -1,0 +1,307 @@
+"""The decision task: one observation at a time through the core, stored, then acted on.
+
+:class:`Deciding` is the daemon's middle layer, between the API's
+:class:`~supervisor.intake.Intake` and the timers and polls of
+:class:`~supervisor.daemon.Supervisor`. Everything that wants a decision puts
+an item on one queue; one task takes them in arrival order, runs the pure
+:func:`~supervisor.core.policy.decide`, stores the new record, the decision
+and the planned actions in ONE transaction, then has the
+:class:`~supervisor.act.executor.Executor` carry them out, feeding what they
+report back in.
+
+At start nothing is decided before Slurm answered once. Then the executor
+reconciles (an action half done when the previous daemon died is finished
+exactly once), each unfinished job's last decision is carried on, and the
+agents' events stored after the newest one a decision names are decided on
+again. A Slurm sighting read before the supervisor's requeue of the job
+finished is dropped and read again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from agent.protocol import Event, EventKind
+from supervisor.act.reconcile import KIND_OF, intent_of
+from supervisor.core.decision import Decision
+from supervisor.core.intents import Intent, RequeueSmaller
+from supervisor.core.model import ClusterView, JobRecord, JobState, record_to_json
+from supervisor.core.observations import Observation, SlurmJobSeen, from_event
+from supervisor.core.policy import decide
+from supervisor.intake import Intake
+from supervisor.store import ActionState, EventSource
+
+log = logging.getLogger("resurgo.supervisor")
+
+
+class Deciding(Intake):
+    """The decision task over the job table; the daemon starts :meth:`_decide_loop`."""
+
+    cluster: ClusterView
+    _queue: asyncio.Queue[_Item]
+    # Set by the first poll that read the nodes: no decision is taken before.
+    _cluster_known: asyncio.Event
+
+    def _act(self, job_id: str, intents: tuple[Intent, ...]) -> None:
+        """Have the decision task plan and run intents decided outside the core."""
+        self._queue.put_nowait(_Act(job_id, intents))
+
+    def _sighted(self, job_id: str, observation: SlurmJobSeen, read_s: float) -> None:
+        """Hand the decision task what a poll that began at ``read_s`` saw of the job."""
+        self._queue.put_nowait(_Sighting(job_id, observation, read_s))
+
+    async def _ask_reconcile(self) -> None:
+        # The executor is used by the decision task alone: it runs the reconcile.
+        self._queue.put_nowait(_RECONCILE)
+
+    async def reconcile(self) -> None:
+        """Finish unfinished actions (after a restart, or after Slurm was unreachable)."""
+        for job_id, observation in await self.executor.reconcile(self.clock()):
+            await self.apply(job_id, observation)
+
+    async def resume_recoveries(self) -> None:
+        """After a restart: carry each unfinished job's newest decision on.
+
+        Executing its intents again runs what is unfinished and replays what
+        finished actions reported (a validated checkpoint), which the previous
+        daemon may have died before deciding on.
+        """
+        for job_id, job in list(self.jobs.items()):
+            if job.record.state.terminal:
+                continue
+            decisions = [d for d in self.store.decisions_for(job_id) if d.detail.get("actions")]
+            if not decisions:
+                continue
+            intents = []
+            for action_id in decisions[-1].detail["actions"]:
+                row = self.store.get_action(action_id)
+                if row is not None:
+                    intents.append(intent_of(row))
+            log.info("job %s: resuming its last decision (%d action(s))", job_id, len(intents))
+            for seen in await self.executor.execute(job_id, intents, self.clock()):
+                await self.apply(job_id, seen)
+
+    async def replay_undecided(self) -> None:
+        """After a restart: decide again on each unfinished job's agent events stored
+        after the newest one a decision names.
+
+        The API acknowledges an event once it is stored and the decision task
+        takes it up a moment later (seconds, while it carries a recovery out);
+        a supervisor killed in between would never decide on it, and the agent
+        does not send it again. Replaying events already decided on is safe:
+        agents' retries deliver events more than once, and the core keeps what
+        it already knows (a known checkpoint, an exit already collected, a
+        rank that finished). Reports of earlier launches stay undecided, and
+        stragglers are measured again at the next check instead.
+        """
+        for job_id, job in list(self.jobs.items()):
+            if job.record.state.terminal:
+                continue
+            named = {row.event_id for row in self.store.decisions_for(job_id) if row.event_id}
+            events = self.store.events_for(job_id, kinds=_REPLAYED_KINDS)
+            cursor = max((row.seq for row in events if row.event_id in named), default=0)
+            for row in events:
+                if row.seq <= cursor or row.source is not EventSource.AGENT:
+                    continue
+                event = Event(
+                    EventKind(row.kind), job_id, row.node or "", row.event_id,
+                    row.agent_seq or 0, row.time_s, row.payload,
+                )  # fmt: skip
+                if self._current(job, event.incarnation):
+                    await self.apply(job_id, from_event(event), row.event_id)
+
+    def _enqueue(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
+        self._queue.put_nowait((job_id, observation, ref))
+
+    async def _decide_loop(self) -> None:
+        # Deciding needs the cluster view (usable, idle and drained nodes): a
+        # relaunch decided on an empty view would requeue the job with the few
+        # nodes it still holds. Until Slurm answers once, observations wait.
+        await self._cluster_known.wait()
+        await self.reconcile()
+        await self.resume_recoveries()
+        await self.replay_undecided()
+        while True:
+            await self._handle(await self._queue.get())
+
+    async def settle(self) -> None:
+        """Handle everything queued so far (the decision task's work, run to empty)."""
+        while not self._queue.empty():
+            await self._handle(self._queue.get_nowait())
+
+    async def _handle(self, item: _Item) -> None:
+        try:
+            if isinstance(item, _Reconcile):
+                await self.reconcile()
+            elif isinstance(item, _Sighting):
+                job = self.jobs.get(item.job_id)
+                if job is not None and self._stale(item):
+                    log.info(
+                        "job %s: Slurm's %s from before a requeue finished ignored; "
+                        "polling again", item.job_id, item.observation.state,
+                    )  # fmt: skip
+                    job.last_seen = None
+                else:
+                    await self.apply(item.job_id, item.observation)
+            elif isinstance(item, _Act):
+                for seen in await self.executor.execute(item.job_id, item.intents, self.clock()):
+                    await self.apply(item.job_id, seen)
+            else:
+                job_id, observation, ref = item
+                await self.apply(job_id, observation, ref)
+        except Exception:
+            log.exception("deciding on %r failed; continuing", item)
+
+    async def apply(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
+        """Decide on one observation, persist, act, and decide on what acting reported."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        before = job.record
+        now = self.clock()
+        decision = decide(before, observation, now, self.policy, self.cluster)
+        after = decision.record
+        if after == before and not decision.intents:
+            return
+        self._persist(job_id, before, decision, ref, now)
+        job.record = after
+        if after.attempt != before.attempt:
+            self.store.drop_leases(job_id)
+            job.compute.clear()  # the new launch's ranks measure afresh
+        if after.state is not before.state or decision.intents:
+            _log_decision(job_id, before, decision)
+        for seen in await self.executor.execute(job_id, decision.intents, now):
+            await self.apply(job_id, seen)
+
+    def _persist(
+        self, job_id: str, before: JobRecord, decision: Decision, ref: str | None, now: float
+    ) -> None:
+        after = decision.record
+        # A record that only took news in (a newer checkpoint, a straggler
+        # measured) decides nothing and starts nothing: committed without the
+        # fsync, which on a busy head node held the event loop up to 0.1 s.
+        # Whatever moves the job, plans an action or records a decision is fsynced.
+        routine = (
+            after.state is before.state
+            and after.attempt == before.attempt
+            and not decision.intents
+            and decision.cause is None
+        )
+        with self.store.transaction(durable=not routine):
+            self.store.upsert_job(
+                job_id,
+                state=after.state.value,
+                record=record_document(after),
+                now_s=now,
+                world_size=len(after.nodes) or None,
+            )
+            if after.state is not before.state or decision.intents or decision.cause:
+                self.store.record_decision(
+                    job_id,
+                    ref,
+                    before.state.value,
+                    after.state.value,
+                    decision.cause.value if decision.cause else "none",
+                    {
+                        "explanation": decision.explanation,
+                        "attempt": after.attempt,
+                        "actions": [intent.action_id for intent in decision.intents],
+                    },
+                    now,
+                )
+            if after.attempt != before.attempt:
+                self._end_attempt(job_id, before, decision, now)
+            if after.nodes and after.state in (JobState.STARTING, JobState.RELAUNCHING):
+                resumed = after.recovery.resume_from if after.recovery else None
+                self.store.start_attempt(
+                    job_id, after.attempt, nodes=after.nodes, resumed_from=resumed, now_s=now
+                )
+            if after.state.terminal:
+                self._end_attempt(job_id, before, decision, now)
+            self.executor.plan(job_id, decision.intents, now)
+
+    def _end_attempt(self, job_id: str, before: JobRecord, decision: Decision, now: float) -> None:
+        attempts = {row.attempt for row in self.store.attempts_for(job_id)}
+        if before.attempt in attempts:
+            cause = decision.cause.value if decision.cause else decision.record.state.value
+            self.store.end_attempt(job_id, before.attempt, cause=cause, now_s=now)
+
+    def _stale(self, sighting: _Sighting) -> bool:
+        """Whether Slurm was read before a requeue of the job finished (or while it runs).
+
+        Such a sighting may show the job still RUNNING on its old nodes, and
+        decided after the requeue it would pass for the requeued job's start:
+        it is dropped, and the next poll reports the job afresh.
+        """
+        for row in self.store.list_actions(sighting.job_id, states=_REQUEUE_TOUCHED):
+            if row.kind != KIND_OF[RequeueSmaller] or row.started_s is None:
+                continue
+            if row.finished_s is None or row.finished_s > sighting.read_s:
+                return True
+        return False
+
+
+class _Reconcile:
+    """A queue item: run the executor's reconcile in the decision task."""
+
+
+@dataclass(frozen=True)
+class _Act:
+    """A queue item: intents decided outside the core (an interval push) to plan and run."""
+
+    job_id: str
+    intents: tuple[Intent, ...]
+
+
+@dataclass(frozen=True)
+class _Sighting:
+    """A queue item: the job as a poll that began at ``read_s`` saw it in Slurm."""
+
+    job_id: str
+    observation: SlurmJobSeen
+    read_s: float
+
+
+_RECONCILE = _Reconcile()
+# A requeue touched the job once it started: started, done or failed.
+_REQUEUE_TOUCHED = (ActionState.STARTED, ActionState.DONE, ActionState.FAILED)
+_Item = tuple[str, Observation, str | None] | _Reconcile | _Act | _Sighting
+# Agents' events the core decides on, replayed after a restart (replay_undecided).
+_REPLAYED_KINDS = (
+    EventKind.RANK_EXITED,
+    EventKind.HANG,
+    EventKind.HEALTH_CHECK_FAILED,
+    EventKind.CHECKPOINT_COMMITTED,
+    EventKind.LAUNCHER_EXITED,
+    EventKind.AGENT_STOPPED,
+    EventKind.WORLD_MISMATCH,
+)
+
+
+def record_document(record: JobRecord) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(record_to_json(record))
+    return document
+
+
+def _log_decision(job_id: str, before: JobRecord, decision: Decision) -> None:
+    after = decision.record
+    log.info(
+        "job %s: %s -> %s (attempt %d): %s%s",
+        job_id,
+        before.state.value,
+        after.state.value,
+        after.attempt,
+        decision.explanation,
+        "".join(f"\n  action {intent.action_id}" for intent in decision.intents),
+        extra={
+            "job_id": job_id,
+            "from_state": before.state.value,
+            "to_state": after.state.value,
+            "cause": decision.cause.value if decision.cause else None,
+            "actions": [intent.action_id for intent in decision.intents],
+        },
+    )

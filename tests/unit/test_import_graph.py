@@ -1,0 +1,127 @@
+"""No import circles anywhere in the project.
+
+Every import statement counts: at module level, inside functions, and under
+``TYPE_CHECKING``. A late import inside a function hides a circle from the
+interpreter, not from a reader following the code. ``from package import
+name`` is an edge to the module ``package.name`` when there is one, else to
+the package's ``__init__``. A submodule's implicit import of its own package
+is not an edge: that is how Python loads packages, and a package's
+``__init__`` that re-exports its modules is no circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("agent", "supervisor", "bench", "tests")
+
+
+def modules_under(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file of the packages."""
+    found = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            dotted = ".".join(path.relative_to(root).with_suffix("").parts)
+            found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, known: dict[str, Path]) -> list[str]:
+    """The project modules one import statement names (absolute or relative)."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            parts = module.split(".") if is_package else module.split(".")[:-1]
+            parts = parts[: len(parts) - (node.level - 1)]
+            base = ".".join([*parts, *([node.module] if node.module else [])])
+        targets = [
+            f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+            for alias in node.names
+        ]
+    else:
+        return []
+    edges = []
+    for target in targets:
+        while target and target not in known:  # ``import a.b.c`` of a name inside a.b
+            target = target.rpartition(".")[0]
+        if target and target != module:
+            edges.append(target)
+    return edges
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports."""
+    known = modules_under(root, packages)
+    graph: dict[str, set[str]] = {module: set() for module in known}
+    for module, path in known.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            graph[module].update(_imported(node, module, path.name == "__init__.py", known))
+    return graph
+
+
+def circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle (its modules, sorted), or [] when there is none."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        return sorted(set(error.args[1]))
+    return []
+
+
+def test_the_project_has_no_import_circle() -> None:
+    found = circle(import_graph(REPO, PACKAGES))
+    assert found == [], (
+        f"import circle: {' <-> '.join(found)}: move what they share to a module below them"
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        # the circle the decision core had: a late import inside a function
+        (
+            {
+                "pkg/__init__.py": "",
+                "pkg/policy.py": "from pkg import recovery\n",
+                "pkg/recovery.py": "def f():\n    from pkg.policy import Decision\n",
+            },
+            ["pkg.policy", "pkg.recovery"],
+        ),
+        # under TYPE_CHECKING, and around a ring of three
+        (
+            {
+                "pkg/__init__.py": "",
+                "pkg/a.py": "import pkg.b\n",
+                "pkg/b.py": "from . import c\n",
+                "pkg/c.py": (
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import X\n"
+                ),
+            },
+            ["pkg.a", "pkg.b", "pkg.c"],
+        ),
+        # a package re-exporting its modules, which import each other downward: none
+        (
+            {
+                "pkg/__init__.py": "from pkg.store import Store\nfrom pkg.rows import Row\n",
+                "pkg/store.py": "from pkg.rows import Row\nfrom pkg import rows\n",
+                "pkg/rows.py": "import json\n",
+            },
+            [],
+        ),
+    ],
+)
+def test_the_check_finds_a_circle_however_it_is_imported(
+    tmp_path: Path, files: dict[str, str], expected: list[str]
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert circle(import_graph(tmp_path, ("pkg",))) == expected
