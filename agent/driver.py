@@ -57,14 +57,14 @@ from typing import Any
 import aiohttp
 import tenacity
 
-from agent import protocol
-from agent.auth import Rejected, load_secret, signed_post
 from agent.checkpoint.catalog import list_checkpoints
-from agent.errors import ConfigError, ResurgoError
 from agent.ports import rendezvous_port
-from agent.protocol import DriverAction, DriverAnswer, DriverPhase, DriverRequest
 from agent.stopfiles import clear_notice, write_notice
 from agent.timelimit import REQUEUE_MARGIN_S, Notice, parse_slurm_duration, warning_lead_s
+from agent.wire import protocol
+from agent.wire.auth import Rejected, load_secret, signed_post
+from agent.wire.errors import ConfigError, ResurgoError
+from agent.wire.protocol import DriverAction, DriverAnswer, DriverPhase, DriverRequest
 
 log = logging.getLogger("resurgo.driver")
 
@@ -197,7 +197,7 @@ def agent_argv(
         f"--nodelist={','.join(nodes)}",
         "--kill-on-bad-exit=0",
         "--export=ALL",
-        settings.python, "-m", "agent.node",
+        settings.python, "-m", "agent.node.agent",
         "--supervisor-url", settings.supervisor_url,
         "--secret-file", str(settings.job_dir / "secret"),
         "--master-addr", master_addr,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.checkpoint import files
-from agent.launch import ENV_SAVE_REQUEST_FILE
+from agent.node.launch import ENV_SAVE_REQUEST_FILE
 from agent.timelimit import Notice
 
 NOTICE_NAME = "time-limit.json"

@@ -42,7 +42,7 @@ from pathlib import Path
 if not __package__:
     sys.exit("run the benchmarks from the repository root as modules: python -m bench.agent")
 
-from agent.hang import HangConfig, RankProgress, hang_verdicts, observe
+from agent.node.hang import HangConfig, RankProgress, hang_verdicts, observe
 from agent.train.heartbeat import (
     Heartbeat,
     Phase,
@@ -240,7 +240,7 @@ def real_agent(ranks: int, seconds: float, instrumented: bool, workdir: Path) ->
     out = workdir / ("instrumented" if instrumented else "plain")
     out.mkdir()
     argv = [
-        sys.executable, "-m", "agent.node", "--job-id", "bench", "--node", "n1",
+        sys.executable, "-m", "agent.node.agent", "--job-id", "bench", "--node", "n1",
         "--master-port", str(port), "--run-dir", str(out / "run"), "--stack-sample-s", "5",
         "--", "torchrun", f"--nproc-per-node={ranks}", str(WORKER), "--out", str(out),
         "--step-s", "0.05", *(["--instrumented"] if instrumented else []),

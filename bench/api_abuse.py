@@ -38,7 +38,7 @@ from pathlib import Path
 if not __package__:
     sys.exit("run the benchmarks from the repository root: python -m bench.api_abuse")
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from tests.adversarial_world import MIB, World, healthz_under, manifest, settled_rss, waves
 
 RSS_TARGET_MIB = 64

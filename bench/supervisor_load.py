@@ -17,8 +17,8 @@ saturated it) each run one asyncio loop;
 every agent keeps its own keep-alive connections (one for heartbeats, one
 for events, as the two concurrent requests of the real agent's aiohttp
 session) and signs every request with the protocol's
-:func:`~agent.protocol.signed_headers` (``--client aiohttp`` sends through
-:func:`agent.auth.signed_post` instead, at several times the generator's
+:func:`~agent.wire.protocol.signed_headers` (``--client aiohttp`` sends through
+:func:`agent.wire.auth.signed_post` instead, at several times the generator's
 CPU). Each agent:
 
 - sends ``agent_started`` (attempt 1) when it starts (start times jittered
@@ -105,10 +105,10 @@ import psutil
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import protocol
-from agent.auth import Rejected, load_secret, signed_post
 from agent.checkpoint import format as fmt
-from agent.protocol import EventKind, HeartbeatReport, RankStatus, Refusal
+from agent.wire import protocol
+from agent.wire.auth import Rejected, load_secret, signed_post
+from agent.wire.protocol import EventKind, HeartbeatReport, RankStatus, Refusal
 from supervisor.jobs import SECRET_NAME, JobSpec, write_job_dir
 from supervisor.slurm.parse import compress_hostlist
 from supervisor.store import EventSource, Store
@@ -119,7 +119,7 @@ SIZES = (256, 1024, 4096)
 JOB_SIZES = (8, 16, 32, 64)
 FIRST_JOB_ID = 10001
 HEARTBEAT_PERIOD_S = 1.0
-HEARTBEAT_TIMEOUT_S = 2.0  # agent.client.DEFAULT_HEARTBEAT_TIMEOUT_S
+HEARTBEAT_TIMEOUT_S = 2.0  # agent.node.client.DEFAULT_HEARTBEAT_TIMEOUT_S
 EVENT_TIMEOUT_S = 5.0
 MAX_BATCH = 100
 # The kinds an agent emits at random, and how often each (weights).
@@ -537,7 +537,7 @@ class SimulatedAgent:
         ]
 
     def heartbeat_body(self, now: float) -> bytes:
-        """The bytes :func:`agent.protocol.encode_heartbeat` makes of this agent's report.
+        """The bytes :func:`agent.wire.protocol.encode_heartbeat` makes of this agent's report.
 
         Built directly (the protocol's encoder also decodes its output to check
         it, a cost of the agent, not of the supervisor), from the ranks' JSON of

@@ -1,6 +1,6 @@
 """The supervisor's configuration: daemon settings plus the recovery :class:`Policy`.
 
-Sources, later ones winning (:mod:`agent.settings`): a TOML file
+Sources, later ones winning (:mod:`agent.wire.settings`): a TOML file
 (``--config FILE``; daemon settings at the top level, policy settings in a
 ``[policy]`` table), the environment (``RESURGO_SUPERVISOR_<FIELD>``,
 ``RESURGO_POLICY_<FIELD>``; ``RESURGO_STATE_DIR`` and ``RESURGO_JOBS_DIR``,
@@ -32,8 +32,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ConfigError
-from agent.settings import add_flags, layered, read_toml
+from agent.wire.errors import ConfigError
+from agent.wire.settings import add_flags, layered, read_toml
 from supervisor.core.policy import Policy
 
 ENV_PREFIX = "RESURGO_SUPERVISOR_"

@@ -54,9 +54,9 @@ from pathlib import Path
 
 import uvloop
 
-from agent.errors import ConfigError, ResurgoError
-from agent.periodic import every
-from agent.protocol import RETRY_MAX_S, EventKind
+from agent.wire.errors import ConfigError, ResurgoError
+from agent.wire.periodic import every
+from agent.wire.protocol import RETRY_MAX_S, EventKind
 from supervisor import jobs as jobfiles
 from supervisor.act.executor import Executor, Validator
 from supervisor.act.ticket_hook import ticket_hook
@@ -279,7 +279,7 @@ class Supervisor(SlurmWatch):
         supervisor was up the agents could not renew theirs, and the time
         the previous one was down is no evidence that a node is lost. Agents
         that kept retrying through the outage wait up to
-        :data:`agent.protocol.RETRY_MAX_S` between tries, so the first
+        :data:`agent.wire.protocol.RETRY_MAX_S` between tries, so the first
         leases after a start get that time on top.
         """
         now = self.clock()

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from agent.protocol import Event, EventKind
+from agent.wire.protocol import Event, EventKind
 from supervisor.act.reconcile import KIND_OF, intent_of
 from supervisor.core.decision import Decision
 from supervisor.core.intents import Intent, RequeueSmaller

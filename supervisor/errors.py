@@ -1,6 +1,6 @@
 """Errors raised by the supervisor package."""
 
-from agent.errors import ResurgoError
+from agent.wire.errors import ResurgoError
 
 
 class SupervisorError(ResurgoError):

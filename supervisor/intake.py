@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent import protocol
 from agent.checkpoint.format import SaveStats, parse_step_dir_name
-from agent.protocol import (
+from agent.wire import protocol
+from agent.wire.protocol import (
     Command,
     CommandKind,
     DriverAction,
@@ -438,7 +438,7 @@ class Intake:
         }
 
     async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
-        """Tell the in-job driver what to do (see :class:`agent.protocol.DriverPhase`)."""
+        """Tell the in-job driver what to do (see :class:`agent.wire.protocol.DriverPhase`)."""
         job = self.jobs[job_id]
         if request.phase is DriverPhase.RELAUNCHED:
             assert request.action_id is not None and request.ok is not None

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.checkpoint.files import read_small
-from agent.client import load_secret, new_secret, write_secret
-from agent.errors import ConfigError
-from agent.protocol import check_name
+from agent.node.client import load_secret, new_secret, write_secret
+from agent.wire.errors import ConfigError
+from agent.wire.protocol import check_name
 from supervisor.errors import SlurmError, SupervisorError
 from supervisor.sbatch import parse_request, supervision_options
 from supervisor.slurm import SlurmClient

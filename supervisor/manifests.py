@@ -45,7 +45,7 @@ import msgspec
 
 from agent.checkpoint import format as fmt
 from agent.checkpoint.format import SaveStats
-from agent.errors import CheckpointInvalid
+from agent.wire.errors import CheckpointInvalid
 
 log = logging.getLogger(__name__)
 

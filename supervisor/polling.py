@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 from supervisor import jobs as jobfiles
 from supervisor.act.reconcile import KIND_OF
 from supervisor.core.intents import ResumeNode

@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from agent import protocol
+from agent.wire import protocol
 
 POLL_S = 0.5
 

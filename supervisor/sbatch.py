@@ -19,8 +19,8 @@ import shlex
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from agent.errors import ConfigError
 from agent.timelimit import parse_slurm_duration, warning_lead_s
+from agent.wire.errors import ConfigError
 
 _DIRECTIVE = re.compile(r"^#SBATCH\s+(.*)$")
 _NODES = re.compile(r"^(\d+)(?:-(\d+))?$")

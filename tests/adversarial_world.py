@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psutil
 
-from agent import protocol
-from agent.protocol import EventKind
+from agent.wire import protocol
+from agent.wire.protocol import EventKind
 from supervisor.jobs import JobSpec, read_secret, submit
 from supervisor.jobs import job_dir as job_directory
 from supervisor.slurm import SlurmClient

@@ -35,8 +35,8 @@ from typing import Any
 
 from aiohttp import web
 
-from agent import protocol
-from agent.protocol import AuthError, Command, Event, HeartbeatReport, ProtocolError, Reply
+from agent.wire import protocol
+from agent.wire.protocol import AuthError, Command, Event, HeartbeatReport, ProtocolError, Reply
 
 _CALL_TIMEOUT_S = 10.0
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--secret-file", required=True, type=Path, help="0600 hex secret file")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
-    from agent.auth import load_secret
+    from agent.wire.auth import load_secret
 
     with RecordingServer({args.job: load_secret(args.secret_file)}, port=args.port) as server:
         print(f"listening on {server.url}", flush=True)

@@ -210,7 +210,7 @@ def rank_pids(node: str, marker: str = "train_toy.py") -> list[int]:
             continue
         if not any(part.endswith(marker.encode()) for part in cmdline):
             continue
-        if b"agent.rankexec" in cmdline or b"torch.distributed.run" in cmdline:
+        if b"agent.node.rankexec" in cmdline or b"torch.distributed.run" in cmdline:
             continue
         if f"SLURMD_NODENAME={node}".encode() in environ and any(
             item.startswith(b"RANK=") for item in environ

@@ -1,6 +1,6 @@
 """Imported by Python at the start of every rank the node agent launches (this
 directory comes first on the ranks' ``PYTHONPATH``): fits a torchrun started
-below a wrapper script to the job (:mod:`agent.torchrunshim`; the process is
+below a wrapper script to the job (:mod:`agent.node.torchrunshim`; the process is
 replaced), arms Resurgo's automatic progress (:mod:`agent.train.autohooks`),
 then runs the ``sitecustomize`` that
 this one shadows, if there is one, so that a distribution's or the user's
@@ -15,7 +15,7 @@ import sys
 
 def _arm() -> None:
     try:
-        from agent.torchrunshim import refit_if_torchrun
+        from agent.node.torchrunshim import refit_if_torchrun
 
         refit_if_torchrun()
     except SystemExit as refused:

@@ -16,7 +16,7 @@ from pathlib import Path
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
 from agent.checkpoint.report import Level, Report
-from agent.errors import CheckpointInvalid
+from agent.wire.errors import CheckpointInvalid
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
-from agent.errors import CheckpointError
+from agent.wire.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

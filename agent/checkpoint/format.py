@@ -30,7 +30,7 @@ from typing import Any
 
 import xxhash
 
-from agent.errors import CheckpointInvalid
+from agent.wire.errors import CheckpointInvalid
 
 FORMAT_VERSION = 1
 

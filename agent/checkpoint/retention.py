@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from agent.checkpoint.catalog import list_checkpoints
 from agent.checkpoint.validate import Level, validate
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

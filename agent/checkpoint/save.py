@@ -57,7 +57,7 @@ from agent.checkpoint.staging import (
     local_tensor_bytes,
     plain_state_dict,
 )
-from agent.errors import CheckpointError
+from agent.wire.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

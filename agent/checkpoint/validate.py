@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
 from agent.checkpoint.report import Level, Report
-from agent.errors import CheckpointInvalid
+from agent.wire.errors import CheckpointInvalid
 
 # DCP metadata grows with the number of tensors times shards; large FSDP models
 # reach tens of MB. Beyond this, treat the file as corrupt instead of reading it.
@@ -548,8 +548,7 @@ def _enum_member(cls: Any, name: Any) -> Any:
     ):
         return cls[name]
     raise pickle.UnpicklingError(
-        f"it asks for attribute {name!r} of {cls!r}, which is not an enum member DCP "
-        "metadata holds"
+        f"it asks for attribute {name!r} of {cls!r}, which is not an enum member DCP metadata holds"
     )
 
 

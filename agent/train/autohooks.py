@@ -1,7 +1,7 @@
 """Progress from a training script that imports nothing from Resurgo.
 
 The node agent puts ``agent/bootstrap/`` first on its ranks' ``PYTHONPATH``
-(:mod:`agent.launch`); Python then imports its ``sitecustomize`` in every
+(:mod:`agent.node.launch`); Python then imports its ``sitecustomize`` in every
 rank, which calls :func:`install` and then runs the ``sitecustomize`` the rank
 would have imported without it (a distribution's or the user's). Nothing of
 torch is imported early: :func:`install` adds a meta-path finder that waits
@@ -28,7 +28,7 @@ for ``import torch`` to finish, and then
 
 These beats carry the automatic flag: the agent reports such a rank as hung
 only when a native-aware stack confirms that a local rank waits in a
-collective (:mod:`agent.watch`). A script that makes a
+collective (:mod:`agent.node.watch`). A script that makes a
 :class:`~agent.train.heartbeat.Heartbeat` of its own (our library) is
 instrumented: the hooks stand down, nothing is counted twice. Nothing here
 raises into the script or blocks it; a step costs one hook call and one
@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from agent.launch import ENV_CKPT_ROOT
+from agent.node.launch import ENV_CKPT_ROOT
 from agent.train import heartbeat as heartbeat_module
 from agent.train.heartbeat import ENV_AGENT_SOCKET, ENV_RANK, Heartbeat, Phase
 

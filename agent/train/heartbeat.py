@@ -2,7 +2,7 @@
 
 A training script calls :func:`beat` (or :meth:`Heartbeat.beat`) once per
 step; the node agent turns the stream into hang and straggler verdicts
-(:mod:`agent.hang`). :meth:`Heartbeat.report_step` is a beat that also carries
+(:mod:`agent.node.hang`). :meth:`Heartbeat.report_step` is a beat that also carries
 the step's loss and data cursor, which the agent forwards to the supervisor for
 resume verification (``TrainingSession.step_done`` sends it). A beat or a report
 may carry the step's compute seconds (``TrainingSession.compute``): the time a

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent.errors import ResurgoError
+from agent.wire.errors import ResurgoError
 
 FORMAT_VERSION = 1
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,6 @@ from agent.checkpoint.catalog import newest_valid, supersede_newer
 from agent.checkpoint.retention import RetentionPolicy, apply_retention
 from agent.checkpoint.save import Checkpointer, SaveResult, WhenBusy
 from agent.checkpoint.validate import Level, validate
-from agent.errors import CheckpointError, CheckpointInvalid, ConfigError
 from agent.stopfiles import SaveRequest
 from agent.train.heartbeat import Heartbeat, Phase, default_heartbeat
 from agent.train.rng import capture_rng_state, restore_rng_state
@@ -79,6 +78,7 @@ from agent.train.schedule import (
     broadcast_from_rank0,
     due_on_all_ranks,
 )
+from agent.wire.errors import CheckpointError, CheckpointInvalid, ConfigError
 
 log = logging.getLogger(__name__)
 

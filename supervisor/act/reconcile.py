@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agent.protocol import Command, CommandKind
+from agent.wire.protocol import Command, CommandKind
 from supervisor.core.intents import (
     Alert,
     DrainNode,

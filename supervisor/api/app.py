@@ -40,7 +40,7 @@ The heartbeat stream (``GET /v1/heartbeat/stream``, a WebSocket) passes
 checks 1-4 on its signed upgrade request (an unsigned or stale upgrade is
 refused with the same HTTP answers, and nothing is upgraded). Each frame then
 holds one heartbeat body after a line with its own timestamp and signature
-(:func:`agent.protocol.sign_frame`, over the stream's path), so a frame is
+(:func:`agent.wire.protocol.sign_frame`, over the stream's path), so a frame is
 checked like a POST: replay window, signature, strict decoding, step 5. It
 is answered by one frame: the reply, or a refusal carrying the status and
 cause an HTTP answer would have had (the stream stays open). A captured
@@ -77,8 +77,8 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.http_exceptions import BadHttpMessage
 
-from agent import protocol
-from agent.protocol import AuthError, Command, ProtocolError, Refusal, Reply, StaleTimestamp
+from agent.wire import protocol
+from agent.wire.protocol import AuthError, Command, ProtocolError, Refusal, Reply, StaleTimestamp
 from supervisor.api.bodies import BodyReader, ClientGone
 from supervisor.api.directory import JobDirectory
 from supervisor.api.refusals import Cause, RefusalLog

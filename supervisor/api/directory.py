@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agent import protocol
-from agent.protocol import (
+from agent.wire import protocol
+from agent.wire.protocol import (
     Command,
     DriverAction,
     DriverAnswer,
@@ -73,7 +73,7 @@ class JobDirectory(Protocol):
         ...
 
     async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
-        """Answer the in-job driver (see :class:`agent.protocol.DriverPhase`).
+        """Answer the in-job driver (see :class:`agent.wire.protocol.DriverPhase`).
 
         Asynchronous: confirming a relaunch writes to the store and wakes the
         decision loop. Must answer quickly; WAIT when the answer is not known yet.

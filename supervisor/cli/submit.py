@@ -32,9 +32,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ConfigError
-from agent.launch import Shape, launch_shape, split_srun, srun_tasks_per_node
-from agent.launch import refusal as launch_refusal
+from agent.node.launch import Shape, launch_shape, split_srun, srun_tasks_per_node
+from agent.node.launch import refusal as launch_refusal
+from agent.wire.errors import ConfigError
 from supervisor.cli.common import ENV_JOBS_DIR, add_state_dir, jobs_dir
 from supervisor.config import DEFAULT_PORT
 from supervisor.errors import SlurmParseError

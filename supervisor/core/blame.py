@@ -24,7 +24,7 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import dataclass, replace
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from supervisor.core.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect, at_step
 from supervisor.core.observations import AgentEvent, LeaseExpired, Observation, SlurmNodeSeen
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 from supervisor.core.intents import Intent, ValidationLevel
 from supervisor.core.model import Cause, JobRecord, JobState
 

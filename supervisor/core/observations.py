@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agent.protocol import Event, EventKind
+from agent.wire.protocol import Event, EventKind
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Culprit:
 
 @dataclass(frozen=True)
 class AgentEvent:
-    """An :class:`agent.protocol.Event` reduced to the fields the core decides on.
+    """An :class:`agent.wire.protocol.Event` reduced to the fields the core decides on.
 
     ``step`` is the rank's last step (RANK_EXITED), the committed step
     (CHECKPOINT_COMMITTED) or None. ``error_digest`` is a hash of the exception

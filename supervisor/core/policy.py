@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from supervisor.core import follow_slurm, planned_stop, recovery
 from supervisor.core.blame import (
     Blame,

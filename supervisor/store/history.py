@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agent.protocol import Event
+from agent.wire.protocol import Event
 from supervisor.errors import StoreError
 from supervisor.store.core import StoreCore, in_clause, locked, rowid
 from supervisor.store.rows import (

@@ -22,7 +22,7 @@ import os
 import stat
 from pathlib import Path
 
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 
 STORE_SUFFIXES = ("", "-wal", "-shm")
 

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from agent.protocol import Event, EventKind
+from agent.wire.protocol import Event, EventKind
 
 
 class ActionState(enum.Enum):

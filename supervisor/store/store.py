@@ -65,7 +65,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from agent.protocol import Command, CommandKind
+from agent.wire.protocol import Command, CommandKind
 from supervisor.errors import ActionStateError, StoreError
 from supervisor.store.core import locked, rowid
 from supervisor.store.history import History

@@ -4,7 +4,7 @@
 the fake Slurm CLI (``tests/fixtures/fakeslurm``) first on its PATH. The node
 agents and the in-job driver are played here, in the test's process, by
 :class:`Agent` and :class:`Driver`: they speak the real wire protocol (signed
-HTTP requests built with ``agent.protocol``), keep their events until the
+HTTP requests built with ``agent.wire.protocol``), keep their events until the
 supervisor acknowledges them (as the agent's spool does), and ride out a
 supervisor that is down. :class:`StoreView` reads the daemon's SQLite store
 through a second connection; :class:`Metrics` scrapes ``/metrics`` and keeps
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from agent import protocol
-from agent.protocol import (
+from agent.wire import protocol
+from agent.wire.protocol import (
     CommandKind,
     DriverAction,
     DriverAnswer,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import protocol
-from agent.protocol import EventKind
+from agent.wire import protocol
+from agent.wire.protocol import EventKind
 from tests.adversarial_world import BODY_TIMEOUT_S, MIB, World, read_all, stranger_head, waves
 
 

@@ -34,9 +34,9 @@ from typing import Any
 
 import pytest
 
-from agent import protocol
 from agent.checkpoint import format as fmt
-from agent.protocol import EventKind
+from agent.wire import protocol
+from agent.wire.protocol import EventKind
 from supervisor.jobs import JobSpec, read_secret, submit
 from supervisor.jobs import job_dir as job_directory
 from supervisor.slurm import SlurmClient

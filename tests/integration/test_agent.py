@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from agent import protocol
-from agent.auth import write_secret
-from agent.protocol import Command, CommandKind, Event, EventKind
+from agent.wire import protocol
+from agent.wire.auth import write_secret
+from agent.wire.protocol import Command, CommandKind, Event, EventKind
 from tests.conftest import REPO, LiveCluster, free_port
 from tests.recording_server import RecordingServer
 
 WORKER = REPO / "tests" / "workers" / "agent_worker.py"
 LOSS_WORKER = REPO / "tests" / "workers" / "loss_worker.py"
-AGENT = [sys.executable, "-m", "agent.node"]
+AGENT = [sys.executable, "-m", "agent.node.agent"]
 
 
 class RunningAgent:
@@ -296,7 +296,7 @@ def test_agents_under_srun_report_a_killed_rank_on_the_right_node(
     script.write_text(
         "#!/bin/bash\n"
         f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c '"
-        f"exec {sys.executable} -m agent.node --master-addr 127.0.0.1 "
+        f"exec {sys.executable} -m agent.node.agent --master-addr 127.0.0.1 "
         f"--master-port {free_port()} --events-log {tmp_path}/events-$SLURMD_NODENAME.jsonl "
         f"-- torchrun --nproc-per-node=2 {WORKER} --out {out} --instrumented'\n"
     )

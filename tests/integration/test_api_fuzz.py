@@ -28,8 +28,8 @@ from aiohttp import web
 from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
-from agent import protocol
-from agent.protocol import EventKind
+from agent.wire import protocol
+from agent.wire.protocol import EventKind
 from supervisor.api import MemoryDirectory, bound_port, build_app, serve, shutdown
 from tests.json_slots import slots
 from tests.unit.test_api import INCARNATION, JOB, NODES, NOW, OTHER_JOB, OTHER_SECRET, SECRET

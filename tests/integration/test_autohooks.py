@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.launch import BOOTSTRAP_DIR, with_bootstrap
+from agent.node.launch import BOOTSTRAP_DIR, with_bootstrap
 from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, parse_datagram
 
 REPO = Path(__file__).resolve().parents[2]

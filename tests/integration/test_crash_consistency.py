@@ -70,7 +70,7 @@ from typing import Any
 
 import pytest
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from supervisor.act.reconcile import command_attempt
 from supervisor.jobs import JobSpec, read_secret, submit
 from supervisor.jobs import job_dir as job_directory
@@ -635,7 +635,7 @@ class Round:
                     made_for = command_attempt(command_id)
                     if made_for is None or made_for <= agent.attempt:
                         self.violate(when, f"stop {command_id} reached an agent of attempt "
-                                     f"{agent.attempt} on {agent.node}")  # fmt: skip
+                                     f"{agent.attempt} on {agent.node.agent}")  # fmt: skip
 
     def report(self) -> str:
         return "\n".join(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from tests.integration.test_agent import WORKER, RunningAgent
 
 PY = sys.executable
@@ -122,7 +122,7 @@ def test_a_wrapped_torchrun_that_cannot_be_fitted_ends_with_one_line_saying_why(
 ) -> None:
     import subprocess
 
-    from agent.launch import BOOTSTRAP_DIR, ENV_ALLOCATION
+    from agent.node.launch import BOOTSTRAP_DIR, ENV_ALLOCATION
 
     allocation = '{"job_id": "7", "node": "node1", "nnodes": 2, "node_rank": 0, ' \
         '"master_addr": "127.0.0.1", "master_port": 29999}'  # fmt: skip

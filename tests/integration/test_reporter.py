@@ -21,11 +21,13 @@ import aiohttp
 import pytest
 import tenacity
 
-from agent import client, protocol, spool
-from agent.auth import load_secret, new_secret, write_secret
-from agent.client import Reporter
-from agent.errors import ConfigError
-from agent.protocol import (
+from agent.node.agent import client, spool
+from agent.node.client import Reporter
+from agent.node.spool import SpoolLocked
+from agent.wire import protocol
+from agent.wire.auth import load_secret, new_secret, write_secret
+from agent.wire.errors import ConfigError
+from agent.wire.protocol import (
     Command,
     CommandKind,
     Event,
@@ -34,7 +36,6 @@ from agent.protocol import (
     ProtocolError,
     RankStatus,
 )
-from agent.spool import SpoolLocked
 from tests.recording_server import RecordingServer
 
 JOB = "4711"
@@ -345,7 +346,7 @@ def test_an_acknowledged_spool_is_rotated_and_stays_small(
 def test_unreachable_supervisor_is_logged_as_a_warning_with_the_spool_size(
     server: RecordingServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="agent.client")
+    caplog.set_level(logging.WARNING, logger="agent.node.client")
 
     async def scenario() -> None:
         server.stop()

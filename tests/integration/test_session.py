@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from agent.checkpoint import format as fmt
-from agent.errors import CheckpointError, CheckpointInvalid, ConfigError
 from agent.train.sampler import GlobalBatchSampler
 from agent.train.schedule import CheckpointInterval, IntervalSource
 from agent.train.session import ENV_RESUME_FROM, TrainingSession
+from agent.wire.errors import CheckpointError, CheckpointInvalid, ConfigError
 
 
 class FixedInterval(IntervalSource):

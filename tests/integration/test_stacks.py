@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.stacks import (
+from agent.node.stacks import (
     StackDump,
     dump_all,
     dump_stacks,
@@ -154,7 +154,7 @@ def test_missing_py_spy_is_an_error_value_that_says_how_to_install_it() -> None:
 
 
 def test_no_py_spy_anywhere_says_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("agent.stacks.find_py_spy", lambda: None)
+    monkeypatch.setattr("agent.node.stacks.find_py_spy", lambda: None)
     dump = dump_stacks(os.getpid())
     assert dump.error is not None and "pip install py-spy" in dump.error
 

@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from agent import protocol
 from agent.checkpoint import format as fmt
-from agent.errors import CheckpointInvalid, ConfigError
-from agent.node import NodeAgent
-from agent.protocol import EventKind, ProtocolError
+from agent.node.agent import NodeAgent
 from agent.train.heartbeat import Phase, encode_checkpoint
+from agent.wire import protocol
+from agent.wire.errors import CheckpointInvalid, ConfigError
+from agent.wire.protocol import EventKind, ProtocolError
 from supervisor.core.intents import MAX_DRAIN_DETAIL_CHARS, DrainNode
 from supervisor.core.model import Cause
 from supervisor.errors import StoreMissing

@@ -25,10 +25,10 @@ import tenacity
 from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.web_protocol import RequestHandler
 
-from agent import protocol
-from agent.auth import new_secret
-from agent.client import Reporter
-from agent.protocol import (
+from agent.node.client import Reporter
+from agent.wire import protocol
+from agent.wire.auth import new_secret
+from agent.wire.protocol import (
     Command,
     CommandKind,
     Event,

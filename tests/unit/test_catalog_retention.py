@@ -21,7 +21,7 @@ from agent.checkpoint.retention import (
     plan_retention,
 )
 from agent.checkpoint.validate import Level
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 from tests.ckpt_helpers import make_committed_checkpoint, save_plain_dcp, small_state
 
 NOW = 1_000_000.0

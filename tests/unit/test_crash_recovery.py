@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agent import protocol
+from agent.wire import protocol
 from supervisor.act.executor import Executor
 from supervisor.core.model import JobState
 from supervisor.core.observations import LeaseExpired

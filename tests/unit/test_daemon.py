@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from agent import protocol
-from agent.protocol import CommandKind, EventKind
+from agent.wire import protocol
+from agent.wire.protocol import CommandKind, EventKind
 from supervisor.config import SupervisorConfig
 from supervisor.core.observations import RelaunchFinished
 from supervisor.core.policy import Policy

@@ -8,8 +8,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from agent.config import AgentConfig
-from agent.settings import show_default
+from agent.node.config import AgentConfig
+from agent.wire.settings import show_default
 from supervisor.config import SupervisorConfig
 from supervisor.core.policy import Policy
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from agent import protocol
-from agent.auth import new_secret, write_secret
 from agent.driver import Driver, DriverSettings, agent_argv, settings_from
-from agent.errors import ConfigError
-from agent.protocol import DriverAction, DriverAnswer, DriverPhase
+from agent.wire import protocol
+from agent.wire.auth import new_secret, write_secret
+from agent.wire.errors import ConfigError
+from agent.wire.protocol import DriverAction, DriverAnswer, DriverPhase
 from supervisor.api import MemoryDirectory, bound_port, build_app, serve, shutdown
 
 JOB = "4711"

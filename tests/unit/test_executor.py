@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.protocol import CommandKind, Reply, decode_reply, encode_reply
+from agent.wire.protocol import CommandKind, Reply, decode_reply, encode_reply
 from supervisor.act.executor import (
     ALERT_KIND,
     DRIVER_STOP_GRACE_S,

@@ -31,8 +31,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import protocol
-from agent.protocol import (
+from agent.wire import protocol
+from agent.wire.protocol import (
     Command,
     CommandKind,
     DriverAnswer,

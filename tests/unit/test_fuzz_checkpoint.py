@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
 from agent.checkpoint.validate import Level, Report, validate
-from agent.errors import CheckpointInvalid
+from agent.wire.errors import CheckpointInvalid
 from tests.ckpt_helpers import make_committed_checkpoint, save_plain_dcp, small_state
 
 FUZZ = settings(

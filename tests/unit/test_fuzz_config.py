@@ -26,11 +26,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.auth import SECRET_BYTES, load_secret, new_secret, write_secret
-from agent.config import AgentConfig
-from agent.config import load_config as load_agent_config
-from agent.errors import ConfigError
-from agent.settings import convert
+from agent.node.config import AgentConfig
+from agent.node.config import load_config as load_agent_config
+from agent.wire.auth import SECRET_BYTES, load_secret, new_secret, write_secret
+from agent.wire.errors import ConfigError
+from agent.wire.settings import convert
 from supervisor.config import SupervisorConfig, load_config
 from supervisor.core.policy import Policy
 from supervisor.jobs import JobSpec, read_spec

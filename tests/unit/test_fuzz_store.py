@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.protocol import Event, EventKind, make_event
+from agent.wire.protocol import Event, EventKind, make_event
 from supervisor.errors import StoreCorrupt, StoreError
 from supervisor.store import Store
 from supervisor.store.wal import wal_path

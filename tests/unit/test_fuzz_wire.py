@@ -20,8 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import protocol
-from agent.protocol import (
+from agent.train import heartbeat as hb
+from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, StepReport
+from agent.wire import protocol
+from agent.wire.protocol import (
     AuthError,
     Command,
     CommandKind,
@@ -35,8 +37,6 @@ from agent.protocol import (
     RankStatus,
     Reply,
 )
-from agent.train import heartbeat as hb
-from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, StepReport
 from tests.json_slots import slots
 
 FUZZ = settings(

@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from agent.errors import ConfigError
-from agent.hang import (
+from agent.node.hang import (
     HangConfig,
     HangReason,
     RankProgress,
@@ -21,6 +20,7 @@ from agent.hang import (
     timeout_for,
 )
 from agent.train.heartbeat import Phase, RankBeat
+from agent.wire.errors import ConfigError
 
 NOW = 10_000.0
 CONFIG = HangConfig()
@@ -305,7 +305,7 @@ def test_hang_module_imports_nothing_that_touches_the_os_or_the_clock() -> None:
     import ast
     from pathlib import Path
 
-    import agent.hang
+    import agent.node.hang
 
     tree = ast.parse(Path(agent.hang.__file__).read_text())
     roots = {

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from agent import config as agent_config
-from agent.settings import add_flags, show_default
+from agent.node.agent import config as agent_config
+from agent.wire.settings import add_flags, show_default
 from supervisor import config as supervisor_config
 from supervisor.core.policy import Policy
 

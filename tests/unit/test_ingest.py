@@ -17,8 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import protocol
-from agent.protocol import Command, CommandKind, HeartbeatReport, ProtocolError, RankStatus, Reply
+from agent.wire import protocol
+from agent.wire.protocol import (
+    Command,
+    CommandKind,
+    HeartbeatReport,
+    ProtocolError,
+    RankStatus,
+    Reply,
+)
 from supervisor.core.model import new_record
 from supervisor.intake import TrackedJob
 from supervisor.jobs import JobSpec

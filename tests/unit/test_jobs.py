@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 from supervisor.jobs import (
     JobSpec,
     SubmitError,

@@ -1,12 +1,11 @@
-"""agent.launch: the user's command fitted to the current allocation, nothing else changed."""
+"""agent.node.launch: the user's command fitted to the current allocation, nothing else changed."""
 
 from __future__ import annotations
 
 import pytest
 from torch.distributed.run import get_args_parser
 
-from agent.errors import ConfigError
-from agent.launch import (
+from agent.node.launch import (
     ENV_ALLOCATION,
     Allocation,
     LaunchSettings,
@@ -19,6 +18,7 @@ from agent.launch import (
     slurm_task_env,
     torchrun_shim,
 )
+from agent.wire.errors import ConfigError
 
 ALLOC = Allocation(
     job_id="42", node="node2", nnodes=3, node_rank=1, master_addr="10.0.0.1",
@@ -31,7 +31,7 @@ SETTINGS = LaunchSettings(
 PY = "/venv/bin/python"
 FITTED = (
     "--nnodes=3", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29811",
-    "--rdzv-id=resurgo-42-2-a1", "--max-restarts=0", "--no-python", PY, "-m", "agent.rankexec",
+    "--rdzv-id=resurgo-42-2-a1", "--max-restarts=0", "--no-python", PY, "-m", "agent.node.rankexec",
 )  # fmt: skip
 
 
@@ -44,7 +44,7 @@ def test_torchrun_gets_the_current_node_count_and_a_fresh_rendezvous() -> None:
     assert result.argv == (
         PY, "-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=3",
         "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29811", "--rdzv-id=resurgo-42-2-a1",
-        "--max-restarts=0", "--no-python", PY, "-m", "agent.rankexec", "train.py", "--lr", "3",
+        "--max-restarts=0", "--no-python", PY, "-m", "agent.node.rankexec", "train.py", "--lr", "3",
     )  # fmt: skip
     assert result.is_torchrun and result.local_ranks == 4
 
@@ -69,9 +69,9 @@ def test_module_and_no_python_forms_reach_the_rank_shim() -> None:
     module = plan(
         ["python3", "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "pkg.train"]
     )
-    assert module.argv[-3:] == ("agent.rankexec", "--module", "pkg.train")
+    assert module.argv[-3:] == ("agent.node.rankexec", "--module", "pkg.train")
     binary = plan(["torchrun", "--nproc-per-node=2", "--no-python", "./train.sh", "a"])
-    assert binary.argv[-4:] == ("agent.rankexec", "--no-python", "./train.sh", "a")
+    assert binary.argv[-4:] == ("agent.node.rankexec", "--no-python", "./train.sh", "a")
 
 
 def test_environment_tells_the_in_rank_library_where_things_are() -> None:
@@ -104,7 +104,7 @@ def test_a_wrapper_runs_unchanged_and_any_torchrun_below_it_gets_the_jobs_world(
 
 def test_resurgos_torchrun_runs_the_shim_module_with_the_agents_python() -> None:
     assert torchrun_shim("/opt/my venv/bin/python") == (
-        "#!/bin/sh\nexec '/opt/my venv/bin/python' -m agent.torchrunshim \"$@\"\n"
+        "#!/bin/sh\nexec '/opt/my venv/bin/python' -m agent.node.torchrunshim \"$@\"\n"
     )
 
 
@@ -135,7 +135,14 @@ def test_srun_ntasks_is_split_over_the_nodes_and_the_jobs_count_is_the_default()
 def test_a_plain_python_script_runs_its_ranks_per_node_like_srun_would() -> None:
     result = plan(["python3", "train.py", "--lr", "3"])
     assert result.shape is Shape.PER_RANK and result.local_ranks == 2
-    assert result.argv[-6:] == ("agent.rankexec", "--no-python", "python3", "train.py", "--lr", "3")
+    assert result.argv[-6:] == (
+        "agent.node.rankexec",
+        "--no-python",
+        "python3",
+        "train.py",
+        "--lr",
+        "3",
+    )
     assert launch_shape(["./train.py"]) is Shape.PER_RANK
     assert launch_shape(["python", "-c", "import x"]) is Shape.WRAPPER
     assert launch_shape(["make", "train"]) is Shape.WRAPPER

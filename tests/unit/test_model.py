@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.protocol import EventKind, make_event
+from agent.wire.protocol import EventKind, make_event
 from supervisor.core.intents import (
     Alert,
     DrainNode,

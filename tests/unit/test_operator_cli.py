@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import protocol
-from agent.protocol import EventKind
+from agent.wire import protocol
+from agent.wire.protocol import EventKind
 from supervisor.cli.main import main
 from supervisor.core.model import Cause
 from supervisor.store import Store

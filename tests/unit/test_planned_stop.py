@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from supervisor.core.intents import (
     DrainNode,
     RequeueSmaller,

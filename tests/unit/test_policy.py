@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.errors import ConfigError
-from agent.protocol import EventKind
+from agent.wire.errors import ConfigError
+from agent.wire.protocol import EventKind
 from supervisor.core.blame import EXIT_TIE_TOLERANCE_S
 from supervisor.core.intents import (
     Alert,
@@ -1174,7 +1174,7 @@ def test_a_world_that_is_not_the_jobs_stops_the_job_as_failed_at_once_without_dr
 
 
 def test_a_world_mismatch_event_reads_as_what_the_rank_saw_against_the_job() -> None:
-    from agent import protocol
+    from agent.wire import protocol
     from supervisor.core.observations import from_event
 
     payload = {"global_rank": 0, "pid": 77, "world_size": 1, "local_world_size": 2, "nnodes": 4}

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import protocol
-from agent.protocol import (
+from agent.wire import protocol
+from agent.wire.protocol import (
     AuthError,
     Command,
     CommandKind,
@@ -585,7 +585,7 @@ def test_signed_headers_carry_job_timestamp_signature_and_version() -> None:
 
 
 def test_protocol_package_is_pure() -> None:
-    modules = sorted((Path(__file__).resolve().parents[2] / "agent" / "protocol").glob("*.py"))
+    modules = sorted((Path(__file__).resolve().parents[2] / "agent" / "wire" / "protocol").glob("*.py"))
     assert len(modules) > 1
     for module in modules:
         assert not imported_roots(module.read_text()) & FORBIDDEN, module.name

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PURE_FOLDERS = ("supervisor/core", "agent/protocol")
+PURE_FOLDERS = ("supervisor/core", "agent/wire/protocol")
 PURE_FILES = (
-    "agent/errors.py",
+    "agent/wire/errors.py",
     "agent/checkpoint/format.py",
     "agent/checkpoint/report.py",
     "agent/checkpoint/interval.py",
-    "agent/launch.py",
-    "agent/hang.py",
+    "agent/node/launch.py",
+    "agent/node/hang.py",
     "agent/timelimit.py",
     "agent/train/sampler.py",
     "supervisor/errors.py",
@@ -32,7 +32,7 @@ PURE_FILES = (
     "supervisor/sbatch.py",
     "supervisor/store/rows.py",
     "supervisor/text.py",
-    "agent/steps.py",
+    "agent/node/steps.py",
 )
 PURE_MODULES = tuple(
     sorted(

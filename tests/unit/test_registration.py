@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.auth import new_secret
+from agent.wire.auth import new_secret
 from supervisor.api import MemoryDirectory, bound_port, build_app, serve, shutdown
 from supervisor.jobs import SubmitError, submit
 from supervisor.registration import Health, Registration, health, refusal, verdict, wait_registered

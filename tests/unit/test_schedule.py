@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from agent.errors import ConfigError
 from agent.train.schedule import (
     ENV_EVERY_STEPS,
     ENV_INTERVAL_FILE,
@@ -22,6 +21,7 @@ from agent.train.schedule import (
     format_override,
     parse_override,
 )
+from agent.wire.errors import ConfigError
 
 NOW = 1000.0
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from agent import protocol
-from agent.hang import HangConfig
-from agent.node import private_dir
-from agent.procs import RankProcess
+from agent.node.agent import private_dir
+from agent.node.hang import HangConfig
+from agent.node.procs import RankProcess
+from agent.node.watch import RankMonitor
 from agent.train.heartbeat import (
     Phase,
     RankBeat,
@@ -29,7 +29,7 @@ from agent.train.heartbeat import (
     encode_step_report,
     parse_datagram,
 )
-from agent.watch import RankMonitor
+from agent.wire import protocol
 
 
 async def _ignore(kind: protocol.EventKind, payload: dict[str, Any]) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import load_config as load_agent_config
-from agent.errors import ConfigError
+from agent.node.config import load_config as load_agent_config
+from agent.wire.errors import ConfigError
 from supervisor.config import load_config
 from supervisor.core.intents import ValidationLevel
 

@@ -15,12 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from agent import protocol
-from agent.auth import new_secret, write_secret
-from agent.config import load_config
-from agent.node import Clocks, NodeAgent, default_run_dir
-from agent.procs import RankExit, RankProcess
-from agent.steps import StepBuffer
+from agent.node.agent import Clocks, NodeAgent, default_run_dir
+from agent.node.config import load_config
+from agent.node.procs import RankExit, RankProcess
+from agent.node.steps import StepBuffer
 from agent.train.heartbeat import (
     Heartbeat,
     Phase,
@@ -33,6 +31,8 @@ from agent.train.heartbeat import (
 from agent.train.sampler import GlobalBatchSampler
 from agent.train.schedule import CheckpointInterval, IntervalSource
 from agent.train.session import TrainingSession
+from agent.wire import protocol
+from agent.wire.auth import new_secret, write_secret
 
 INCARNATION = "0123abcd"
 

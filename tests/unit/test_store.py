@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.protocol import Command, CommandKind, Event, EventKind, make_event
+from agent.wire.protocol import Command, CommandKind, Event, EventKind, make_event
 from supervisor.errors import (
     ActionStateError,
     StoreCorrupt,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 from supervisor.cli.main import main
 from supervisor.jobs import JobSpec, batch_script, sbatch_options
 from supervisor.sbatch import directives_of, parse_request, procs_per_node, training_script

@@ -22,7 +22,7 @@ from agent.checkpoint import files
 from agent.checkpoint import format as fmt
 from agent.checkpoint.catalog import newest_valid
 from agent.checkpoint.validate import PLAIN_DCP_NOTE, Level, Report, validate
-from agent.errors import CheckpointInvalid
+from agent.wire.errors import CheckpointInvalid
 from tests.ckpt_helpers import (
     data_files,
     make_committed_checkpoint,

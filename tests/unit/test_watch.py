@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-from agent import protocol, watch
-from agent.hang import HangConfig
-from agent.procs import RankProcess
-from agent.stacks import Frame, StackDump, ThreadStack
+from agent.node.agent import watch
+from agent.node.hang import HangConfig
+from agent.node.procs import RankProcess
+from agent.node.stacks import Frame, StackDump, ThreadStack
 from agent.train.heartbeat import Phase, RankBeat
+from agent.wire import protocol
 
 CONFIG = HangConfig(floor_s=8.0, k=5.0, stack_timeout_s=8.0)
 LIVE = {0: RankProcess(0, 0, 100), 1: RankProcess(1, 1, 101)}

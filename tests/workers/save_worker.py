@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from agent.checkpoint.format import StateKind
 from agent.checkpoint.retention import RetentionPolicy, apply_retention
 from agent.checkpoint.save import Checkpointer, SaveResult, WhenBusy
-from agent.errors import CheckpointError
+from agent.wire.errors import CheckpointError
 
 CONTENTS = (StateKind.MODEL, StateKind.OPTIMIZER, StateKind.EXTRA)
 TIMEOUT_S = 60.0

@@ -9,7 +9,7 @@ change:
   and ``--max-restarts=0`` (restarts are the supervisor's decision, not
   torchrun's: an in-place restart would hide the fault from Resurgo) are set
   from the allocation; every other torchrun option and the script's arguments
-  pass through unchanged. Each worker runs under :mod:`agent.rankexec`, a tiny
+  pass through unchanged. Each worker runs under :mod:`agent.node.rankexec`, a tiny
   parent that records the worker's exit code or signal for the agent, since
   torchrun, not the agent, is the worker's parent and reaps it.
 - **per rank**: ``srun [options] COMMAND`` (one task per rank, the way
@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePath
 
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 
 ENV_JOB_ID = "RESURGO_JOB_ID"
 ENV_NODE = "RESURGO_NODE"
@@ -57,7 +57,7 @@ ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 ENV_CKPT_INTERVAL_S = "RESURGO_CKPT_INTERVAL_S"
 ENV_CKPT_INTERVAL_FILE = "RESURGO_CKPT_INTERVAL_FILE"
 ENV_SAVE_REQUEST_FILE = "RESURGO_SAVE_REQUEST_FILE"
-# The allocation as JSON, for the torchrun that a wrapper script starts (agent.torchrunshim).
+# The allocation as JSON, for the torchrun that a wrapper script starts (agent.node.torchrunshim).
 ENV_ALLOCATION = "RESURGO_ALLOCATION"
 # Set for per-rank launches: the rank shim gives the command Slurm's task variables.
 ENV_SLURM_TASKS = "RESURGO_SLURM_TASKS"
@@ -190,7 +190,7 @@ class LaunchPlan:
 
 def torchrun_shim(python: str) -> str:
     """The ``torchrun`` put first on a wrapper's ``PATH``: fits the real one to the job."""
-    return f'#!/bin/sh\nexec {_sh_quote(python)} -m agent.torchrunshim "$@"\n'
+    return f'#!/bin/sh\nexec {_sh_quote(python)} -m agent.node.torchrunshim "$@"\n'
 
 
 def _sh_quote(word: str) -> str:
@@ -378,7 +378,7 @@ def fit_torchrun(
         "--no-python",
         python,
         "-m",
-        "agent.rankexec",
+        "agent.node.rankexec",
         *target,
         *parsed.training_script_args,
     )

@@ -4,7 +4,7 @@ for scripts that send no heartbeats.
 :func:`dump_stacks` runs ``py-spy dump --json --pid PID`` (all threads) with a
 timeout and returns a :class:`StackDump`; a failure is a value whose ``error``
 says what to do, never an exception. :func:`fingerprint` and
-:func:`in_collective` turn a dump into an :class:`agent.hang.StackSample`.
+:func:`in_collective` turn a dump into an :class:`agent.node.hang.StackSample`.
 
 What py-spy 0.4 prints for a rank blocked in a gloo ``all_reduce`` while its
 peer is SIGSTOPped (recorded in ``tests/fixtures/stacks/``; frames innermost

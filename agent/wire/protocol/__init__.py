@@ -22,21 +22,21 @@ The package is pure: values in, bytes out and back, and no clock — the
 signing timestamp and ``now`` are arguments. Its modules, in the order they
 build on each other:
 
-- :mod:`~agent.protocol.constants`: version, headers, paths, windows, limits
-- :mod:`~agent.protocol.errors`: :class:`ProtocolError`, :class:`AuthError`
-- :mod:`~agent.protocol.messages`: the message types (events, heartbeats,
+- :mod:`~agent.wire.protocol.constants`: version, headers, paths, windows, limits
+- :mod:`~agent.wire.protocol.errors`: :class:`ProtocolError`, :class:`AuthError`
+- :mod:`~agent.wire.protocol.messages`: the message types (events, heartbeats,
   commands, replies, the in-job driver's request and answer)
-- :mod:`~agent.protocol.fields`: one checker per JSON field
-- :mod:`~agent.protocol.strict_json`: strict JSON load/dump and the envelope
-- :mod:`~agent.protocol.payloads`: the fields of each event and command kind
-- :mod:`~agent.protocol.codec`: events, replies, refusals, driver messages
-- :mod:`~agent.protocol.heartbeat`: heartbeats, with a msgspec fast path
-- :mod:`~agent.protocol.signing`: HMAC signing of requests and stream frames
+- :mod:`~agent.wire.protocol.fields`: one checker per JSON field
+- :mod:`~agent.wire.protocol.strict_json`: strict JSON load/dump and the envelope
+- :mod:`~agent.wire.protocol.payloads`: the fields of each event and command kind
+- :mod:`~agent.wire.protocol.codec`: events, replies, refusals, driver messages
+- :mod:`~agent.wire.protocol.heartbeat`: heartbeats, with a msgspec fast path
+- :mod:`~agent.wire.protocol.signing`: HMAC signing of requests and stream frames
 """
 
 from __future__ import annotations
 
-from agent.protocol.codec import (
+from agent.wire.protocol.codec import (
     clip_text,
     decode_driver_answer,
     decode_driver_request,
@@ -52,7 +52,7 @@ from agent.protocol.codec import (
     encode_reply,
     make_event,
 )
-from agent.protocol.constants import (
+from agent.wire.protocol.constants import (
     DRIVER_PATH,
     EVENTS_PATH,
     HEADER_JOB,
@@ -75,16 +75,16 @@ from agent.protocol.constants import (
     REPLAY_WINDOW_S,
     RETRY_MAX_S,
 )
-from agent.protocol.errors import AuthError, ProtocolError, StaleTimestamp
-from agent.protocol.fields import check_incarnation, check_name
+from agent.wire.protocol.errors import AuthError, ProtocolError, StaleTimestamp
+from agent.wire.protocol.fields import check_incarnation, check_name
 
 # The heartbeat decoder's two paths, for the tests that hold them to one answer.
-from agent.protocol.heartbeat import _canonical_heartbeat as _canonical_heartbeat
-from agent.protocol.heartbeat import _checked_heartbeat as _checked_heartbeat
-from agent.protocol.heartbeat import _checked_rank as _checked_rank
-from agent.protocol.heartbeat import _plain_rank as _plain_rank
-from agent.protocol.heartbeat import decode_heartbeat, encode_heartbeat
-from agent.protocol.messages import (
+from agent.wire.protocol.heartbeat import _canonical_heartbeat as _canonical_heartbeat
+from agent.wire.protocol.heartbeat import _checked_heartbeat as _checked_heartbeat
+from agent.wire.protocol.heartbeat import _checked_rank as _checked_rank
+from agent.wire.protocol.heartbeat import _plain_rank as _plain_rank
+from agent.wire.protocol.heartbeat import decode_heartbeat, encode_heartbeat
+from agent.wire.protocol.messages import (
     Command,
     CommandKind,
     DriverAction,
@@ -101,7 +101,7 @@ from agent.protocol.messages import (
     StopMethod,
     event_id_for,
 )
-from agent.protocol.signing import (
+from agent.wire.protocol.signing import (
     canonical_string,
     check_fresh,
     is_signature,
@@ -112,7 +112,7 @@ from agent.protocol.signing import (
     verify,
     verify_hashed,
 )
-from agent.protocol.strict_json import is_unicode
+from agent.wire.protocol.strict_json import is_unicode
 
 __all__ = [
     "DRIVER_PATH",

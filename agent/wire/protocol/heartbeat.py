@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from agent.protocol.constants import (
+from agent.wire.protocol.constants import (
     _INCARNATION,
     _INT_LIMIT,
     _NAME,
@@ -21,8 +21,8 @@ from agent.protocol.constants import (
     MAX_SHORT_TEXT_CHARS,
     PROTOCOL_VERSION,
 )
-from agent.protocol.errors import ProtocolError
-from agent.protocol.fields import (
+from agent.wire.protocol.errors import ProtocolError
+from agent.wire.protocol.fields import (
     _check_incarnation,
     _float,
     _int,
@@ -32,8 +32,8 @@ from agent.protocol.fields import (
     _optional,
     _str,
 )
-from agent.protocol.messages import HeartbeatReport, RankStatus
-from agent.protocol.strict_json import _dump, _envelope, _load
+from agent.wire.protocol.messages import HeartbeatReport, RankStatus
+from agent.wire.protocol.strict_json import _dump, _envelope, _load
 
 
 def encode_heartbeat(report: HeartbeatReport) -> bytes:

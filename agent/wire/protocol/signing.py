@@ -10,7 +10,7 @@ import hmac
 import re
 from typing import Any
 
-from agent.protocol.constants import (
+from agent.wire.protocol.constants import (
     HEADER_JOB,
     HEADER_PROTOCOL,
     HEADER_SIGNATURE,
@@ -20,7 +20,7 @@ from agent.protocol.constants import (
     PROTOCOL_VERSION,
     REPLAY_WINDOW_S,
 )
-from agent.protocol.errors import AuthError, ProtocolError, StaleTimestamp
+from agent.wire.protocol.errors import AuthError, ProtocolError, StaleTimestamp
 
 _SIGNATURE_SCHEME = "RESURGO-HMAC-SHA256"
 _SIGNATURE = re.compile(r"[0-9a-f]{64}")

@@ -1,12 +1,12 @@
 """The node agent's view of its ranks' progress: heartbeats, stack samples, verdicts, reports.
 
 :class:`RankMonitor` holds what the agent knows about each live rank (the
-:class:`~agent.hang.RankProgress` from heartbeats, the stack samples of ranks
+:class:`~agent.node.hang.RankProgress` from heartbeats, the stack samples of ranks
 that send none) and turns it into events: a hang (with every local rank's
 stack, collected before anything is killed, and the ranks ordered most
 suspect first), a straggler, and the periodic heartbeat report. The decisions
-themselves are the pure functions of :mod:`agent.hang`; this module gathers
-their inputs (py-spy through :mod:`agent.stacks`) and reports each episode once.
+themselves are the pure functions of :mod:`agent.node.hang`; this module gathers
+their inputs (py-spy through :mod:`agent.node.stacks`) and reports each episode once.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from agent import protocol
-from agent.hang import (
+from agent.node.hang import (
     HangConfig,
     HangReason,
     HangVerdict,
@@ -31,9 +30,10 @@ from agent.hang import (
     observe,
     stack_hang_verdict,
 )
-from agent.procs import RankProcess
-from agent.stacks import StackDump, dump_all, dump_all_placed, fingerprint, in_collective
+from agent.node.procs import RankProcess
+from agent.node.stacks import StackDump, dump_all, dump_all_placed, fingerprint, in_collective
 from agent.train.heartbeat import RankBeat
+from agent.wire import protocol
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The protocol's messages as values: events, heartbeats, commands, replies, the driver's.
 
 Frozen dataclasses and enums only; their JSON forms are in
-:mod:`agent.protocol.codec` and :mod:`agent.protocol.heartbeat`.
+:mod:`agent.wire.protocol.codec` and :mod:`agent.wire.protocol.heartbeat`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the node agent does when told to: supervisor commands, stopping the ranks, the time limit.
 
-:class:`~agent.node.NodeAgent` owns the loop and its state; these are the
+:class:`~agent.node.agent.NodeAgent` owns the loop and its state; these are the
 steps it takes. A supervisor command becomes an item of the agent's queue
 (:func:`queued`), acted on in the loop: a new checkpoint interval is written
 for the ranks (:func:`write_interval`), a stop runs :func:`terminate` and
@@ -20,13 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent import protocol
 from agent.checkpoint import files
 from agent.checkpoint.catalog import newest_committed_step
-from agent.procs import RankExit, RankProcess, pid_alive
+from agent.node.procs import RankExit, RankProcess, pid_alive
 from agent.stopfiles import held_ranks
 from agent.timelimit import Notice
 from agent.train.schedule import CheckpointInterval, format_override
+from agent.wire import protocol
 
 log = logging.getLogger(__name__)
 

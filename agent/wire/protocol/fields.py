@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
-from agent.protocol.constants import (
+from agent.wire.protocol.constants import (
     _INCARNATION,
     _INT_LIMIT,
     _NAME,
@@ -22,7 +22,7 @@ from agent.protocol.constants import (
     MAX_SHORT_TEXT_CHARS,
     MAX_TEXT_CHARS,
 )
-from agent.protocol.errors import ProtocolError
+from agent.wire.protocol.errors import ProtocolError
 
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
 _SEQ = re.compile(r"[1-9][0-9]{0,18}")

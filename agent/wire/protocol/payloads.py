@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agent.protocol.constants import MAX_STEPS_PER_EVENT
-from agent.protocol.fields import (
+from agent.wire.protocol.constants import MAX_STEPS_PER_EVENT
+from agent.wire.protocol.fields import (
     _argv,
     _bool,
     _enum_value,
@@ -24,7 +24,7 @@ from agent.protocol.fields import (
     _str,
     _text,
 )
-from agent.protocol.messages import CommandKind, EventKind, HangDetector, StopMethod
+from agent.wire.protocol.messages import CommandKind, EventKind, HangDetector, StopMethod
 
 _RANK_IDENTITY = (
     _Spec("global_rank", _int),
@@ -67,7 +67,7 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
             ),
         ),
         _Spec("stacks", _stacks),
-        # Most suspect first (agent.hang.culprit_hints): the rank behind, or
+        # Most suspect first (agent.node.hang.culprit_hints): the rank behind, or
         # one whose stack is outside the collective everyone else waits in.
         _Spec(
             "culprits",

@@ -3,10 +3,10 @@
 Under torchrun the tree is ``agent -> torchrun -> rankexec shim -> rank``. A
 rank is identified by the shim's ``RANK``/``LOCAL_RANK`` environment (set by
 torchrun), and its exit status is read from the file the shim writes
-(:mod:`agent.rankexec`), because only a parent learns a child's exit status.
+(:mod:`agent.node.rankexec`), because only a parent learns a child's exit status.
 The per-rank shape (``srun python train.py``) runs under torchrun in the same
 way. A wrapper (``bash run.sh``) is searched for shims too, since a torchrun it
-starts is fitted with them (:mod:`agent.torchrunshim`); a rank that beats
+starts is fitted with them (:mod:`agent.node.torchrunshim`); a rank that beats
 without one (a ``python -m torch.distributed.run`` in the wrapper) is adopted
 by its pid (:meth:`RankWatcher.adopt`), its exit status unknown; and a wrapper
 under which no rank was ever found is the node's single rank, whose status the
@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from agent.launch import Shape
+from agent.node.launch import Shape
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class RankWatcher:
     def _rank_of_shim(self, process: psutil.Process) -> RankProcess | None:
         try:
             cmdline = process.cmdline()
-            if "agent.rankexec" not in cmdline:
+            if "agent.node.rankexec" not in cmdline:
                 return None
             environ = process.environ()
             children = process.children()
@@ -251,7 +251,7 @@ def _bare_workers(descendants: list[psutil.Process]) -> list[RankProcess | None]
                 continue
             environs[process.pid] = environ
             parents[process.pid] = process.ppid()
-            if "agent.rankexec" in process.cmdline():
+            if "agent.node.rankexec" in process.cmdline():
                 shims.add(process.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -19,9 +19,9 @@ Heartbeats are best effort and never spooled: only the newest matters. They
 go over one WebSocket to the supervisor's heartbeat stream, opened with a
 signed upgrade request and kept open (a request per heartbeat costs the
 supervisor several times more), and are sent as POSTs to a supervisor that
-has no stream. The wire format and signing live in :mod:`agent.protocol`, the
-spool in :mod:`agent.spool`, the job secret and signed requests in
-:mod:`agent.auth`.
+has no stream. The wire format and signing live in :mod:`agent.wire.protocol`, the
+spool in :mod:`agent.node.spool`, the job secret and signed requests in
+:mod:`agent.wire.auth`.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from typing import Any
 import aiohttp
 import tenacity
 
-from agent import protocol
-from agent.auth import Rejected, signed_post
-from agent.auth import load_secret as load_secret  # re-exported: supervisor/jobs.py
-from agent.auth import new_secret as new_secret  # re-exported: supervisor/jobs.py
-from agent.auth import write_secret as write_secret  # re-exported: supervisor/jobs.py
-from agent.errors import ConfigError
-from agent.protocol import Command, Event, EventKind, HeartbeatReport, Refusal, Reply
-from agent.spool import Spool
+from agent.node.spool import Spool
+from agent.wire import protocol
+from agent.wire.auth import Rejected, signed_post
+from agent.wire.auth import load_secret as load_secret  # re-exported: supervisor/jobs.py
+from agent.wire.auth import new_secret as new_secret  # re-exported: supervisor/jobs.py
+from agent.wire.auth import write_secret as write_secret  # re-exported: supervisor/jobs.py
+from agent.wire.errors import ConfigError
+from agent.wire.protocol import Command, Event, EventKind, HeartbeatReport, Refusal, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class Reporter:
     async def emit(self, kind: EventKind, payload: dict[str, Any]) -> Event:
         """Record an event durably and queue it for delivery; returns it with its id.
 
-        Raises :class:`~agent.protocol.ProtocolError` (and spools nothing) when
+        Raises :class:`~agent.wire.protocol.ProtocolError` (and spools nothing) when
         ``payload`` does not fit ``kind``. Blocks the loop for one fsync.
         """
         if self._closed:
@@ -204,7 +204,7 @@ class Reporter:
         next heartbeat supersedes this one, and events carry what must not be
         lost. A stream that failed (closed, timed out, garbled) is dropped and
         the next heartbeat opens a new one; a refused heartbeat leaves it open.
-        An invalid ``report`` raises :class:`~agent.protocol.ProtocolError` (a
+        An invalid ``report`` raises :class:`~agent.wire.protocol.ProtocolError` (a
         bug in the caller, not a delivery failure).
         """
         body = protocol.encode_heartbeat(report)

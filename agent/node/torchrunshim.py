@@ -6,10 +6,10 @@ start a world of its own. Two ways in, both landing in :func:`exec_fitted`,
 which fits torchrun's arguments to the job exactly as a torchrun given to
 ``resurgo submit`` is fitted (the job's node count and rendezvous, no
 in-place restarts, each worker under the rank shim:
-:func:`agent.launch.fit_torchrun`) and replaces the process with the result:
+:func:`agent.node.launch.fit_torchrun`) and replaces the process with the result:
 
 - ``torchrun`` found on ``PATH``: the agent puts its own first
-  (:func:`agent.launch.torchrun_shim`), which runs :func:`main`;
+  (:func:`agent.node.launch.torchrun_shim`), which runs :func:`main`;
 - ``python -m torch.distributed.run`` or a torchrun named by its full path:
   the bootstrap (``agent/bootstrap/sitecustomize.py``) calls
   :func:`refit_if_torchrun` at the start of every Python process under the
@@ -25,8 +25,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import PurePath
 
-from agent.errors import ConfigError
-from agent.launch import ENV_ALLOCATION, allocation_from_env, fit_torchrun
+from agent.node.launch import ENV_ALLOCATION, allocation_from_env, fit_torchrun
+from agent.wire.errors import ConfigError
 
 ENV_FITTED = "RESURGO_TORCHRUN_FITTED"
 

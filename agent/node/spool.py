@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from agent import protocol
 from agent.checkpoint.files import fsync_dir, write_durably
-from agent.errors import ConfigError, ResurgoError
-from agent.protocol import Event
+from agent.wire import protocol
+from agent.wire.errors import ConfigError, ResurgoError
+from agent.wire.protocol import Event
 
 logger = logging.getLogger(__name__)
 

@@ -4,23 +4,23 @@ One asyncio loop per node. It
 
 1. runs the node health check (when configured) and refuses to launch on an
    unhealthy node;
-2. launches the node's share of the job (:mod:`agent.launch`) and finds every
-   rank process (:mod:`agent.procs`);
+2. launches the node's share of the job (:mod:`agent.node.launch`) and finds every
+   rank process (:mod:`agent.node.procs`);
 3. receives the ranks' heartbeats on a Unix datagram socket
    (:mod:`agent.train.heartbeat`) and samples the stacks of ranks that send
-   none (:mod:`agent.stacks`);
-4. decides hangs and stragglers with the pure functions of :mod:`agent.hang`,
+   none (:mod:`agent.node.stacks`);
+4. decides hangs and stragglers with the pure functions of :mod:`agent.node.hang`,
    collecting every local rank's stack before reporting a hang;
 5. reports events at once and heartbeat summaries periodically, through the
-   spooling :class:`agent.client.Reporter` (or only to the local events log
+   spooling :class:`agent.node.client.Reporter` (or only to the local events log
    when no supervisor is configured), and obeys the commands that come back;
 6. on SIGTERM or a stop command, SIGTERMs the ranks, waits the grace period,
    SIGKILLs what remains, and says what happened.
 
 Signal handlers only enqueue; every decision is made in the loop. A failing
 tick is logged with its traceback and the loop goes on. The steps a command,
-a stop or the time limit take are in :mod:`agent.commands`; the ranks' save
-notes in :mod:`agent.savenotes`; the run directory in :mod:`agent.rundir`.
+a stop or the time limit take are in :mod:`agent.node.commands`; the ranks' save
+notes in :mod:`agent.node.savenotes`; the run directory in :mod:`agent.node.rundir`.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent import protocol
 from agent.checkpoint.catalog import newest_committed_step
-from agent.commands import (
+from agent.node.commands import (
     await_final_checkpoint,
     notice_is_ours,
     queued,
@@ -48,20 +47,28 @@ from agent.commands import (
     terminate,
     write_interval,
 )
-from agent.config import AgentConfig, build_parser, load_config
-from agent.errors import ResurgoError
-from agent.events import EventOut
-from agent.health import run_health_check
-from agent.launch import Allocation, LaunchPlan, LaunchSettings, Shape, plan_launch, torchrun_shim
-from agent.periodic import every
-from agent.procs import RankExit, RankProcess, RankWatcher
-from agent.rundir import default_run_dir, private_dir
-from agent.savenotes import SaveNotes
-from agent.steps import StepBuffer
+from agent.node.config import AgentConfig, build_parser, load_config
+from agent.node.events import EventOut
+from agent.node.health import run_health_check
+from agent.node.launch import (
+    Allocation,
+    LaunchPlan,
+    LaunchSettings,
+    Shape,
+    plan_launch,
+    torchrun_shim,
+)
+from agent.node.procs import RankExit, RankProcess, RankWatcher
+from agent.node.rundir import default_run_dir, private_dir
+from agent.node.savenotes import SaveNotes
+from agent.node.steps import StepBuffer
+from agent.node.watch import RankMonitor
 from agent.stopfiles import clear_save_request, read_notice, write_save_request
 from agent.timelimit import Notice
 from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
-from agent.watch import RankMonitor
+from agent.wire import protocol
+from agent.wire.errors import ResurgoError
+from agent.wire.periodic import every
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +269,7 @@ class NodeAgent:
         return self.run_dir / "bin"
 
     def _write_torchrun_shim(self) -> None:
-        """Resurgo's ``torchrun`` for the wrapper's PATH (:mod:`agent.torchrunshim`)."""
+        """Resurgo's ``torchrun`` for the wrapper's PATH (:mod:`agent.node.torchrunshim`)."""
         self._shim_dir().mkdir(mode=0o700, exist_ok=True)
         shim = self._shim_dir() / "torchrun"
         shim.write_text(torchrun_shim(sys.executable))

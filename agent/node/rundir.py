@@ -1,7 +1,7 @@
 """The agent's run directory: private to its user, and one per job, node and launch.
 
 It holds the ranks' heartbeat socket, their exit records, the save-request
-and checkpoint-interval files and the event spool; :mod:`agent.node` makes
+and checkpoint-interval files and the event spool; :mod:`agent.node.agent` makes
 it at start.
 """
 
@@ -15,7 +15,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from agent.config import AgentConfig
+from agent.node.config import AgentConfig
 
 log = logging.getLogger(__name__)
 

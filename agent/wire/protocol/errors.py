@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.errors import ResurgoError
+from agent.wire.errors import ResurgoError
 
 
 class ProtocolError(ResurgoError):

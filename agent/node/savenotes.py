@@ -17,8 +17,8 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from agent import protocol
 from agent.train.heartbeat import CheckpointNote, Phase, RankBeat
+from agent.wire import protocol
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Each job has its own 256-bit secret, written 0600 into the job directory at
 submit and read by the driver and every node's agent. :func:`signed_post` is
 the one signed HTTP request: the Reporter's events and heartbeat fallback and
 the driver's questions go through it. The header format and the HMAC itself
-live in :mod:`agent.protocol`.
+live in :mod:`agent.wire.protocol`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from agent import protocol
 from agent.checkpoint.files import fsync_dir, open_regular
-from agent.errors import ConfigError, ResurgoError
+from agent.wire import protocol
+from agent.wire.errors import ConfigError, ResurgoError
 
 SECRET_BYTES = 32
 # The hex form and a newline, with room for stray whitespace.

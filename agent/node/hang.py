@@ -16,7 +16,7 @@ What the node agent calls, and when:
 2. About once a second: :func:`hang_verdicts` ``(ranks, now_s, config)``, and
    :func:`local_stragglers` ``(ranks, config)`` when a summary goes up.
 3. Every few tens of seconds, per rank: a :class:`StackSample` from
-   :func:`agent.stacks.dump_stacks` (``fingerprint``, ``in_collective``); keep
+   :func:`agent.node.stacks.dump_stacks` (``fingerprint``, ``in_collective``); keep
    the samples since the fingerprint last changed and call
    :func:`stack_hang_verdict` with ``config.stack_timeout_s``.
 4. On any hang: :func:`culprit_hints` over the hung ranks orders them for the
@@ -35,8 +35,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from agent.errors import ConfigError
 from agent.train.heartbeat import Phase, RankBeat
+from agent.wire.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class RankProgress:
     beats: int = 1
     compute_times: StepTimes = field(default_factory=StepTimes)
     # Beats from the bootstrap (a script that imports nothing): a stop is a
-    # hang only once stacks confirm it (agent.watch).
+    # hang only once stacks confirm it (agent.node.watch).
     automatic: bool = False
 
 

@@ -1,6 +1,6 @@
 """Where the node agent's events go: the supervisor's spooling reporter and/or a local log.
 
-With a supervisor URL, every event goes through :class:`agent.client.Reporter`
+With a supervisor URL, every event goes through :class:`agent.node.client.Reporter`
 (spooled, signed, delivered in order exactly once). With an events log, each
 event is also appended there as one JSON line (``protocol.encode_event``): an
 operator's record on the node, and what tests read when no supervisor runs.
@@ -15,11 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent import protocol
-from agent.auth import load_secret
-from agent.client import Reporter
-from agent.config import AgentConfig
-from agent.errors import ConfigError
+from agent.node.client import Reporter
+from agent.node.config import AgentConfig
+from agent.wire import protocol
+from agent.wire.auth import load_secret
+from agent.wire.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agent.protocol.constants import (
+from agent.wire.protocol.constants import (
     MAX_COMMANDS,
     MAX_EVENT_BYTES,
     MAX_EVENTS_PER_BATCH,
@@ -17,8 +17,8 @@ from agent.protocol.constants import (
     MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
 )
-from agent.protocol.errors import ProtocolError
-from agent.protocol.fields import (
+from agent.wire.protocol.errors import ProtocolError
+from agent.wire.protocol.fields import (
     _bool,
     _check_event_id_shape,
     _check_fields,
@@ -36,7 +36,7 @@ from agent.protocol.fields import (
     _str,
     check_name,
 )
-from agent.protocol.messages import (
+from agent.wire.protocol.messages import (
     Command,
     CommandKind,
     DriverAction,
@@ -49,8 +49,8 @@ from agent.protocol.messages import (
     Reply,
     event_id_for,
 )
-from agent.protocol.payloads import _COMMAND_ARGS, _COMMAND_EXTRA_CHECKS, _PAYLOADS
-from agent.protocol.strict_json import _dump, _envelope, _json_roundtrip, _load
+from agent.wire.protocol.payloads import _COMMAND_ARGS, _COMMAND_EXTRA_CHECKS, _PAYLOADS
+from agent.wire.protocol.strict_json import _dump, _envelope, _json_roundtrip, _load
 
 
 def make_event(

@@ -21,9 +21,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ConfigError
-from agent.hang import HangConfig
-from agent.settings import add_flags, layered, read_toml
+from agent.node.hang import HangConfig
+from agent.wire.errors import ConfigError
+from agent.wire.settings import add_flags, layered, read_toml
 
 ENV_PREFIX = "RESURGO_AGENT_"
 
@@ -106,7 +106,7 @@ class AgentConfig:
     stop_grace_s: float = 30.0
     # Long, because the supervisor may be restarting: a rank exit lost with
     # the agent turns one node's fault into a silent job. Delivered at once
-    # when it is up; a clean end waits at most agent.node.CLEAN_DRAIN_S.
+    # when it is up; a clean end waits at most agent.node.agent.CLEAN_DRAIN_S.
     drain_timeout_s: float = 1800.0
     time_limit_file: str = ""
     time_limit_poll_s: float = 1.0
@@ -134,7 +134,7 @@ class AgentConfig:
             raise ConfigError("agent settings restart_count and attempt must be >= 0")
 
     def hang_config(self) -> HangConfig:
-        """The hang/straggler thresholds for :mod:`agent.hang`."""
+        """The hang/straggler thresholds for :mod:`agent.node.hang`."""
         return HangConfig(
             floor_s=self.hang_floor_s,
             k=self.hang_k,

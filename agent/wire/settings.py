@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.errors import ConfigError
+from agent.wire.errors import ConfigError
 
 _T = TypeVar("_T")
 

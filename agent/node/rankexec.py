@@ -1,7 +1,7 @@
 """The parent of one rank: runs it, records how it ended, ends the same way.
 
-torchrun starts each worker as ``python -m agent.rankexec TARGET ARGS...``
-(:mod:`agent.launch` arranges this). torchrun, not the node agent, reaps its
+torchrun starts each worker as ``python -m agent.node.rankexec TARGET ARGS...``
+(:mod:`agent.node.launch` arranges this). torchrun, not the node agent, reaps its
 workers, and the exit status of a process is only ever told to its parent; so
 this shim is the worker's parent and writes ``rank-<RANK>.json`` (exit code or
 signal, pid, time) into ``RESURGO_EXIT_DIR`` the moment the worker ends. Then
@@ -9,7 +9,7 @@ it ends exactly as the worker did (same code, or the same signal), so torchrun
 sees what it would have seen without it.
 
 In a per-rank launch (``srun python train.py`` given to ``resurgo submit``,
-:mod:`agent.launch`), the worker also gets the Slurm task variables of its
+:mod:`agent.node.launch`), the worker also gets the Slurm task variables of its
 rank (``SLURM_PROCID`` = ``RANK``, ...), as srun would have set them.
 
 Signals torchrun or Slurm send to the worker (SIGTERM, SIGINT, ...) are
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.launch import ENV_SLURM_TASKS, slurm_task_env
+from agent.node.launch import ENV_SLURM_TASKS, slurm_task_env
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
@@ -37,7 +37,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 def child_argv(args: list[str]) -> list[str]:
     """The worker's argv from the shim's arguments."""
     if not args:
-        raise SystemExit("usage: python -m agent.rankexec [--module|--no-python] TARGET [ARGS...]")
+        raise SystemExit(
+            "usage: python -m agent.node.rankexec [--module|--no-python] TARGET [ARGS...]"
+        )
     if args[0] == "--module":
         return [sys.executable, "-m", *args[1:]]
     if args[0] == "--no-python":

@@ -4,7 +4,7 @@ The node agent adds every :class:`~agent.train.heartbeat.StepReport` it
 receives to a :class:`StepBuffer` and, at each heartbeat report and once more
 before its ``launcher_exited`` event, drains the buffer into ``step_losses``
 payloads: per rank, the steps received since the last drain in arrival order,
-at most :data:`agent.protocol.MAX_STEPS_PER_EVENT` to a payload. Pure: no
+at most :data:`agent.wire.protocol.MAX_STEPS_PER_EVENT` to a payload. Pure: no
 clock, no I/O.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from agent.protocol import MAX_STEPS_PER_EVENT
 from agent.train.heartbeat import StepReport
+from agent.wire.protocol import MAX_STEPS_PER_EVENT
 
 # Between two drains (5 s apart by default) no real training loop reports this
 # many steps; the bound only keeps a flood on the agent's socket (which every

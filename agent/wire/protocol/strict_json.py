@@ -10,9 +10,9 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
-from agent.protocol.constants import MAX_BODY_BYTES, MAX_EVENT_BYTES, PROTOCOL_VERSION
-from agent.protocol.errors import ProtocolError
-from agent.protocol.fields import _fail, _field, _object
+from agent.wire.protocol.constants import MAX_BODY_BYTES, MAX_EVENT_BYTES, PROTOCOL_VERSION
+from agent.wire.protocol.errors import ProtocolError
+from agent.wire.protocol.fields import _fail, _field, _object
 
 
 def _reject_constant(name: str) -> NoReturn:
