@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.checkpoint.files import read_small
-from agent.node.client import load_secret, new_secret, write_secret
+from agent.wire.auth import load_secret, new_secret, write_secret
 from agent.wire.errors import ConfigError
 from agent.wire.protocol import check_name
 from supervisor.errors import SlurmError, SupervisorError

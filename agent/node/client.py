@@ -42,9 +42,6 @@ import tenacity
 from agent.node.spool import Spool
 from agent.wire import protocol
 from agent.wire.auth import Rejected, signed_post
-from agent.wire.auth import load_secret as load_secret  # re-exported: supervisor/jobs.py
-from agent.wire.auth import new_secret as new_secret  # re-exported: supervisor/jobs.py
-from agent.wire.auth import write_secret as write_secret  # re-exported: supervisor/jobs.py
 from agent.wire.errors import ConfigError
 from agent.wire.protocol import Command, Event, EventKind, HeartbeatReport, Refusal, Reply
 

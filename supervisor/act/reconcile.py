@@ -73,18 +73,12 @@ class SlurmActions(Protocol):
 
 
 KIND_OF: dict[type, str] = {
-    DrainNode: "drain",
-    DrainTicket: "ticket",
-    ResumeNode: "resume",
-    StopRanks: "stop_ranks",
-    ValidateCheckpoints: "validate",
-    ShrinkAllocation: "shrink",
-    RelaunchStep: "relaunch",
-    RequeueSmaller: "requeue",
-    Alert: "alert",
-    StopJob: "stop_job",
-    PushInterval: "interval",
-}
+    cls: cls.KIND
+    for cls in (
+        DrainNode, DrainTicket, ResumeNode, StopRanks, ValidateCheckpoints, ShrinkAllocation,
+        RelaunchStep, RequeueSmaller, Alert, StopJob, PushInterval,
+    )
+}  # fmt: skip
 _CLASS_OF = {kind: cls for cls, kind in KIND_OF.items()}
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "cause": Cause,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 from supervisor.core.model import Cause, JobState
 from supervisor.text import fragment
@@ -43,7 +44,31 @@ class ValidationLevel(enum.Enum):
 
 
 @dataclass(frozen=True)
-class DrainNode:
+class _Action:
+    """What every intent has: its job and attempt, and an idempotency key built from them.
+
+    ``action_id`` is ``<job>/<attempt>/<KIND>/<target>``: planning the same
+    intent twice gives the same id, so it is carried out once. ``KIND`` is
+    also the action's kind in the store.
+    """
+
+    job_id: str
+    attempt: int
+
+    KIND: ClassVar[str]
+
+    def target(self) -> str:
+        """What, within the kind, tells this action from another of the same attempt."""
+        raise NotImplementedError
+
+    @property
+    def action_id(self) -> str:
+        """Idempotency key (the store's action id)."""
+        return f"{self.job_id}/{self.attempt}/{self.KIND}/{self.target()}"
+
+
+@dataclass(frozen=True)
+class DrainNode(_Action):
     """Drain ``node`` in Slurm with reason ``resurgo: <cause> job=<id> <reason>``.
 
     ``reason`` is the blame's evidence, which quotes what the job's agents
@@ -52,8 +77,6 @@ class DrainNode:
     characters; the cause and job before it are the supervisor's own.
     """
 
-    job_id: str
-    attempt: int
     node: str
     cause: Cause
     reason: str
@@ -64,14 +87,15 @@ class DrainNode:
         detail = fragment(self.reason, MAX_DRAIN_DETAIL_CHARS)
         return f"{DRAIN_REASON_PREFIX} {self.cause.value} job={self.job_id} {detail}".strip()
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key: one drain of this node per job attempt."""
-        return f"{self.job_id}/{self.attempt}/drain/{self.node}"
+    KIND: ClassVar[str] = "drain"
+
+    def target(self) -> str:
+        """One drain of this node per job attempt."""
+        return self.node
 
 
 @dataclass(frozen=True)
-class DrainTicket:
+class DrainTicket(_Action):
     """Ask the admins to drain ``node``: a supervisor without Slurm operator rights.
 
     The node is already out of the job (its relaunch and requeue exclude it);
@@ -81,48 +105,45 @@ class DrainTicket:
     blame's, as a drain's reason would carry it.
     """
 
-    job_id: str
-    attempt: int
     node: str
     cause: Cause
     evidence: str
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key: one ticket for this node per job attempt."""
-        return f"{self.job_id}/{self.attempt}/ticket/{self.node}"
+    KIND: ClassVar[str] = "ticket"
+
+    def target(self) -> str:
+        """One ticket for this node per job attempt."""
+        return self.node
 
 
 @dataclass(frozen=True)
-class ResumeNode:
+class ResumeNode(_Action):
     """Return ``node`` to service (``scontrol update state=resume``) after probation."""
 
-    job_id: str
-    attempt: int
     node: str
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key."""
-        return f"{self.job_id}/{self.attempt}/resume/{self.node}"
+    KIND: ClassVar[str] = "resume"
+
+    def target(self) -> str:
+        """The node: one resume of it per attempt."""
+        return self.node
 
 
 @dataclass(frozen=True)
-class StopRanks:
+class StopRanks(_Action):
     """Tell every agent of the job to stop its ranks (SIGTERM, SIGKILL after ``grace_s``)."""
 
-    job_id: str
-    attempt: int
     grace_s: float
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key; also the protocol command id the agents see."""
-        return f"{self.job_id}/{self.attempt}/stop_ranks/all"
+    KIND: ClassVar[str] = "stop_ranks"
+
+    def target(self) -> str:
+        """All ranks; the action id is also the command id the agents see."""
+        return "all"
 
 
 @dataclass(frozen=True)
-class ValidateCheckpoints:
+class ValidateCheckpoints(_Action):
     """Validate the job's checkpoints newest first at ``level``.
 
     Report each as a :class:`~supervisor.core.observations.CheckpointValidated`,
@@ -130,112 +151,104 @@ class ValidateCheckpoints:
     ``skip`` lists paths already rejected in this recovery.
     """
 
-    job_id: str
-    attempt: int
     level: ValidationLevel
     skip: tuple[str, ...] = ()
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key; ``skip`` in it, so a retry after a rejection runs again."""
-        return f"{self.job_id}/{self.attempt}/validate/{len(self.skip)}"
+    KIND: ClassVar[str] = "validate"
+
+    def target(self) -> str:
+        """How many paths are skipped: a retry after a rejection runs again."""
+        return str(len(self.skip))
 
 
 @dataclass(frozen=True)
-class ShrinkAllocation:
+class ShrinkAllocation(_Action):
     """Shrink the running allocation to ``keep_nodes`` (``scontrol update NodeList=``)."""
 
-    job_id: str
-    attempt: int
     keep_nodes: tuple[str, ...]
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key."""
-        return f"{self.job_id}/{self.attempt}/shrink/{','.join(self.keep_nodes)}"
+    KIND: ClassVar[str] = "shrink"
+
+    def target(self) -> str:
+        """The nodes kept."""
+        return ",".join(self.keep_nodes)
 
 
 @dataclass(frozen=True)
-class RelaunchStep:
+class RelaunchStep(_Action):
     """Start a new srun step on ``nodes`` via the in-job driver (the fast path).
 
     ``resume_from`` becomes ``RESURGO_RESUME_FROM`` (None: start from scratch).
     The executor reports :class:`~supervisor.core.observations.RelaunchFinished`.
     """
 
-    job_id: str
-    attempt: int
     nodes: tuple[str, ...]
     resume_from: str | None
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key: one relaunch per attempt."""
-        return f"{self.job_id}/{self.attempt}/relaunch/{len(self.nodes)}"
+    KIND: ClassVar[str] = "relaunch"
+
+    def target(self) -> str:
+        """The size relaunched at: one relaunch per attempt."""
+        return str(len(self.nodes))
 
 
 @dataclass(frozen=True)
-class RequeueSmaller:
+class RequeueSmaller(_Action):
     """Requeue the job with ``n_nodes`` excluding ``exclude`` (requeuehold, update, release).
 
     ``resume_from`` as for :class:`RelaunchStep`: the batch script reads it.
     """
 
-    job_id: str
-    attempt: int
     n_nodes: int
     exclude: tuple[str, ...]
     resume_from: str | None
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key: one requeue per attempt."""
-        return f"{self.job_id}/{self.attempt}/requeue/{self.n_nodes}"
+    KIND: ClassVar[str] = "requeue"
+
+    def target(self) -> str:
+        """The size requeued at: one requeue per attempt."""
+        return str(self.n_nodes)
 
 
 @dataclass(frozen=True)
-class Alert:
+class Alert(_Action):
     """Tell a person; the core's way of saying "I will not do this by myself"."""
 
-    job_id: str
-    attempt: int
     severity: Severity
     message: str
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key: the same message once per attempt."""
-        digest = hashlib.sha256(self.message.encode()).hexdigest()[:12]
-        return f"{self.job_id}/{self.attempt}/alert/{digest}"
+    KIND: ClassVar[str] = "alert"
+
+    def target(self) -> str:
+        """The same message once per attempt."""
+        return hashlib.sha256(self.message.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
-class StopJob:
+class StopJob(_Action):
     """End the job in Slurm (``scancel``) and record ``status`` with ``reason``."""
 
-    job_id: str
-    attempt: int
     status: JobState
     reason: str
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key."""
-        return f"{self.job_id}/{self.attempt}/stop_job/{self.status.value}"
+    KIND: ClassVar[str] = "stop_job"
+
+    def target(self) -> str:
+        """The state the job ends in."""
+        return self.status.value
 
 
 @dataclass(frozen=True)
-class PushInterval:
+class PushInterval(_Action):
     """Send a new checkpoint interval to the job's agents."""
 
-    job_id: str
-    attempt: int
     interval_s: float
 
-    @property
-    def action_id(self) -> str:
-        """Idempotency key."""
-        return f"{self.job_id}/{self.attempt}/interval/{self.interval_s:.0f}"
+    KIND: ClassVar[str] = "interval"
+
+    def target(self) -> str:
+        """The interval, in whole seconds."""
+        return f"{self.interval_s:.0f}"
 
 
 Intent = (

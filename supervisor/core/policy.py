@@ -135,37 +135,38 @@ def decide(
     """
     if record.state.terminal:
         return _nothing(record, f"job already {record.state.value}")
-    if isinstance(observation, AgentEvent):
-        return _on_agent_event(record, observation, now_s, policy, cluster)
-    if isinstance(observation, LeaseExpired | SlurmNodeSeen):
-        return _on_node(record, observation, now_s, policy, cluster)
-    if isinstance(observation, SilenceShared):
-        # Lease expiry alone blames no node here: Slurm's next reading
-        # (the job ended, a node DOWN) is what decides.
-        silent = ", ".join(observation.nodes)
-        return _nothing(record, f"agents on {silent} silent: {observation.reason}; asking Slurm")
-    if isinstance(observation, StepEnded):
-        return _on_step_ended(record, observation, now_s, policy, cluster)
-    if isinstance(observation, SlurmJobSeen):
-        return follow_slurm.on_job_seen(record, observation, now_s, policy, cluster)
-    if isinstance(observation, CheckpointValidated):
-        return _on_checkpoint(record, observation, now_s, policy, cluster)
-    if isinstance(observation, RelaunchFinished):
-        return _on_relaunch(record, observation, now_s, cluster)
-    if isinstance(observation, StepProgress):
-        return _on_progress(record, now_s)
-    if isinstance(observation, RequeueFailed):
-        return _on_requeue_failed(record, observation, now_s)
-    if isinstance(observation, TimeLimitNear):
-        if observation.attempt is not None and observation.attempt != record.attempt:
-            return _nothing(record, f"time-limit report of attempt {observation.attempt} is stale")
-        return planned_stop.on_notice(
-            record, observation.time_left_s, observation.stopped, now_s, policy, cluster
-        )
-    if isinstance(observation, CancelRequested):
-        reason = observation.reason or "cancelled on request"
-        return recovery.stop(record, now_s, JobState.CANCELLED, Cause.OPERATOR, reason)
-    return _on_tick(record, now_s, policy, cluster)
+    match observation:
+        case AgentEvent():
+            return _on_agent_event(record, observation, now_s, policy, cluster)
+        case LeaseExpired() | SlurmNodeSeen():
+            return _on_node(record, observation, now_s, policy, cluster)
+        case SilenceShared(nodes=nodes, reason=reason):
+            # Lease expiry alone blames no node here: Slurm's next reading
+            # (the job ended, a node DOWN) is what decides.
+            return _nothing(record, f"agents on {', '.join(nodes)} silent: {reason}; asking Slurm")
+        case StepEnded():
+            return _on_step_ended(record, observation, now_s, policy, cluster)
+        case SlurmJobSeen():
+            return follow_slurm.on_job_seen(record, observation, now_s, policy, cluster)
+        case CheckpointValidated():
+            return _on_checkpoint(record, observation, now_s, policy, cluster)
+        case RelaunchFinished():
+            return _on_relaunch(record, observation, now_s, cluster)
+        case StepProgress():
+            return _on_progress(record, now_s)
+        case RequeueFailed():
+            return _on_requeue_failed(record, observation, now_s)
+        case TimeLimitNear(attempt=attempt) if attempt is not None and attempt != record.attempt:
+            return _nothing(record, f"time-limit report of attempt {attempt} is stale")
+        case TimeLimitNear():
+            return planned_stop.on_notice(
+                record, observation.time_left_s, observation.stopped, now_s, policy, cluster
+            )
+        case CancelRequested(reason=reason):
+            why = reason or "cancelled on request"
+            return recovery.stop(record, now_s, JobState.CANCELLED, Cause.OPERATOR, why)
+        case _:
+            return _on_tick(record, now_s, policy, cluster)
 
 
 def _nothing(record: JobRecord, why: str) -> Decision:

@@ -32,7 +32,7 @@ from agent.wire import protocol
 from agent.wire.protocol import EventKind
 from supervisor.api import MemoryDirectory, bound_port, build_app, serve, shutdown
 from tests.json_slots import slots
-from tests.unit.test_api import INCARNATION, JOB, NODES, NOW, OTHER_JOB, OTHER_SECRET, SECRET
+from tests.unit.api_world import INCARNATION, JOB, NODES, NOW, OTHER_JOB, OTHER_SECRET, SECRET
 
 MAX_BODY_BYTES = 64 << 10
 DOCUMENTED = {200, 400, 401, 403, 405, 413}

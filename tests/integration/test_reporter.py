@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 import tenacity
 
-from agent.node.agent import client, spool
+from agent.node import client, spool
 from agent.node.client import Reporter
 from agent.node.spool import SpoolLocked
 from agent.wire import protocol

@@ -44,7 +44,7 @@ from agent.wire.protocol import (
 )
 from supervisor.api import MemoryDirectory, build_app
 from tests.json_slots import slots
-from tests.unit.test_api import INCARNATION, JOB, NODES, NOW, OTHER_JOB, OTHER_SECRET, SECRET
+from tests.unit.api_world import INCARNATION, JOB, NODES, NOW, OTHER_JOB, OTHER_SECRET, SECRET
 
 FUZZ = settings(
     max_examples=120,

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from agent.node.agent import config as agent_config
+from agent.node import config as agent_config
 from agent.wire.settings import add_flags, show_default
 from supervisor import config as supervisor_config
 from supervisor.core.policy import Policy

@@ -30,7 +30,7 @@ from supervisor.core.model import new_record
 from supervisor.intake import TrackedJob
 from supervisor.jobs import JobSpec
 from supervisor.store import Store
-from tests.unit.test_api import heartbeat, run, scenario
+from tests.unit.api_world import heartbeat, run, scenario
 from tests.unit.test_daemon import registered_and_running
 from tests.unit.test_daemon import run as run_daemon
 from tests.unit.test_executor import JOB as DAEMON_JOB

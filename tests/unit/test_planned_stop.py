@@ -33,7 +33,7 @@ from supervisor.core.observations import (
 )
 from supervisor.core.planned_stop import REQUEUE_MARGIN_S
 from supervisor.core.policy import Decision, decide
-from tests.unit.test_policy import CLUSTER, NODES, NOW, POLICY, rank_exit, running
+from tests.unit.policy_world import CLUSTER, NODES, NOW, POLICY, rank_exit, running
 
 STRICT = replace(POLICY, validation_level=ValidationLevel.FULL)
 

@@ -585,7 +585,8 @@ def test_signed_headers_carry_job_timestamp_signature_and_version() -> None:
 
 
 def test_protocol_package_is_pure() -> None:
-    modules = sorted((Path(__file__).resolve().parents[2] / "agent" / "wire" / "protocol").glob("*.py"))
+    package = Path(__file__).resolve().parents[2] / "agent" / "wire" / "protocol"
+    modules = sorted(package.glob("*.py"))
     assert len(modules) > 1
     for module in modules:
         assert not imported_roots(module.read_text()) & FORBIDDEN, module.name

@@ -7,7 +7,7 @@ import pytest
 from supervisor.core.observations import LeaseExpired, SilenceShared
 from supervisor.core.policy import decide
 from supervisor.core.silence import common_cause, quiet_after_s, quiet_by_job
-from tests.unit.test_policy import CLUSTER, NOW, POLICY, running
+from tests.unit.policy_world import CLUSTER, NOW, POLICY, running
 
 FOUR = frozenset({"node1", "node2", "node3", "node4"})
 SHARE = 0.5

@@ -11,7 +11,7 @@ from supervisor.core.intents import DrainNode
 from supervisor.core.model import JobRecord, JobState
 from supervisor.core.observations import StepEnded
 from supervisor.core.policy import decide
-from tests.unit.test_policy import CLUSTER, NOW, POLICY, running
+from tests.unit.policy_world import CLUSTER, NOW, POLICY, running
 
 RUNNING = running()  # attempt 0
 

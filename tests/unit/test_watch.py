@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agent.node.agent import watch
+from agent.node import watch
 from agent.node.hang import HangConfig
 from agent.node.procs import RankProcess
 from agent.node.stacks import Frame, StackDump, ThreadStack

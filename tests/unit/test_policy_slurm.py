@@ -1,0 +1,116 @@
+"""The decision core on what Slurm reports about the job: its states and requeues.
+
+Preemption and time limits spend no budget, Slurm's own requeues are adopted (also
+when missed between sightings or during our recovery), stale ended states are
+ignored, end states end the job, and a submitted job starts then runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.core.intents import DrainNode, RequeueSmaller, StopRanks
+from supervisor.core.model import Cause, JobState, new_record
+from supervisor.core.observations import (
+    CheckpointValidated,
+    LeaseExpired,
+    SlurmJobSeen,
+    SlurmNodeSeen,
+    StepProgress,
+)
+from tests.unit.policy_world import CKPT, NODES, NOW, kinds, run, running
+
+
+@pytest.mark.parametrize(
+    ("slurm_state", "cause"), [("PREEMPTED", Cause.PREEMPTED), ("TIMEOUT", Cause.TIME_LIMIT)]
+)
+def test_preemption_spends_no_budget(slurm_state, cause):
+    record = running(restarts_without_progress=3, step_at_last_restart=100)
+    seen, chosen = run(
+        record, SlurmJobSeen(slurm_state, NODES, 0), CheckpointValidated(100, CKPT, True)
+    )
+    assert seen.cause is cause and DrainNode not in kinds(seen)
+    assert seen.record.restarts_without_progress == 3
+    (requeue,) = chosen.intents
+    assert isinstance(requeue, RequeueSmaller) and requeue.n_nodes == 4 and requeue.exclude == ()
+
+
+def test_slurm_requeue_is_adopted_not_fought():
+    seen, chosen, back = run(
+        running(),
+        SlurmJobSeen("PENDING", (), 1, "NodeFail"),
+        CheckpointValidated(100, CKPT, True),
+        SlurmJobSeen("RUNNING", ("node1", "node2", "node4"), 1),
+    )
+    assert seen.record.state is JobState.REQUEUED and seen.cause is Cause.SLURM_REQUEUE
+    assert not any(isinstance(i, RequeueSmaller | StopRanks) for i in seen.intents)
+    assert chosen.intents == () and chosen.record.recovery is not None
+    assert chosen.record.recovery.resume_from == CKPT
+    assert back.record.state is JobState.STARTING and back.record.nodes == (
+        "node1",
+        "node2",
+        "node4",
+    )
+
+
+def test_a_slurm_requeue_missed_between_sightings_is_adopted_then_followed():
+    # The supervisor was down while Slurm requeued the job and started it again.
+    moved = ("node4", "node6", "node7", "node8")
+    adopted, chosen, started = run(
+        running(),
+        SlurmJobSeen("RUNNING", moved, 1),
+        CheckpointValidated(100, CKPT, True),
+        SlurmJobSeen("RUNNING", moved, 1),  # the next poll: the same sighting
+    )
+    assert adopted.record.state is JobState.REQUEUED and adopted.cause is Cause.SLURM_REQUEUE
+    assert not any(isinstance(i, RequeueSmaller | StopRanks) for i in adopted.intents)
+    assert chosen.record.recovery is not None and chosen.record.recovery.resume_from == CKPT
+    assert started.record.state is JobState.STARTING and started.record.nodes == moved
+
+
+@pytest.mark.parametrize(
+    ("slurm_state", "expected"),
+    [
+        ("COMPLETED", JobState.COMPLETED),
+        ("CANCELLED", JobState.CANCELLED),
+        ("FAILED", JobState.FAILED),
+    ],
+)
+def test_slurm_end_states_end_the_job(slurm_state, expected):
+    (seen,) = run(running(), SlurmJobSeen(slurm_state, (), 0))
+    assert seen.record.state is expected
+
+
+def test_submitted_job_starts_then_runs():
+    record = new_record("42", 4, NOW)
+    started, ran = run(record, SlurmJobSeen("RUNNING", NODES, 0), StepProgress(1))
+    assert started.record.state is JobState.STARTING and ran.record.state is JobState.RUNNING
+
+
+def test_slurm_requeue_during_our_recovery_is_adopted_without_spending_budget_twice():
+    crash, adopted, chosen = run(
+        running(),
+        LeaseExpired("node2"),
+        SlurmJobSeen("PENDING", (), 1, "NodeFail"),
+        CheckpointValidated(100, CKPT, True),
+    )
+    assert adopted.record.state is JobState.REQUEUED and adopted.intents == ()
+    assert adopted.record.restarts_without_progress == crash.record.restarts_without_progress
+    assert adopted.record.attempt == crash.record.attempt
+    assert chosen.intents == () and chosen.record.recovery.resume_from == CKPT
+
+
+def test_an_ended_state_seen_before_our_requeue_took_effect_is_stale_but_not_after():
+    record = run(
+        running(), SlurmNodeSeen("node1", down=True), CheckpointValidated(100, CKPT, True)
+    )[-1].record
+    assert record.state is JobState.REQUEUED
+    stale, queued, cancelled = run(
+        record,
+        SlurmJobSeen("NODE_FAIL", ("node1",), 0),
+        SlurmJobSeen("PENDING", (), 1),
+        SlurmJobSeen("CANCELLED", (), 1),
+    )
+    assert stale.record.state is JobState.REQUEUED and stale.intents == ()
+    assert queued.record.state is JobState.REQUEUED
+    assert cancelled.record.state is JobState.CANCELLED
