@@ -46,6 +46,7 @@ import msgspec
 from agent.checkpoint import format as fmt
 from agent.checkpoint.format import SaveStats
 from agent.wire.errors import CheckpointInvalid
+from supervisor.children import subprocess_runner
 
 log = logging.getLogger(__name__)
 
@@ -216,29 +217,14 @@ async def read_in_child(
     Raises :class:`CheckpointInvalid` for anything that kept the statistics
     from being read (the child's reason, a timeout, a crash).
     """
-    child = await asyncio.create_subprocess_exec(
-        *_NICE,
-        sys.executable,
-        "-m",
-        "supervisor.manifests",
-        root,
-        path,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    argv = [*_NICE, sys.executable, "-m", "supervisor.manifests", root, path]
     try:
-        async with asyncio.timeout(timeout_s):
-            out, err = await child.communicate()
+        code, out, err = await subprocess_runner(argv, timeout_s)
     except TimeoutError:
         raise CheckpointInvalid(f"reading the manifest took over {timeout_s:g} s") from None
-    finally:
-        if child.returncode is None:  # timed out or cancelled (shutdown)
-            child.kill()
-            await child.wait()
-    if child.returncode != 0 or len(out) > _MAX_ANSWER_BYTES:
-        tail = err[-500:].decode(errors="replace").strip()
-        raise CheckpointInvalid(f"the manifest reader exited {child.returncode}: {tail}")
+    if code != 0 or len(out) > _MAX_ANSWER_BYTES:
+        tail = err[-500:].strip()
+        raise CheckpointInvalid(f"the manifest reader exited {code}: {tail}")
     try:
         answer = _ANSWER_DECODER.decode(out)
     except msgspec.DecodeError as error:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import IO
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from supervisor.children import subprocess_runner
 from supervisor.errors import (
     SlurmCommandFailed,
     SlurmError,
@@ -47,49 +46,6 @@ _UNREACHABLE = (
 # previous update: "Job update not available right now, the DB index is being
 # set, try again in a bit"): retried like an unreachable controller.
 _BUSY = ("try again in a bit", "resource temporarily unavailable")
-
-
-async def subprocess_runner(
-    argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None
-) -> tuple[int, str, str]:
-    """Run ``argv`` without a shell; kill it and raise TimeoutError past ``timeout_s``.
-
-    Started by :class:`subprocess.Popen`, which uses vfork (1-2 ms), not by
-    the event loop: uvloop forks the whole supervisor, a stop of 16-19 ms at
-    200 MB of memory, twice every poll. The output is read by the event loop
-    (a worker thread reading megabytes of ``sinfo`` would contend for the
-    GIL with it); a worker thread only waits for the exit status.
-    """
-    process = subprocess.Popen(
-        list(argv),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=None if env is None else dict(env),
-    )
-    assert process.stdout is not None and process.stderr is not None
-    try:
-        async with asyncio.timeout(timeout_s):
-            stdout, stderr = await asyncio.gather(_read(process.stdout), _read(process.stderr))
-            code = await asyncio.to_thread(process.wait)
-    except BaseException as error:
-        process.kill()
-        await asyncio.to_thread(process.wait)
-        if isinstance(error, TimeoutError):
-            raise TimeoutError(f"{argv[0]} did not finish in {timeout_s} s") from None
-        raise
-    return code, stdout.decode(errors="replace"), stderr.decode(errors="replace")
-
-
-async def _read(pipe: IO[bytes]) -> bytes:
-    """Everything ``pipe`` gives until its end, read by the event loop."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=1 << 20)
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-    try:
-        return await reader.read()
-    finally:
-        transport.close()
 
 
 class SlurmClient:
@@ -347,4 +303,4 @@ class _NotYet(SlurmError):
     """Internal: the job has not reached the state a step waits for."""
 
 
-__all__ = ["Runner", "SlurmClient", "subprocess_runner"]
+__all__ = ["Runner", "SlurmClient"]

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from supervisor.children import subprocess_runner
 from supervisor.errors import (
     SlurmCommandFailed,
     SlurmParseError,
@@ -20,7 +21,7 @@ from supervisor.errors import (
     SlurmUnavailable,
 )
 from supervisor.slurm import parse
-from supervisor.slurm.client import SlurmClient, subprocess_runner
+from supervisor.slurm.client import SlurmClient
 from supervisor.slurm.parse import JobState, NodeFlag, NodeState
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
