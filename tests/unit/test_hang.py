@@ -307,7 +307,7 @@ def test_hang_module_imports_nothing_that_touches_the_os_or_the_clock() -> None:
 
     import agent.node.hang
 
-    tree = ast.parse(Path(agent.hang.__file__).read_text())
+    tree = ast.parse(Path(agent.node.hang.__file__).read_text())
     roots = {
         name.split(".")[0]
         for node in ast.walk(tree)
