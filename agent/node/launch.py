@@ -64,7 +64,7 @@ ENV_SLURM_TASKS = "RESURGO_SLURM_TASKS"
 # First on every rank's PYTHONPATH: its sitecustomize arms automatic progress
 # for scripts that import nothing (agent.train.autohooks; opt out with
 # RESURGO_AUTO_PROGRESS=0).
-BOOTSTRAP_DIR = str(PurePath(__file__).parent / "bootstrap")
+BOOTSTRAP_DIR = str(PurePath(__file__).parents[1] / "bootstrap")
 _PATHSEP = ":"
 
 # torchrun options the agent sets itself; the user's values are dropped.

@@ -213,3 +213,13 @@ def test_torchrun_is_recognised_in_both_spellings() -> None:
     assert is_torchrun(["torchrun", "x.py"])
     assert is_torchrun(["python3.11", "-m", "torch.distributed.run", "x.py"])
     assert not is_torchrun(["python", "x.py"])
+
+
+def test_the_bootstrap_directory_put_first_on_the_ranks_path_holds_the_sitecustomize() -> None:
+    # A wrong path arms nothing and raises nothing: ranks of unmodified scripts
+    # would run without automatic progress, and their hangs go unseen.
+    from pathlib import Path
+
+    from agent.node.launch import BOOTSTRAP_DIR
+
+    assert (Path(BOOTSTRAP_DIR) / "sitecustomize.py").is_file(), BOOTSTRAP_DIR
