@@ -2,8 +2,9 @@
 
 One asyncio loop per node. It
 
-1. runs the node health check (when configured) and refuses to launch on an
-   unhealthy node;
+1. runs the health gate (built-in checks of the checkpoint root, the rendezvous
+   address and the GPUs, plus the operator's command when configured) and
+   refuses to launch on an unhealthy node;
 2. launches the node's share of the job (:mod:`agent.node.launch`) and finds every
    rank process (:mod:`agent.node.procs`);
 3. receives the ranks' heartbeats on a Unix datagram socket
@@ -49,7 +50,8 @@ from agent.node.commands import (
 )
 from agent.node.config import AgentConfig, build_parser, load_config
 from agent.node.events import EventOut
-from agent.node.health import run_health_check
+from agent.node.health import GateReport, command_report, run_gate
+from agent.node.healthchecks import GateInputs, gpus_needed
 from agent.node.launch import (
     Allocation,
     LaunchPlan,
@@ -119,6 +121,7 @@ class NodeAgent:
         self._steps = StepBuffer()
         self._time_limit: asyncio.Task[None] | None = None
         self._started_unix_s = self._clocks.wall()
+        self._health_lines: list[str] = []  # the launch's health gate, for agent_started
         self.events = EventOut(config, self.run_dir, self._on_command)
         self.monitor = RankMonitor(config.hang_config(), config.stack_sample_s, self.events.emit)
 
@@ -194,6 +197,7 @@ class NodeAgent:
                 "nnodes": self.config.nnodes,
                 "node_rank": self.config.node_rank,
                 **({"attempt": self.config.attempt} if self.config.attempt > 0 else {}),
+                **({"health_checks": self._health_lines} if self._health_lines else {}),
             },
         )
         ticks = [
@@ -307,28 +311,46 @@ class NodeAgent:
     # -- health ----------------------------------------------------------------
 
     async def _healthy_before_launch(self) -> bool:
-        if not self.config.health_check:
-            return True
-        return await self._check_health()
+        """The health gate (:func:`agent.node.health.run_gate`): the built-in checks always,
+        the operator's command when set; every check's line is logged, and travels in
+        ``agent_started`` or, on failure, ``health_check_failed``."""
+        report = await run_gate(
+            self._gate_inputs(), self.config.health_check, self.config.health_check_timeout_s
+        )
+        self._health_lines = report.lines()
+        for result in report.results:
+            (log.info if result.ok else log.warning)("health gate: %s", result.line())
+        if not report.healthy:
+            await self._report_unhealthy(report)
+        return report.healthy
+
+    def _gate_inputs(self) -> GateInputs:
+        config = self.config
+        return GateInputs(
+            ckpt_root=config.ckpt_root,
+            min_free_gb=config.health_min_free_gb,
+            master_addr=config.master_addr,
+            master_port=config.master_port,
+            gpus_needed=gpus_needed(self._environ, self._local_ranks()),
+            timeout_s=config.health_builtin_timeout_s,
+            path=self._environ.get("PATH"),
+        )
+
+    def _local_ranks(self) -> int | None:
+        """The ranks this launch will run here; None when unknown: a wrapper's, or a command
+        the launch itself will refuse, with its own message."""
+        try:
+            return self._build_plan().local_ranks
+        except ResurgoError:
+            return None
 
     async def _health_tick(self) -> None:
-        await self._check_health()
+        report = await command_report(self.config.health_check, self.config.health_check_timeout_s)
+        if not report.healthy:
+            await self._report_unhealthy(report)
 
-    async def _check_health(self) -> bool:
-        result = await run_health_check(
-            self.config.health_check, self.config.health_check_timeout_s
-        )
-        if not result.healthy:
-            await self.events.emit(
-                protocol.EventKind.HEALTH_CHECK_FAILED,
-                {
-                    "command": [self.config.health_check],
-                    "exit_code": result.exit_code,
-                    "output_tail": protocol.clip_text(result.output_tail, 4096),
-                    "timed_out": result.exit_code is None and "timed out" in result.reason,
-                },
-            )
-        return result.healthy
+    async def _report_unhealthy(self, report: GateReport) -> None:
+        await self.events.emit(protocol.EventKind.HEALTH_CHECK_FAILED, report.failure_payload())
 
     # -- heartbeats ------------------------------------------------------------
 

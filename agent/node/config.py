@@ -66,6 +66,10 @@ class AgentConfig:
       non-zero exit reports the node unhealthy (empty: none).
     - ``health_check_interval_s`` / ``health_check_timeout_s``: how often the health check
       runs, and how long it may take.
+    - ``health_builtin_timeout_s``: how long each built-in check of the health gate before
+      the launch may take (:mod:`agent.node.healthchecks`; they run at once).
+    - ``health_min_free_gb``: the free space (10^9 bytes) the gate wants under ``ckpt_root``
+      (0: not checked).
     - ``stop_grace_s``: SIGTERM to SIGKILL when the ranks are stopped.
     - ``drain_timeout_s``: how long an agent whose launch failed keeps delivering its
       unsent reports before it exits (they stay spooled).
@@ -103,6 +107,8 @@ class AgentConfig:
     health_check: str = ""
     health_check_interval_s: float = 300.0
     health_check_timeout_s: float = 60.0
+    health_builtin_timeout_s: float = 30.0
+    health_min_free_gb: float = 1.0
     stop_grace_s: float = 30.0
     # Long, because the supervisor may be restarting: a rank exit lost with
     # the agent turns one node's fault into a silent job. Delivered at once
@@ -121,6 +127,8 @@ class AgentConfig:
         for name in _PERIODS:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"agent setting {name} must be > 0: it is a loop's period")
+        if self.health_builtin_timeout_s <= 0:
+            raise ConfigError("agent setting health_builtin_timeout_s must be > 0")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"agent settings: node_rank {self.node_rank} must be in 0..nnodes-1 "

@@ -41,6 +41,12 @@ STOP_SIGNALS = frozenset({signals.SIGTERM.value, signals.SIGINT.value, signals.S
 CONFIDENCE_NODE_SIGNAL = 0.8
 CONFIDENCE_OTHER_SIGNAL = 0.4
 CONFIDENCE_HEALTH_CHECK = 0.9
+# The health gate's checks of what the nodes share (the checkpoint root on a
+# shared file system, the rendezvous address): a full or read-only file system
+# fails them on every node at once, so their failure alone blames no node
+# (the restart budget then ends a job that cannot save; agent.node.healthchecks).
+SHARED_CHECKS = frozenset({"builtin:ckpt_root", "builtin:rdzv_addr"})
+CONFIDENCE_SHARED_CHECK = 0.0
 CONFIDENCE_NODE_LOST = 1.0
 CONFIDENCE_HANG_BEHIND = 0.8
 CONFIDENCE_HANG_OUTSIDE_COLLECTIVE = 0.6
@@ -297,12 +303,15 @@ def _blame(observation: Observation, record: JobRecord) -> Blame:
     if observation.kind is EventKind.HANG:
         return Blame(None, Cause.HANG, 0.0, ())
     if observation.kind is EventKind.HEALTH_CHECK_FAILED:
-        return Blame(
-            observation.node,
-            Cause.HEALTH_CHECK,
-            CONFIDENCE_HEALTH_CHECK,
-            (f"health check failed on {observation.node}: {observation.detail}".strip(),),
-        )
+        failed = observation.failed_checks
+        evidence = f"health check failed on {observation.node}: {observation.detail}".strip()
+        if failed and SHARED_CHECKS.issuperset(failed):
+            shared = (
+                f"{', '.join(failed)} failed: something the nodes share (checkpoint root, "
+                "rendezvous address), not the node; fix it, the job retries within its budget"
+            )
+            return Blame(None, Cause.HEALTH_CHECK, CONFIDENCE_SHARED_CHECK, (shared, evidence))
+        return Blame(observation.node, Cause.HEALTH_CHECK, CONFIDENCE_HEALTH_CHECK, (evidence,))
     if observation.kind is EventKind.STRAGGLER:
         return Blame(
             observation.node,

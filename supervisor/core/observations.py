@@ -51,6 +51,9 @@ class AgentEvent:
     detail: str = ""
     exit_time_s: float | None = None
     time_left_s: float | None = None  # TIME_LIMIT_NEAR: until Slurm ends the job
+    # HEALTH_CHECK_FAILED: the checks that failed (the operator's command, or
+    # ``builtin:NAME`` for the agent's own, agent.node.healthchecks).
+    failed_checks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,16 @@ def from_event(event: Event) -> AgentEvent:
         detail=detail,
         exit_time_s=_opt_float(payload, "exit_time_unix_s"),
         time_left_s=_time_left(event),
+        failed_checks=_failed_checks(event),
     )
+
+
+def _failed_checks(event: Event) -> tuple[str, ...]:
+    """A failed health gate's checks, by name (payload ``command``)."""
+    names = event.payload.get("command")
+    if event.kind is not EventKind.HEALTH_CHECK_FAILED or not isinstance(names, list):
+        return ()
+    return tuple(str(name) for name in names)
 
 
 def _time_left(event: Event) -> float | None:

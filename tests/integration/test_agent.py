@@ -251,6 +251,37 @@ def test_failed_health_check_refuses_to_launch(agent_factory) -> None:  # type: 
     assert not list(agent.out.glob("pid.*"))
 
 
+def test_a_failing_builtin_check_refuses_to_launch_with_no_command_configured(
+    agent_factory: Callable[..., RunningAgent],
+) -> None:
+    agent = agent_factory(["--ckpt-root", "/dev/null/ckpt"], [])
+    assert agent.process.wait(timeout=60) == 3, agent.tail()
+    failed = agent.wait_event(EventKind.HEALTH_CHECK_FAILED, 1)
+    assert failed.payload["command"] == ["builtin:ckpt_root"]
+    assert failed.payload["exit_code"] is None
+    last = failed.payload["output_tail"].splitlines()[-1]
+    assert last.startswith("FAIL builtin:ckpt_root (") and "/dev/null/ckpt" in last
+    assert "ok builtin:rdzv_addr (" in failed.payload["output_tail"]
+    kinds = [event.kind for event in agent.events()]
+    assert kinds == [EventKind.HEALTH_CHECK_FAILED, EventKind.AGENT_STOPPED]
+    assert not list(agent.out.glob("pid.*"))
+
+
+def test_a_passing_gate_runs_every_builtin_check_and_reports_them_at_launch(
+    agent_factory: Callable[..., RunningAgent], tmp_path: Path
+) -> None:
+    agent = agent_factory(["--ckpt-root", str(tmp_path / "ckpt")], ["--steps", "2"])
+    assert agent.process.wait(timeout=120) == 0, agent.tail()
+    started = agent.wait_event(EventKind.AGENT_STARTED, 1)
+    checks = started.payload["health_checks"]
+    assert [line.split(" (")[0] for line in checks] == [
+        "ok builtin:ckpt_root", "ok builtin:rdzv_addr", "ok builtin:gpus",
+    ]  # fmt: skip
+    assert f"{tmp_path / 'ckpt'} is writable" in checks[0]
+    assert "127.0.0.1 resolves to 127.0.0.1" in checks[1]
+    assert not [e for e in agent.events() if e.kind is EventKind.HEALTH_CHECK_FAILED]
+
+
 def test_signed_reports_and_commands_round_trip_through_the_supervisor_api(
     agent_factory: Callable[..., RunningAgent], tmp_path: Path
 ) -> None:

@@ -116,6 +116,7 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
         "argv": ["resurgo-agent"],
         "nnodes": 2,
         "node_rank": 0,
+        "health_checks": ["ok builtin:ckpt_root (0.01 s): /ckpt is writable, 9.0 GB free"],
     },
     EventKind.AGENT_STOPPED: {"reason": "done"},
     EventKind.TIME_LIMIT_NEAR: {"end_unix_s": 1.7e9, "save_by_unix_s": 1.7e9 - 60, "attempt": 1},

@@ -72,6 +72,25 @@ def test_health_check_failure_blames_the_node():
     assert "gpu lost" in verdict.evidence[0]
 
 
+@pytest.mark.parametrize(
+    ("failed", "node"),
+    [
+        (("builtin:ckpt_root",), None),
+        (("builtin:rdzv_addr", "builtin:ckpt_root"), None),
+        (("builtin:ckpt_root", "builtin:gpus"), "a"),
+        (("/opt/nhc/run",), "a"),
+    ],
+    ids=["checkpoint root", "both shared", "shared and gpus", "operator's command"],
+)
+def test_a_failed_check_of_what_the_nodes_share_blames_no_node(failed, node):
+    event = AgentEvent(
+        EventKind.HEALTH_CHECK_FAILED, "a", "e", NOW, detail="FAIL", failed_checks=failed
+    )
+    verdict = blame(event, RECORD)
+    assert verdict.node == node and verdict.cause is Cause.HEALTH_CHECK
+    assert (verdict.confidence == 0.0) is (node is None)
+
+
 def s(node: str, rank: int, step: int | None, coll: bool | None, stopped: float) -> Suspect:
     return Suspect(node, rank, step, coll, stopped, "")
 

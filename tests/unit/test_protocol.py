@@ -110,6 +110,12 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
         "argv": ["resurgo-agent", "--", "torchrun", "train.py"],
         "nnodes": 4,
         "node_rank": 2,
+        "health_checks": [
+            "ok builtin:ckpt_root (0.01 s): /ckpt/job is writable, 812.4 GB free",
+            "ok builtin:rdzv_addr (0.00 s): node1 resolves to 10.0.0.1, routed via 10.0.0.3",
+            "ok builtin:gpus (0.41 s): 8 GPU(s), no pending retired pages or row-remapping "
+            "failures; no Xid error in the kernel log since boot",
+        ],
     },
     EventKind.AGENT_STOPPED: {"reason": "SIGTERM from Slurm"},
     EventKind.TIME_LIMIT_NEAR: {"end_unix_s": 1.7e9, "save_by_unix_s": 1.7e9 - 60, "attempt": 1},
@@ -641,3 +647,42 @@ def test_a_heartbeat_may_name_its_attempt() -> None:
     without = HeartbeatReport("4711", "node3", NOW, (), INCARNATION)
     assert b"attempt" not in protocol.encode_heartbeat(without)
     assert protocol.decode_heartbeat(protocol.encode_heartbeat(without)).attempt is None
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (["ok a", "two\nlines"], r"health_checks\[1\] must be one line"),
+        (["ok a\r"], r"health_checks\[0\] must be one line"),
+        (["x" * 1025], r"health_checks\[0\] must be one line .* at most 1024"),
+        ([3], r"health_checks\[0\] must be one line"),
+        (["ok"] * 33, "has 33 items"),
+        ("ok a", "must be a list"),
+    ],
+    ids=["newline", "carriage return", "too long", "not a string", "too many", "not a list"],
+)
+def test_agent_started_health_checks_are_lines_of_bounded_count_and_length(
+    lines: Any, message: str
+) -> None:
+    payload = {**PAYLOADS[EventKind.AGENT_STARTED], "health_checks": lines}
+    with pytest.raises(ProtocolError, match=message):
+        protocol.make_event(EventKind.AGENT_STARTED, "1234", "node3", INCARNATION, 1, NOW, payload)
+    del payload["health_checks"]
+    without = protocol.make_event(
+        EventKind.AGENT_STARTED, "1234", "node3", INCARNATION, 1, NOW, payload
+    )
+    assert "health_checks" not in without.payload
+
+
+def test_a_failed_health_gate_names_its_failing_checks_and_carries_their_lines() -> None:
+    lines = (
+        "ok builtin:rdzv_addr (0.00 s): node1 resolves to 10.0.0.1, routed via 10.0.0.3\n"
+        "FAIL builtin:ckpt_root (0.01 s): checkpoint root /ckpt/job has 0.20 GB free, under "
+        "health_min_free_gb 1: delete old checkpoints or lower the setting\n"
+    )
+    payload = {"command": ["builtin:ckpt_root"], "exit_code": None, "output_tail": lines,
+               "timed_out": False}  # fmt: skip
+    event = protocol.make_event(
+        EventKind.HEALTH_CHECK_FAILED, "1234", "node3", INCARNATION, 1, NOW, payload
+    )
+    assert protocol.decode_event(protocol.encode_event(event)).payload == payload

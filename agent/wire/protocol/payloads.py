@@ -14,6 +14,7 @@ from agent.wire.protocol.fields import (
     _finite_float,
     _float,
     _int,
+    _list,
     _name,
     _nullable,
     _objects,
@@ -25,6 +26,27 @@ from agent.wire.protocol.fields import (
     _text,
 )
 from agent.wire.protocol.messages import CommandKind, EventKind, HangDetector, StopMethod
+
+# agent_started.health_checks: one line per check of the launch's health gate.
+MAX_HEALTH_CHECKS = 32
+MAX_HEALTH_CHECK_CHARS = 1024
+
+
+def _lines(document: Mapping[str, Any], key: str, where: str) -> list[str]:
+    items = _list(document, key, where, max_items=MAX_HEALTH_CHECKS)
+    for index, item in enumerate(items):
+        if (
+            not isinstance(item, str)
+            or len(item) > MAX_HEALTH_CHECK_CHARS
+            or "\n" in item
+            or "\r" in item
+        ):
+            _fail(
+                f"{where}.{key}[{index}] must be one line (no CR or LF) of at most "
+                f"{MAX_HEALTH_CHECK_CHARS} characters"
+            )
+    return list(items)
+
 
 _RANK_IDENTITY = (
     _Spec("global_rank", _int),
@@ -128,6 +150,9 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         # The job's launch number the in-job driver gave this agent: the
         # supervisor ignores reports of agents from an earlier launch.
         _Spec("attempt", lambda d, k, w: _int(d, k, w, minimum=1), required=False),
+        # The launch's health gate, one line per check that passed (a failed gate
+        # sends health_check_failed and launches nothing).
+        _Spec("health_checks", _lines, required=False),
     ),
     EventKind.AGENT_STOPPED: (_Spec("reason", _str),),
     EventKind.TIME_LIMIT_NEAR: (
