@@ -102,6 +102,10 @@ class DriverSettings:
     time_limit_lead_s: float | None = None
     # Ranks per node, for the agents of a per-rank launch (srun-style, python train.py).
     procs_per_node: int = 1
+    # The world's node count when the allocation holds hot spares besides it
+    # (None: the world is the whole allocation). Used only when no supervisor
+    # says where to launch.
+    world_nodes: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         "most a quarter of the limit)",
     )
     parser.add_argument(
+        "--world-nodes",
+        type=int,
+        default=None,
+        help="the world's node count when the job holds hot spares besides it: without "
+        "a supervisor the driver launches on the allocation's first N nodes",
+    )
+    parser.add_argument(
         "--stop-grace-s",
         type=float,
         default=30.0,
@@ -175,6 +186,7 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         stop_grace_s=args.stop_grace_s,
         time_limit_lead_s=args.time_limit_lead_s,
         procs_per_node=args.procs_per_node,
+        world_nodes=args.world_nodes,
     )
 
 
@@ -377,6 +389,8 @@ class Driver:
         """Start the step; its exit status when it ended at once, else None (running)."""
         self._attempt = answer.attempt
         nodes = answer.nodes or await current_nodes(self._environ)
+        if answer.nodes is None and self.settings.world_nodes is not None:
+            nodes = nodes[: self.settings.world_nodes]  # the rest are the job's spares
         master = await node_address(nodes[0], self._environ)
         port = await rendezvous_port(
             nodes[0], self._environ, self.settings.python,

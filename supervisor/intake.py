@@ -430,6 +430,9 @@ class Intake:
             "attempt": record.attempt,
             "nodes": list(record.nodes),
             "original_nodes": record.original_nodes,
+            "spare_nodes": list(record.spare_nodes),
+            "spares_wanted": record.spares_wanted,
+            "swaps": {cause.value: count for cause, count in record.swaps},
             "last_checkpoint_step": record.last_step,
             "restarts": {cause.value: count for cause, count in record.restarts},
             "final_reason": record.final_reason,
@@ -483,11 +486,21 @@ class Intake:
                     DriverAction.WAIT, record.attempt, reason="choosing a checkpoint",
                     retry_after_s=DRIVER_RETRY_S,
                 )  # fmt: skip
+            if record.spares_wanted and not record.nodes:
+                # Which nodes are the world and which the spares is decided on
+                # Slurm's view of the allocation: the next poll brings it.
+                return DriverAnswer(
+                    DriverAction.WAIT, record.attempt, reason="waiting for Slurm's allocation",
+                    retry_after_s=DRIVER_RETRY_S,
+                )  # fmt: skip
+            spare = record.spare_nodes
+            spares = f", {len(spare)} spare(s) kept ready" if spare else ""
             return DriverAnswer(
                 DriverAction.LAUNCH,
                 record.attempt,
+                nodes=record.nodes if record.spare_nodes else None,
                 resume_from=recovery.resume_from if recovery is not None else None,
-                reason="launch on the current allocation",
+                reason=f"launch on the current allocation{spares}",
             )
         return DriverAnswer(
             DriverAction.WAIT,

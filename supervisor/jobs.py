@@ -60,6 +60,9 @@ class JobSpec:
     ``procs_per_node`` ranks run on each node (maps a global rank to its
     node). ``command`` runs on every node under the node agent (usually
     ``torchrun ...``). ``ckpt_root`` is where the job saves checkpoints.
+    ``spares`` hot spare nodes are allocated besides ``nodes`` and run no
+    ranks: after a fault one takes the blamed node's place, so the world
+    keeps its size.
     """
 
     name: str
@@ -69,6 +72,7 @@ class JobSpec:
     min_nodes: int | None = None
     unit: int = 1
     procs_per_node: int = 1
+    spares: int = 0
     supervisor_url: str = ""
     sbatch_options: tuple[str, ...] = ()
     directives: tuple[str, ...] = ()
@@ -85,6 +89,8 @@ class JobSpec:
             raise ConfigError(f"--unit {self.unit} must divide --nodes {self.nodes}")
         if self.procs_per_node < 1:
             raise ConfigError(f"procs per node must be >= 1, got {self.procs_per_node}")
+        if self.spares < 0:
+            raise ConfigError(f"--spares must be >= 0, got {self.spares}")
         if not self.command:
             raise ConfigError("no command to run: resurgo submit ... -- torchrun train.py")
         if not self.ckpt_root or not os.path.isabs(self.ckpt_root):
@@ -170,6 +176,7 @@ _SPEC_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "min_nodes": _optional_count,
     "unit": _count,
     "procs_per_node": _count,
+    "spares": _count,
     "supervisor_url": _text,
     "sbatch_options": _texts,
     "directives": _texts,
@@ -243,6 +250,7 @@ def batch_script(spec: JobSpec, jobs_dir: Path | str) -> str:
         "--supervisor-url", spec.supervisor_url,
         "--ckpt-root", spec.ckpt_root,
         "--procs-per-node", str(spec.procs_per_node),
+        *(["--world-nodes", str(spec.nodes)] if spec.spares else []),
         *(["--time-limit-lead-s", f"{lead:g}"] if lead is not None else []),
         "--", *spec.command,
     ]  # fmt: skip
@@ -264,8 +272,10 @@ def sbatch_options(spec: JobSpec) -> list[str]:
     named = [] if request.job_name else [f"--job-name={spec.name}"]
     # A MIN-MAX range starts the job on MAX (Slurm would take MIN and Resurgo then
     # grow it back at once, a restart for nothing); MIN is only the shrink floor.
+    # Spares are allocated besides the world: the count goes last, over the user's.
     ranged = request.min_nodes is not None
-    sized = [] if request.sets_nodes and not ranged else [f"--nodes={spec.nodes}"]
+    asked = request.sets_nodes and not ranged and not spec.spares
+    sized = [] if asked else [f"--nodes={spec.nodes + spec.spares}"]
     return [*spec.sbatch_options, *named, *sized, *supervision_options(request)]
 
 
@@ -369,4 +379,10 @@ def _current_user() -> str:
 
 def spec_summary(spec: JobSpec) -> dict[str, Any]:
     """The fields ``resurgo status`` shows about a spec."""
-    return {"name": spec.name, "nodes": spec.nodes, "min_nodes": spec.floor, "unit": spec.unit}
+    return {
+        "name": spec.name,
+        "nodes": spec.nodes,
+        "min_nodes": spec.floor,
+        "unit": spec.unit,
+        "spares": spec.spares,
+    }

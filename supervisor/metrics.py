@@ -157,6 +157,13 @@ class StoreCollector(Collector):
             "world": gauge("resurgo_job_world_size_nodes", "Nodes the job runs on now.", job),
             "original": gauge("resurgo_job_original_world_size_nodes",
                               "Nodes the job was submitted with.", job),
+            "spares": gauge("resurgo_job_spare_nodes",
+                            "Hot spare nodes the job holds ready now.", job),
+            "spares_wanted": gauge("resurgo_job_spare_nodes_wanted",
+                                   "Hot spare nodes the job was submitted with.", job),
+            "swaps": CounterMetricFamily("resurgo_job_spare_swaps",
+                                         "Blamed nodes replaced by a hot spare, by cause.",
+                                         labels=["job_id", "cause"]),
             "progress": gauge("resurgo_job_step", "The job's latest training step.", job),
             "ended": gauge("resurgo_job_end_cause",
                            "1 for an ended job, labelled with why it ended.",
@@ -221,6 +228,10 @@ class StoreCollector(Collector):
         nodes = len(record.get("nodes", []))
         families["world"].add_metric([job_id], float(nodes))
         families["original"].add_metric([job_id], float(row.original_nodes))
+        families["spares"].add_metric([job_id], float(len(record.get("spare_nodes", []))))
+        families["spares_wanted"].add_metric([job_id], float(record.get("spares_wanted", 0)))
+        for cause, count in record.get("swaps", []):
+            families["swaps"].add_metric([job_id, cause], float(count))
         checkpoints = self._store.checkpoints_for(job_id)
         if checkpoints:
             newest = max(checkpoints, key=lambda c: c.step)

@@ -90,6 +90,7 @@ class SlurmWatch(Deciding):
                 min_nodes=spec.floor,
                 unit=spec.unit,
                 procs_per_node=spec.procs_per_node,
+                spares=spec.spares,
             )
             self.store.upsert_job(
                 job_id,

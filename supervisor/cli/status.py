@@ -1,6 +1,7 @@
 """`resurgo status [JOB...] [--json] [--watch]`: every supervised job at a glance.
 
-Columns: id, name, state, world size now/original, restarts by cause,
+Columns: id, name, state, world size now/original (and hot spares ready/asked
+for, with the swaps so far), restarts by cause,
 goodput, newest checkpoint step and age, nodes drained for the job. Read from
 the supervisor's store, so it works while the supervisor is down (showing
 what it last knew). ``--json`` prints :func:`supervisor.views.documents.status`.
@@ -43,7 +44,7 @@ def row_cells(job: dict[str, Any]) -> list[str]:
         one_line(job["job_id"]),
         one_line(job["name"]),
         job["state"] + (f" ({one_line(job['final_reason'][:60])})" if job["final_reason"] else ""),
-        f"{size if size is not None else '-'}/{job['original_nodes']}",
+        f"{size if size is not None else '-'}/{job['original_nodes']}" + _spares_cell(job),
         restarts or "-",
         f"{job['goodput'] * 100:.1f}%",
         "-" if checkpoint is None else _checkpoint_cell(checkpoint),
@@ -84,6 +85,16 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
             except KeyboardInterrupt:
                 return 0
+
+
+def _spares_cell(job: dict[str, Any]) -> str:
+    """`` +1/2 spare``: hot spares ready now of those asked for (nothing without spares)."""
+    wanted = job.get("spares_wanted", 0)
+    if not wanted:
+        return ""
+    swaps = sum(job.get("swaps", {}).values())
+    swapped = f", {swaps} swap(s)" if swaps else ""
+    return f" +{len(job.get('spare_nodes', []))}/{wanted} spare{swapped}"
 
 
 def _checkpoint_cell(checkpoint: dict[str, Any]) -> str:

@@ -8,7 +8,10 @@ Every option Resurgo does not know is an sbatch option and passes to sbatch
 unchanged (so do the ``#SBATCH`` lines of ``--script FILE``); Resurgo adds only
 ``--requeue``, one agent task per node (unless you set task counts) and a
 ``USR1`` warning before the time limit. ``--nodes=2-4`` starts the job on 4
-nodes and lets it shrink down to 2 after faults. The job id is printed as
+nodes and lets it shrink down to 2 after faults. ``--spares 1`` allocates one
+node more than the world and keeps it ready: after a fault it takes the
+blamed node's place, so the world keeps its size (the job shrinks only when
+no healthy spare is left). The job id is printed as
 sbatch prints it. Before the job is released, the supervisor must have
 registered it (``--register-wait-s``): one that reads its jobs from another
 directory gets the job cancelled, with the directories named. If no
@@ -71,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--min-nodes", type=int, help="smallest size after faults (or -N MIN-MAX)")
     parser.add_argument("--unit", type=int, default=1, help="world size must be a multiple")
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="hot spare nodes allocated besides -N: after a fault a healthy spare takes the "
+        "blamed node's place and the world keeps its size (default 0)",
+    )
     parser.add_argument("--procs-per-node", type=int, help="ranks per node (default: torchrun's)")
     parser.add_argument("--script", type=Path, help="a batch script whose #SBATCH lines to use")
     parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
@@ -170,6 +180,7 @@ def spec_from(args: argparse.Namespace, sbatch_args: list[str], command: list[st
         ckpt_root=os.path.abspath(args.ckpt_root),
         min_nodes=args.min_nodes if args.min_nodes is not None else request.min_nodes,
         unit=args.unit,
+        spares=args.spares,
         procs_per_node=args.procs_per_node or ranks_per_node(command, request),
         supervisor_url=args.supervisor.rstrip("/"),
         sbatch_options=tuple(sbatch_args),

@@ -41,8 +41,14 @@ def on_job_seen(
     )
     if state == "RUNNING":
         if record.state in (JobState.SUBMITTED, JobState.REQUEUED):
-            started = replace(recovery.to_state(record, JobState.STARTING, now_s), nodes=seen.nodes)
-            return _nothing(started, f"Slurm runs it on {len(seen.nodes)} node(s)")
+            world, spares = recovery.split_allocation(record, seen.nodes)
+            started = replace(
+                recovery.to_state(record, JobState.STARTING, now_s),
+                nodes=world,
+                spare_nodes=spares,
+            )
+            with_spares = f" ({len(spares)} of them spare)" if spares else ""
+            return _nothing(started, f"Slurm runs it on {len(seen.nodes)} node(s){with_spares}")
         if requeued_by_slurm:
             # Slurm requeued and restarted it between two sightings (the supervisor
             # was down, or the queue wait was shorter than a poll): adopt the
@@ -114,6 +120,7 @@ def _adopt(
         adopted = replace(
             recovery.to_state(record, JobState.REQUEUED, now_s),
             nodes=(),
+            spare_nodes=(),
             not_before_s=None,
             recovery=replace(pending, requeue=True, requeue_seen=True),
         )
@@ -132,6 +139,7 @@ def _adopt(
     adopted = replace(
         recovery.to_state(started.record, JobState.REQUEUED, now_s),
         nodes=(),
+        spare_nodes=(),
         not_before_s=None,
         # Slurm relaunches it; we only choose where it resumes from.
         recovery=replace(started.record.recovery, requeue=True, requeue_seen=True),

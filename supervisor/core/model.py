@@ -244,6 +244,9 @@ class JobRecord:
     Sizes: ``original_nodes`` as submitted, ``min_nodes`` the floor, ``unit`` the
     multiple the parallelism needs; ``nodes`` the current allocation, first node
     the batch host. ``procs_per_node`` maps a global rank to its node.
+    Spares: ``spares_wanted`` hot spares were asked for; ``spare_nodes`` are
+    the allocation's nodes that run no ranks, ready to replace a blamed node
+    (``swaps`` counts those replacements by cause).
     ``attempt`` counts launches (1 = the first). ``restarts`` counts restarts by
     cause. Budget: ``restarts_without_progress`` counts consecutive restarts with
     no committed step newer than ``step_at_last_restart``. ``not_before_s``
@@ -276,6 +279,15 @@ class JobRecord:
     # A planned stop for the time limit is under way: Slurm ends the job then
     # (the supervisor's clock). The ranks save and stop; nothing is a fault.
     time_limit_end_s: float | None = None
+    spares_wanted: int = 0
+    spare_nodes: tuple[str, ...] = ()
+    swaps: tuple[tuple[Cause, int], ...] = ()
+
+    def with_swap(self, cause: Cause) -> JobRecord:
+        """This record with one more spare swap counted for ``cause``."""
+        counts = dict(self.swaps)
+        counts[cause] = counts.get(cause, 0) + 1
+        return replace(self, swaps=tuple(sorted(counts.items(), key=lambda kv: kv[0].value)))
 
     def restarts_for(self, cause: Cause) -> int:
         """How many restarts ``cause`` has caused so far."""
@@ -340,6 +352,7 @@ def new_record(
     min_nodes: int | None = None,
     unit: int = 1,
     procs_per_node: int = 1,
+    spares: int = 0,
 ) -> JobRecord:
     """The record of a job sbatch just accepted."""
     return JobRecord(
@@ -352,6 +365,7 @@ def new_record(
         submitted_s=now_s,
         state_since_s=now_s,
         procs_per_node=procs_per_node,
+        spares_wanted=spares,
     )
 
 
@@ -417,7 +431,12 @@ def record_from_json(text: str) -> JobRecord:
             "migrate the store with the Resurgo version that wrote it"
         )
     # Fields newer than the record format: absent in records written before them.
-    later: dict[str, Any] = {"time_limit_end_s": None}
+    later: dict[str, Any] = {
+        "time_limit_end_s": None,
+        "spares_wanted": 0,
+        "spare_nodes": (),
+        "swaps": (),
+    }
     values: dict[str, Any] = {
         f.name: doc.get(f.name, later[f.name]) if f.name in later else _get(doc, f.name)
         for f in fields(JobRecord)
@@ -426,6 +445,8 @@ def record_from_json(text: str) -> JobRecord:
         values["state"] = JobState(values["state"])
         values["nodes"] = tuple(values["nodes"])
         values["restarts"] = tuple((Cause(c), int(n)) for c, n in values["restarts"])
+        values["spare_nodes"] = tuple(values["spare_nodes"])
+        values["swaps"] = tuple((Cause(c), int(n)) for c, n in values["swaps"])
         values["signatures"] = tuple(
             CrashSignature(_get(s, "digest"), _get(s, "step")) for s in values["signatures"]
         )

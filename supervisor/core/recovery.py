@@ -60,6 +60,54 @@ def world_size(available: int, record: JobRecord) -> int | None:
     return size if size >= record.min_nodes and size > 0 else None
 
 
+def split_allocation(
+    record: JobRecord, allocated: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A new allocation as the world and its hot spares.
+
+    The world is the largest size the job may run at, on the first nodes (the
+    batch host first); the rest are spares. A job without spares runs on the
+    whole allocation, as one whose allocation is below its minimum does (it
+    fails or recovers as before).
+    """
+    if not record.spares_wanted:
+        return allocated, ()
+    size = world_size(len(allocated), record)
+    if size is None:
+        return allocated, ()
+    return allocated[:size], allocated[size:]
+
+
+def swap_in(
+    record: JobRecord, exclude: AbstractSet[str]
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The world with each excluded node replaced by a free spare, where one is left.
+
+    Returns the new world (a spare in the place of the node it replaces, so the
+    layout of ranks per node stays; an excluded node with no spare left is
+    dropped), the spares still free, and the ``(out, in)`` swaps made. Spares
+    that are excluded themselves (down, drained, lemons, failed their health
+    check) are never used.
+    """
+    free = [node for node in record.spare_nodes if node not in exclude]
+    world: list[str] = []
+    swaps: list[tuple[str, str]] = []
+    for node in record.nodes:
+        if node not in exclude:
+            world.append(node)
+        elif free:
+            spare = free.pop(0)
+            world.append(spare)
+            swaps.append((node, spare))
+    return tuple(world), tuple(free), tuple(swaps)
+
+
+def with_spares(record: JobRecord, size: int, available: int) -> int:
+    """The node count to ask Slurm for: the world's ``size`` and as many of the
+    spares wanted as ``available`` nodes leave room for."""
+    return size + max(0, min(record.spares_wanted, available - size))
+
+
 def grown_size(
     record: JobRecord, kept: tuple[str, ...], cluster: ClusterView, exclude: AbstractSet[str]
 ) -> int | None:
@@ -251,10 +299,13 @@ def remember(record: JobRecord, signature: CrashSignature) -> JobRecord:
 def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     """Relaunch once a checkpoint is chosen and the backoff passed, else wait.
 
-    Fast path: the allocation's healthy nodes, batch host first, shrunk to the
-    new world size. Requeue path (batch host lost, allocation gone, or too few
+    Fast path: the allocation's healthy nodes, batch host first, each blamed
+    node replaced by a healthy hot spare while one is left (the world keeps its
+    size and layout: no reshard), else shrunk to the new world size; the
+    blamed nodes leave the allocation. Requeue path (batch host lost, allocation gone, or too few
     healthy nodes inside it): as many usable nodes as the cluster has, up to
-    the original size, so a requeue goes back to full size when it can.
+    the original size, so a requeue goes back to full size when it can, plus
+    the spares wanted as far as nodes free now allow.
 
     When the fast path would shrink the job below its original size and idle
     nodes allow a larger size, the job is requeued at that size instead. The
@@ -272,29 +323,37 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
         return decision(record, (), cause, f"backing off {record.not_before_s - now_s:.0f} s more")
     exclude = {*recovery.exclude, *cluster.lemons, *cluster.down, *cluster.drained}
     healthy = tuple(n for n in record.nodes if n not in exclude)
-    size = world_size(len(healthy), record)
+    world, spares, swapped = swap_in(record, exclude)
+    size = world_size(len(world), record)
     ready = replace(record, not_before_s=None)
     fast = not recovery.requeue and size is not None and record.batch_host in healthy
-    grown = grown_size(record, healthy, cluster, exclude) if fast else None
+    grown = grown_size(record, world, cluster, exclude | set(spares)) if fast else None
     if fast and grown is None and size is not None:
-        keep = healthy[:size]
+        keep, spares = world[:size], (*spares, *world[size:])
+        swapped = tuple((out, spare) for out, spare in swapped if spare in keep)
         intents: list[Intent] = []
-        if keep != record.nodes:
-            intents.append(ShrinkAllocation(record.job_id, record.attempt, keep))
+        if (*keep, *spares) != (*record.nodes, *record.spare_nodes):
+            intents.append(ShrinkAllocation(record.job_id, record.attempt, (*keep, *spares)))
         intents.append(RelaunchStep(record.job_id, record.attempt, keep, recovery.resume_from))
-        launched = replace(to_state(ready, JobState.RELAUNCHING, now_s), nodes=keep)
+        launched = replace(
+            to_state(ready, JobState.RELAUNCHING, now_s), nodes=keep, spare_nodes=spares
+        )
+        for _ in swapped:
+            launched = launched.with_swap(cause)
+        swaps = "".join(f"spare {spare} replaces {out}; " for out, spare in swapped)
         return decision(
             launched,
             tuple(intents),
             cause,
-            f"relaunch on {len(keep)} node(s) {_resuming(recovery.resume_from)}",
+            f"{swaps}relaunch on {len(keep)} node(s) {_resuming(recovery.resume_from)}",
         )
     why = ""
+    # The allocation's own healthy nodes, spares included, and the cluster's usable ones.
+    usable = (cluster.usable - exclude) | set(world) | set(spares)
     if grown is not None:
         why = f"idle nodes allow {grown} node(s) instead of {size}: "
         size = grown
     else:
-        usable = (cluster.usable - exclude) | set(healthy)
         size = world_size(len(usable), record)
         if size is None:
             reason = (
@@ -303,8 +362,11 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
             )
             return stop(record, now_s, JobState.FAILED, Cause.BELOW_MIN_NODES, reason)
     blocked = tuple(sorted({*recovery.exclude, *cluster.lemons}))
-    requeue = RequeueSmaller(record.job_id, record.attempt, size, blocked, recovery.resume_from)
-    queued = replace(to_state(ready, JobState.REQUEUED, now_s), nodes=())
+    # Spares only as far as nodes free now allow: a spare never holds the restart in the queue.
+    free_now = (cluster.idle - exclude) | set(world) | set(spares)
+    asked = with_spares(record, size, len(free_now))
+    requeue = RequeueSmaller(record.job_id, record.attempt, asked, blocked, recovery.resume_from)
+    queued = replace(to_state(ready, JobState.REQUEUED, now_s), nodes=(), spare_nodes=())
     excluded = exclusions(
         set(recovery.exclude), f"in this job ({cause.value})", record.nodes, cluster
     )
@@ -340,20 +402,33 @@ def grow(
 
     Nodes this job blamed stay out: a drain the hourly share refused leaves a
     blamed node in service, and idle once the job left it.
+
+    The same path replenishes hot spares: a job at its full size whose last
+    spare was used is requeued with as many as idle nodes allow. Not sooner:
+    each refill is a restart (the in-flight save replayed, a relaunch), and
+    while a spare is left the next fault costs no shrink.
     """
     if not record.nodes:
         return None
     exclude = {*record.blamed_nodes, *cluster.lemons, *cluster.down, *cluster.drained}
     kept = tuple(n for n in record.nodes if n not in exclude)
-    size = grown_size(record, kept, cluster, exclude)
-    if size is None or size <= len(record.nodes):
+    spares = tuple(n for n in record.spare_nodes if n not in exclude)
+    idle = cluster.idle - exclude - set(kept) - set(spares)
+    available = len(kept) + len(spares) + len(idle)
+    size = world_size(available, record)
+    if size is None or size < len(record.nodes):
         return None
+    asked = with_spares(record, size, available)
+    before = len(record.nodes) + len(record.spare_nodes)
+    if asked <= before or (size == len(record.nodes) and spares):
+        return None  # spares are refilled only once the last is used: each refill is a restart
     attempt = record.attempt + 1
     blocked = tuple(sorted({*record.blamed_nodes, *cluster.lemons}))
     grown = replace(
         to_state(record, JobState.REQUEUED, now_s).with_restart(Cause.GROW),
         attempt=attempt,
         nodes=(),
+        spare_nodes=(),
         not_before_s=None,
         recovery=Recovery(
             cause=Cause.GROW,
@@ -367,13 +442,17 @@ def grow(
     )
     intents = (
         StopRanks(record.job_id, attempt, policy.stop_grace_s),
-        RequeueSmaller(record.job_id, attempt, size, blocked, checkpoint),
+        RequeueSmaller(record.job_id, attempt, asked, blocked, checkpoint),
     )
+    if size > len(record.nodes):
+        larger = f"{size} node(s) instead of {len(record.nodes)}"
+    else:
+        larger = f"{asked - size} spare(s) instead of {len(record.spare_nodes)}"
     return decision(
         grown,
         intents,
         Cause.GROW,
-        f"idle nodes allow {size} node(s) instead of {len(record.nodes)}: requeue "
+        f"idle nodes allow {larger}: requeue "
         f"{exclusions(set(record.blamed_nodes), 'in this job', record.nodes, cluster)} "
         f"from {checkpoint}",
     )

@@ -223,6 +223,15 @@ pre { font-size: 0.85em; background: #fafafa; padding: 6px; overflow-x: auto; }
 """
 
 
+def _spares(status: dict[str, Any]) -> str:
+    """The hot spares ready now, of those asked for, and the swaps by cause."""
+    if not status["spares_wanted"]:
+        return "none asked for"
+    ready = ", ".join(status["spare_nodes"]) or "none left"
+    swaps = ", ".join(f"{c} {n}" for c, n in sorted(status["swaps"].items())) or "no swap yet"
+    return f"{len(status['spare_nodes'])} of {status['spares_wanted']} ready ({ready}); {swaps}"
+
+
 def render(store: Store, job_id: str, now_s: float | None = None) -> str:
     """The whole report as HTML text; KeyError-free: unknown jobs are the caller's check."""
     now = time.time() if now_s is None else now_s
@@ -240,6 +249,7 @@ def render(store: Store, job_id: str, now_s: float | None = None) -> str:
                                      else "")),
         ("world size", f"{status['world_size'] or '-'} of {status['original_nodes']} nodes "
                        f"(minimum {status['min_nodes']})"),
+        ("hot spares", _spares(status)),
         ("restarts", restarts),
         ("goodput", f"{goodput.ratio * 100:.1f}%"),
         ("newest checkpoint", "none" if checkpoint is None else

@@ -210,6 +210,26 @@ def test_an_unreachable_supervisor_at_start_does_not_keep_the_job_from_running(
     assert len(srun_calls(tmp_path)) == 1
 
 
+def test_without_a_supervisor_a_job_with_spares_runs_its_world_on_the_first_nodes(
+    tmp_path: Path,
+) -> None:
+    status, _ = drive(
+        tmp_path, [0], [], serve_api=False, supervisor_wait_s=0.5, start_wait_s=0.5,
+        world_nodes=2,
+    )  # fmt: skip
+    assert status == 0
+    (call,) = srun_calls(tmp_path)
+    assert "--nodelist=node1,node2" in call and "--nodes=2" in call  # node3 is the spare
+
+
+def test_told_where_to_launch_the_driver_leaves_the_spares_idle(tmp_path: Path) -> None:
+    launch = DriverAnswer(DriverAction.LAUNCH, 1, nodes=("node1", "node3"))
+    status, _ = drive(tmp_path, [0], [launch])
+    assert status == 0
+    (call,) = srun_calls(tmp_path)
+    assert "--nodelist=node1,node3" in call and "--nodes=2" in call
+
+
 def test_an_unreachable_supervisor_after_a_failure_ends_the_job_with_the_steps_status(
     tmp_path: Path,
 ) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from agent.wire.errors import ConfigError
 from supervisor.cli.main import main
+from supervisor.cli.submit import build_parser, spec_from
 from supervisor.jobs import JobSpec, batch_script, sbatch_options
 from supervisor.sbatch import directives_of, parse_request, procs_per_node, training_script
 
@@ -216,3 +217,24 @@ def test_a_node_range_starts_the_job_on_its_maximum_and_shrinks_to_its_minimum()
     ranged_script = sbatch_options(spec(sbatch_options=(), directives=("--nodes=2-4",), nodes=4))
     assert "--nodes=4" in ranged_script
     assert "--nodes=4" not in sbatch_options(spec(sbatch_options=("-N", "4"), directives=()))
+
+
+def test_spares_are_allocated_besides_the_world_and_the_driver_knows_the_worlds_size() -> None:
+    argv = sbatch_options(spec(sbatch_options=("-N", "4"), directives=(), spares=1))
+    assert argv[:2] == ["-N", "4"] and "--nodes=5" in argv[2:]  # the last count wins
+    script = batch_script(spec(spares=2), "/shared/resurgo/jobs")
+    assert "--world-nodes 4" in script
+    assert "--world-nodes" not in batch_script(spec(), "/shared/resurgo/jobs")
+    assert JobSpec.from_json(spec(spares=2).to_json()).spares == 2
+    with pytest.raises(ConfigError, match="--spares must be >= 0"):
+        spec(spares=-1)
+
+
+def test_submit_takes_spares_from_its_command_line(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    args, rest = build_parser().parse_known_args(
+        ["--spares", "2", "--ckpt-root", "/ckpt", "-N", "4"]
+    )
+    made = spec_from(args, rest, ["torchrun", str(tmp_path / "train.py")])
+    assert (made.nodes, made.spares) == (4, 2)
+    assert "--nodes=6" in sbatch_options(made)
