@@ -3,6 +3,7 @@
     resurgo simulate                                   # Llama 3's 54 days on 16,384 GPUs
     resurgo simulate --interval-policy fixed --interval-s 1560 --json
     resurgo simulate --preset opt175b --plot goodput.png
+    resurgo simulate --spares 16 --spare-nodes 0         # the 16 nodes held as hot spares
 
 A flag left out takes the preset's value (``--preset llama3`` by default; the
 defaults and their sources are in :mod:`supervisor.core.simulate`). ``--plot``
@@ -13,6 +14,10 @@ interval, Young's and Daly's optima marked. ``--json`` prints one object:
 kind: lost_work, detection, recovery, checkpoint_stall, startup, queue_wait)
 and ``badput_by_cause_s`` (the fault-related badput by restart cause), among
 others; with ``--plot``, the ``sweep`` points and ``best_interval_s`` too.
+``--spares K`` gives the job K hot spares besides its world (``resurgo submit
+--spares``; ``--spare-nodes`` stays the partition's idle nodes): ``swaps``,
+``spare_faults``, ``spare_share`` (the spares' share of the allocation) and
+``allocation_goodput`` (goodput against the whole allocation) report them.
 """
 
 from __future__ import annotations
@@ -95,9 +100,10 @@ def register(subparsers: Any) -> None:
         help="simulate goodput of a supervised job at cluster scale",
         description=(
             "Simulate one training job under Resurgo: component failures, detection, "
-            "drain, relaunch onto spare nodes or smaller or after a queue wait, lost "
-            "work since the last committed checkpoint. Prints goodput, badput by cause "
-            "and interruptions. Unset flags take the preset's values."
+            "drain, a hot spare taking the blamed node's place, or a relaunch onto idle "
+            "nodes or smaller or after a queue wait, lost work since the last committed "
+            "checkpoint. Prints goodput, badput by cause and interruptions. Unset flags "
+            "take the preset's values."
         ),
     )
     add = parser.add_argument
@@ -111,7 +117,15 @@ def register(subparsers: Any) -> None:
     add("--recover-s", metavar="S", help="decision -> first step after relaunch, every component")
     add("--save-stall-s", metavar="S", help="seconds each save blocks training")
     add("--write-s", metavar="S", help="seconds the background write runs after the stall")
-    add("--spare-nodes", metavar="N", help="idle nodes the job can relaunch onto")
+    add("--spare-nodes", metavar="N", help="idle nodes in the partition the job can requeue onto")
+    add(
+        "--spares",
+        dest="job_spares",
+        metavar="K",
+        help="hot spares allocated besides the world (0)",
+    )
+    add("--swap-s", metavar="S", help="decision -> first step when a spare takes over "
+        "(default: each component's relaunch time)")  # fmt: skip
     add("--repair-h", metavar="H", help="hours a drained node is out")
     add("--min-nodes", metavar="N", help="smallest size the job may shrink to (default: all)")
     add("--unit-nodes", metavar="N", help="the job's size stays a multiple of this")
@@ -136,6 +150,8 @@ _FIELDS: tuple[tuple[str, str, Callable[[str, str], float]], ...] = (
     ("--save-stall-s", "save_stall_s", _positive),
     ("--write-s", "write_s", _non_negative),
     ("--spare-nodes", "spare_nodes", _at_least(0)),
+    ("--spares", "job_spares", _at_least(0)),
+    ("--swap-s", "swap_s", _non_negative),
     ("--min-nodes", "min_nodes", _at_least(1)),
     ("--unit-nodes", "unit_nodes", _at_least(1)),
     ("--queue-median-s", "queue_median_s", _positive),
@@ -180,6 +196,8 @@ def _summary(params: Params, outcome: Outcome, seed: int) -> dict[str, Any]:
         "gpus": params.gpus,
         "nodes": params.nodes,
         "spare_nodes": params.spare_nodes,
+        "job_spares": params.job_spares,
+        "swap_s": params.swap_s,
         "days": params.days,
         "seed": seed,
         "interval_policy": params.interval_policy.value,
@@ -201,6 +219,11 @@ def _summary(params: Params, outcome: Outcome, seed: int) -> dict[str, Any]:
         "saves": outcome.saves,
         "grows": outcome.grows,
         "queued": outcome.queued,
+        "shrinks": outcome.shrinks,
+        "swaps": outcome.swaps,
+        "spare_faults": outcome.spare_faults,
+        "spare_share": outcome.spare_share,
+        "allocation_goodput": outcome.allocation_goodput,
     }
 
 
@@ -210,9 +233,12 @@ def _human(summary: dict[str, Any]) -> str:
         f"{cause} {count}"
         for cause, count in sorted(summary["interruptions_by_cause"].items(), key=lambda kv: -kv[1])
     )
+    spares = summary["job_spares"]
+    swap = "each component's relaunch" if summary["swap_s"] is None else f"{summary['swap_s']:g} s"
     lines = [
         f"{summary['days']:g} days of {summary['gpus']:,} GPUs ({summary['nodes']:,} nodes, "
-        f"{summary['spare_nodes']} spare), seed {summary['seed']}",
+        f"{spares} hot spare{'' if spares == 1 else 's'}, {summary['spare_nodes']} idle in "
+        f"the partition), seed {summary['seed']}",
         f"job MTBF {_hours(summary['job_mtbf_s'])}; save stall {summary['save_stall_s']:g} s, "
         f"background write {summary['write_s']:g} s",
         f"interval ({summary['interval_policy']}) {summary['interval_s'] / 60:.1f} min; "
@@ -226,8 +252,14 @@ def _human(summary: dict[str, Any]) -> str:
         lines.append(f"  {kind:<17}{seconds / wall:6.2%}  {_hours(seconds)}")
     lines.append(
         f"saves {summary['saves']}, requeues that waited in the queue {summary['queued']}, "
-        f"grows back {summary['grows']}"
+        f"grows back {summary['grows']}, shrinks {summary['shrinks']}"
     )
+    if spares:
+        lines.append(
+            f"hot spares: {summary['swaps']} swaps ({swap}), {summary['spare_faults']} failed "
+            f"idle; {summary['spare_share']:.2%} of the allocation, goodput against the "
+            f"allocation {summary['allocation_goodput']:.1%}"
+        )
     if "best_interval_s" in summary:
         lines.append(
             f"sweep: best interval {summary['best_interval_s'] / 60:.1f} min; "

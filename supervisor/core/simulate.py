@@ -1,30 +1,36 @@
 """Goodput at scale: a discrete-event simulation of one supervised training job; pure.
 
 A job of ``gpus`` GPUs (``gpus_per_node`` to a node) trains for ``days`` in a
-partition holding its nodes and ``spare_nodes`` idle ones. Components fail at
-per-GPU rates (:class:`Component`: a share of interruptions, the
-:class:`~supervisor.core.model.Cause` the supervisor records, whether the node is
-lost). Each interruption goes the way a supervised recovery goes:
+partition holding its nodes, its ``job_spares`` hot spares and ``spare_nodes``
+idle ones. Components fail at per-GPU rates (:class:`Component`: a share of
+interruptions, the :class:`~supervisor.core.model.Cause` the supervisor
+records, whether the node is lost). Each interruption goes the way a
+supervised recovery goes:
 
 1. the fault; the supervisor notices it ``detect_s`` later (DETECTION);
 2. a faulty node is drained; it comes back idle after ``repair_s``;
 3. the relaunch, sized by the supervisor's own rule
    (:func:`supervisor.core.recovery.world_size`, as :func:`~supervisor.core.recovery.relaunch`
-   applies it): onto idle nodes when they make the job larger (a requeue
-   that starts at once), else smaller on the healthy nodes (the fast path)
-   when the job's minimum and unit allow it, else a requeue that waits in
-   Slurm's queue (a log-normal wait) for nodes of other jobs (RECOVERY,
-   QUEUE_WAIT);
+   applies it): a hot spare takes the blamed node's place while one is left
+   (a new srun step in the allocation, same size: ``swap_s``), else onto
+   idle nodes when they make the job larger (a requeue that starts at once),
+   else smaller on the healthy nodes (the fast path) when the job's minimum
+   and unit allow it, else a requeue that waits in Slurm's queue (a
+   log-normal wait) for nodes of other jobs (RECOVERY, QUEUE_WAIT);
 4. the work since the last *committed* checkpoint is replayed (LOST_WORK).
 
 Saves are asynchronous: training stalls ``save_stall_s`` per save
 (CHECKPOINT_STALL), the write then runs ``write_s`` beside training, and the
 checkpoint is committed only when it ends; one save is in flight at a time,
 so a save due before the previous write ended waits for it (a stall too). A
-job running below its size grows back at the first commit after idle nodes
-can make it larger (:data:`~supervisor.core.model.Cause.GROW`, as
-:func:`supervisor.core.recovery.grow`). The checkpoint interval follows
-:class:`IntervalPolicy`, from :mod:`agent.checkpoint.interval` and, for the
+job running below its size, or with fewer hot spares than it asked for,
+grows back at the first commit after idle nodes can make its allocation
+larger, the world first (:data:`~supervisor.core.model.Cause.GROW`, as
+:func:`supervisor.core.recovery.grow`); a requeue takes the spares idle
+nodes allow, never waiting for them. An idle hot spare fails at the
+node-losing components' per-GPU rates while the job trains: it is drained
+and repaired like any node, and training goes on. The checkpoint interval
+follows :class:`IntervalPolicy`, from :mod:`agent.checkpoint.interval` and, for the
 adaptive policy, the daemon's own MTBF estimate and interval push
 (:mod:`supervisor.core.goodput`).
 
@@ -36,8 +42,10 @@ come from a seeded NumPy generator, and the same seed gives the same result.
 Left out, deliberately: faults while the job is down (the failure clock runs
 only while it trains), the restart budget (it stops a job after several
 restarts without a new checkpoint, which needs several faults within one
-interval), the drain rate limit, and the loss of the batch host (one node in
-thousands).
+interval), the drain rate limit, the loss of the batch host (one node in
+thousands), a spare that fails unnoticed and is swapped in (its health check
+is taken to catch it), and faults of idle partition nodes (they only delay
+a grow).
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from agent.checkpoint.interval import daly_interval_s, recommended_interval_s, y
 from supervisor.core.goodput import Badput, Goodput, interval_push, mtbf_estimate
 from supervisor.core.model import NODE_FAULT_CAUSES, Cause, JobRecord, new_record
 from supervisor.core.recovery import world_size
+from supervisor.core.save_schedule import Saves
 
 if TYPE_CHECKING:
     import numpy as np
@@ -185,6 +194,18 @@ class Params:
     2 s (DESIGN §4); ``grow_recover_s``: stopping and restarting the ranks for
     a planned grow, as a SIGKILL's relaunch. ``min_nodes`` None: the job
     needs all its nodes; ``unit_nodes``: its size must stay a multiple of it.
+
+    Hot spares: ``job_spares`` nodes allocated besides the world
+    (``resurgo submit --spares K``); the partition holds them on top of its
+    ``spare_nodes`` idle ones; 0, the default, is a job without them.
+    ``swap_s``: a spare's takeover, from the decision to the first resumed
+    step (the component's ``detect_s`` is charged before it, as before every
+    relaunch); None, the default: the component's own ``recover_s``, the
+    relaunch bench/recovery.py measured (13.7 s for a killed rank and a lost
+    node, 16.9 s after a hang or an exception; bench/RESULTS.md,
+    2026-11-30), because a swap is that relaunch, a new srun step from the
+    newest checkpoint, with the spare in the blamed node's place. No swap
+    has been measured on its own yet.
     """
 
     gpus: int = LLAMA3_GPUS
@@ -205,6 +226,8 @@ class Params:
     requeue_start_s: float = 2.0
     grow_recover_s: float = _BENCH_SIGKILL_S[1] - _BENCH_SIGKILL_S[0]
     grow_back: bool = True
+    job_spares: int = 0
+    swap_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -221,6 +244,10 @@ class Params:
             _non_negative(name, getattr(self, name))
         if self.spare_nodes < 0:
             raise BadParameter("spare_nodes", "must be 0 or more")
+        if self.job_spares < 0:
+            raise BadParameter("job_spares", f"must be 0 or more, got {self.job_spares}")
+        if self.swap_s is not None:
+            _non_negative("swap_s", self.swap_s)
         if self.unit_nodes < 1 or self.nodes % self.unit_nodes:
             raise BadParameter("unit_nodes", f"must divide the job's {self.nodes} nodes")
         if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
@@ -270,7 +297,16 @@ def opt175b() -> Params:
     return Params(gpus=OPT175B_GPUS, days=OPT175B_DAYS, gpu_mtbf_h=gpu_mtbf_h)
 
 
-PRESETS = {"llama3": llama3, "opt175b": opt175b}
+def llama3_spares() -> Params:
+    """Llama 3's run with the partition's 16 spare nodes held by the job as hot spares.
+
+    The same 2,064 nodes as :func:`llama3`: none idle, so a spare comes back
+    only from repair (bench/RESULTS.md compares the two).
+    """
+    return Params(job_spares=16, spare_nodes=0)
+
+
+PRESETS = {"llama3": llama3, "llama3-spares": llama3_spares, "opt175b": opt175b}
 
 
 @dataclass(frozen=True)
@@ -282,6 +318,15 @@ class Outcome:
     cause value). ``useful_work_share`` weighs productive time by the job's
     size against its full size, so running shrunk counts as lost capacity.
     ``mean_interval_s`` is the interval weighted by training time.
+
+    Hot spares: ``swaps`` counts the faults a spare took over, ``spare_faults``
+    the spares that failed while idle (no interruption), ``shrinks`` the
+    relaunches that left the world smaller than before the fault.
+    ``spare_share`` is the spares' share of the allocation's node time while
+    the job trains: nodes paid for that train nothing (``K / (N + K)`` with
+    every spare in place, 0 without spares). ``goodput`` is measured against
+    the training GPUs, as without spares; :attr:`allocation_goodput` against
+    the whole allocation.
     """
 
     accounting: Goodput
@@ -292,98 +337,52 @@ class Outcome:
     useful_work_share: float
     mean_interval_s: float
     final_interval_s: float
+    swaps: int
+    spare_faults: int
+    shrinks: int
+    spare_share: float
 
     @property
     def goodput(self) -> float:
         """Productive share of wall time."""
         return self.accounting.ratio
 
-
-@dataclass(frozen=True)
-class _Saves:
-    """The saves of one run, in seconds since its first step.
-
-    Save ``k`` (from 1) is due after ``interval`` of training since the run
-    started or since the previous save's stall ended; training then blocks for
-    ``first_block`` (save 1) or ``block`` (later saves: the stall plus the
-    wait for the previous write, if any). The state of the step reached when
-    the save is due is what commits, ``write`` after the block ends.
-    """
-
-    interval: float
-    first_block: float
-    block: float
-    write: float
-
-    @classmethod
-    def of(cls, interval: float, stall: float, write: float) -> _Saves:
-        """Saves every ``interval``, each stalling ``stall`` then writing ``write``."""
-        return cls(interval, stall, stall + max(0.0, write - interval), write)
-
-    def block_end(self, k: int) -> float:
-        """When save ``k``'s block ends (0 for k = 0: the run's start)."""
-        if k == 0:
-            return 0.0
-        return self.interval + self.first_block + (k - 1) * (self.interval + self.block)
-
-    def due(self, k: int) -> float:
-        """When save ``k`` is due: its step's state is what it saves."""
-        return self.block_end(k - 1) + self.interval
-
-    def blocks_ended(self, t: float) -> int:
-        """How many blocks have ended by ``t``."""
-        first = self.interval + self.first_block
-        if t < first:
-            return 0
-        return 1 + math.floor((t - first) / (self.interval + self.block))
-
-    def stalled(self, t: float) -> float:
-        """Seconds training was blocked in ``[0, t]``."""
-        k = self.blocks_ended(t)
-        whole = 0.0 if k == 0 else self.first_block + (k - 1) * self.block
-        current = self.first_block if k == 0 else self.block
-        return whole + min(max(0.0, t - self.due(k + 1)), current)
-
-    def committed(self, t: float) -> int:
-        """How many saves have committed by ``t`` (their writes ended)."""
-        return self.blocks_ended(t - self.write) if t >= self.write else 0
-
-    def lost(self, t: float, committed: int | None = None) -> float:
-        """Training after the newest committed save's step, up to ``t``: replayed on resume.
-
-        ``committed`` names that save when the caller knows it (``t`` is its
-        commit, where rounding could put ``t`` a hair before it).
-        """
-        k = self.committed(t) if committed is None else committed
-        since = self.due(k) if k else 0.0
-        return (t - since) - (self.stalled(t) - self.stalled(since))
-
-    def first_commit_after(self, t: float) -> tuple[int, float]:
-        """The first save committing at or after ``t``, and when it commits."""
-        first = self.interval + self.first_block + self.write
-        k = 1 if t <= first else 1 + math.ceil((t - first) / (self.interval + self.block))
-        return k, self.block_end(k) + self.write
+    @property
+    def allocation_goodput(self) -> float:
+        """Goodput against the allocation, spares idle: ``goodput * (1 - spare_share)``."""
+        return self.goodput * (1.0 - self.spare_share)
 
 
 class _Simulation:
-    """Mutable state of one simulation (local to :func:`simulate`)."""
+    """Mutable state of one simulation (local to :func:`simulate`).
+
+    The nodes: ``nodes`` train, ``spares`` wait in the allocation, ``idle``
+    wait in the partition, ``repairs`` (when each comes back) are drained.
+    """
 
     def __init__(self, params: Params, seed: int) -> None:
         self.p = params
         # NumPy loads with the first simulation, not with every `resurgo` command.
         from numpy.random import SeedSequence, default_rng
 
-        faults, queue = SeedSequence(seed).spawn(2)
+        # The spares' stream is a third child: the first two, hence every run
+        # without spares, are what they were before spares existed.
+        faults, queue, spares = SeedSequence(seed).spawn(3)
         self.fault_rng: np.random.Generator = default_rng(faults)
         self.queue_rng: np.random.Generator = default_rng(queue)
+        self.spare_rng: np.random.Generator = default_rng(spares)
         self.end_s = params.days * DAY_S
         self.gpu_rate = 1.0 / (params.gpu_mtbf_h * HOUR_S)
+        # An idle spare runs no code: only the components that take a node fail it.
+        node_share = sum(c.share for c in params.mix if c.takes_node)
+        self.spare_rate = params.gpus_per_node * self.gpu_rate * node_share
         self.cumulative = list(itertools.accumulate(c.share for c in params.mix))
         self.record: JobRecord = new_record(
             "simulated", params.nodes, 0.0, min_nodes=params.min_nodes, unit=params.unit_nodes
         )
-        self.home = params.nodes + params.spare_nodes
+        self.home = params.nodes + params.job_spares + params.spare_nodes
         self.nodes = params.nodes
+        self.spares = params.job_spares
         self.idle = params.spare_nodes
         self.repairs: list[float] = []
         self.badput = {kind: 0.0 for kind in Badput}
@@ -394,9 +393,12 @@ class _Simulation:
         # it trains: runs with other intervals meet the same faults at the same
         # training times, so their differences are the interval's, not the dice's.
         self.exposure = self.fault_rng.exponential()
+        self.spare_exposure = self.spare_rng.exponential()
         self.interval = params.interval_s
         self.productive = self.useful = self.trained = self.interval_time = 0.0
+        self.world_node_s = self.spare_node_s = 0.0
         self.grows = self.queued = self.saves = self.attempt = 0
+        self.swaps = self.spare_faults = self.shrinks = 0
 
     def charge(self, kind: Badput, start: float, seconds: float, cause: str | None) -> float:
         """Charge ``seconds`` from ``start`` (clipped at the end) to ``kind``; the new time."""
@@ -414,7 +416,7 @@ class _Simulation:
         """
         while self.repairs and self.repairs[0] <= now:
             heapq.heappop(self.repairs)
-            if self.idle + self.nodes + len(self.repairs) < self.home:
+            if self.idle + self.nodes + self.spares + len(self.repairs) < self.home:
                 self.idle += 1
 
     def choose_interval(self, now: float) -> float:
@@ -434,20 +436,23 @@ class _Simulation:
                 self.interval = push.interval_s
         return self.interval
 
-    def grow_time(self, start: float, saves: _Saves) -> tuple[int, float]:
-        """When a job below its size grows back: the first save to commit once idle nodes
-        allow it, and when (0 and infinity: not in this run)."""
+    def grow_time(self, start: float, saves: Saves, since: float) -> tuple[int, float]:
+        """When the job grows its allocation back in the run that started at ``start``:
+        the first save to commit at or after ``since`` once idle nodes allow it, and
+        when (0 and infinity: not in this run)."""
         never = (0, math.inf)
-        if not self.p.grow_back or self.nodes >= self.p.nodes:
+        if not self.p.grow_back or (
+            self.nodes >= self.p.nodes and self.spares >= self.p.job_spares
+        ):
             return never
-        ready, idle, pending = start, self.idle, sorted(self.repairs)
+        ready, idle, pending = since, self.idle, sorted(self.repairs)
         for index, back_s in enumerate(pending):
-            if self.larger(idle) is not None:
+            if self.allocation(idle) is not None:
                 break
-            if idle + self.nodes + len(pending) - index - 1 < self.home:
+            if idle + self.nodes + self.spares + len(pending) - index - 1 < self.home:
                 idle += 1
-            ready = back_s
-        if self.larger(idle) is None:
+            ready = max(ready, back_s)
+        if self.allocation(idle) is None:
             return never
         save, commit_s = saves.first_commit_after(ready - start)
         return save, start + commit_s
@@ -457,16 +462,45 @@ class _Simulation:
         size = world_size(self.nodes + extra, self.record)
         return size if size is not None and size > self.nodes else None
 
+    def allocation(self, idle: int) -> tuple[int, int] | None:
+        """The world and spares the job's nodes, its spares and ``idle`` idle nodes
+        make (the world first), when more than it holds now (else None)."""
+        pool = self.nodes + self.spares + idle
+        size = world_size(pool, self.record)
+        if size is None or size < self.nodes:
+            return None
+        spares = min(self.p.job_spares, pool - size)
+        return (size, spares) if size + spares > self.nodes + self.spares else None
+
+    def train(self, start: float, saves: Saves, stop: float) -> tuple[float, int, float]:
+        """Train from ``start`` until ``stop`` (a fault or the end) or a grow, spares
+        failing on the way; the end, and the grow's save and time (if it comes first)."""
+        now = start
+        while True:
+            grow_save, grow_at = self.grow_time(start, saves, now)
+            end = min(stop, grow_at)
+            rate = self.spares * self.spare_rate
+            spare_at = now + self.spare_exposure / rate if rate else math.inf
+            self.spare_node_s += self.spares * (min(spare_at, end) - now)
+            if spare_at >= end:
+                self.spare_exposure -= rate * (end - now)
+                return end, grow_save, grow_at
+            # An idle spare fails: drained and repaired; training goes on.
+            self.spare_exposure = self.spare_rng.exponential()
+            self.spares -= 1
+            self.spare_faults += 1
+            heapq.heappush(self.repairs, spare_at + self.p.repair_s)
+            now = spare_at
+
     def run(self) -> Outcome:
         p, now = self.p, 0.0
         while now < self.end_s:
             self.back_from_repair(now)
             interval = self.choose_interval(now)
-            saves = _Saves.of(interval, p.save_stall_s, p.write_s)
+            saves = Saves.of(interval, p.save_stall_s, p.write_s)
             rate = self.nodes * p.gpus_per_node * self.gpu_rate
             fault_at = now + self.exposure / rate
-            grow_save, grow_at = self.grow_time(now, saves)
-            end = min(fault_at, grow_at, self.end_s)
+            end, grow_save, grow_at = self.train(now, saves, min(fault_at, self.end_s))
             elapsed = end - now
             stalled = saves.stalled(elapsed)
             if end == self.end_s:
@@ -478,6 +512,7 @@ class _Simulation:
             self.saves += saves.blocks_ended(elapsed)
             self.interval_time += interval * (elapsed - stalled)
             self.trained += elapsed - stalled
+            self.world_node_s += self.nodes * elapsed
             self.badput[Badput.CHECKPOINT_STALL] += stalled
             productive = elapsed - stalled - lost
             self.productive += productive
@@ -505,11 +540,22 @@ class _Simulation:
         now = self.charge(Badput.DETECTION, at, component.detect_s, cause)
         if component.cause in NODE_FAULT_CAUSES:
             self.node_faults.append(now)
+        before = self.nodes
         if component.takes_node:
             self.nodes -= 1
             heapq.heappush(self.repairs, at + p.repair_s)
         self.back_from_repair(now)
-        return self.relaunch(now, component.recover_s, cause)
+        if component.takes_node and self.spares:
+            # A spare takes the blamed node's place: a new srun step, same size.
+            self.spares -= 1
+            self.nodes += 1
+            self.swaps += 1
+            swap_s = component.recover_s if p.swap_s is None else p.swap_s
+            return self.charge(Badput.RECOVERY, now, swap_s, cause)
+        now = self.relaunch(now, component.recover_s, cause)
+        if self.nodes < before:
+            self.shrinks += 1
+        return now
 
     def relaunch(self, now: float, recover_s: float, cause: str) -> float:
         """Relaunch as :func:`supervisor.core.recovery.relaunch` decides; when the job trains again.
@@ -517,28 +563,30 @@ class _Simulation:
         The fast path when the healthy nodes make a valid size, unless idle
         nodes make a larger one (then a requeue onto them, which starts at
         once); else a requeue at full size, which waits in the queue unless
-        idle nodes make up the difference.
+        idle nodes make up the difference. A requeue takes the spares that
+        the nodes left free allow; one that waits in the queue takes none.
         """
         p = self.p
         alone = world_size(self.nodes, self.record)
         grown = self.larger(self.idle) if alone is not None else None
         if alone is not None and grown is None:
-            # The healthy nodes, shrunk to a valid size; the rest are idle again.
-            self.idle += self.nodes - alone
+            # The healthy nodes, shrunk to a valid size; the rest stay as spares, or are idle.
+            left = self.nodes - alone
+            kept = min(left, p.job_spares - self.spares)
+            self.spares += kept
+            self.idle += left - kept
             self.nodes = alone
             return self.charge(Badput.RECOVERY, now, recover_s, cause)
         now = self.charge(Badput.RECOVERY, now, recover_s + p.requeue_start_s, cause)
-        if grown is not None:
-            self.idle -= grown - self.nodes
-            self.nodes = grown
-            return now
-        missing = p.nodes - self.nodes
-        self.nodes = p.nodes
-        if missing <= self.idle:
-            self.idle -= missing
+        size = p.nodes if grown is None else grown
+        pool = self.nodes + self.spares + self.idle
+        self.nodes = size
+        if size <= pool:
+            self.spares = min(p.job_spares, pool - size)
+            self.idle = pool - size - self.spares
             return now
         # Too few idle nodes: Slurm's queue, until other jobs end (the idle ones are used too).
-        self.idle = 0
+        self.spares = self.idle = 0
         self.queued += 1
         wait = self.queue_rng.lognormal(math.log(p.queue_median_s), p.queue_sigma)
         return self.charge(Badput.QUEUE_WAIT, now, wait, None)
@@ -547,20 +595,21 @@ class _Simulation:
         """A planned requeue onto idle nodes right after a commit; when the job trains again."""
         cause = Cause.GROW
         self.back_from_repair(at)
-        grown = self.larger(self.idle)
+        grown = self.allocation(self.idle)
         assert grown is not None  # grow_time waited for the pool to allow it
         self.grows += 1
         self.attempt += 1
         self.badput[Badput.LOST_WORK] += lost
         self.by_cause[cause.value] = self.by_cause.get(cause.value, 0.0) + lost
-        self.idle -= grown - self.nodes
-        self.nodes = grown
+        self.idle -= sum(grown) - self.nodes - self.spares
+        self.nodes, self.spares = grown
         return self.charge(
             Badput.RECOVERY, at, self.p.grow_recover_s + self.p.requeue_start_s, cause.value
         )
 
     def outcome(self) -> Outcome:
         accounting = Goodput(self.end_s, self.productive, dict(self.badput), dict(self.by_cause))
+        held = self.world_node_s + self.spare_node_s
         return Outcome(
             accounting=accounting,
             interruptions=dict(self.interruptions),
@@ -570,6 +619,10 @@ class _Simulation:
             useful_work_share=self.useful / self.end_s,
             mean_interval_s=self.interval_time / self.trained if self.trained else self.interval,
             final_interval_s=self.choose_interval(self.end_s),
+            swaps=self.swaps,
+            spare_faults=self.spare_faults,
+            shrinks=self.shrinks,
+            spare_share=self.spare_node_s / held if held else 0.0,
         )
 
 

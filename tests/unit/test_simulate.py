@@ -26,7 +26,8 @@ from supervisor.cli.main import main
 from supervisor.core import simulate as sim
 from supervisor.core.goodput import Badput
 from supervisor.core.model import Cause
-from supervisor.core.simulate import IntervalPolicy, Params, _Saves, llama3, opt175b, simulate
+from supervisor.core.save_schedule import Saves
+from supervisor.core.simulate import IntervalPolicy, Params, llama3, opt175b, simulate
 
 REPO = Path(__file__).resolve().parents[2]
 MINUTE = 60.0
@@ -308,7 +309,7 @@ def stepped(t: float, interval: float, stall: float, write: float) -> tuple[floa
 def test_a_fault_before_the_background_write_ends_loses_that_save_too(
     t: float, stalled: float, lost: float
 ) -> None:
-    saves = _Saves.of(100.0, 5.0, 50.0)
+    saves = Saves.of(100.0, 5.0, 50.0)
     assert saves.stalled(t) == pytest.approx(stalled)
     assert saves.lost(t) == pytest.approx(lost)
 
@@ -316,7 +317,7 @@ def test_a_fault_before_the_background_write_ends_loses_that_save_too(
 def test_a_save_due_while_the_previous_write_runs_waits_for_it() -> None:
     # Every 60 s with a 100 s write: save 2 is due at 125, waits until 165
     # (save 1's commit), then stalls 5 s.
-    saves = _Saves.of(60.0, 5.0, 100.0)
+    saves = Saves.of(60.0, 5.0, 100.0)
     assert saves.block_end(2) == pytest.approx(170.0)
     assert saves.stalled(170.0) == pytest.approx(5.0 + 45.0)
 
@@ -331,7 +332,7 @@ def test_a_save_due_while_the_previous_write_runs_waits_for_it() -> None:
 def test_closed_form_saves_match_stepping_save_by_save(
     interval: float, stall: float, write: float, t: float
 ) -> None:
-    saves = _Saves.of(interval, stall, write)
+    saves = Saves.of(interval, stall, write)
     stalled, lost = stepped(t, interval, stall, write)
     assert saves.stalled(t) == pytest.approx(stalled, abs=1e-6)
     assert saves.lost(t) == pytest.approx(lost, abs=1e-6)
