@@ -230,8 +230,12 @@ class StoreCollector(Collector):
         families["original"].add_metric([job_id], float(row.original_nodes))
         families["spares"].add_metric([job_id], float(len(record.get("spare_nodes", []))))
         families["spares_wanted"].add_metric([job_id], float(record.get("spares_wanted", 0)))
-        for cause, count in record.get("swaps", []):
-            families["swaps"].add_metric([job_id, cause], float(count))
+        # Every restart cause at 0 swaps first: a counter's first report is then an
+        # increase, and a job with no spare shows that none of its restarts was a swap.
+        swaps = {cause: 0.0 for cause, _ in record.get("restarts", [])}
+        swaps.update((cause, float(count)) for cause, count in record.get("swaps", []))
+        for cause, count in sorted(swaps.items()):
+            families["swaps"].add_metric([job_id, cause], count)
         checkpoints = self._store.checkpoints_for(job_id)
         if checkpoints:
             newest = max(checkpoints, key=lambda c: c.step)
