@@ -21,6 +21,7 @@ import pytest
 from agent.wire import protocol
 from agent.wire.protocol import CommandKind, EventKind
 from supervisor.config import SupervisorConfig
+from supervisor.core.model import JobState
 from supervisor.core.observations import RelaunchFinished
 from supervisor.core.policy import Policy
 from supervisor.daemon import Supervisor
@@ -572,5 +573,31 @@ def test_held_hang_reports_are_decided_once_the_save_ended_without_progress(
         await supervisor.settle()
         assert supervisor.jobs[JOB].held_hangs == []
         assert supervisor.jobs[JOB].record.state.value != "running"
+
+    run(body, tmp_path)
+
+
+def test_a_job_with_spares_launches_its_world_only_once_slurm_showed_the_allocation(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), nodes=3, spares=1))
+        await supervisor.poll()
+        await supervisor.settle()
+        job = supervisor.jobs[JOB]
+        seen = job.record
+        assert (seen.nodes, seen.spare_nodes) == (NODES[:3], NODES[3:])
+        assert supervisor.store.attempts_for(JOB)[0].nodes == NODES[:3]
+        start = protocol.DriverRequest(JOB, protocol.DriverPhase.START)
+        # Registered while Slurm had not shown the allocation yet: no split, so wait.
+        job.record = replace(seen, state=JobState.SUBMITTED, nodes=(), spare_nodes=())
+        early = await supervisor.driver(JOB, start)
+        assert early.action is protocol.DriverAction.WAIT
+        assert early.reason == "waiting for Slurm's allocation"
+        job.record = seen
+        answer = await supervisor.driver(JOB, start)
+        assert answer.action is protocol.DriverAction.LAUNCH
+        assert answer.nodes == NODES[:3]
+        assert "1 spare(s) kept ready" in answer.reason
 
     run(body, tmp_path)
