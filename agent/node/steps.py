@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from agent.train.heartbeat import StepReport
-from agent.wire.protocol import MAX_STEPS_PER_EVENT
+from agent.wire.protocol import MAX_STEPS_PER_EVENT, NonFinite
 
 # Between two drains (5 s apart by default) no real training loop reports this
 # many steps; the bound only keeps a flood on the agent's socket (which every
@@ -38,16 +38,18 @@ class StepBuffer:
     def add(self, report: StepReport) -> bool:
         """Buffer one report; False (and counted as dropped) when the buffer is full.
 
-        A loss that is not finite is kept as None: the wire protocol carries
-        only finite numbers, and null already means "no usable loss".
+        A loss that is not finite travels as null with ``non_finite`` naming
+        it (``nan``, ``inf``, ``-inf``): the wire protocol carries only finite
+        numbers, and a null alone means "no loss reported".
         """
         if self._count >= self._max_steps:
             self._dropped += 1
             return False
-        loss = report.loss if report.loss is not None and math.isfinite(report.loss) else None
-        self._steps.setdefault(report.rank, []).append(
-            {"step": report.step, "loss": loss, "cursor": report.cursor}
-        )
+        entry: dict[str, Any] = {"step": report.step, "loss": report.loss, "cursor": report.cursor}
+        if report.loss is not None and not math.isfinite(report.loss):
+            entry["loss"] = None
+            entry["non_finite"] = NonFinite.of(report.loss).value
+        self._steps.setdefault(report.rank, []).append(entry)
         self._count += 1
         return True
 

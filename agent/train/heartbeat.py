@@ -46,7 +46,10 @@ offset type  field
 3      u8    kind: 1 = beat, 2 = checkpoint committed, 3 = step report
 4      u8    phase: 0 init, 1 train, 2 checkpoint, 3 eval
 5      u8    flags: bit 0 set for a beat of the automatic bootstrap
-             (:mod:`agent.train.autohooks`); other bits 0
+             (:mod:`agent.train.autohooks`); bit 1 set on a step report
+             whose loss was not finite (the loss field holds the NaN or
+             infinity; without the bit a NaN there means "no loss");
+             other bits 0
 6      i32   global rank
 10     i32   local rank
 14     i32   pid of the sender
@@ -94,6 +97,7 @@ ENV_LOCAL_RANK = "LOCAL_RANK"
 MAGIC = b"Rh"
 VERSION = 1
 FLAG_AUTOMATIC = 1
+FLAG_NON_FINITE_LOSS = 2
 # Linux PATH_MAX; a longer path cannot name a checkpoint directory anyway.
 MAX_PATH_BYTES = 4096
 # A dead agent costs one failed connect() per period, not one per step; short
@@ -182,7 +186,8 @@ class CheckpointNote:
 class StepReport:
     """One decoded step report: ``rank`` finished ``step`` with ``loss`` at data ``cursor``.
 
-    ``loss`` is None when the rank gave none (or it was NaN); ``cursor`` (the
+    ``loss`` is None when the rank gave none, NaN or an infinity when the
+    rank's loss was not finite (a training-health fault); ``cursor`` (the
     global samples consumed before the step) is None when unknown; so is
     ``compute_s`` when not measured. A step report is also a beat in phase
     train: see :meth:`as_beat`.
@@ -305,12 +310,13 @@ def encode_step_report(
             f"step report needs rank, local rank, step and cursor >= 0, got rank {rank}, "
             f"local rank {local_rank}, step {step}, cursor {cursor}"
         )
+    bad_loss = loss is not None and not math.isfinite(loss)
     header = _HEADER.pack(
         MAGIC,
         VERSION,
         Kind.STEP,
         _PHASE_CODE[Phase.TRAIN],
-        0,
+        FLAG_NON_FINITE_LOSS if bad_loss else 0,
         rank,
         local_rank,
         pid,
@@ -344,7 +350,7 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None
             return RankBeat(rank, local_rank, pid, step, phase, wall, compute_s, automatic)
         return None
     if kind == Kind.STEP:
-        return _step_report(data, phase, rank, local_rank, pid, step, wall)
+        return _step_report(data, phase, flags, rank, local_rank, pid, step, wall)
     if kind != Kind.CHECKPOINT or len(data) < BEAT_SIZE + _PATH_LEN.size:
         return None
     (length,) = _PATH_LEN.unpack_from(data, BEAT_SIZE)
@@ -358,7 +364,14 @@ def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None
 
 
 def _step_report(
-    data: bytes, phase: Phase, rank: int, local_rank: int, pid: int, step: int, wall: float
+    data: bytes,
+    phase: Phase,
+    flags: int,
+    rank: int,
+    local_rank: int,
+    pid: int,
+    step: int,
+    wall: float,
 ) -> StepReport | None:
     sizes = (STEP_REPORT_SIZE, _UNTIMED_STEP_REPORT_SIZE)
     if len(data) not in sizes or phase is not Phase.TRAIN or min(rank, local_rank, step) < 0:
@@ -372,7 +385,7 @@ def _step_report(
         local_rank,
         pid,
         step,
-        None if math.isnan(loss) else loss,
+        None if math.isnan(loss) and not flags & FLAG_NON_FINITE_LOSS else loss,
         None if cursor == _NO_CURSOR else cursor,
         wall,
         _read_compute(data, _UNTIMED_STEP_REPORT_SIZE) if timed else None,

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from agent.train import heartbeat as hbmod
 from agent.train.heartbeat import (
     BEAT_SIZE,
+    FLAG_NON_FINITE_LOSS,
     MAX_PATH_BYTES,
     STEP_REPORT_SIZE,
     CheckpointNote,
@@ -161,8 +162,19 @@ def test_no_loss_travels_as_nan_and_an_unknown_cursor_as_minus_one() -> None:
     report = parse_datagram(data)
     assert isinstance(report, StepReport)
     assert (report.loss, report.cursor) == (None, None)
-    nan_loss = parse_datagram(step_report(loss=float("nan"), cursor=0))
-    assert isinstance(nan_loss, StepReport) and (nan_loss.loss, nan_loss.cursor) == (None, 0)
+
+
+def test_a_nan_loss_is_told_apart_from_no_loss_by_its_flag() -> None:
+    data = step_report(loss=float("nan"), cursor=0)
+    assert data[5] == FLAG_NON_FINITE_LOSS
+    nan_loss = parse_datagram(data)
+    assert isinstance(nan_loss, StepReport) and math.isnan(nan_loss.loss or 0.0)
+    assert nan_loss.cursor == 0
+    # A sender that sets no flag (no loss, or a release before the flag) means no loss.
+    assert step_report(loss=None)[5] == 0
+    unflagged = data[:5] + b"\x00" + data[6:]
+    report = parse_datagram(unflagged)
+    assert isinstance(report, StepReport) and report.loss is None
 
 
 def test_an_infinite_loss_is_decoded_as_sent() -> None:

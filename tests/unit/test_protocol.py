@@ -131,6 +131,7 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
         "steps": [
             {"step": 21, "loss": -0.5, "cursor": 640},
             {"step": 22, "loss": None, "cursor": None},
+            {"step": 23, "loss": None, "cursor": 704, "non_finite": "nan"},
         ],
     },
 }
@@ -686,3 +687,13 @@ def test_a_failed_health_gate_names_its_failing_checks_and_carries_their_lines()
         EventKind.HEALTH_CHECK_FAILED, "1234", "node3", INCARNATION, 1, NOW, payload
     )
     assert protocol.decode_event(protocol.encode_event(event)).payload == payload
+
+
+@pytest.mark.parametrize("bad", ["NaN", "infinity", 1.0, None, ""])
+def test_a_steps_non_finite_kind_is_one_of_nan_inf_minus_inf(bad: object) -> None:
+    payload = {
+        "global_rank": 0,
+        "steps": [{"step": 1, "loss": None, "cursor": 0, "non_finite": bad}],
+    }
+    with pytest.raises(protocol.ProtocolError, match="non_finite"):
+        protocol.make_event(EventKind.STEP_LOSSES, "1234", "node3", INCARNATION, 1, NOW, payload)

@@ -70,11 +70,16 @@ def test_drain_gives_one_payload_per_rank_in_arrival_order_and_empties_the_buffe
 
 
 @pytest.mark.parametrize("loss", [float("inf"), float("-inf"), float("nan")])
-def test_a_loss_that_is_not_finite_is_sent_as_null(loss: float) -> None:
+def test_a_loss_that_is_not_finite_is_sent_as_null_with_its_kind(loss: float) -> None:
     buffer = StepBuffer()
     buffer.add(report(0, 1, loss, 0))
+    buffer.add(report(0, 2, None, 8))
     (payload,), _ = buffer.drain()
-    assert payload["steps"] == [{"step": 1, "loss": None, "cursor": 0}]
+    kind = {"inf": "inf", "-inf": "-inf", "nan": "nan"}[str(loss)]
+    assert payload["steps"] == [
+        {"step": 1, "loss": None, "cursor": 0, "non_finite": kind},
+        {"step": 2, "loss": None, "cursor": 8},  # no loss reported: no kind
+    ]
     as_event(payload)  # the protocol accepts it
 
 
@@ -243,7 +248,7 @@ def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path
             "global_rank": 1,
             "steps": [
                 {"step": 4, "loss": 0.5, "cursor": 32},
-                {"step": 5, "loss": None, "cursor": 40},
+                {"step": 5, "loss": None, "cursor": 40, "non_finite": "inf"},
             ],
         }
     ]

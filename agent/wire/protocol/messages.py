@@ -40,6 +40,22 @@ class HangDetector(enum.Enum):
     STACK = "stack"  # uninstrumented: the sampled stack sat unchanged in a collective
 
 
+class NonFinite(enum.Enum):
+    """A rank's loss that was not a finite number (``steps[].non_finite`` of a
+    STEP_LOSSES event, whose ``loss`` is then null)."""
+
+    NAN = "nan"
+    INF = "inf"
+    NEG_INF = "-inf"
+
+    @classmethod
+    def of(cls, value: float) -> NonFinite:
+        """The kind of a value that is not finite."""
+        if value != value:  # NaN is the one float unequal to itself
+            return cls.NAN
+        return cls.INF if value > 0 else cls.NEG_INF
+
+
 class StopMethod(enum.Enum):
     """How the agent ended a rank (``ranks[].method`` of a RANKS_STOPPED event)."""
 

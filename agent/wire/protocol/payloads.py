@@ -25,7 +25,13 @@ from agent.wire.protocol.fields import (
     _str,
     _text,
 )
-from agent.wire.protocol.messages import CommandKind, EventKind, HangDetector, StopMethod
+from agent.wire.protocol.messages import (
+    CommandKind,
+    EventKind,
+    HangDetector,
+    NonFinite,
+    StopMethod,
+)
 
 # agent_started.health_checks: one line per check of the launch's health gate.
 MAX_HEALTH_CHECKS = 32
@@ -177,6 +183,7 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
                     _Spec("step", _int),
                     _Spec("loss", _nullable(_finite_float)),
                     _Spec("cursor", _nullable(_int)),
+                    _Spec("non_finite", _enum_value(NonFinite), required=False),
                 ),
                 max_items=MAX_STEPS_PER_EVENT,
             ),
