@@ -247,7 +247,7 @@ class SlurmWatch(Deciding):
         self._sighted(job_id, observation, read_s)
 
     def _observe_nodes(self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode]) -> None:
-        for name in job.record.nodes:
+        for name in (*job.record.nodes, *job.record.spare_nodes):
             node = nodes.get(name)
             bad = node is not None and (node.down or node.not_responding)
             if bad and name not in job.nodes_flagged:

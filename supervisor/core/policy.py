@@ -434,6 +434,8 @@ def _on_node(
     cluster: ClusterView,
 ) -> Decision:
     verdict = blame(observation, record, cluster)
+    if verdict.node is not None and verdict.node in record.spare_nodes:
+        return recovery.lose_spare(record, verdict)
     if verdict.node is None or verdict.node not in record.nodes:
         return _nothing(record, "; ".join(verdict.evidence) or "node not in this job")
     return _on_node_fault(

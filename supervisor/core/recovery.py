@@ -102,6 +102,31 @@ def swap_in(
     return tuple(world), tuple(free), tuple(swaps)
 
 
+def lose_spare(record: JobRecord, verdict: Blame) -> Decision:
+    """A hot spare went down or stopped responding while it waited: take it out of the
+    allocation before Slurm ends the job for a failed node; nothing restarts.
+
+    A running job keeps training (the spare ran nothing); the spare's loss is
+    counted only in the spares left. It is refilled like a used one.
+    """
+    node = verdict.node
+    assert node is not None and node in record.spare_nodes
+    spares = tuple(n for n in record.spare_nodes if n != node)
+    kept = replace(record, spare_nodes=spares)
+    evidence = "; ".join(verdict.evidence)
+    if not record.nodes or record.state not in (
+        JobState.STARTING,
+        JobState.RUNNING,
+        JobState.RELAUNCHING,
+    ):
+        # Recovering: the relaunch releases it with the blamed nodes.
+        return decision(kept, (), None, f"spare {node} lost ({evidence})")
+    shrink = ShrinkAllocation(record.job_id, record.attempt, (*record.nodes, *spares))
+    return decision(
+        kept, (shrink,), None, f"spare {node} lost ({evidence}): released; {len(spares)} left"
+    )
+
+
 def with_spares(record: JobRecord, size: int, available: int) -> int:
     """The node count to ask Slurm for: the world's ``size`` and as many of the
     spares wanted as ``available`` nodes leave room for."""
@@ -329,7 +354,8 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     fast = not recovery.requeue and size is not None and record.batch_host in healthy
     grown = grown_size(record, world, cluster, exclude | set(spares)) if fast else None
     if fast and grown is None and size is not None:
-        keep, spares = world[:size], (*spares, *world[size:])
+        # Nodes the unit leaves over stay as spares as far as the job wants them.
+        keep, spares = world[:size], (*spares, *world[size:])[: record.spares_wanted]
         swapped = tuple((out, spare) for out, spare in swapped if spare in keep)
         intents: list[Intent] = []
         if (*keep, *spares) != (*record.nodes, *record.spare_nodes):
@@ -419,7 +445,7 @@ def grow(
     if size is None or size < len(record.nodes):
         return None
     asked = with_spares(record, size, available)
-    before = len(record.nodes) + len(record.spare_nodes)
+    before = len(record.nodes) + len(spares)  # a spare Slurm took out is none
     if asked <= before or (size == len(record.nodes) and spares):
         return None  # spares are refilled only once the last is used: each refill is a restart
     attempt = record.attempt + 1

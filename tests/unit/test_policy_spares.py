@@ -29,9 +29,24 @@ from supervisor.core.model import (
     record_from_json,
     record_to_json,
 )
-from supervisor.core.observations import AgentEvent, CheckpointValidated, SlurmJobSeen
+from supervisor.core.observations import (
+    AgentEvent,
+    CheckpointValidated,
+    SlurmJobSeen,
+    SlurmNodeSeen,
+)
 from supervisor.core.recovery import split_allocation, swap_in
-from tests.unit.policy_world import CKPT, CLUSTER, KILL, NOW, POLICY, rank_exit, run, running
+from tests.unit.policy_world import (
+    CKPT,
+    CLUSTER,
+    KILL,
+    NODES,
+    NOW,
+    POLICY,
+    rank_exit,
+    run,
+    running,
+)
 
 SWAPPED = ("node1", "node2", "node5", "node4")  # node5 in node3's place
 
@@ -213,3 +228,35 @@ def test_a_shared_checkpoint_root_failing_the_health_gate_drains_nothing_and_swa
     assert not [i for i in fault.intents if isinstance(i, DrainNode)]
     assert chosen.intents == (RelaunchStep("42", 2, ("node1", "node2", "node3", "node4"), CKPT),)
     assert chosen.record.spare_nodes == ("node5",) and chosen.record.swaps == ()
+
+
+def test_a_spare_that_stops_responding_is_released_and_training_goes_on():
+    lost = SlurmNodeSeen("node5", not_responding=True)
+    (seen,) = run(with_spares("node5", "node6"), lost)
+    assert seen.record.state is JobState.RUNNING and seen.record.spare_nodes == ("node6",)
+    assert seen.intents == (ShrinkAllocation("42", 1, (*NODES, "node6")),)
+    assert seen.record.swaps == () and seen.record.restarts == ()
+    assert seen.explanation.startswith("spare node5 lost")
+    # During a recovery the relaunch releases it with the blamed node.
+    crash, *_ = run(with_spares("node5", "node6"), rank_exit("node3", sig=KILL))
+    (later,) = run(crash.record, lost)
+    assert later.intents == () and later.record.spare_nodes == ("node6",)
+
+
+def test_a_spare_slurm_took_out_is_refilled_as_if_used():
+    record = with_spares("node5")
+    cluster = replace(CLUSTER, idle=frozenset({"node9"}), down=frozenset({"node5"}))
+    (grown,) = run(record, commit(200), cluster=cluster)
+    assert grown.cause is Cause.GROW
+    assert grown.intents[-1] == RequeueSmaller("42", 2, 5, (), "/c/200")
+
+
+def test_nodes_the_unit_leaves_over_are_released_unless_spares_are_wanted():
+    six = tuple(f"node{i}" for i in range(1, 7))
+    for wanted, spares in ((0, ()), (1, ("node6",))):
+        record = running(nodes=six, original_nodes=6, unit=2, spares_wanted=wanted)
+        _, chosen = run(record, rank_exit("node3", sig=KILL), CheckpointValidated(100, CKPT, True))
+        kept = ("node1", "node2", "node4", "node5")
+        assert chosen.intents[-1] == RelaunchStep("42", 2, kept, CKPT)
+        assert chosen.intents[0] == ShrinkAllocation("42", 2, (*kept, *spares))
+        assert chosen.record.spare_nodes == spares
