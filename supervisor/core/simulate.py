@@ -23,16 +23,19 @@ Saves are asynchronous: training stalls ``save_stall_s`` per save
 (CHECKPOINT_STALL), the write then runs ``write_s`` beside training, and the
 checkpoint is committed only when it ends; one save is in flight at a time,
 so a save due before the previous write ended waits for it (a stall too). A
-job running below its size, or with fewer hot spares than it asked for,
-grows back at the first commit after idle nodes can make its allocation
-larger, the world first (:data:`~supervisor.core.model.Cause.GROW`, as
-:func:`supervisor.core.recovery.grow`); a requeue takes the spares idle
-nodes allow, never waiting for them. An idle hot spare fails at the
-node-losing components' per-GPU rates while the job trains: it is drained
-and repaired like any node, and training goes on. The checkpoint interval
-follows :class:`IntervalPolicy`, from :mod:`agent.checkpoint.interval` and, for the
-adaptive policy, the daemon's own MTBF estimate and interval push
-(:mod:`supervisor.core.goodput`).
+job running below its size grows back at the first commit after idle
+nodes can make its world larger; one at full size refills its hot spares
+the same way, but only once its last spare was used, and then takes as
+many as idle nodes allow, up to K (:data:`~supervisor.core.model.Cause.GROW`:
+as :func:`supervisor.core.recovery.grow` decides, with the core's own
+:func:`~supervisor.core.recovery.with_spares` and
+:func:`~supervisor.core.recovery.split_allocation`). A requeue after a
+fault takes the spares idle nodes allow, never waiting for them. An idle
+hot spare fails at the node-losing components' per-GPU rates while the job
+trains: it is drained and repaired like any node, and training goes on.
+The checkpoint interval follows :class:`IntervalPolicy`, from
+:mod:`agent.checkpoint.interval` and, for the adaptive policy, the daemon's
+own MTBF estimate and interval push (:mod:`supervisor.core.goodput`).
 
 The simulation jumps from event to event: between two interruptions it
 computes the saves in closed form, so 54 days of 16,384 GPUs (about 420
@@ -45,7 +48,12 @@ restarts without a new checkpoint, which needs several faults within one
 interval), the drain rate limit, the loss of the batch host (one node in
 thousands), a spare that fails unnoticed and is swapped in (its health check
 is taken to catch it), and faults of idle partition nodes (they only delay
-a grow).
+a grow). A spare that failed idle leaves the simulated allocation at once;
+the core keeps it listed until the next relaunch, and counts it in the
+allocation a refill must exceed. After a shrink to a multiple of the unit,
+the nodes left over stay as spares up to K here and idle beyond; the core
+keeps all of them in the allocation as spares, even for a job that asked
+for none.
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ from typing import TYPE_CHECKING
 from agent.checkpoint.interval import daly_interval_s, recommended_interval_s, young_interval_s
 from supervisor.core.goodput import Badput, Goodput, interval_push, mtbf_estimate
 from supervisor.core.model import NODE_FAULT_CAUSES, Cause, JobRecord, new_record
-from supervisor.core.recovery import world_size
+from supervisor.core.recovery import split_allocation, with_spares, world_size
 from supervisor.core.save_schedule import Saves
 
 if TYPE_CHECKING:
@@ -378,7 +386,12 @@ class _Simulation:
         self.spare_rate = params.gpus_per_node * self.gpu_rate * node_share
         self.cumulative = list(itertools.accumulate(c.share for c in params.mix))
         self.record: JobRecord = new_record(
-            "simulated", params.nodes, 0.0, min_nodes=params.min_nodes, unit=params.unit_nodes
+            "simulated",
+            params.nodes,
+            0.0,
+            min_nodes=params.min_nodes,
+            unit=params.unit_nodes,
+            spares=params.job_spares,
         )
         self.home = params.nodes + params.job_spares + params.spare_nodes
         self.nodes = params.nodes
@@ -441,9 +454,9 @@ class _Simulation:
         the first save to commit at or after ``since`` once idle nodes allow it, and
         when (0 and infinity: not in this run)."""
         never = (0, math.inf)
-        if not self.p.grow_back or (
-            self.nodes >= self.p.nodes and self.spares >= self.p.job_spares
-        ):
+        # At full size, only a job whose last spare was used grows (see allocation).
+        full = self.nodes >= self.p.nodes and (self.spares > 0 or not self.p.job_spares)
+        if not self.p.grow_back or full:
             return never
         ready, idle, pending = since, self.idle, sorted(self.repairs)
         for index, back_s in enumerate(pending):
@@ -463,14 +476,30 @@ class _Simulation:
         return size if size is not None and size > self.nodes else None
 
     def allocation(self, idle: int) -> tuple[int, int] | None:
-        """The world and spares the job's nodes, its spares and ``idle`` idle nodes
-        make (the world first), when more than it holds now (else None)."""
+        """The world and spares a grow requeues the job with, ``idle`` nodes idle, as
+        :func:`supervisor.core.recovery.grow` decides; None when it does not grow.
+
+        The job's world, its spares and the idle nodes make the largest valid
+        world, never smaller than now, and as many spares besides as they leave
+        room for, up to K (:func:`~supervisor.core.recovery.with_spares`). The
+        job grows when that is more nodes than it holds, but at full size only
+        once its last spare was used: each refill is a restart, and while a
+        spare is left the next fault costs no shrink.
+        """
         pool = self.nodes + self.spares + idle
         size = world_size(pool, self.record)
         if size is None or size < self.nodes:
             return None
-        spares = min(self.p.job_spares, pool - size)
-        return (size, spares) if size + spares > self.nodes + self.spares else None
+        asked = with_spares(self.record, size, pool)
+        if asked <= self.nodes + self.spares or (size == self.nodes and self.spares):
+            return None
+        return self.split(asked)
+
+    def split(self, allocated: int) -> tuple[int, int]:
+        """A new allocation of ``allocated`` nodes as world and spares, as
+        :func:`~supervisor.core.recovery.split_allocation` splits it (on counts)."""
+        world, spares = split_allocation(self.record, ("",) * allocated)
+        return len(world), len(spares)
 
     def train(self, start: float, saves: Saves, stop: float) -> tuple[float, int, float]:
         """Train from ``start`` until ``stop`` (a fault or the end) or a grow, spares
@@ -545,26 +574,32 @@ class _Simulation:
             self.nodes -= 1
             heapq.heappush(self.repairs, at + p.repair_s)
         self.back_from_repair(now)
-        if component.takes_node and self.spares:
-            # A spare takes the blamed node's place: a new srun step, same size.
+        # As swap_in: a free spare takes the blamed node's place (same size and layout).
+        swapped = component.takes_node and self.spares > 0
+        if swapped:
             self.spares -= 1
             self.nodes += 1
+        fast_s = component.recover_s if p.swap_s is None or not swapped else p.swap_s
+        now, fast = self.relaunch(now, fast_s, component.recover_s, cause)
+        if swapped and fast:
             self.swaps += 1
-            swap_s = component.recover_s if p.swap_s is None else p.swap_s
-            return self.charge(Badput.RECOVERY, now, swap_s, cause)
-        now = self.relaunch(now, component.recover_s, cause)
         if self.nodes < before:
             self.shrinks += 1
         return now
 
-    def relaunch(self, now: float, recover_s: float, cause: str) -> float:
-        """Relaunch as :func:`supervisor.core.recovery.relaunch` decides; when the job trains again.
+    def relaunch(
+        self, now: float, fast_s: float, recover_s: float, cause: str
+    ) -> tuple[float, bool]:
+        """Relaunch as :func:`supervisor.core.recovery.relaunch` decides; when the job
+        trains again, and whether it took the fast path.
 
-        The fast path when the healthy nodes make a valid size, unless idle
-        nodes make a larger one (then a requeue onto them, which starts at
-        once); else a requeue at full size, which waits in the queue unless
-        idle nodes make up the difference. A requeue takes the spares that
-        the nodes left free allow; one that waits in the queue takes none.
+        The fast path (``fast_s``: a new srun step, a swap's when a spare took
+        the blamed node's place) when the healthy nodes make a valid size,
+        unless idle nodes make a larger one (then a requeue onto them, which
+        starts at once); else a requeue at full size, which waits in the
+        queue unless idle nodes make up the difference. A requeue takes the
+        spares that the nodes left free allow; one that waits in the queue
+        takes none.
         """
         p = self.p
         alone = world_size(self.nodes, self.record)
@@ -576,20 +611,21 @@ class _Simulation:
             self.spares += kept
             self.idle += left - kept
             self.nodes = alone
-            return self.charge(Badput.RECOVERY, now, recover_s, cause)
+            return self.charge(Badput.RECOVERY, now, fast_s, cause), True
         now = self.charge(Badput.RECOVERY, now, recover_s + p.requeue_start_s, cause)
         size = p.nodes if grown is None else grown
         pool = self.nodes + self.spares + self.idle
-        self.nodes = size
         if size <= pool:
-            self.spares = min(p.job_spares, pool - size)
-            self.idle = pool - size - self.spares
-            return now
+            asked = with_spares(self.record, size, pool)
+            self.nodes, self.spares = self.split(asked)
+            self.idle = pool - asked
+            return now, False
+        self.nodes = size
         # Too few idle nodes: Slurm's queue, until other jobs end (the idle ones are used too).
         self.spares = self.idle = 0
         self.queued += 1
         wait = self.queue_rng.lognormal(math.log(p.queue_median_s), p.queue_sigma)
-        return self.charge(Badput.QUEUE_WAIT, now, wait, None)
+        return self.charge(Badput.QUEUE_WAIT, now, wait, None), False
 
     def grow(self, at: float, lost: float) -> float:
         """A planned requeue onto idle nodes right after a commit; when the job trains again."""

@@ -3,12 +3,14 @@
 A job with ``job_spares`` hot spares (``resurgo submit --spares K``) runs its
 world on N nodes of N + K: after a node fault a spare takes the blamed node's
 place (same size, no queue), the job shrinks only when none is left, and
-spares come back through the grow path at a commit. What is guaranteed and
-what is not: with idle nodes in the partition, a requeue onto them is nearly
-as fast as a swap, and refilling a spare at the next commit replays that
-commit's background write, so spares can cost goodput (the "refilling" test below);
-where the job could only wait in the queue, they cannot cost committed work,
-seed by seed (goodput itself within one interval: the run's end is a cut).
+spares come back through the grow path at a commit, as the decision core's
+``recovery.grow`` decides: only once the last spare was used, then as many
+as idle nodes allow (up to K). What is guaranteed and what is not: with
+idle nodes in the partition, a requeue onto them is nearly as fast as a
+swap, and each refill replays the committed save's background write, so
+spares can cost goodput (with K = 1, a refill after every swap); where the
+job could only wait in the queue, they cannot cost committed work, seed by
+seed (goodput itself within one interval: the run's end is a cut).
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from supervisor.cli.main import main
+from supervisor.core import recovery
 from supervisor.core import simulate as sim
+from supervisor.core.decision import Policy
 from supervisor.core.goodput import Badput
-from supervisor.core.model import Cause
+from supervisor.core.intents import RequeueSmaller
+from supervisor.core.model import Cause, ClusterView, JobState, new_record
 from supervisor.core.simulate import (
     DAY_S,
     IntervalPolicy,
@@ -198,7 +203,8 @@ def test_spare_faults_follow_the_node_losing_components_rate() -> None:
     assert outcome.swaps == 0
     assert outcome.spare_share == pytest.approx(64 / (2048 + 64))
     # Llama 3's mix: 82% of its faults take a node. 64 spares of 2,048 nodes over 54 days
-    # expect 419 * 64 / 2048 * 0.824 = 10.8 faults, each refilled.
+    # expect 419 * 64 / 2048 * 0.824 = 10.8 faults, fewer as swaps use the spares up
+    # (they are refilled only once the last is used).
     counts = [simulate(replace(llama3(), job_spares=64), seed).spare_faults for seed in range(8)]
     assert 6 <= sum(counts) / len(counts) <= 16, counts
 
@@ -221,7 +227,8 @@ def test_where_the_job_could_only_queue_spares_never_lose_committed_work(
     of the run counts the work since the last commit, which a fault just
     before the end (met only by the job that trained longer) takes away. So:
     never lower by more than one interval and its write. (With idle nodes
-    even this does not hold: the "refilling" test below.)"""
+    even this does not hold: a refill replays a background write that a
+    requeue onto an idle node would not have cost.)"""
     base = replace(llama3(), spare_nodes=0, repair_s=NEVER_S, days=20.0)
     alone = simulate(base, seed)
     spared = simulate(replace(base, job_spares=spares), seed)
@@ -267,20 +274,109 @@ def test_the_same_seed_gives_the_same_run_with_spares_and_another_seed_another()
     assert simulate(llama3_spares(), seed=5) != simulate(llama3_spares(), seed=6)
 
 
-def test_with_idle_nodes_refilling_at_every_commit_costs_more_than_swaps_save() -> None:
-    """Not a guarantee but the model's answer at Llama 3's scale, pinned: with
-    16 idle nodes a fault without spares is a requeue onto one of them, only
-    ``requeue_start_s`` (2 s) slower than a swap, while each refill is a
-    planned requeue that replays the committed save's background write (120 s)."""
+# --- refills: the core's rule --------------------------------------------------
+
+
+def _core_grow(params: Params, world: int, spares: int, idle: int) -> int | None:
+    """The node count ``recovery.grow`` requeues a running job with (None: no grow), for
+    ``world`` nodes training, ``spares`` healthy spares and ``idle`` idle nodes."""
+    names = [f"node{i}" for i in range(world + spares + idle)]
+    record = replace(
+        new_record("42", params.nodes, 0.0, min_nodes=params.min_nodes,
+                   unit=params.unit_nodes, spares=params.job_spares),
+        state=JobState.RUNNING,
+        nodes=tuple(names[:world]),
+        spare_nodes=tuple(names[world : world + spares]),
+    )  # fmt: skip
+    cluster = ClusterView(usable=frozenset(names), idle=frozenset(names[world + spares :]))
+    grown = recovery.grow(record, 100.0, Policy(), cluster, "/ckpt/step-9", 9)
+    if grown is None:
+        return None
+    requeue = grown.intents[-1]
+    assert isinstance(requeue, RequeueSmaller)
+    return requeue.n_nodes
+
+
+@pytest.mark.parametrize(
+    ("nodes", "min_nodes", "unit", "spares"),
+    [(8, None, 1, 0), (8, None, 1, 1), (8, None, 1, 3), (8, 4, 1, 2), (8, 4, 2, 3), (12, 4, 4, 5)],
+)
+def test_the_simulated_grow_is_the_decision_cores_on_the_same_counts(
+    nodes: int, min_nodes: int | None, unit: int, spares: int
+) -> None:
+    """Every world size the job can run at, every count of spares left and of idle
+    nodes: the simulation grows exactly when ``recovery.grow`` does, to the same
+    allocation, split into world and spares as Slurm's new allocation is split."""
+    params = small_job(gpus=8 * nodes, min_nodes=min_nodes, unit_nodes=unit, job_spares=spares)
+    state = sim._Simulation(params, seed=0)
+    grows = 0
+    for world in range(min_nodes or nodes, nodes + 1):
+        if world % unit:
+            continue
+        for left in range(spares + 1):
+            for idle in range(2 * nodes):
+                state.nodes, state.spares = world, left
+                simulated = state.allocation(idle)
+                asked = _core_grow(params, world, left, idle)
+                where = (world, left, idle)
+                if asked is None:
+                    assert simulated is None, where
+                    continue
+                grows += 1
+                assert simulated is not None, where
+                assert sum(simulated) == asked, where
+                split = recovery.split_allocation(state.record, tuple(map(str, range(asked))))
+                assert simulated == tuple(len(part) for part in split), where
+    # A job at full size with no spares asked for never grows; every other one can.
+    assert grows > 0 or (min_nodes is None and not spares)
+
+
+def test_while_a_spare_is_left_idle_nodes_refill_nothing() -> None:
+    # 40 spares for about 8 faults, 8 idle nodes: each fault is a swap, and no spare
+    # is refilled, since one is always left (a refill would be a restart for nothing).
+    params = small_job(mix=GPU_ONLY, days=2, repair_s=NEVER_S, job_spares=40, spare_nodes=8)
+    for seed in range(5):
+        outcome = simulate(params, seed)
+        assert interruptions(outcome) > 3
+        assert outcome.swaps == interruptions(outcome)
+        assert (outcome.grows, outcome.queued, outcome.shrinks) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("spares", [1, 2, 3, 5])
+def test_spares_are_refilled_once_the_last_is_used_all_k_at_once(spares: int) -> None:
+    """Plenty of idle nodes, none back from repair. The spares go from K to none
+    (swaps, spares failing idle), then are refilled, all K at once: by a grow at
+    the next commit, or by the requeue onto idle nodes of a fault that found no
+    spare left. So the spares used are K per refill, plus those of the last
+    round. The eager rule (a refill at the first commit after any spare was
+    used) made about one grow per spare used."""
+    params = small_job(mix=GPU_ONLY, days=20, repair_s=NEVER_S, job_spares=spares, spare_nodes=200)
+    for seed in range(3):
+        outcome = simulate(params, seed)
+        used = outcome.swaps + outcome.spare_faults
+        assert used > 5 * spares
+        assert outcome.grows >= 1
+        refills = outcome.grows + interruptions(outcome) - outcome.swaps
+        assert spares * refills <= used <= spares * (refills + 1)
+        assert outcome.queued == 0
+
+
+def test_with_idle_nodes_spares_now_cost_llama3_little_and_refill_about_every_kth_swap() -> None:
+    """Not a guarantee but the model's answer at Llama 3's scale, pinned: with 16
+    idle nodes a fault without spares is a requeue onto one of them, 2 s slower
+    than a swap, and each refill is a planned requeue that replays the committed
+    save's background write. Refilling only once the last of 8 spares is used
+    makes an eighth of the refills the eager rule made (it cost 0.9 point)."""
     seeds = range(4)
     alone = [simulate(llama3(), seed) for seed in seeds]
     spared = [simulate(replace(llama3(), job_spares=8), seed) for seed in seeds]
     mean_alone = sum(o.goodput for o in alone) / len(alone)
     mean_spared = sum(o.goodput for o in spared) / len(spared)
-    assert mean_spared < mean_alone - 0.005
+    assert mean_alone - 0.003 < mean_spared < mean_alone
     for outcome in spared:
-        # Nearly every swap and spare fault is refilled by one grow of its own.
-        assert outcome.grows >= 0.95 * (outcome.swaps + outcome.spare_faults) - 1
+        used = outcome.swaps + outcome.spare_faults
+        assert used > 300
+        assert used / 8 - 3 <= outcome.grows <= used / 8
         assert outcome.queued == 0
 
 
@@ -312,7 +408,8 @@ def test_cli_spares_and_swap_time_reach_the_simulation(capsys: pytest.CaptureFix
     assert document["job_spares"] == 8
     assert document["swap_s"] == 30
     assert document["swaps"] > 0
-    assert document["spare_share"] == pytest.approx(8 / (2048 + 8), rel=0.01)
+    # Spares are used up between refills: at most their full share.
+    assert 0 < document["spare_share"] <= 8 / (2048 + 8)
     assert document["allocation_goodput"] < document["goodput"]
     assert main(["simulate", "--json", "--days", "10"]) == 0
     plain = json.loads(capsys.readouterr().out)
