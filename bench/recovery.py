@@ -29,14 +29,42 @@ every stack) and, for Resurgo, its store:
   directly, srun-style one process per rank, a bash wrapper ending in
   ``exec torchrun``);
 - ``outcome``: ``recovered`` (the job reached its last step), ``stuck`` (no
-  progress until ``--timeout-s``; the job is cancelled), or ``failed``.
+  progress until ``--timeout-s``; the job is cancelled), or ``failed``;
+- for every Resurgo run of the demo trainer, ``breakdown``: ``recover_s``
+  split into phases (detection, evidence window, drain and stop ranks,
+  checkpoint choice, relaunch, agents start, checkpoint load + process
+  start, first step) from the trainer's prints and the store's event,
+  decision and action times (bench/recovery_phases.py), and ``path``, the
+  decision's words for how it relaunched.
+
+Hot spares (``spare_*`` scenarios): the demo trainer on 3 nodes, the fault
+on rank 1, twice side by side:
+
+- **spare**: ``resurgo submit -N 3 --spares 1`` (4 nodes, trains on 3); the
+  spare takes the blamed node's place, the world stays at 3;
+- **shrink**: the same job with no spare, with a filler job holding the 4th
+  node (as the spare does, and as on a full cluster): the job goes on with 2
+  nodes inside its allocation. (With that node idle, Resurgo would requeue
+  the job at 3 nodes instead: a new allocation, not the shrink path.)
+
+Which path a run takes depends on which node the faulting rank landed on
+(torchrun's rendezvous orders the ranks): when it is the batch host, both
+stacks requeue the job into a new allocation instead. Each run's ``path``
+says which; the summary has the medians per path (``by_path``: swap,
+shrink, requeue) and ``spare_vs_shrink`` compares swap with shrink.
+
+``--repeat N`` runs each scenario N times, its stacks alternating, so load
+on the machine falls on both alike; the JSON then has a ``summary`` per
+scenario and stack (medians of ``recover_s`` and of each phase) and, for
+the spare scenarios, ``spare_vs_shrink``: the ratio of the medians.
 
 Run on the local cluster (``deploy/slurm/cluster up``)::
 
-    python -m bench.recovery [--timeout-s 150] [--scenario rank_sigkill ...]
+    python -m bench.recovery [--timeout-s 150] [--scenario rank_sigkill ...] [--repeat N]
 
-The last line printed is one JSON object:
-``{"scenarios": [{"fault", "resurgo": {...}, "baseline": {...}, "control": {...}}, ...]}``.
+The last line printed is one JSON object: ``{"scenarios": [{"fault", "run",
+"resurgo": {...}, "baseline": {...}, "control": {...}}, ...], "summary": {...}}``
+(a spare scenario's row has ``spare`` and ``shrink`` instead).
 """
 
 from __future__ import annotations
@@ -56,6 +84,7 @@ from typing import Any
 if not __package__:
     sys.exit("run the benchmarks from the repository root as modules: python -m bench.recovery")
 
+from bench.recovery_phases import breakdown, store_marks, summarize
 from tests.conftest import REPO, LiveCluster, _cluster_conf
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
@@ -72,7 +101,11 @@ SCENARIOS = {
     "plain_sigkill": "kill@15:2",
     "plain_srun_sigkill": "kill@15:2",
     "plain_wrapper_sigkill": "kill@15:2",
+    # The demo trainer on 3 nodes, with a hot spare and without (shrink): rank 1 faults.
+    "spare_sigkill": "sigkill@6:1",
+    "spare_hang": "hang@6:1",
 }
+SPARE_NODE = "node4"  # the cluster's 4th node: the 3+1 job's spare, the shrink run's filler
 PLAIN = REPO / "tests" / "workers" / "ddp_plain.py"
 Runner = Callable[[LiveCluster, Path, str, float], dict[str, Any]]
 _FAULTED = re.compile(
@@ -130,7 +163,7 @@ def _result(state: str | None) -> dict[str, Any]:
 
 
 def _measure(
-    output: Path, record: Path, state: str | None, detect_at: float | None
+    output: Path, record: Path, state: str | None, stored: dict[str, Any] | None
 ) -> dict[str, Any]:
     text = output.read_text(errors="replace") if output.exists() else ""
     injected = _INJECTED.search(text)
@@ -146,14 +179,20 @@ def _measure(
     after = [(step, at) for step, at in restarts if at > fault_s]
     if after:
         result["detect_s"] = round(after[0][1] - fault_s, 2)
-    if detect_at is not None:
-        result["decide_s"] = round(detect_at - fault_s, 2)
+    stored = stored or {}
+    if "decided_at" in stored:
+        result["decide_s"] = round(stored["decided_at"] - fault_s, 2)
+    for key in ("path", "fault_event", "hang_timeout_s"):
+        if key in stored:
+            result[key] = stored[key]
     if after:
         resumed_step = after[0][0]
         result["steps_lost"] = fault_step - resumed_step
         first = [s["time"] for s in steps if s["time"] > after[0][1] and s["step"] > resumed_step]
         if first:
             result["recover_s"] = round(min(first) - fault_s, 2)
+            if "marks" in stored:
+                result["breakdown"] = breakdown(fault_s, stored["marks"], after[0][1], min(first))
     return result
 
 
@@ -164,14 +203,16 @@ def _under_resurgo(
     ckpt: Path,
     command: list[str],
     timeout_s: float,
-) -> tuple[str | None, float | None]:
-    """Submit ``command`` under a fresh supervisor; (Slurm's end state or None when stuck,
-    when the supervisor decided to recover)."""
+    shape: tuple[str, ...] = ("-N", "4"),
+) -> tuple[str | None, dict[str, Any]]:
+    """Submit ``command`` under a fresh supervisor (``shape``: its node options);
+    (Slurm's end state or None when stuck, the store's side of the recovery:
+    :func:`bench.recovery_phases.store_marks`)."""
     supervisor = SupervisorProcess(cluster, where / "state", POLICY, AGENTS)
     supervisor.start()
     try:
         done = supervisor.resurgo(
-            "submit", "-N", "4", "--min-nodes", "2", f"--output={output}",
+            "submit", *shape, "--min-nodes", "2", f"--output={output}",
             "--ckpt-root", str(ckpt), "--parsable", "--", *command,
         )  # fmt: skip
         if done.returncode != 0:
@@ -181,25 +222,46 @@ def _under_resurgo(
         if state is None:
             cluster.run(["scancel", str(job_id)])
         with supervisor.store() as store:
-            reacted = [
-                d.decided_s
-                for d in store.decisions_for(str(job_id))
-                if d.from_state in ("running", "starting") and d.to_state == "recovering"
-            ]
-        return state, reacted[0] if reacted else None
+            return state, store_marks(store, str(job_id))
     finally:
         supervisor.stop()
         _restore(cluster)
 
 
-def run_resurgo(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
+def run_resurgo(
+    cluster: LiveCluster,
+    where: Path,
+    fault: str,
+    timeout_s: float,
+    shape: tuple[str, ...] = ("-N", "4"),
+) -> dict[str, Any]:
     output, record = where / "job.out", where / "record"
     command = [
         *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
         "--record", str(record), "--fault", fault,
     ]  # fmt: skip
-    state, reacted = _under_resurgo(cluster, where, output, where / "ckpt", command, timeout_s)
-    return _measure(output, record, state, reacted)
+    state, stored = _under_resurgo(
+        cluster, where, output, where / "ckpt", command, timeout_s, shape
+    )
+    return _measure(output, record, state, stored)
+
+
+def run_spare(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
+    """The 3+1 job: 4 nodes allocated, 3 training, the 4th the hot spare."""
+    return run_resurgo(cluster, where, fault, timeout_s, ("-N", "3", "--spares", "1"))
+
+
+def run_shrink(cluster: LiveCluster, where: Path, fault: str, timeout_s: float) -> dict[str, Any]:
+    """The 3-node job without a spare, its 4th node held by a filler job: the shrink path."""
+    filler = cluster.sbatch(
+        f"--nodelist={SPARE_NODE}", "--nodes=1", f"--output={where / 'filler.out'}",
+        "--wrap", "sleep 3600",
+    )  # fmt: skip
+    cluster.wait_job_state(filler, {"RUNNING"}, 60)
+    try:
+        return run_resurgo(cluster, where, fault, timeout_s, ("-N", "3"))
+    finally:
+        cluster.run(["scancel", str(filler)])
 
 
 def plain_command(name: str, where: Path, out_dir: Path) -> list[str]:
@@ -227,15 +289,15 @@ def run_plain(cluster: LiveCluster, where: Path, name: str, timeout_s: float) ->
     output, out_dir = where / "job.out", where / "out"
     out_dir.mkdir()
     command = plain_command(name, where, out_dir)
-    state, reacted = _under_resurgo(cluster, where, output, out_dir, command, timeout_s)
+    state, stored = _under_resurgo(cluster, where, output, out_dir, command, timeout_s)
     text = output.read_text(errors="replace") if output.exists() else ""
     result = _result(state)
     faulted = _FAULTED.search(text)
     if faulted is None:
         return result
     fault_step, fault_s = int(faulted.group(1)), float(faulted.group(2))
-    if reacted is not None:
-        result["decide_s"] = round(reacted - fault_s, 2)
+    if "decided_at" in stored:
+        result["decide_s"] = round(stored["decided_at"] - fault_s, 2)
     resumed = [(int(m.group(1)), float(m.group(2))) for m in _RESUMED.finditer(text)]
     resumed = [(step, at) for step, at in resumed if at > fault_s]
     if resumed:
@@ -295,6 +357,60 @@ def _restore(cluster: LiveCluster) -> None:
     time.sleep(1)
 
 
+def _stacks(name: str, resurgo_only: bool) -> tuple[tuple[str, Runner], ...]:
+    """The stacks scenario ``name`` runs under, in order."""
+    if name.startswith("plain_"):
+        return (("resurgo", functools.partial(_plain_runner, name)),)
+    if name.startswith("spare_"):
+        return (("spare", run_spare), ("shrink", run_shrink))
+    stacks: tuple[tuple[str, Runner], ...] = (
+        ("resurgo", run_resurgo), ("baseline", run_baseline), ("control", run_control),
+    )  # fmt: skip
+    return stacks[:1] if resurgo_only else stacks
+
+
+def path_taken(result: dict[str, Any]) -> str:
+    """How a Resurgo run recovered, from its decision's words: ``swap`` (a spare took
+    the blamed node's place), ``shrink`` (fewer nodes, same allocation), ``requeue``
+    (a new allocation: so when the blamed node is the batch host, spare or not), or
+    ``-`` (no relaunch decision)."""
+    words = str(result.get("path") or "")
+    if words.startswith("spare "):
+        return "swap"
+    if words.startswith("relaunch on"):
+        return "shrink"
+    return "requeue" if "requeue" in words else "-"
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per scenario and stack, medians over the runs. For spare scenarios also per
+    path taken (which node the fault hits decides it), and ``spare_vs_shrink``: the
+    ratio of the median swap to the median shrink, with the stacks' ratio beside it."""
+    summary: dict[str, Any] = {}
+    for row in rows:
+        for stack, result in row.items():
+            if isinstance(result, dict):
+                summary.setdefault(row["fault"], {}).setdefault(stack, []).append(result)
+    out: dict[str, Any] = {}
+    for name, stacks in summary.items():
+        out[name] = {stack: summarize(runs) for stack, runs in stacks.items()}
+        if not name.startswith("spare_"):
+            continue
+        paths: dict[str, list[dict[str, Any]]] = {}
+        for runs in stacks.values():
+            for result in runs:
+                paths.setdefault(path_taken(result), []).append(result)
+        out[name]["by_path"] = {path: summarize(runs) for path, runs in paths.items()}
+        for key, ours, theirs in (
+            ("spare_vs_shrink", out[name]["by_path"].get("swap", {}),
+             out[name]["by_path"].get("shrink", {})),
+            ("spare_vs_shrink_stacks", out[name].get("spare", {}), out[name].get("shrink", {})),
+        ):  # fmt: skip
+            if ours.get("median_recover_s") and theirs.get("median_recover_s"):
+                out[name][key] = round(ours["median_recover_s"] / theirs["median_recover_s"], 2)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout-s", type=float, default=150.0)
@@ -302,29 +418,35 @@ def main() -> int:
     parser.add_argument(
         "--resurgo-only", action="store_true", help="skip the baseline and control runs"
     )
+    parser.add_argument(
+        "--spares", action="store_true", help="the spare scenarios (spare_sigkill, spare_hang)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per scenario, its stacks alternating"
+    )
     args = parser.parse_args()
+    names = list(args.scenario or ([] if args.spares else list(SCENARIOS)))
+    if args.spares:
+        names += [n for n in SCENARIOS if n.startswith("spare_") and n not in names]
     cluster = LiveCluster(conf=_cluster_conf())
     results = []
     with tempfile.TemporaryDirectory(prefix="resurgo-bench-recovery-") as tmp:
-        for name in args.scenario or list(SCENARIOS):
+        for name in names:
             fault = SCENARIOS[name]
-            row: dict[str, Any] = {"fault": name, "inject": fault}
-            stacks: tuple[tuple[str, Runner], ...] = (
-                ("resurgo", run_resurgo), ("baseline", run_baseline), ("control", run_control),
-            )  # fmt: skip
-            if name.startswith("plain_"):
-                stacks = (("resurgo", functools.partial(_plain_runner, name)),)
-            elif args.resurgo_only:
-                stacks = stacks[:1]
-            for stack, runner in stacks:
-                where = Path(tmp) / name / stack
-                where.mkdir(parents=True)
-                started = time.monotonic()
-                row[stack] = runner(cluster, where, fault, args.timeout_s)
-                row[stack]["wall_s"] = round(time.monotonic() - started, 1)
-                print(f"bench: {name} under {stack}: {row[stack]}", flush=True)
-            results.append(row)
-    print(json.dumps({"scenarios": results}))
+            for run in range(1, args.repeat + 1):
+                row: dict[str, Any] = {"fault": name, "inject": fault, "run": run}
+                for stack, runner in _stacks(name, args.resurgo_only):
+                    where = Path(tmp) / name / str(run) / stack
+                    where.mkdir(parents=True)
+                    started = time.monotonic()
+                    row[stack] = runner(cluster, where, fault, args.timeout_s)
+                    row[stack]["wall_s"] = round(time.monotonic() - started, 1)
+                    print(f"bench: {name} #{run} under {stack}: {row[stack]}", flush=True)
+                results.append(row)
+    summary = _summary(results)
+    for name, stacks in summary.items():
+        print(f"bench: {name} summary: {stacks}", flush=True)
+    print(json.dumps({"scenarios": results, "summary": summary}))
     return 0
 
 
