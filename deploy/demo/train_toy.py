@@ -11,7 +11,9 @@ checkpoint, and prints one line per step; every rank times its forward and
 backward (``session.compute()``), so the supervisor can name a straggler.
 
 Fault injection, ``--fault KIND@STEP[:RANK][!]`` (repeatable; RANK defaults
-to 0, ``*`` means every rank): when rank RANK finishes step STEP it
+to 0, ``*`` means every rank, a node name such as ``node2`` the ranks on that
+node, whatever ranks the rendezvous gave them): when rank RANK finishes step
+STEP it
 
 - ``sigkill``: SIGKILLs itself (a node fault: the OOM killer, a bad DIMM);
 - ``hang``: SIGSTOPs itself (a hang: no progress, no exit);
@@ -54,7 +56,7 @@ from agent.train.session import TrainingSession
 DATASET_LEN = 240
 GLOBAL_BATCH = 12
 FEATURES = 8
-_FAULT = re.compile(r"^(sigkill|hang|exception|slow|idle)@(\d+)(?::(\d+|\*))?(!?)$")
+_FAULT = re.compile(r"^(sigkill|hang|exception|slow|idle)@(\d+)(?::(\d+|\*|[A-Za-z][\w.-]*))?(!?)$")
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,10 @@ class Fault:
 
     kind: str
     step: int
-    rank: int | None  # None: every rank
+    rank: int | None  # None: every rank (or the ranks on ``node``)
     always: bool
     spec: str
+    node: str | None = None
 
 
 def parse_fault(spec: str) -> Fault:
@@ -76,6 +79,8 @@ def parse_fault(spec: str) -> Fault:
             "sigkill, hang, exception, slow, idle (e.g. sigkill@12:3)"
         )
     kind, step, rank, always = match.groups()
+    if rank is not None and not rank.isdigit() and rank != "*":
+        return Fault(kind, int(step), None, bool(always), spec, node=rank)
     which = None if rank == "*" else int(rank or 0)
     return Fault(kind, int(step), which, bool(always), spec)
 
@@ -107,7 +112,10 @@ class Faults:
     """The ``--fault`` specs of this rank; each fires once per job unless marked ``!``."""
 
     def __init__(self, faults: list[Fault], rank: int, root: Path) -> None:
-        self._faults = [fault for fault in faults if fault.rank in (None, rank)]
+        here = os.environ.get("SLURMD_NODENAME")
+        self._faults = [
+            fault for fault in faults if fault.rank in (None, rank) and fault.node in (None, here)
+        ]
         self._markers = root / ".resurgo-faults"
         self._rank = rank
         self.extra_s = 0.0
