@@ -23,17 +23,19 @@ import pytest
 import torch
 
 from tests.conftest import CLUSTER_SCRIPT, LiveCluster
+from tests.e2e import test_faults
 from tests.e2e.test_faults import (
     POLICY,
     STEPS,
     Run,
     assert_resumed_from,
+    assert_same_samples,
     attempts,
     drained,
     finish,
     story,
 )
-from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
+from tests.supervisor_harness import SupervisorProcess
 
 pytestmark = pytest.mark.slurm
 
@@ -51,16 +53,8 @@ def submit(
     spares: int = 1,
     env: dict[str, str] | None = None,
 ) -> Run:
-    run = Run(0, where / "job.out", where / "ckpt", where / "record")
-    done = supervisor.resurgo(
-        "submit", "-N", str(WORLD), "--spares", str(spares), "--min-nodes", "2",
-        f"--output={run.output}", "--ckpt-root", str(run.ckpt), "--parsable", "--",
-        *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
-        "--record", str(run.record), *toy_args, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    run.job_id = int(done.stdout.strip())
-    return run
+    """The demo trainer's job on a world of ``WORLD`` nodes with ``spares`` beside it."""
+    return test_faults.submit(supervisor, where, *toy_args, nodes=WORLD, env=env, spares=spares)
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +81,10 @@ def status_of(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: igno
 
 
 def assert_bitwise(run: Run, reference: Run) -> None:
-    """Every step on the reference's samples, and the final parameters bit for bit."""
-    got, want = run.steps(), reference.steps()
-    assert sorted(got) == list(range(1, STEPS + 1))
+    """Every step on the reference's samples and world, and the final parameters bit for bit."""
+    assert_same_samples(run, reference)
+    got = run.steps()
     for step in range(1, STEPS + 1):
-        assert sorted(got[step]["samples"]) == sorted(want[step]["samples"]), f"step {step}"
         assert got[step]["world"] == WORLD, f"step {step} ran on world {got[step]['world']}"
     final, expected = run.final(), reference.final()
     assert final.keys() == expected.keys()

@@ -86,6 +86,13 @@ def run(
     return decisions
 
 
+def commit(step: int) -> AgentEvent:
+    """Rank 0's agent: the checkpoint of ``step`` was committed (at ``/c/STEP``)."""
+    return AgentEvent(
+        EventKind.CHECKPOINT_COMMITTED, "node1", f"c{step}", NOW, step=step, path=f"/c/{step}"
+    )
+
+
 def kinds(decision: Decision) -> list[type]:
     return [type(intent) for intent in decision.intents]
 

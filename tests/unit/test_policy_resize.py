@@ -11,12 +11,20 @@ from dataclasses import replace
 
 import pytest
 
-from agent.wire.protocol import EventKind
 from supervisor.core.intents import RelaunchStep, RequeueSmaller, ShrinkAllocation, StopRanks
 from supervisor.core.model import Cause, ClusterView, JobRecord, JobState
-from supervisor.core.observations import AgentEvent, CheckpointValidated, SlurmJobSeen, StepProgress
+from supervisor.core.observations import CheckpointValidated, SlurmJobSeen, StepProgress
 from supervisor.core.policy import Decision
-from tests.unit.policy_world import CKPT, CLUSTER, KILL, NOW, POLICY, rank_exit, run, running
+from tests.unit.policy_world import (
+    CKPT,
+    CLUSTER,
+    KILL,
+    POLICY,
+    commit,
+    rank_exit,
+    run,
+    running,
+)
 
 
 def _sigkill_then_valid(record: JobRecord, cluster: ClusterView) -> Decision:
@@ -76,12 +84,6 @@ def test_relaunch_keeps_the_fast_path_when_idle_nodes_do_not_make_a_larger_multi
 
 
 SHRUNK = ("node1", "node2", "node4")
-
-
-def commit(step: int) -> AgentEvent:
-    return AgentEvent(
-        EventKind.CHECKPOINT_COMMITTED, "node1", f"c{step}", NOW, step=step, path=f"/c/{step}"
-    )
 
 
 def shrunk(**changes: object) -> JobRecord:

@@ -43,6 +43,7 @@ from tests.unit.policy_world import (
     NODES,
     NOW,
     POLICY,
+    commit,
     rank_exit,
     run,
     running,
@@ -166,12 +167,6 @@ def test_a_requeue_asks_for_the_spares_as_far_as_free_nodes_allow():
     idle = replace(CLUSTER, idle=frozenset({"node9"}))
     _, one_idle = run(with_spares("node5"), *lost_host, cluster=idle)
     assert one_idle.intents == (RequeueSmaller("42", 2, 5, ("node1",), CKPT),)
-
-
-def commit(step: int) -> AgentEvent:
-    return AgentEvent(
-        EventKind.CHECKPOINT_COMMITTED, "node1", f"c{step}", NOW, step=step, path=f"/c/{step}"
-    )
 
 
 def test_a_job_short_of_spares_gets_them_back_at_a_commit_when_nodes_are_idle():

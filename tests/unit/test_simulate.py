@@ -425,6 +425,10 @@ def test_cli_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str
         (["--mix", "cosmic=1"], "--mix"),
         (["--min-nodes", "4096"], "--min-nodes"),
         (["--seed", "-1"], "--seed"),
+        (["--spares", "-1"], "--spares"),
+        (["--spares", "two"], "--spares"),
+        (["--swap-s", "-1"], "--swap-s"),
+        (["--swap-s", "inf"], "--swap-s"),
     ],
 )
 def test_cli_bad_input_names_the_flag_and_exits_two(
