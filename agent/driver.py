@@ -14,7 +14,9 @@
    driver ends the step (SIGTERM, then SIGKILL);
 4. when a step fails, asks again (phase ``ended``) and, told so, starts a
    new step on the nodes the supervisor names, with ``RESURGO_RESUME_FROM``
-   set through the agent, and confirms the relaunch (phase ``relaunched``);
+   (and ``RESURGO_SKIP_SAMPLES``, the data to leave out after a rollback past
+   a loss anomaly) set through the agent, and confirms the relaunch (phase
+   ``relaunched``);
 5. exits 0 when a step succeeds, and exits :data:`DO_NOT_REQUEUE_EXIT` (93)
    with the supervisor's reason when told to stop (a crash loop, a user
    error, no valid checkpoint, an operator's cancel): Slurm records the job
@@ -59,6 +61,7 @@ import tenacity
 
 from agent.checkpoint.catalog import list_checkpoints
 from agent.ports import rendezvous_port
+from agent.skips import ENV_SKIP_SAMPLES, SampleRange, format_skip_samples
 from agent.stopfiles import clear_notice, write_notice
 from agent.timelimit import REQUEUE_MARGIN_S, Notice, parse_slurm_duration, warning_lead_s
 from agent.wire import protocol
@@ -197,9 +200,11 @@ def agent_argv(
     attempt: int,
     resume_from: str | None,
     master_port: int,
+    skip_samples: Sequence[SampleRange] = (),
 ) -> list[str]:
     """``srun`` running one node agent per node of ``nodes``, each launching the command
-    (``master_port``: from :func:`agent.ports.rendezvous_port`)."""
+    (``master_port``: from :func:`agent.ports.rendezvous_port`; ``skip_samples``: the
+    windows of the global sample cursor the ranks leave out)."""
     count = str(len(nodes))
     return [
         "srun",
@@ -221,6 +226,7 @@ def agent_argv(
         "--stop-grace-s", str(settings.stop_grace_s),
         "--procs-per-node", str(settings.procs_per_node),
         *(["--resume-from", resume_from] if resume_from else []),
+        *(["--skip-samples", format_skip_samples(skip_samples)] if skip_samples else []),
         "--", *settings.command,
     ]  # fmt: skip
 
@@ -396,13 +402,19 @@ class Driver:
             nodes[0], self._environ, self.settings.python,
             job_id=self.settings.job_id, attempt=answer.attempt,
         )  # fmt: skip
-        argv = agent_argv(self.settings, nodes, master, answer.attempt, answer.resume_from, port)
+        argv = agent_argv(
+            self.settings, nodes, master, answer.attempt, answer.resume_from, port,
+            answer.skip_samples,
+        )  # fmt: skip
         log.info(
-            "attempt %d: %d node(s) %s, resume from %s",
+            "attempt %d: %d node(s) %s, resume from %s, skipping samples %s",
             answer.attempt, len(nodes), ",".join(nodes), answer.resume_from or "(newest valid)",
+            format_skip_samples(answer.skip_samples) or "(none)",
         )  # fmt: skip
         env = {**self._environ, "RESURGO_CKPT_ROOT": self.settings.ckpt_root}
+        # Only the answer says what to resume from and skip: never an earlier launch's.
         env.pop("RESURGO_RESUME_FROM", None)
+        env.pop(ENV_SKIP_SAMPLES, None)
         try:
             self._step = await asyncio.create_subprocess_exec(*argv, env=env)
         except OSError as error:

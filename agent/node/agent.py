@@ -255,6 +255,7 @@ class NodeAgent:
             agent_socket=str(self.run_dir / "agent.sock"),
             exit_dir=str(self.run_dir / "exits"),
             resume_from=config.resume_from or None,
+            skip_samples=config.skip_ranges(),
             ckpt_root=config.ckpt_root or None,
             ckpt_interval_s=config.ckpt_interval_s or None,
             ckpt_interval_file=str(self.run_dir / "checkpoint-interval.json"),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.node.hang import HangConfig
+from agent.skips import SampleRange, parse_skip_samples
 from agent.wire.errors import ConfigError
 from agent.wire.settings import add_flags, layered, read_toml
 
@@ -50,6 +51,8 @@ class AgentConfig:
     - ``secret_file``: the job's signing secret, needed with ``supervisor_url`` (0600).
     - ``events_log``: also append every event to this file as JSON lines (empty: no file).
     - ``resume_from``: the checkpoint the ranks resume from (empty: a fresh start).
+    - ``skip_samples``: windows of the global sample cursor the ranks do not train on,
+      START:END[,START:END...] (empty: none).
     - ``ckpt_root``: where the job's checkpoints are written.
     - ``ckpt_interval_s``: the checkpoint interval handed to the ranks (0: theirs).
     - ``heartbeat_report_s``: how often a heartbeat summary goes to the supervisor.
@@ -92,6 +95,7 @@ class AgentConfig:
     secret_file: str = ""
     events_log: str = ""
     resume_from: str = ""
+    skip_samples: str = ""
     ckpt_root: str = ""
     ckpt_interval_s: float = 0.0
     heartbeat_report_s: float = 5.0
@@ -140,6 +144,11 @@ class AgentConfig:
             raise ConfigError(f"agent setting master_port {self.master_port} is not a port")
         if self.restart_count < 0 or self.attempt < 0:
             raise ConfigError("agent settings restart_count and attempt must be >= 0")
+        self.skip_ranges()  # refused at start, not at the launch
+
+    def skip_ranges(self) -> tuple[SampleRange, ...]:
+        """``skip_samples`` as ranges; ConfigError naming the setting when malformed."""
+        return parse_skip_samples(self.skip_samples, "agent setting skip_samples")
 
     def hang_config(self) -> HangConfig:
         """The hang/straggler thresholds for :mod:`agent.node.hang`."""

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePath
 
+from agent.skips import ENV_SKIP_SAMPLES, SampleRange, format_skip_samples
 from agent.wire.errors import ConfigError
 
 ENV_JOB_ID = "RESURGO_JOB_ID"
@@ -161,6 +162,8 @@ class LaunchSettings:
     agent_socket: str
     exit_dir: str
     resume_from: str | None = None
+    # Windows of the global sample cursor the ranks do not train on (agent.skips).
+    skip_samples: tuple[SampleRange, ...] = ()
     ckpt_root: str | None = None
     ckpt_interval_s: float | None = None
     ckpt_interval_file: str | None = None
@@ -323,7 +326,9 @@ def plan_launch(
     """
     if not command:
         raise ConfigError("no command to launch: give it after `--`, e.g. -- torchrun train.py")
-    env = dict(environ)
+    # The windows to skip are this launch's alone: one left in the agent's own
+    # environment (an earlier launch's) would make the ranks skip data still wanted.
+    env = {name: value for name, value in environ.items() if name != ENV_SKIP_SAMPLES}
     env.update(_resurgo_env(allocation, settings))
     env["PYTHONPATH"] = with_bootstrap(environ.get("PYTHONPATH"))
     shape = launch_shape(command)
@@ -448,6 +453,7 @@ def _resurgo_env(allocation: Allocation, settings: LaunchSettings) -> dict[str, 
     }
     optional = {
         ENV_RESUME_FROM: settings.resume_from,
+        ENV_SKIP_SAMPLES: format_skip_samples(settings.skip_samples) or None,
         ENV_CKPT_ROOT: settings.ckpt_root,
         ENV_CKPT_INTERVAL_S: None
         if settings.ckpt_interval_s is None

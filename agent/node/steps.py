@@ -40,7 +40,10 @@ class StepBuffer:
 
         A loss that is not finite travels as null with ``non_finite`` naming
         it (``nan``, ``inf``, ``-inf``): the wire protocol carries only finite
-        numbers, and a null alone means "no loss reported".
+        numbers, and a null alone means "no loss reported". A grad norm goes
+        as ``grad_norm`` only when the rank reported one (most scripts do
+        not, and an absent key costs nothing on the wire); one that is not
+        finite is null with ``grad_non_finite`` naming it, the same way.
         """
         if self._count >= self._max_steps:
             self._dropped += 1
@@ -49,6 +52,11 @@ class StepBuffer:
         if report.loss is not None and not math.isfinite(report.loss):
             entry["loss"] = None
             entry["non_finite"] = NonFinite.of(report.loss).value
+        if report.grad_norm is not None:
+            entry["grad_norm"] = report.grad_norm
+            if not math.isfinite(report.grad_norm):
+                entry["grad_norm"] = None
+                entry["grad_non_finite"] = NonFinite.of(report.grad_norm).value
         self._steps.setdefault(report.rank, []).append(entry)
         self._count += 1
         return True

@@ -3,8 +3,10 @@
 A training script calls :func:`beat` (or :meth:`Heartbeat.beat`) once per
 step; the node agent turns the stream into hang and straggler verdicts
 (:mod:`agent.node.hang`). :meth:`Heartbeat.report_step` is a beat that also carries
-the step's loss and data cursor, which the agent forwards to the supervisor for
-resume verification (``TrainingSession.step_done`` sends it). A beat or a report
+the step's loss and data cursor (and, where the script computes one, its total
+gradient norm), which the agent forwards to the supervisor for resume
+verification and its training-health watch (``TrainingSession.step_done``
+sends it). A beat or a report
 may carry the step's compute seconds (``TrainingSession.compute``): the time a
 rank worked before waiting for its peers, from which the supervisor finds a
 straggler that synchronous training otherwise hides. On every rank::
@@ -49,6 +51,7 @@ offset type  field
              (:mod:`agent.train.autohooks`); bit 1 set on a step report
              whose loss was not finite (the loss field holds the NaN or
              infinity; without the bit a NaN there means "no loss");
+             bit 2 likewise for the grad norm of a step report;
              other bits 0
 6      i32   global rank
 10     i32   local rank
@@ -62,14 +65,20 @@ time the rank spent on its own work in the step just finished, before it
 waited for its peers (NaN: not measured). A checkpoint note appends ``u16``
 path length and that many bytes of the path (UTF-8, undecodable bytes kept via
 ``surrogateescape``), at most :data:`MAX_PATH_BYTES`. A step report (phase
-train; rank, local rank and step >= 0) appends three fields, 58 bytes in all
-(a 50-byte report without the compute seconds is read too):
+train; rank, local rank and step >= 0) appends three fields, 58 bytes in all,
+and a fourth, 66 bytes, when the rank gave its grad norm (a 50-byte report
+without the compute seconds is read too, and every older form stays valid):
 
 ====== ===== ===================================================================
 34     f64   the step's loss; NaN: no loss (none given, or not a number)
 42     i64   data cursor: global samples consumed before the step; -1: unknown
 50     f64   the step's compute seconds; NaN: not measured
+58     f64   the step's total gradient norm (>= 0); NaN: none given; with flag
+             bit 2 the norm was not finite (NaN or infinity, as sent)
 ====== ===== ===================================================================
+
+The grad norm is flagged exactly as the loss is, because a NaN norm is the
+fault the supervisor most wants to see and must not read as "not reported".
 
 The wall time is for reports and latency only: the agent measures progress
 with its own monotonic clock at receipt, so rank clock skew never fakes or
@@ -98,6 +107,7 @@ MAGIC = b"Rh"
 VERSION = 1
 FLAG_AUTOMATIC = 1
 FLAG_NON_FINITE_LOSS = 2
+FLAG_NON_FINITE_GRAD_NORM = 4
 # Linux PATH_MAX; a longer path cannot name a checkpoint directory anyway.
 MAX_PATH_BYTES = 4096
 # A dead agent costs one failed connect() per period, not one per step; short
@@ -112,11 +122,14 @@ _HEADER = struct.Struct("<2sBBBBiiiqd")
 _PATH_LEN = struct.Struct("<H")
 _STEP_TAIL = struct.Struct("<dq")
 _COMPUTE = struct.Struct("<d")
+_GRAD_NORM = struct.Struct("<d")
 BEAT_SIZE = _HEADER.size
 TIMED_BEAT_SIZE = BEAT_SIZE + _COMPUTE.size
 STEP_REPORT_SIZE = BEAT_SIZE + _STEP_TAIL.size + _COMPUTE.size
 _UNTIMED_STEP_REPORT_SIZE = BEAT_SIZE + _STEP_TAIL.size
+GRAD_STEP_REPORT_SIZE = STEP_REPORT_SIZE + _GRAD_NORM.size
 _NO_LOSS = float("nan")
+_NO_GRAD_NORM = float("nan")
 _NO_COMPUTE = float("nan")
 _NO_CURSOR = -1
 
@@ -189,8 +202,10 @@ class StepReport:
     ``loss`` is None when the rank gave none, NaN or an infinity when the
     rank's loss was not finite (a training-health fault); ``cursor`` (the
     global samples consumed before the step) is None when unknown; so is
-    ``compute_s`` when not measured. A step report is also a beat in phase
-    train: see :meth:`as_beat`.
+    ``compute_s`` when not measured. ``grad_norm``, the step's total gradient
+    norm, is None when the rank gave none, NaN or infinity when it was not
+    finite (as the loss). A step report is also a beat in phase train: see
+    :meth:`as_beat`.
     """
 
     rank: int
@@ -201,6 +216,7 @@ class StepReport:
     cursor: int | None
     wall_time_s: float
     compute_s: float | None = None
+    grad_norm: float | None = None
 
     def as_beat(self) -> RankBeat:
         """The beat this report stands for: ``rank`` reached ``step`` in phase train."""
@@ -258,6 +274,11 @@ def _read_compute(data: bytes, offset: int) -> float | None:
     return compute_s if _usable(compute_s) else None
 
 
+def _is_grad_norm(value: float) -> bool:
+    """Whether ``value`` can be sent as a grad norm: a number >= 0, NaN or +inf."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and not value < 0
+
+
 def encode_checkpoint(
     *,
     rank: int,
@@ -300,23 +321,30 @@ def encode_step_report(
     cursor: int | None,
     wall_time_s: float,
     compute_s: float | None = None,
+    grad_norm: float | None = None,
 ) -> bytes:
     """The datagram for a step report; ValueError for a negative rank, step or cursor.
 
     ``compute_s`` None: not measured; negative or not finite: ValueError.
+    ``grad_norm`` None: the 58-byte form, as before grad norms travelled;
+    otherwise the 66-byte form, NaN and infinity flagged; negative: ValueError.
     """
     if min(rank, local_rank, step) < 0 or (cursor is not None and cursor < 0):
         raise ValueError(
             f"step report needs rank, local rank, step and cursor >= 0, got rank {rank}, "
             f"local rank {local_rank}, step {step}, cursor {cursor}"
         )
-    bad_loss = loss is not None and not math.isfinite(loss)
+    if grad_norm is not None and not _is_grad_norm(grad_norm):
+        raise ValueError(f"grad norm must be >= 0, NaN or infinity, got {grad_norm!r}")
+    flags = FLAG_NON_FINITE_LOSS if loss is not None and not math.isfinite(loss) else 0
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        flags |= FLAG_NON_FINITE_GRAD_NORM
     header = _HEADER.pack(
         MAGIC,
         VERSION,
         Kind.STEP,
         _PHASE_CODE[Phase.TRAIN],
-        FLAG_NON_FINITE_LOSS if bad_loss else 0,
+        flags,
         rank,
         local_rank,
         pid,
@@ -326,7 +354,8 @@ def encode_step_report(
     tail = _STEP_TAIL.pack(
         _NO_LOSS if loss is None else loss, _NO_CURSOR if cursor is None else cursor
     )
-    return header + tail + _COMPUTE.pack(_checked_compute(compute_s))
+    report = header + tail + _COMPUTE.pack(_checked_compute(compute_s))
+    return report if grad_norm is None else report + _GRAD_NORM.pack(grad_norm)
 
 
 def parse_datagram(data: bytes) -> RankBeat | CheckpointNote | StepReport | None:
@@ -373,13 +402,20 @@ def _step_report(
     step: int,
     wall: float,
 ) -> StepReport | None:
-    sizes = (STEP_REPORT_SIZE, _UNTIMED_STEP_REPORT_SIZE)
+    sizes = (GRAD_STEP_REPORT_SIZE, STEP_REPORT_SIZE, _UNTIMED_STEP_REPORT_SIZE)
     if len(data) not in sizes or phase is not Phase.TRAIN or min(rank, local_rank, step) < 0:
         return None
     loss, cursor = _STEP_TAIL.unpack_from(data, BEAT_SIZE)
     if cursor < _NO_CURSOR:
         return None
-    timed = len(data) == STEP_REPORT_SIZE
+    grad_norm = None
+    if len(data) == GRAD_STEP_REPORT_SIZE:
+        (grad_norm,) = _GRAD_NORM.unpack_from(data, STEP_REPORT_SIZE)
+        if grad_norm < 0:
+            return None
+        if math.isnan(grad_norm) and not flags & FLAG_NON_FINITE_GRAD_NORM:
+            grad_norm = None
+    timed = len(data) != _UNTIMED_STEP_REPORT_SIZE
     return StepReport(
         rank,
         local_rank,
@@ -389,6 +425,7 @@ def _step_report(
         None if cursor == _NO_CURSOR else cursor,
         wall,
         _read_compute(data, _UNTIMED_STEP_REPORT_SIZE) if timed else None,
+        grad_norm,
     )
 
 
@@ -542,6 +579,7 @@ class Heartbeat:
         loss: float | None = None,
         cursor: int | None = None,
         compute_s: float | None = None,
+        grad_norm: float | None = None,
     ) -> None:
         """Tell the agent this rank finished ``step``, with its loss and data cursor; never raises.
 
@@ -549,10 +587,15 @@ class Heartbeat:
         ``.item()`` on a tensor), None when there is none; ``cursor`` is the
         global samples consumed BEFORE the step, None when unknown;
         ``compute_s`` as for :meth:`beat` (a negative or non-finite value is
-        left out). A report with a negative step or cursor is dropped.
+        left out); ``grad_norm`` the step's total gradient norm as a float,
+        None when not computed (NaN and infinity are sent flagged; a negative
+        number or a tensor is left out, so the loss still goes). A report with
+        a negative step or cursor is dropped.
         """
         if compute_s is not None and not _usable(compute_s):
             compute_s = None
+        if grad_norm is not None and not _is_grad_norm(grad_norm):
+            grad_norm = None
         self._step = step
         self._phase = Phase.TRAIN
         self._send(
@@ -565,6 +608,7 @@ class Heartbeat:
                 cursor=cursor,
                 wall_time_s=self._clock(),
                 compute_s=compute_s,
+                grad_norm=grad_norm,
             )
         )
 

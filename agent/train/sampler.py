@@ -44,6 +44,14 @@ cursor as it is when the iterator is created and runs to the end of that epoch;
 after the last full batch ``advance()`` rolls over to ``(epoch + 1, 0)`` and the
 ``while`` loop above creates the next iterator.
 
+Windows of data can be left out (:meth:`GlobalBatchSampler.skip_samples`;
+after a loss anomaly the supervisor names them, :mod:`agent.skips`). They are
+ranges of ``consumed_total``, so they name the same data at any world size, and
+are widened to whole global batches: a step trains on all of a global batch or
+none of it. A skipped batch is never yielded, and :meth:`~GlobalBatchSampler.advance`
+steps over it, so the cursor passes it as if it had been trained on; the cursor
+therefore counts the batches passed, skipped ones included, not the steps.
+
 The state dict holds only global values, so it is identical on every rank and
 DCP's deduplication of identical keys across ranks is harmless: save it under
 one shared key (unlike the per-rank RNG state).
@@ -52,11 +60,13 @@ one shared key (unlike the per-rank RNG state).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
+
+from agent.skips import merge
 
 _MASK64 = (1 << 64) - 1
 
@@ -131,6 +141,14 @@ def _check_positive(value: int, name: str) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_skipped(skipped: tuple[tuple[int, int], ...], position: int) -> bool:
+    return any(start <= position < end for start, end in skipped)
+
+
 def _check_rank(rank: int, world_size: int) -> None:
     _check_positive(world_size, "world_size")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -141,8 +159,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
     """Batch sampler with a global, resharding-safe cursor (see the module docstring).
 
     Use as ``DataLoader(dataset, batch_sampler=sampler)``. Iterating yields this
-    rank's share of each remaining global batch of the current epoch;
-    :meth:`advance` records that one global batch was trained on.
+    rank's share of each remaining global batch of the current epoch that is
+    not skipped; :meth:`advance` records that one global batch was trained on.
     """
 
     def __init__(
@@ -181,6 +199,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self._consumed_in_epoch = 0
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
+        self._skipped: tuple[tuple[int, int], ...] = ()
 
     @property
     def epoch(self) -> int:
@@ -206,8 +225,54 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     @property
     def batches_consumed(self) -> int:
-        """Completed steps since the start of training: a cross-check for the step count."""
+        """Global batches the cursor has passed since the start of training, skipped ones
+        included: the step count only when nothing was skipped."""
         return self.consumed_total // self.global_batch_size
+
+    @property
+    def skipped(self) -> tuple[tuple[int, int], ...]:
+        """The skipped ranges of ``consumed_total``: merged, sorted, whole global batches."""
+        return self._skipped
+
+    def skip_samples(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Never train on the half-open ``[start, end)`` ranges of ``consumed_total``.
+
+        Each range is widened outward to whole global batches (a step trains on
+        a global batch or not at all) and merged with the ranges already set. A
+        cursor inside a skipped range moves past it at once. Iterators created
+        before the call keep the skips they started with, as they keep the
+        cursor: call this before ``iter(loader)``. Raises ValueError for a range
+        that is not two ints with ``0 <= start < end``.
+        """
+        self._skipped = merge([*self._skipped, *self._widened(ranges)])
+        self._seek(self._next_trained(self.batches_consumed))
+
+    def _widened(self, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        size = self.global_batch_size
+        widened = []
+        for pair in ranges:
+            if not (
+                isinstance(pair, tuple | list)
+                and len(pair) == 2
+                and all(_is_int(value) for value in pair)
+                and 0 <= pair[0] < pair[1]
+            ):
+                raise ValueError(f"a skipped range is two ints 0 <= start < end, got {pair!r}")
+            start, end = pair
+            widened.append((start // size * size, -(-end // size) * size))
+        return widened
+
+    def _next_trained(self, batch: int) -> int:
+        """The first global batch from ``batch`` on (counted over all epochs) not skipped."""
+        for start, end in self._skipped:  # merged and sorted: one pass suffices
+            if start <= batch * self.global_batch_size < end:
+                batch = end // self.global_batch_size
+        return batch
+
+    def _seek(self, batch: int) -> None:
+        """Put the cursor at global batch ``batch``, counted over all epochs."""
+        self._epoch, index = divmod(batch, self.batches_per_epoch)
+        self._consumed_in_epoch = index * self.global_batch_size
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """The sample order of ``epoch`` (int64 tensor); cached for the current epoch."""
@@ -229,39 +294,57 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.permutation(epoch)[start : start + self.global_batch_size].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        """Yield this rank's share of each global batch from the cursor to the epoch's end.
+        """Yield this rank's share of each global batch from the cursor to the epoch's end,
+        skipped batches left out.
 
-        The cursor is read now, when the iterator is created, not at the first
-        ``next()``: a DataLoader creates its iterator, then its workers pull
-        batches ahead of training, and advancing meanwhile must not shift them.
+        The cursor and the skipped ranges are read now, when the iterator is
+        created, not at the first ``next()``: a DataLoader creates its iterator,
+        then its workers pull batches ahead of training, and advancing meanwhile
+        must not shift them. :meth:`advance` steps over the same skipped
+        batches, so step k trains on the k-th batch yielded.
         """
         epoch = self._epoch
         first = self._consumed_in_epoch // self.global_batch_size
         part = rank_slice(self.global_batch_size, self.rank, self.world_size)
         perm = self.permutation(epoch)
-        return self._batches(perm, first, part)
+        return self._batches(perm, epoch, first, part, self._skipped)
 
-    def _batches(self, perm: torch.Tensor, first: int, part: slice) -> Iterator[list[int]]:
+    def _batches(
+        self,
+        perm: torch.Tensor,
+        epoch: int,
+        first: int,
+        part: slice,
+        skipped: tuple[tuple[int, int], ...],
+    ) -> Iterator[list[int]]:
         size = self.global_batch_size
+        epoch_start = epoch * self.batches_per_epoch * size
         for index in range(first, self.batches_per_epoch):
-            yield perm[index * size + part.start : index * size + part.stop].tolist()
+            if not _is_skipped(skipped, epoch_start + index * size):
+                yield perm[index * size + part.start : index * size + part.stop].tolist()
 
     def __len__(self) -> int:
-        """Batches a new iterator would yield: those left in the current epoch."""
-        return self.batches_per_epoch - self._consumed_in_epoch // self.global_batch_size
+        """Batches a new iterator would yield: those left in the current epoch, less skipped."""
+        size = self.global_batch_size
+        low = self.consumed_total
+        high = (self._epoch + 1) * self.batches_per_epoch * size
+        skipped = sum(max(0, min(end, high) - max(start, low)) for start, end in self._skipped)
+        return (high - low - skipped) // size
 
     def advance(self, steps: int = 1) -> None:
         """Record ``steps`` completed optimizer steps (one global batch each).
 
         Call after ``optimizer.step()`` on every rank, never from inside the
-        data pipeline. Past the last full batch of an epoch the cursor moves to
-        ``(epoch + 1, 0)``; the iterator in hand then ends, and the loop creates
-        a new one for the next epoch.
+        data pipeline. Skipped batches are stepped over, so the cursor never
+        rests inside a skipped range. Past the last full batch of an epoch the
+        cursor moves to the next epoch (its first batch not skipped); the
+        iterator in hand then ends, and the loop creates a new one for it.
         """
         _check_positive(steps, "steps")
-        batches = self._consumed_in_epoch // self.global_batch_size + steps
-        self._epoch += batches // self.batches_per_epoch
-        self._consumed_in_epoch = (batches % self.batches_per_epoch) * self.global_batch_size
+        batch = self.batches_consumed
+        for _ in range(steps):
+            batch = self._next_trained(batch + 1)
+        self._seek(batch)
 
     def state_dict(self) -> dict[str, Any]:
         """The position as plain values, identical on every rank (safe under DCP dedup)."""
@@ -273,6 +356,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             "dataset_len": self.dataset_len,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "skipped": [[start, end] for start, end in self._skipped],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -281,9 +365,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         Raises ValueError naming the mismatch when the dataset length, seed,
         shuffle or global batch size differ from this sampler's: any of those
         would silently change which samples come next, the failure this class
-        exists to prevent. The cursor must be consistent with itself.
+        exists to prevent. The cursor must be consistent with itself. The saved
+        skipped ranges are merged with those already set; a state without them
+        (saved before data could be skipped) skips nothing more.
         """
-        missing = [key for key in self.state_dict() if key not in state]
+        missing = [key for key in self.state_dict() if key not in state and key != "skipped"]
         if missing:
             raise ValueError(f"sampler state lacks {', '.join(missing)}")
         for key in ("dataset_len", "seed", "shuffle", "global_batch_size"):
@@ -312,4 +398,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 f"sampler consumed_total {state['consumed_total']} disagrees with epoch "
                 f"{epoch} and consumed_in_epoch {consumed} (expected {expected_total})"
             )
+        saved = state.get("skipped", [])
+        if not isinstance(saved, list | tuple):
+            raise ValueError(f"sampler skipped ranges {saved!r} are not a list of [start, end]")
+        skipped = merge([*self._skipped, *self._widened(saved)])
         self._epoch, self._consumed_in_epoch = epoch, consumed
+        self._skipped = skipped
+        self._seek(self._next_trained(self.batches_consumed))

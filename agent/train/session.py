@@ -44,7 +44,9 @@ across nodes to name a straggler. Unmarked, nothing is measured.
 The resume source is ``RESURGO_RESUME_FROM`` (set by the supervisor: that
 exact checkpoint, re-validated; invalid is an error) or else the newest
 checkpoint under the root that passes the QUICK validation level. Rank 0
-decides and broadcasts, so every rank loads the same directory.
+decides and broadcasts, so every rank loads the same directory. Data windows
+named in ``RESURGO_SKIP_SAMPLES`` (:mod:`agent.skips`; set by the supervisor
+when it rolls back past a loss anomaly) are then skipped by the sampler.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from agent.checkpoint.catalog import newest_valid, supersede_newer
 from agent.checkpoint.retention import RetentionPolicy, apply_retention
 from agent.checkpoint.save import Checkpointer, SaveResult, WhenBusy
 from agent.checkpoint.validate import Level, validate
+from agent.skips import ENV_SKIP_SAMPLES, SampleRange, format_skip_samples, parse_skip_samples
 from agent.stopfiles import SaveRequest
 from agent.train.heartbeat import Heartbeat, Phase, default_heartbeat
 from agent.train.rng import capture_rng_state, restore_rng_state
@@ -191,13 +194,19 @@ class TrainingSession:
     def restore(self) -> int:
         """Load the resume checkpoint, if any, except the global RNGs; return the step.
 
-        Returns 0 (and changes nothing) when there is no checkpoint to resume
-        from. Call :meth:`restore_rng` once the data iterator exists.
+        Returns 0 (and changes nothing but the skipped data) when there is no
+        checkpoint to resume from. Then applies ``RESURGO_SKIP_SAMPLES`` to the
+        sampler, after its saved position, so that the data iterator created
+        next starts past the windows. Call :meth:`restore_rng` once the data
+        iterator exists.
         """
+        # Read first: a malformed value fails before the (long) load, not after it.
+        skips = parse_skip_samples(self._env.get(ENV_SKIP_SAMPLES, ""))
         path = self._choose_resume_path()
         if path is None:
             log.info("no checkpoint under %s: starting from step 0", self.root)
             self._supersede_newer(0)
+            self._apply_skips(skips)
             return 0
         state = self._state_for_load(path)
         dcp.load(state, checkpoint_id=str(path))
@@ -242,7 +251,30 @@ class TrainingSession:
             "resumed from %s at step %d (saved by %d rank(s), loaded by %d)",
             path, self.step, manifest.world_size, self.world_size,
         )  # fmt: skip
+        self._apply_skips(skips)
         return self.step
+
+    def _apply_skips(self, skips: tuple[SampleRange, ...]) -> None:
+        """Tell the sampler to leave out ``skips`` (ranges of its global sample cursor)."""
+        if not skips:
+            return
+        if self._sampler is None:
+            log.warning(
+                "%s=%s cannot be applied: this session has no GlobalBatchSampler, so the "
+                "script's data order is not known to Resurgo; training on every sample",
+                ENV_SKIP_SAMPLES, format_skip_samples(skips),
+            )  # fmt: skip
+            return
+        sampler = self._sampler
+        sampler.skip_samples(skips)
+        size = sampler.global_batch_size
+        samples = sum(end - start for start, end in sampler.skipped)
+        log.info(
+            "%s=%s: skipping samples %s (widened to whole global batches: %d samples, %d "
+            "batches of %d in all); the data cursor is at sample %d (batch %d)",
+            ENV_SKIP_SAMPLES, format_skip_samples(skips), format_skip_samples(sampler.skipped),
+            samples, samples // size, size, sampler.consumed_total, sampler.batches_consumed,
+        )  # fmt: skip
 
     def _supersede_newer(self, step: int) -> None:
         """Rank 0 moves checkpoints after ``step`` aside: the run continues from ``step``."""
@@ -298,6 +330,9 @@ class TrainingSession:
         state["per_rank"] = {f"rank{self.rank}": state["per_rank"][f"rank{self.rank}"]}
         if not has_own:
             state["per_rank"] = {}
+        # Saved before data could be skipped: DCP refuses a key the checkpoint lacks.
+        if "data" in state and "data.skipped" not in metadata.state_dict_metadata:
+            del state["data"]["skipped"]
         return state
 
     # -- save ----------------------------------------------------------------
@@ -319,7 +354,9 @@ class TrainingSession:
                 torch.cuda.synchronize()
             self._compute_s = (self._compute_s or 0.0) + time.perf_counter() - started
 
-    def step_done(self, loss: float | None = None) -> SaveResult | None:
+    def step_done(
+        self, loss: float | None = None, grad_norm: float | None = None
+    ) -> SaveResult | None:
         """Record one completed optimizer step; save when the schedule says so.
 
         Advances the sampler's global cursor (after the optimizer step, never in
@@ -327,9 +364,17 @@ class TrainingSession:
         to the node agent (rank 0 only, unless ``report_all_ranks``): its number
         (``step`` after this call: the first step after resuming from the
         checkpoint of step S is S + 1), ``loss`` (a float; pass ``loss.item()``,
-        or None) and the sampler's cursor before the step (None without a
-        sampler), with the step's :meth:`compute` time on every rank. Reporting
-        never blocks or raises.
+        or None), ``grad_norm`` and the sampler's cursor before the step (None
+        without a sampler), with the step's :meth:`compute` time on every rank.
+        Reporting never blocks or raises.
+
+        ``grad_norm`` is optional and feeds the supervisor's grad-norm
+        explosion check: pass the total norm the script already computes, as
+        a float, e.g. ``float(torch.nn.utils.clip_grad_norm_(params, max_norm))``.
+        Turning the tensor into a float waits for the device, a sync that
+        scripts clipping gradients already pay for their own logging; one that
+        does not clip need not compute a norm just for this. A NaN or infinite
+        norm is reported as such (a training-health fault), never dropped.
         """
         if self._pending_rng is not None:
             raise CheckpointError(
@@ -344,7 +389,7 @@ class TrainingSession:
             self._sampler.advance()
         compute_s, self._compute_s = self._compute_s, None
         if self._reports_steps:
-            self._heartbeat.report_step(self.step, loss, cursor, compute_s)
+            self._heartbeat.report_step(self.step, loss, cursor, compute_s, grad_norm)
         else:
             # Every rank's progress feeds hang detection; its compute time, stragglers.
             self._heartbeat.beat(self.step, compute_s=compute_s)

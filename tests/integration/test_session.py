@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from agent.checkpoint import format as fmt
+from agent.skips import ENV_SKIP_SAMPLES
 from agent.train.sampler import GlobalBatchSampler
 from agent.train.schedule import CheckpointInterval, IntervalSource
 from agent.train.session import ENV_RESUME_FROM, TrainingSession
@@ -26,11 +29,24 @@ class FixedInterval(IntervalSource):
         return self._fixed
 
 
-def make_session(root: Path, environ: dict[str, str] | None = None) -> TrainingSession:
+class SamplerBeforeSkips(GlobalBatchSampler):
+    """Saves the state a sampler saved before data could be skipped."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        del state["skipped"]
+        return state
+
+
+def make_session(
+    root: Path,
+    environ: dict[str, str] | None = None,
+    sampler_class: type[GlobalBatchSampler] = GlobalBatchSampler,
+) -> TrainingSession:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sampler = GlobalBatchSampler(32, 4, rank=0, world_size=1, seed=3)
+    sampler = sampler_class(32, 4, rank=0, world_size=1, seed=3)
     return TrainingSession(
         root,
         model=model,
@@ -118,3 +134,74 @@ def test_an_invalid_explicit_resume_path_is_refused_with_the_reason(tmp_path: Pa
 def test_no_root_and_no_environment_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="RESURGO_CKPT_ROOT"):
         TrainingSession(model=nn.Linear(1, 1), environ={})
+
+
+def _trained_for(root: Path, steps: int, sampler_class: type[GlobalBatchSampler]) -> None:
+    session = make_session(root, sampler_class=sampler_class)
+    session.restore()
+    session.restore_rng()
+    train(session, steps)
+    session.close()
+
+
+def test_skipped_samples_apply_after_the_resume_and_are_saved_with_the_position(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _trained_for(tmp_path, 4, GlobalBatchSampler)  # step-4: the cursor at sample 16
+    second = make_session(tmp_path, {ENV_SKIP_SAMPLES: "17:21"})
+    with caplog.at_level(logging.INFO, logger="agent.train.session"):
+        assert second.restore() == 4
+    assert second._sampler is not None
+    assert second._sampler.skipped == ((16, 24),)
+    assert second._sampler.consumed_total == 24
+    assert "skipping samples 16:24" in caplog.text and "batch 6" in caplog.text
+    second.restore_rng()
+    train(second, 2)  # saves step-6
+    second.close()
+
+    third = make_session(tmp_path)
+    assert third.restore() == 6
+    assert third._sampler is not None
+    assert (third._sampler.skipped, third._sampler.consumed_total) == (((16, 24),), 32)
+    third.restore_rng()
+    third.close()
+
+
+def test_skipped_samples_apply_to_a_fresh_start(tmp_path: Path) -> None:
+    session = make_session(tmp_path, {ENV_SKIP_SAMPLES: "0:4,12:13"})
+    assert session.restore() == 0
+    assert session._sampler is not None
+    assert session._sampler.skipped == ((0, 4), (12, 16))
+    assert session._sampler.consumed_total == 4
+    session.close()
+
+
+def test_a_checkpoint_saved_before_skips_existed_resumes_and_takes_new_skips(
+    tmp_path: Path,
+) -> None:
+    _trained_for(tmp_path, 2, SamplerBeforeSkips)
+    session = make_session(tmp_path, {ENV_SKIP_SAMPLES: "8:12"})
+    assert session.restore() == 2
+    assert session._sampler is not None
+    assert (session._sampler.skipped, session._sampler.consumed_total) == (((8, 12),), 12)
+    session.close()
+
+
+def test_without_a_sampler_skipped_samples_are_a_warning_not_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    session = TrainingSession(
+        tmp_path, model=nn.Linear(1, 1), interval=FixedInterval(2),
+        environ={ENV_SKIP_SAMPLES: "0:8"},
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="agent.train.session"):
+        assert session.restore() == 0
+    assert "RESURGO_SKIP_SAMPLES=0:8 cannot be applied" in caplog.text
+    session.close()
+
+
+def test_a_malformed_skip_is_a_config_error_before_anything_loads(tmp_path: Path) -> None:
+    session = make_session(tmp_path, {ENV_SKIP_SAMPLES: "8-12"})
+    with pytest.raises(ConfigError, match=r"RESURGO_SKIP_SAMPLES.*START:END"):
+        session.restore()
+    session.close()

@@ -34,6 +34,8 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 log = os.environ["FAKE_LOG"]
 with open(log, "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
+with open(log + ".skips", "a") as f:
+    f.write(json.dumps(os.environ.get("RESURGO_SKIP_SAMPLES")) + "\\n")
 codes = json.loads(open(os.environ["FAKE_CODES"]).read())
 calls = sum(1 for _ in open(log))
 runs = os.environ.get("FAKE_RUN_S", "0").split(",")  # seconds, per call
@@ -168,6 +170,7 @@ def test_after_a_failure_the_driver_relaunches_where_told_and_confirms(tmp_path:
     assert second[second.index("--resume-from") + 1] == "/ckpt/step-8"
     assert second[second.index("--attempt") + 1] == "2"
     assert "--resume-from" not in first
+    assert "--skip-samples" not in first + second
     phases = [(r.phase, r.exit_code, r.action_id, r.ok) for r in directory.driver_requests(JOB)]
     assert phases == [
         (DriverPhase.START, None, None, None),
@@ -177,6 +180,25 @@ def test_after_a_failure_the_driver_relaunches_where_told_and_confirms(tmp_path:
         (DriverPhase.ENDED, 1, None, None),
         (DriverPhase.RELAUNCHED, None, "4711/2/relaunch/2", True),
     ]
+
+
+def test_the_samples_to_skip_reach_the_agents_flags_and_no_stale_value_their_environment(
+    tmp_path: Path,
+) -> None:
+    launch = DriverAnswer(DriverAction.LAUNCH, 1, skip_samples=((0, 64), (1024, 2048)))
+    relaunch = DriverAnswer(
+        DriverAction.RELAUNCH, 2, ("node1",), "/ckpt/step-8", "4711/2/relaunch/2",
+        skip_samples=((4096, 4160),),
+    )  # fmt: skip
+    stale = {"RESURGO_SKIP_SAMPLES": "0:8"}
+    status, _ = drive(tmp_path, [1, 0], [launch, relaunch], start_check_s=0.0, environ=stale)
+    assert status == 0
+    first, second = srun_calls(tmp_path)
+    assert first[first.index("--skip-samples") + 1] == "0:64,1024:2048"
+    assert second[second.index("--skip-samples") + 1] == "4096:4160"
+    assert second.index("--skip-samples") < second.index("--")
+    # The agents learn the windows from their flags alone, never from the batch's env.
+    assert (tmp_path / "srun.log.skips").read_text().splitlines() == ["null", "null"]
 
 
 def test_told_to_wait_before_its_first_launch_the_driver_asks_to_start_again(
@@ -262,6 +284,9 @@ def test_the_driver_needs_slurm_and_a_command() -> None:
         {"SLURM_JOB_ID": "12"},
     )
     argv = agent_argv(settings, ("a", "b"), "10.0.0.1", 3, None, 40001)
+    assert "--skip-samples" not in argv
+    skipping = agent_argv(settings, ("a",), "10.0.0.1", 3, None, 40001, ((8, 16), (32, 40)))
+    assert skipping[skipping.index("--skip-samples") + 1] == "8:16,32:40"
     assert settings.job_dir == Path("/s/12")
     assert argv[argv.index("--secret-file") + 1] == "/s/12/secret"
     assert argv[argv.index("--supervisor-url") + 1] == "http://h:1"

@@ -141,7 +141,7 @@ DRIVER_REQUESTS = st.builds(
     SHORT_TEXT,
 )
 DRIVER_ANSWERS = st.builds(
-    lambda action, attempt, nodes, resume_from, action_id, reason, retry: DriverAnswer(
+    lambda action, attempt, nodes, resume_from, action_id, reason, retry, skips: DriverAnswer(
         action,
         attempt,
         (nodes or ("node1",)) if action is DriverAction.RELAUNCH else nodes,
@@ -149,6 +149,7 @@ DRIVER_ANSWERS = st.builds(
         (action_id or "a/1") if action is DriverAction.RELAUNCH else action_id,
         reason,
         retry,
+        skips,
     ),
     st.sampled_from(list(DriverAction)),
     st.integers(1, 2**62),
@@ -157,6 +158,12 @@ DRIVER_ANSWERS = st.builds(
     st.none() | SHORT_TEXT,
     SHORT_TEXT,
     SECONDS,
+    st.lists(
+        st.tuples(st.integers(0, 2**62), st.integers(1, 2**62)).map(
+            lambda pair: (pair[0], pair[0] + pair[1])
+        ),
+        max_size=protocol.MAX_SKIP_RANGES,
+    ).map(tuple),
 )
 
 ENCODE = {
@@ -264,7 +271,14 @@ VALID = [
     ),
     json.loads(
         protocol.encode_driver_answer(
-            DriverAnswer(DriverAction.RELAUNCH, 2, ("node1",), "/c/step-4", "4711/2/relaunch/1")
+            DriverAnswer(
+                DriverAction.RELAUNCH,
+                2,
+                ("node1",),
+                "/c/step-4",
+                "4711/2/relaunch/1",
+                skip_samples=((1024, 2048),),
+            )
         )
     ),
 ]

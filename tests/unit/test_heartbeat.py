@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from agent.train import heartbeat as hbmod
 from agent.train.heartbeat import (
     BEAT_SIZE,
+    FLAG_NON_FINITE_GRAD_NORM,
     FLAG_NON_FINITE_LOSS,
+    GRAD_STEP_REPORT_SIZE,
     MAX_PATH_BYTES,
     STEP_REPORT_SIZE,
     CheckpointNote,
@@ -182,6 +184,67 @@ def test_an_infinite_loss_is_decoded_as_sent() -> None:
     assert isinstance(report, StepReport) and report.loss == float("-inf")
 
 
+def test_a_grad_norm_rides_at_the_end_of_a_66_byte_step_report() -> None:
+    data = step_report(grad_norm=3.25, compute_s=0.5)
+    assert len(data) == GRAD_STEP_REPORT_SIZE == STEP_REPORT_SIZE + 8 == 66
+    assert data[5] == 0  # finite: no flag
+    assert struct.unpack_from("<d", data, 58) == (3.25,)
+    report = parse_datagram(data)
+    assert report == StepReport(0, 0, 1, 5, 2.5, 40, 1.0, 0.5, 3.25)
+    assert parse_datagram(step_report(grad_norm=0)) == StepReport(
+        0, 0, 1, 5, 2.5, 40, 1.0, None, 0.0
+    )
+
+
+def test_without_a_grad_norm_the_step_report_is_the_58_bytes_it_always_was() -> None:
+    data = step_report(compute_s=0.5)
+    assert data == step_report(compute_s=0.5, grad_norm=None)
+    assert len(data) == STEP_REPORT_SIZE
+    report = parse_datagram(data)
+    assert isinstance(report, StepReport) and report.grad_norm is None
+    # The 50-byte form of releases before compute seconds is read too.
+    old = parse_datagram(data[:50])
+    assert isinstance(old, StepReport) and (old.loss, old.compute_s, old.grad_norm) == (
+        2.5,
+        None,
+        None,
+    )
+
+
+@pytest.mark.parametrize("grad_norm", [float("nan"), float("inf")])
+def test_a_grad_norm_that_is_not_finite_travels_flagged_and_arrives_as_sent(
+    grad_norm: float,
+) -> None:
+    data = step_report(grad_norm=grad_norm)
+    assert data[5] == FLAG_NON_FINITE_GRAD_NORM
+    report = parse_datagram(data)
+    assert isinstance(report, StepReport) and report.loss == 2.5
+    assert report.grad_norm is not None and str(report.grad_norm) == str(grad_norm)
+    # Both flagged: the loss and the grad norm are told apart bit by bit.
+    both = parse_datagram(step_report(loss=float("nan"), grad_norm=grad_norm))
+    assert isinstance(both, StepReport) and both.loss is not None and math.isnan(both.loss)
+    assert str(both.grad_norm) == str(grad_norm)
+
+
+def test_an_unflagged_nan_grad_norm_means_none_was_given() -> None:
+    data = step_report(grad_norm=float("nan"))
+    unflagged = data[:5] + b"\x00" + data[6:]
+    report = parse_datagram(unflagged)
+    assert isinstance(report, StepReport) and report.grad_norm is None
+    assert report.loss == 2.5
+
+
+@pytest.mark.parametrize("grad_norm", [-0.5, float("-inf")])
+def test_a_negative_grad_norm_is_refused_by_the_encoder_and_dropped_by_the_parser(
+    grad_norm: float,
+) -> None:
+    with pytest.raises(ValueError, match="grad norm"):
+        step_report(grad_norm=grad_norm)
+    forged = bytearray(step_report(grad_norm=1.0))
+    struct.pack_into("<d", forged, 58, grad_norm)
+    assert parse_datagram(bytes(forged)) is None
+
+
 @pytest.mark.parametrize("fields", [{"step": -1}, {"cursor": -1}, {"rank": -2}, {"local_rank": -1}])
 def test_the_step_report_encoder_refuses_negative_numbers(fields: dict[str, int]) -> None:
     with pytest.raises(ValueError, match=">= 0"):
@@ -216,6 +279,8 @@ def _step_with(offset: int, fmt: str, value: object) -> bytes:
         ("json", b'{"step": 5, "phase": "train", "rank": 0, "pad": "xxxxxx"}'),
         ("step report cut short", STEP[:-1]),
         ("step report with a trailing byte", STEP + b"\0"),
+        ("grad step report with a trailing byte", step_report(grad_norm=1.0) + b"\0"),
+        ("grad step report cut short", step_report(grad_norm=1.0)[:-1]),
         ("step report of a bare header", GOOD[:3] + b"\x03" + GOOD[4:]),
         ("step report in phase checkpoint", STEP[:4] + b"\x02" + STEP[5:]),
         ("step report with cursor -2", _step_with(42, "<q", -2)),
@@ -302,6 +367,24 @@ def test_compute_seconds_are_sent_when_usable_and_left_out_when_not(
         (4, None),
     ]
     assert [m.loss for m in got if isinstance(m, StepReport)] == [1.0, 2.0]
+
+
+def test_report_step_sends_a_grad_norm_and_leaves_out_one_that_is_no_norm(
+    sock_path: Path, receiver: socket.socket
+) -> None:
+    hb = Heartbeat(str(sock_path), rank=1)
+    hb.report_step(1, loss=1.0, cursor=0, grad_norm=0.75)
+    hb.report_step(2, loss=1.0, cursor=8, grad_norm=float("nan"))
+    hb.report_step(3, loss=1.0, cursor=16)
+    # Not a norm: the report (and its loss) still goes, without one.
+    hb.report_step(4, loss=1.0, cursor=24, grad_norm=-1.0)
+    hb.report_step(5, loss=1.0, cursor=32, grad_norm="2.0")  # type: ignore[arg-type]
+    got = [parse_datagram(d) for d in receive_all(receiver)]
+    norms = [(m.step, m.grad_norm) for m in got if isinstance(m, StepReport)]
+    assert [step for step, _ in norms] == [1, 2, 3, 4, 5]
+    assert norms[0] == (1, 0.75)
+    assert norms[1][1] is not None and math.isnan(norms[1][1])
+    assert [norm for _, norm in norms[2:]] == [None, None, None]
 
 
 def test_heartbeat_reads_socket_and_ranks_from_the_environment(sock_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from torch.distributed.run import get_args_parser
 
@@ -82,6 +84,18 @@ def test_environment_tells_the_in_rank_library_where_things_are() -> None:
     assert env["RESURGO_RESTART_COUNT"] == "2"
     assert env["PATH"] == "/bin:/usr/bin"
     assert "RESURGO_CKPT_ROOT" not in env
+
+
+@pytest.mark.parametrize("command", [["torchrun", "--nproc-per-node=1", "t.py"], ["bash", "r.sh"]])
+def test_the_ranks_skip_this_launchs_windows_and_never_a_stale_value(command: list[str]) -> None:
+    stale = {"PATH": "/bin", "RESURGO_SKIP_SAMPLES": "0:8"}
+    skipping = replace(SETTINGS, skip_samples=((64, 128), (512, 520)))
+    env = plan_launch(command, ALLOC, skipping, stale, PY, get_args_parser()).env
+    assert env["RESURGO_SKIP_SAMPLES"] == "64:128,512:520"
+    assert (
+        "RESURGO_SKIP_SAMPLES"
+        not in plan_launch(command, ALLOC, SETTINGS, stale, PY, get_args_parser()).env
+    )
 
 
 def test_a_wrapper_runs_unchanged_and_any_torchrun_below_it_gets_the_jobs_world() -> None:

@@ -132,6 +132,8 @@ PAYLOADS: dict[EventKind, dict[str, Any]] = {
             {"step": 21, "loss": -0.5, "cursor": 640},
             {"step": 22, "loss": None, "cursor": None},
             {"step": 23, "loss": None, "cursor": 704, "non_finite": "nan"},
+            {"step": 24, "loss": 0.5, "cursor": 736, "grad_norm": 1.5},
+            {"step": 25, "loss": 0.5, "cursor": 768, "grad_norm": None, "grad_non_finite": "inf"},
         ],
     },
 }
@@ -632,6 +634,41 @@ def test_driver_messages_round_trip_and_refuse_what_cannot_be_acted_on() -> None
         protocol.encode_driver_answer(protocol.DriverAnswer(protocol.DriverAction.RELAUNCH, 2))
 
 
+def test_a_driver_answer_names_the_samples_to_skip_only_when_there_are_some() -> None:
+    answer = protocol.DriverAnswer(
+        protocol.DriverAction.LAUNCH, 3, resume_from="/c/step-4", skip_samples=((0, 8), (64, 96))
+    )
+    data = protocol.encode_driver_answer(answer)
+    assert json.loads(data)["skip_samples"] == [[0, 8], [64, 96]]
+    assert protocol.decode_driver_answer(data) == answer
+    plain = protocol.encode_driver_answer(protocol.DriverAnswer(protocol.DriverAction.LAUNCH, 3))
+    assert b"skip_samples" not in plain
+    assert protocol.decode_driver_answer(plain).skip_samples == ()
+
+
+@pytest.mark.parametrize(
+    ("skips", "message"),
+    [
+        ([[8, 8]], r"skip_samples\[0\]\.end must be an integer in \[9"),
+        ([[9, 3]], r"skip_samples\[0\]\.end"),
+        ([[-1, 3]], r"skip_samples\[0\]\.start must be an integer in \[0"),
+        ([[0, 1.5]], r"\.end must be an integer"),
+        ([[True, 3]], r"\.start must be an integer"),
+        ([[0, 3, 4]], r"skip_samples\[0\] must be a \[start, end\] pair"),
+        ([{"start": 0}], "must be a \\[start, end\\] pair"),
+        ({"0": 3}, "skip_samples must be a list"),
+        ([[0, 1]] * (protocol.MAX_SKIP_RANGES + 1), "has 65 items"),
+    ],
+)
+def test_a_driver_answer_with_malformed_skip_samples_is_refused(skips: Any, message: str) -> None:
+    document = json.loads(
+        protocol.encode_driver_answer(protocol.DriverAnswer(protocol.DriverAction.LAUNCH, 3))
+    )
+    document["skip_samples"] = skips
+    with pytest.raises(ProtocolError, match=message):
+        protocol.decode_driver_answer(json.dumps(document).encode())
+
+
 def test_a_heartbeat_carries_a_ranks_compute_median_when_it_measures_one() -> None:
     timed = RankStatus(4, 0, 4241, 120, "train", NOW - 1.0, 0.5, 0.9, 0.55, 100, 0.125, 40)
     report = HeartbeatReport("4711", "node3", NOW, (timed,), INCARNATION)
@@ -685,6 +722,38 @@ def test_a_failed_health_gate_names_its_failing_checks_and_carries_their_lines()
                "timed_out": False}  # fmt: skip
     event = protocol.make_event(
         EventKind.HEALTH_CHECK_FAILED, "1234", "node3", INCARNATION, 1, NOW, payload
+    )
+    assert protocol.decode_event(protocol.encode_event(event)).payload == payload
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"grad_norm": -0.5}, "grad_norm"),
+        # Not even encodable as JSON: refused before any field is looked at.
+        ({"grad_norm": float("nan")}, "finite"),
+        ({"grad_norm": float("inf")}, "finite"),
+        ({"grad_norm": "1.5"}, "grad_norm"),
+        ({"grad_norm": True}, "grad_norm"),
+        ({"grad_norm": None, "grad_non_finite": "NaN"}, "grad_non_finite"),
+        ({"grad_norm": None, "grad_non_finite": None}, "grad_non_finite"),
+    ],
+)
+def test_a_steps_grad_norm_is_a_finite_norm_or_null_with_its_kind(
+    extra: dict[str, Any], reason: str
+) -> None:
+    payload = {"global_rank": 0, "steps": [{"step": 1, "loss": 0.5, "cursor": 0, **extra}]}
+    with pytest.raises(protocol.ProtocolError, match=reason):
+        protocol.make_event(EventKind.STEP_LOSSES, "1234", "node3", INCARNATION, 1, NOW, payload)
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "-inf"])
+def test_a_steps_grad_norm_kinds_are_accepted_and_kept(kind: str) -> None:
+    entry = {"step": 1, "loss": None, "cursor": 0, "non_finite": "nan", "grad_norm": None,
+             "grad_non_finite": kind}  # fmt: skip
+    payload = {"global_rank": 0, "steps": [entry]}
+    event = protocol.make_event(
+        EventKind.STEP_LOSSES, "1234", "node3", INCARNATION, 1, NOW, payload
     )
     assert protocol.decode_event(protocol.encode_event(event)).payload == payload
 

@@ -26,6 +26,7 @@ PURE_FILES = (
     "agent/node/launch.py",
     "agent/node/hang.py",
     "agent/timelimit.py",
+    "agent/skips.py",
     "agent/train/sampler.py",
     "supervisor/errors.py",
     "supervisor/slurm/parse.py",

@@ -290,3 +290,141 @@ def test_weighted_loss_gives_the_global_mean_gradient_for_4_and_3_ranks(
         if reduction is GradReduction.MEAN:
             combined = combined / world_size
         torch.testing.assert_close(combined, expected)
+
+
+def _trained_positions(samplers: Sequence[GlobalBatchSampler], steps: int) -> list[int]:
+    """The ``consumed_total`` of each step's global batch, checked against the batch trained.
+
+    The position is read before the step's ``advance()``; the iterator's batch
+    must be exactly the one the cursor accounts for (the batch at the cursor).
+    """
+    positions: list[int] = []
+    size, per_epoch = samplers[0].global_batch_size, samplers[0].batches_per_epoch
+    while len(positions) < steps:
+        for shares in zip(*(iter(sampler) for sampler in samplers), strict=True):
+            cursor = samplers[0].consumed_total
+            epoch, index = divmod(cursor // size, per_epoch)
+            assert [i for share in shares for i in share] == samplers[0].global_batch(epoch, index)
+            positions.append(cursor)
+            for sampler in samplers:
+                sampler.advance()
+            if len(positions) == steps:
+                break
+    return positions
+
+
+def test_a_skipped_window_mid_epoch_is_widened_to_whole_batches_and_never_trained() -> None:
+    # 10 batches of 4 per epoch; [9, 17) widens to batches 2..4 = samples [8, 20).
+    sampler = GlobalBatchSampler(40, 4, rank=0, world_size=1, seed=2)
+    sampler.skip_samples([(9, 17)])
+    assert sampler.skipped == ((8, 20),)
+    assert len(sampler) == 7
+    positions = _trained_positions([sampler], 7)
+    assert positions == [0, 4, 20, 24, 28, 32, 36]
+    assert (sampler.epoch, sampler.consumed_in_epoch) == (1, 0)
+    # The cursor counts the batches passed, skipped ones included, not the steps.
+    assert sampler.batches_consumed == 10
+
+
+def test_a_window_across_epochs_skips_the_end_of_one_and_the_start_of_the_next() -> None:
+    # 5 batches of 5 per epoch (28 samples: the tail of 3 is dropped, not counted).
+    sampler = GlobalBatchSampler(28, 5, rank=0, world_size=1, seed=7)
+    sampler.skip_samples([(20, 35)])  # epoch 0 batch 4, epoch 1 batches 0 and 1
+    sampler.advance(3)
+    assert (sampler.epoch, sampler.consumed_in_epoch) == (0, 15)
+    sampler.advance()
+    assert (sampler.epoch, sampler.consumed_in_epoch) == (1, 10)
+    assert len(sampler) == 3
+
+    fresh = GlobalBatchSampler(28, 5, rank=0, world_size=1, seed=7)
+    fresh.skip_samples([(20, 35)])
+    assert _trained_positions([fresh], 6) == [0, 5, 10, 15, 35, 40]
+
+
+def test_a_cursor_inside_a_new_window_moves_past_it_and_windows_merge() -> None:
+    sampler = GlobalBatchSampler(40, 4, rank=0, world_size=1)
+    sampler.advance(3)
+    sampler.skip_samples([(12, 16), (30, 33)])
+    assert sampler.consumed_total == 16
+    sampler.skip_samples([(16, 20), (0, 1)])
+    assert sampler.skipped == ((0, 4), (12, 20), (28, 36))
+    assert sampler.consumed_total == 20
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_iteration_and_advance_agree_every_batch_but_the_skipped_trained_once(
+    data: st.DataObject,
+) -> None:
+    dataset_len = data.draw(st.integers(2, 60))
+    batch = data.draw(st.integers(1, dataset_len // 2))
+    world_size = data.draw(st.integers(1, min(batch, 4)))
+    per_epoch = dataset_len // batch
+    total_batches = 3 * per_epoch
+    windows = data.draw(
+        st.lists(
+            st.tuples(st.integers(0, total_batches * batch), st.integers(1, 3 * batch)), max_size=3
+        )
+    )
+    ranges = [(start, start + length) for start, length in windows]
+    skipped_batches = {
+        position // batch
+        for start, end in ranges
+        for position in range(start, end)
+        if position // batch < total_batches
+    }
+    wanted = [b for b in range(total_batches) if b not in skipped_batches]
+    samplers = _ranks(dataset_len, batch, world_size, seed=9)
+    for sampler in samplers:
+        sampler.skip_samples(ranges)
+    positions = _trained_positions(samplers, len(wanted)) if wanted else []
+    assert [position // batch for position in positions] == wanted
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_samples_trained_with_a_skip_do_not_depend_on_the_world_size(world_size: int) -> None:
+    def trained(world: int) -> list[list[int]]:
+        samplers = _ranks(30, 6, world, seed=4)
+        for sampler in samplers:
+            sampler.skip_samples([(7, 13), (27, 31)])
+        return _train(samplers, 8)
+
+    assert trained(world_size) == trained(1)
+    # [7, 13) widens to batches 1-2, [27, 31) to batches 4-5 (across the epoch boundary).
+    reference = _reference(30, 6, 12, seed=4)
+    assert trained(world_size) == [reference[b] for b in (0, 3, 6, 7, 8, 9, 10, 11)]
+
+
+def test_skipped_windows_survive_a_state_dict_round_trip_and_merge_with_those_set() -> None:
+    before = GlobalBatchSampler(40, 4, rank=0, world_size=2, seed=3)
+    before.skip_samples([(8, 12)])
+    before.advance(1)
+    state = before.state_dict()
+    assert state["skipped"] == [[8, 12]]
+
+    after = GlobalBatchSampler(40, 4, rank=1, world_size=3, seed=3)
+    after.skip_samples([(4, 6)])  # the cursor sits at 4 once the state is loaded
+    after.load_state_dict(state)
+    assert after.skipped == ((4, 12),)
+    assert after.consumed_total == 12
+    assert after.state_dict()["skipped"] == [[4, 12]]
+
+
+def test_a_state_saved_before_skips_existed_loads_and_skips_nothing_more() -> None:
+    state = _state()
+    del state["skipped"]
+    sampler = GlobalBatchSampler(100, 10, rank=0, world_size=1, seed=4)
+    sampler.load_state_dict(state)
+    assert (sampler.consumed_total, sampler.skipped) == (30, ())
+
+
+@pytest.mark.parametrize(
+    "ranges", [[(5, 5)], [(-1, 3)], [(3, 2)], [(True, 3)], [(0.0, 3)], [(1, 2, 3)]]
+)
+def test_a_range_that_is_not_two_ordered_ints_is_refused(ranges: list[Any]) -> None:
+    sampler = GlobalBatchSampler(100, 10, rank=0, world_size=1, seed=4)
+    with pytest.raises(ValueError, match="skipped range"):
+        sampler.skip_samples(ranges)
+    with pytest.raises(ValueError, match="skipped range"):
+        sampler.load_state_dict(_state(skipped=[list(pair) for pair in ranges]))
+    assert (sampler.consumed_total, sampler.skipped) == (0, ())

@@ -80,3 +80,11 @@ def test_agent_settings_take_slurm_environment_under_explicit_ones() -> None:
     assert command == ["torchrun", "train.py"]
     with pytest.raises(ConfigError, match="agent setting hang_k must be a float"):
         load_agent_config(["--job-id", "1", "--hang-k", "x"], {})
+
+
+def test_the_agent_reads_the_samples_to_skip_from_its_flag_and_refuses_a_malformed_one() -> None:
+    config, _ = load_agent_config(["--job-id", "1", "--skip-samples", "0:64,128:192"], {})
+    assert config.skip_ranges() == ((0, 64), (128, 192))
+    assert load_agent_config(["--job-id", "1"], {})[0].skip_ranges() == ()
+    with pytest.raises(ConfigError, match=r"agent setting skip_samples.*START:END"):
+        load_agent_config(["--job-id", "1", "--skip-samples", "64:0"], {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import time
@@ -37,8 +38,14 @@ from agent.wire.auth import new_secret, write_secret
 INCARNATION = "0123abcd"
 
 
-def report(rank: int, step: int, loss: float | None = 1.0, cursor: int | None = None) -> StepReport:
-    return StepReport(rank, rank % 8, 100 + rank, step, loss, cursor, 0.0)
+def report(
+    rank: int,
+    step: int,
+    loss: float | None = 1.0,
+    cursor: int | None = None,
+    grad_norm: float | None = None,
+) -> StepReport:
+    return StepReport(rank, rank % 8, 100 + rank, step, loss, cursor, 0.0, None, grad_norm)
 
 
 def as_event(payload: dict[str, Any]) -> protocol.Event:
@@ -81,6 +88,36 @@ def test_a_loss_that_is_not_finite_is_sent_as_null_with_its_kind(loss: float) ->
         {"step": 2, "loss": None, "cursor": 8},  # no loss reported: no kind
     ]
     as_event(payload)  # the protocol accepts it
+
+
+def test_a_grad_norm_is_sent_only_when_reported() -> None:
+    buffer = StepBuffer()
+    buffer.add(report(0, 1, 0.5, 0, grad_norm=2.25))
+    buffer.add(report(0, 2, 0.5, 8, grad_norm=0.0))
+    buffer.add(report(0, 3, 0.5, 16))
+    (payload,), _ = buffer.drain()
+    assert payload["steps"] == [
+        {"step": 1, "loss": 0.5, "cursor": 0, "grad_norm": 2.25},
+        {"step": 2, "loss": 0.5, "cursor": 8, "grad_norm": 0.0},
+        {"step": 3, "loss": 0.5, "cursor": 16},
+    ]
+    assert as_event(payload).payload == payload
+
+
+@pytest.mark.parametrize(("grad_norm", "kind"), [(float("nan"), "nan"), (float("inf"), "inf")])
+def test_a_grad_norm_that_is_not_finite_is_sent_as_null_with_its_kind(
+    grad_norm: float, kind: str
+) -> None:
+    buffer = StepBuffer()
+    buffer.add(report(0, 1, 0.5, 0, grad_norm=grad_norm))
+    buffer.add(report(0, 2, float("nan"), 8, grad_norm=grad_norm))
+    (payload,), _ = buffer.drain()
+    assert payload["steps"] == [
+        {"step": 1, "loss": 0.5, "cursor": 0, "grad_norm": None, "grad_non_finite": kind},
+        {"step": 2, "loss": None, "cursor": 8, "non_finite": "nan", "grad_norm": None,
+         "grad_non_finite": kind},
+    ]  # fmt: skip
+    assert as_event(payload).payload == payload
 
 
 def test_more_steps_than_one_event_carries_are_split_in_step_order() -> None:
@@ -177,6 +214,24 @@ def test_step_done_reports_the_step_its_loss_and_the_cursor_before_it(
     assert sampler.consumed_total == 16
 
 
+def test_step_done_passes_the_grad_norm_through_nan_included(
+    tmp_path: Path, receiver: tuple[Path, socket.socket]
+) -> None:
+    path, sock = receiver
+    session = reporting_session(tmp_path, path)
+    try:
+        session.step_done(loss=1.0, grad_norm=4.5)
+        session.step_done(loss=float("nan"), grad_norm=float("nan"))
+        session.step_done(loss=1.0)
+    finally:
+        session.close()
+    first, second, third = received(sock)
+    assert (first.step, first.loss, first.grad_norm) == (1, 1.0, 4.5)
+    assert second.grad_norm is not None and math.isnan(second.grad_norm)
+    assert second.loss is not None and math.isnan(second.loss)
+    assert third.grad_norm is None
+
+
 def test_without_a_sampler_the_cursor_is_unknown(
     tmp_path: Path, receiver: tuple[Path, socket.socket]
 ) -> None:
@@ -238,9 +293,13 @@ def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path
                 encode_step_report(rank=1, local_rank=1, pid=9, step=step, loss=value,
                                    cursor=step * 8, wall_time_s=0.0)
             )  # fmt: skip
+        sender.send(
+            encode_step_report(rank=1, local_rank=1, pid=9, step=6, loss=0.25, cursor=48,
+                               wall_time_s=0.0, grad_norm=float("nan"))
+        )  # fmt: skip
         agent._drain_socket()
     progress = agent.monitor.progress[1]
-    assert (progress.step, progress.phase, progress.progress_s) == (5, Phase.TRAIN, 50.0)
+    assert (progress.step, progress.phase, progress.progress_s) == (6, Phase.TRAIN, 50.0)
     payloads, dropped = agent._steps.drain()
     assert dropped == 0
     assert payloads == [
@@ -249,6 +308,13 @@ def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path
             "steps": [
                 {"step": 4, "loss": 0.5, "cursor": 32},
                 {"step": 5, "loss": None, "cursor": 40, "non_finite": "inf"},
+                {
+                    "step": 6,
+                    "loss": 0.25,
+                    "cursor": 48,
+                    "grad_norm": None,
+                    "grad_non_finite": "nan",
+                },
             ],
         }
     ]

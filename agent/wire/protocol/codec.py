@@ -14,6 +14,7 @@ from agent.wire.protocol.constants import (
     MAX_EVENT_BYTES,
     MAX_EVENTS_PER_BATCH,
     MAX_RANKS,
+    MAX_SKIP_RANGES,
     MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
 )
@@ -260,6 +261,9 @@ def encode_driver_answer(answer: DriverAnswer) -> bytes:
         "reason": answer.reason,
         "retry_after_s": answer.retry_after_s,
     }
+    if answer.skip_samples:
+        # Absent when empty: drivers older than skips refuse no answer they used to read.
+        document["skip_samples"] = [[start, end] for start, end in answer.skip_samples]
     data = _dump(document)
     decode_driver_answer(data)
     return data
@@ -281,10 +285,24 @@ def decode_driver_answer(data: bytes) -> DriverAnswer:
         action_id=_optional(document, "action_id", where, _str),
         reason=_optional(document, "reason", where, _str) or "",
         retry_after_s=_float(document, "retry_after_s", where),
+        skip_samples=_skip_samples(document, where) if "skip_samples" in document else (),
     )
     if answer.action is DriverAction.RELAUNCH and (not answer.nodes or answer.action_id is None):
         _fail(f"{where}: a relaunch names its nodes and action_id")
     return answer
+
+
+def _skip_samples(document: Mapping[str, Any], where: str) -> tuple[tuple[int, int], ...]:
+    """``[[start, end], ...]``: half-open ranges of the ranks' global sample cursor."""
+    ranges = []
+    for index, item in enumerate(_list(document, "skip_samples", where, MAX_SKIP_RANGES)):
+        at = f"{where}.skip_samples[{index}]"
+        if not isinstance(item, list) or len(item) != 2:
+            _fail(f"{at} must be a [start, end] pair")
+        start = _int({"start": item[0]}, "start", at)
+        end = _int({"end": item[1]}, "end", at, minimum=start + 1)
+        ranges.append((start, end))
+    return tuple(ranges)
 
 
 def _event_to_doc(event: Event) -> dict[str, Any]:

@@ -42,6 +42,8 @@ MAX_TEXT_CHARS = 256 << 10
 MAX_SHORT_TEXT_CHARS = 4096
 MAX_ARGV_ITEMS = 1024
 MAX_STEPS_PER_EVENT = 4096
+# Sample windows a driver answer may tell the ranks to skip.
+MAX_SKIP_RANGES = 64
 # Integers are 64-bit signed on the wire: SQLite stores them as such.
 _INT_LIMIT = 1 << 63
 

@@ -207,7 +207,12 @@ class DriverRequest:
 
 @dataclass(frozen=True)
 class DriverAnswer:
-    """The supervisor's instruction; ``nodes`` None means the current allocation."""
+    """The supervisor's instruction; ``nodes`` None means the current allocation.
+
+    ``skip_samples``: half-open ``[start, end)`` ranges of the global sample
+    cursor the ranks must not train on (after a rollback past a loss anomaly;
+    :mod:`agent.skips`).
+    """
 
     action: DriverAction
     attempt: int
@@ -216,3 +221,4 @@ class DriverAnswer:
     action_id: str | None = None
     reason: str = ""
     retry_after_s: float = 2.0
+    skip_samples: tuple[tuple[int, int], ...] = ()

@@ -54,6 +54,13 @@ def _lines(document: Mapping[str, Any], key: str, where: str) -> list[str]:
     return list(items)
 
 
+def _norm(document: Mapping[str, Any], key: str, where: str) -> float:
+    number = _finite_float(document, key, where)
+    if number < 0:
+        _fail(f"{where}.{key} is a norm, so never negative; got {number}")
+    return number
+
+
 _RANK_IDENTITY = (
     _Spec("global_rank", _int),
     _Spec("local_rank", _int),
@@ -184,6 +191,10 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
                     _Spec("loss", _nullable(_finite_float)),
                     _Spec("cursor", _nullable(_int)),
                     _Spec("non_finite", _enum_value(NonFinite), required=False),
+                    # Only from a script that computes its total gradient norm;
+                    # null with grad_non_finite set when it was NaN or infinite.
+                    _Spec("grad_norm", _nullable(_norm), required=False),
+                    _Spec("grad_non_finite", _enum_value(NonFinite), required=False),
                 ),
                 max_items=MAX_STEPS_PER_EVENT,
             ),
