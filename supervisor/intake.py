@@ -36,6 +36,7 @@ from supervisor import manifests
 from supervisor.act.executor import ALERT_KIND, Executor
 from supervisor.act.reconcile import command_attempt
 from supervisor.config import SupervisorConfig
+from supervisor.core.anomaly import AnomalyAction
 from supervisor.core.goodput import Goodput
 from supervisor.core.intents import RelaunchStep
 from supervisor.core.model import JobRecord, JobState
@@ -44,6 +45,7 @@ from supervisor.core.observations import (
     StepEnded,
     StepProgress,
     TimeLimitNear,
+    TrainingAnomaly,
     from_event,
 )
 from supervisor.core.policy import Policy
@@ -52,6 +54,7 @@ from supervisor.core.verify import check_resume
 from supervisor.errors import StoreError
 from supervisor.jobs import JobSpec
 from supervisor.store import Store
+from supervisor.training_watch import JobWatch
 from supervisor.views.timeline import CHECKPOINT_STATS_KIND, goodput_of
 
 log = logging.getLogger("resurgo.supervisor")
@@ -95,6 +98,8 @@ class TrackedJob:
     busy: dict[str, tuple[int, float, int, str]] = field(default_factory=dict)
     held_hangs: list[tuple[int, int, Event]] = field(default_factory=list)
     idle_since_s: float | None = None
+    # the training-health watch over the step reports (None: anomaly_action off)
+    watch: JobWatch | None = None
     # (record nodes, Slurm's nodes, their union) as of the last allocation() call
     _allocation: tuple[tuple[str, ...], tuple[str, ...], frozenset[str]] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -170,6 +175,7 @@ class Intake:
                 )
                 if attempt == job.record.attempt:
                     self._verify_resume(job_id, job, now)
+                    self._watch_steps(job_id, job, event, now)
             if not self._current(job, incarnation):
                 log.info(
                     "job %s: %s from %s of attempt %d kept, not decided on (attempt %d now)",
@@ -181,9 +187,55 @@ class Intake:
                 continue
             if event.kind is EventKind.HANG:
                 self._release_held(job_id, job)
+            if event.kind is EventKind.RANK_EXITED and job.watch is not None:
+                # A script that raises on a NaN: its anomaly is the cause, decided first.
+                self._hand_anomaly(job_id, job.watch.due(now, force=True), now)
             if event.kind in _DECIDED_KINDS:
                 self._enqueue(job_id, from_event(event), event.event_id)
         return accepted
+
+    def _watch_steps(self, job_id: str, job: TrackedJob, event: Event, now: float) -> None:
+        """Run the current attempt's step reports through the job's training-health watch."""
+        if self.policy.anomaly_action is AnomalyAction.OFF:
+            return
+        if job.watch is None:
+            job.watch = JobWatch(self.policy.watch_policy())
+        payload = event.payload
+        record = job.record
+        found = job.watch.feed(
+            record.attempt, event.node, payload["global_rank"], payload["steps"], now,
+            world_ranks=len(record.nodes) * record.procs_per_node or None,
+        )  # fmt: skip
+        self._hand_anomaly(job_id, found, now)
+
+    def settle_anomalies(self) -> None:
+        """Hand on the anomalies whose wait for the other ranks' reports is over (a tick)."""
+        now = self.clock()
+        for job_id, job in self.jobs.items():
+            if job.watch is not None:
+                self._hand_anomaly(job_id, job.watch.due(now), now)
+
+    def _hand_anomaly(self, job_id: str, found: TrainingAnomaly | None, now: float) -> None:
+        """Record a settled anomaly as the job's observation and have it decided on."""
+        if found is None:
+            return
+        log.warning("job %s: training anomaly: %s", job_id, found.detail)
+        self.store.record_observation(
+            job_id,
+            "training_anomaly",
+            {
+                "kind": found.kind,
+                "onset_step": found.onset_step,
+                "attempt": found.attempt,
+                "ranks": list(found.ranks),
+                "nodes": list(found.nodes),
+                "cursor": found.cursor,
+                "batch": found.batch,
+                "detail": found.detail,
+            },
+            now,
+        )
+        self._enqueue(job_id, found)
 
     def _hold_hang(self, job_id: str, job: TrackedJob, event: Event) -> bool:
         """Hold a hang report while a rank on another node saves or evaluates.
@@ -316,9 +368,12 @@ class Intake:
         if resume_step is None or not earlier:
             return
         same_size = len(earlier[-1].nodes) == len(current.nodes)
+        # A rollback's launch is meant to differ from its onset on (the data is skipped).
+        onsets = [a.onset_step for a in job.record.anomalies if a.attempt + 1 == attempt]
         result = check_resume(
-            self.store, job_id, attempt, resume_step, same_size, self.policy.resume_loss_tolerance
-        )
+            self.store, job_id, attempt, resume_step, same_size,
+            self.policy.resume_loss_tolerance, until_step=min(onsets, default=None),
+        )  # fmt: skip
         if result is None:
             return
         job.verified.add(attempt)
@@ -472,13 +527,13 @@ class Intake:
         if request.phase is DriverPhase.RUNNING:
             pending = self.executor.pending_relaunch(job_id)
             if pending is not None and pending.attempt > (request.attempt or 0):
-                return _relaunch_answer(pending)
+                return _relaunch_answer(pending, record)
             return DriverAnswer(DriverAction.WAIT, record.attempt, reason="carry on")
         if request.phase is DriverPhase.ENDED:
             self._note_step_ended(job_id, job, request)
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
-            return _relaunch_answer(pending)
+            return _relaunch_answer(pending, record)
         if request.phase is DriverPhase.START:
             recovery = record.recovery
             if recovery is not None and not recovery.validated:
@@ -500,6 +555,7 @@ class Intake:
                 record.attempt,
                 nodes=record.nodes if record.spare_nodes else None,
                 resume_from=recovery.resume_from if recovery is not None else None,
+                skip_samples=record.skipped_samples,
                 reason=f"launch on the current allocation{spares}",
             )
         return DriverAnswer(
@@ -553,12 +609,14 @@ class Intake:
         self._enqueue(job_id, StepEnded(attempt, code))
 
 
-def _relaunch_answer(pending: RelaunchStep) -> DriverAnswer:
+def _relaunch_answer(pending: RelaunchStep, record: JobRecord) -> DriverAnswer:
     return DriverAnswer(
         DriverAction.RELAUNCH,
         pending.attempt,
         nodes=pending.nodes,
         resume_from=pending.resume_from,
+        # Every range skipped so far: a resume from before one skips it again.
+        skip_samples=record.skipped_samples,
         action_id=pending.action_id,
         reason=f"relaunch on {len(pending.nodes)} node(s)",
     )

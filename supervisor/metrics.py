@@ -39,8 +39,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from supervisor.core.anomaly import AnomalyKind
 from supervisor.core.goodput import Fact, RecoveryDurations, mtbf_estimate, recommended_interval
 from supervisor.store import Store, TicketRow
+from supervisor.views.documents import skipped_count
 from supervisor.views.timeline import CHECKPOINT_STATS_KIND, JobTimeline, node_faults
 
 STATES = (
@@ -164,6 +166,11 @@ class StoreCollector(Collector):
             "swaps": CounterMetricFamily("resurgo_job_spare_swaps",
                                          "Blamed nodes replaced by a hot spare, by cause.",
                                          labels=["job_id", "cause"]),
+            "rollbacks": CounterMetricFamily("resurgo_job_rollbacks",
+                                             "Rollbacks past a training anomaly, by its kind.",
+                                             labels=["job_id", "kind"]),
+            "skipped": CounterMetricFamily("resurgo_job_skipped_samples",
+                                           "Global samples the rollbacks skipped.", labels=job),
             "progress": gauge("resurgo_job_step", "The job's latest training step.", job),
             "ended": gauge("resurgo_job_end_cause",
                            "1 for an ended job, labelled with why it ended.",
@@ -236,6 +243,15 @@ class StoreCollector(Collector):
         swaps.update((cause, float(count)) for cause, count in record.get("swaps", []))
         for cause, count in sorted(swaps.items()):
             families["swaps"].add_metric([job_id, cause], count)
+        # Every kind at 0 first, as for the swaps: the first rollback is an increase.
+        rollbacks = {anomaly.value: 0.0 for anomaly in AnomalyKind}
+        for seen in record.get("anomalies", []):
+            if seen.get("action") in ("rollback", "drain"):
+                rollbacks[seen["kind"]] = rollbacks.get(seen["kind"], 0.0) + 1.0
+        for anomaly_kind, count in sorted(rollbacks.items()):
+            families["rollbacks"].add_metric([job_id, anomaly_kind], count)
+        skipped = float(skipped_count(record.get("skipped_samples", [])))
+        families["skipped"].add_metric([job_id], skipped)
         checkpoints = self._store.checkpoints_for(job_id)
         if checkpoints:
             newest = max(checkpoints, key=lambda c: c.step)

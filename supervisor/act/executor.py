@@ -431,6 +431,8 @@ class Executor:
         for entry in await asyncio.to_thread(list_checkpoints, root):
             if entry.path in intent.skip:
                 continue
+            if intent.before_step is not None and entry.step > intent.before_step:
+                continue  # a rollback: after the anomaly's onset (less the margin)
             valid, reason = await asyncio.to_thread(self._validate, entry.path, intent.level)
             checked.append(CheckpointValidated(entry.step, entry.path, valid, reason))
             log.info(
@@ -440,8 +442,9 @@ class Executor:
             )  # fmt: skip
             if valid:
                 return checked
+        before = "" if intent.before_step is None else f" at or before step {intent.before_step}"
         checked.append(
-            CheckpointValidated(None, None, False, f"no valid checkpoint left under {root}")
+            CheckpointValidated(None, None, False, f"no valid checkpoint{before} left under {root}")
         )
         return checked
 

@@ -45,7 +45,7 @@ def row_cells(job: dict[str, Any]) -> list[str]:
         one_line(job["name"]),
         job["state"] + (f" ({one_line(job['final_reason'][:60])})" if job["final_reason"] else ""),
         f"{size if size is not None else '-'}/{job['original_nodes']}" + _spares_cell(job),
-        restarts or "-",
+        (restarts or "-") + _skipped_cell(job),
         f"{job['goodput'] * 100:.1f}%",
         "-" if checkpoint is None else _checkpoint_cell(checkpoint),
         one_line(",".join(job["drained_nodes"])) or "-",
@@ -95,6 +95,12 @@ def _spares_cell(job: dict[str, Any]) -> str:
     swaps = sum(job.get("swaps", {}).values())
     swapped = f", {swaps} swap(s)" if swaps else ""
     return f" +{len(job.get('spare_nodes', []))}/{wanted} spare{swapped}"
+
+
+def _skipped_cell(job: dict[str, Any]) -> str:
+    """``, 240 samples skipped``: the data rollbacks skipped (nothing when none)."""
+    skipped = sum(end - start for start, end in job.get("skipped_samples", []))
+    return f", {skipped} samples skipped" if skipped else ""
 
 
 def _checkpoint_cell(checkpoint: dict[str, Any]) -> str:

@@ -44,6 +44,14 @@ MAD_TO_SIGMA = 1.4826
 KEPT_WINDOWS = 8
 
 
+class AnomalyAction(enum.Enum):
+    """What the supervisor does about a training anomaly (policy ``anomaly_action``)."""
+
+    OFF = "off"  # no detection at all
+    ALERT = "alert"  # an alert and an event; the job trains on
+    ROLLBACK = "rollback"  # stop, roll back before the onset, skip its data, relaunch
+
+
 class AnomalyKind(enum.Enum):
     """What went wrong with the training signal."""
 
@@ -90,7 +98,12 @@ class StepSignal:
 
 @dataclass(frozen=True)
 class Anomaly:
-    """The first bad step (``onset_step``) of ``kind`` on ``rank``, and why, in words."""
+    """The first bad step (``onset_step``) of ``kind`` on ``rank``, and why, in words.
+
+    ``on_loss``: found in the rank's own loss, not in its grad norm. A grad norm
+    is usually taken after the gradients' all-reduce, so it is every rank's
+    alike and cannot say which rank went bad first; the loss can.
+    """
 
     kind: AnomalyKind
     rank: int
@@ -98,6 +111,7 @@ class Anomaly:
     value: float
     baseline: float | None
     detail: str
+    on_loss: bool = True
 
 
 @dataclass
@@ -174,6 +188,7 @@ class LossWatch:
                 return Anomaly(
                     AnomalyKind.NON_FINITE, signal.rank, signal.step, value, None,
                     f"rank {signal.rank} reported a {name} of {value} at step {signal.step}",
+                    on_loss=name == "loss",
                 )  # fmt: skip
         spike = self._spike(signal)
         grad = self._explosion(signal)
@@ -227,4 +242,5 @@ class LossWatch:
             AnomalyKind.GRAD_EXPLOSION, signal.rank, signal.step, signal.grad_norm, median,
             f"rank {signal.rank}'s grad norm {signal.grad_norm:.4g} at step {signal.step} is "
             f"{ratio:.1f}x the median {median:.4g} of its last {len(history)} steps",
+            on_loss=False,
         )  # fmt: skip

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, fields
 
 from agent.wire.errors import ConfigError
+from supervisor.core.anomaly import AnomalyAction, WatchPolicy
 from supervisor.core.intents import Intent, ValidationLevel
 from supervisor.core.model import Cause, JobRecord, JobState
 
@@ -68,6 +69,29 @@ class Policy:
       agent of a job does, the silence has a common cause (the supervisor was
       away, the network, the job ended): no node is blamed for it, and Slurm's
       view decides (:mod:`supervisor.core.silence`).
+    - ``anomaly_action``: what a training anomaly (a NaN or infinite loss or
+      grad norm, a loss spike, a grad-norm explosion in the ranks' step
+      reports) does: ``rollback`` (stop, resume from a checkpoint before the
+      onset, skip the data around it, relaunch), ``alert`` (tell a person,
+      train on) or ``off`` (no detection) (:mod:`supervisor.core.rollback`).
+    - ``anomaly_margin_steps``: a rollback resumes from the newest valid
+      checkpoint at least this many steps before the onset's step - 1.
+    - ``anomaly_skip_batches`` / ``anomaly_skip_lead_batches``: a rollback
+      skips that many global batches, starting the lead before the onset batch.
+    - ``anomaly_max_rollbacks``: rollbacks a job may make; one more stops it.
+    - ``anomaly_recurrence_steps``: an anomaly within this many steps after
+      the last one's onset is a recurrence: on fresh data a crash loop, unless
+      one node's ranks alone went bad both times (silent data corruption:
+      that node is blamed and drained).
+    - ``anomaly_window_steps`` / ``anomaly_warmup_steps``: each rank's
+      trailing window a spike is judged against, and the steps it must hold
+      before any spike is judged.
+    - ``anomaly_spike_score`` / ``anomaly_spike_min_ratio``: a loss that many
+      robust standard deviations above the window's median and that many
+      times it is a spiking step (:class:`supervisor.core.anomaly.WatchPolicy`).
+    - ``anomaly_spike_steps``: spiking steps in a row that make a spike.
+    - ``anomaly_grad_score`` / ``anomaly_grad_min_ratio``: the same bars for
+      a reported grad norm: a grad-norm explosion.
 
     Job sizes (original, minimum, unit) are the job's, on its record.
     """
@@ -98,12 +122,31 @@ class Policy:
     relaunch_start_timeout_s: float = 300.0
     silence_share: float = 0.5
     silence_min_agents: int = 4
+    anomaly_action: AnomalyAction = AnomalyAction.ROLLBACK
+    anomaly_margin_steps: int = 20
+    anomaly_skip_batches: int = 20
+    anomaly_skip_lead_batches: int = 0
+    anomaly_max_rollbacks: int = 5
+    anomaly_recurrence_steps: int = 200
+    anomaly_window_steps: int = 50
+    anomaly_warmup_steps: int = 20
+    anomaly_spike_score: float = 8.0
+    anomaly_spike_min_ratio: float = 1.5
+    anomaly_spike_steps: int = 3
+    anomaly_grad_score: float = 10.0
+    anomaly_grad_min_ratio: float = 5.0
 
     def __post_init__(self) -> None:
+        kinds = {
+            "straggler_drain": bool,
+            "grow_back": bool,
+            "validation_level": ValidationLevel,
+            "anomaly_action": AnomalyAction,
+        }
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("straggler_drain", "grow_back", "validation_level"):
-                expected = ValidationLevel if f.name == "validation_level" else bool
+            if f.name in kinds:
+                expected = kinds[f.name]
                 if not isinstance(value, expected):
                     raise ConfigError(f"policy: {f.name} must be a {expected.__name__}")
                 continue
@@ -124,6 +167,27 @@ class Policy:
             raise ConfigError("policy: straggler_factor must be > 1")
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError("policy: backoff_max_s must be >= backoff_base_s")
+        for name in ("anomaly_margin_steps", "anomaly_skip_batches", "anomaly_skip_lead_batches",
+                     "anomaly_max_rollbacks", "anomaly_recurrence_steps", "anomaly_window_steps",
+                     "anomaly_warmup_steps", "anomaly_spike_steps"):  # fmt: skip
+            if not isinstance(getattr(self, name), int):
+                raise ConfigError(f"policy: {name} must be a whole number")
+        try:
+            self.watch_policy()
+        except ValueError as error:
+            raise ConfigError(f"policy: {error}") from error
+
+    def watch_policy(self) -> WatchPolicy:
+        """The detector's thresholds from the ``anomaly_*`` settings."""
+        return WatchPolicy(
+            window=self.anomaly_window_steps,
+            warmup_steps=self.anomaly_warmup_steps,
+            spike_score=self.anomaly_spike_score,
+            spike_min_ratio=self.anomaly_spike_min_ratio,
+            spike_steps=self.anomaly_spike_steps,
+            grad_score=self.anomaly_grad_score,
+            grad_min_ratio=self.anomaly_grad_min_ratio,
+        )
 
 
 @dataclass(frozen=True)

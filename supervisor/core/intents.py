@@ -148,11 +148,14 @@ class ValidateCheckpoints(_Action):
 
     Report each as a :class:`~supervisor.core.observations.CheckpointValidated`,
     stopping at the first valid one; report ``path=None`` when none is left.
-    ``skip`` lists paths already rejected in this recovery.
+    ``skip`` lists paths already rejected in this recovery; ``before_step``
+    (a rollback past a training anomaly) leaves out every checkpoint of a
+    later step.
     """
 
     level: ValidationLevel
     skip: tuple[str, ...] = ()
+    before_step: int | None = None
 
     KIND: ClassVar[str] = "validate"
 

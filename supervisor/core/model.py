@@ -139,15 +139,62 @@ class Cause(enum.Enum):
     # A planned restart, no fault: the job ran below its original size, idle
     # nodes now allow a larger one, and a checkpoint was just committed.
     GROW = "grow"
+    # The training signal went bad without an error (a NaN or infinite loss, a
+    # loss spike, a grad-norm explosion): rolled back to a checkpoint before it,
+    # past the data around it. Its own budget (``anomaly_max_rollbacks``).
+    TRAINING_ANOMALY = "training_anomaly"
+    # The same anomaly again on fresh data, from the ranks of one node only:
+    # that node computes wrong (silent data corruption). A node fault.
+    SILENT_CORRUPTION = "silent_corruption"
 
 
 # Causes that are no fault of the job's: the cluster's doing (preemption, the
 # time limit) or a planned grow back to a larger size. They never spend budget.
-NO_BUDGET_CAUSES = frozenset({Cause.PREEMPTED, Cause.TIME_LIMIT, Cause.GROW})
+# A training anomaly's rollback spends its own budget, not this one.
+NO_BUDGET_CAUSES = frozenset(
+    {Cause.PREEMPTED, Cause.TIME_LIMIT, Cause.GROW, Cause.TRAINING_ANOMALY}
+)
 # Causes that are a fault of a node: they count toward the cluster's MTBF.
 NODE_FAULT_CAUSES = frozenset(
-    {Cause.RANK_SIGNAL, Cause.HANG, Cause.NODE_LOST, Cause.HEALTH_CHECK, Cause.STRAGGLER}
+    {
+        Cause.RANK_SIGNAL,
+        Cause.HANG,
+        Cause.NODE_LOST,
+        Cause.HEALTH_CHECK,
+        Cause.STRAGGLER,
+        Cause.SILENT_CORRUPTION,
+    }
 )
+# Anomalies kept on the record: enough to judge a recurrence and show the history.
+MAX_ANOMALIES = 16
+
+
+@dataclass(frozen=True)
+class AnomalySeen:
+    """One training anomaly the supervisor acted on (or only reported), for recurrence
+    judgement and the report.
+
+    ``kind`` is :class:`supervisor.core.anomaly.AnomalyKind`'s value; ``onset_step``
+    the first bad step; ``nodes`` the nodes whose ranks alone went bad at the
+    onset (empty: every reporting node did, or the job reports one rank only, so
+    no node can be told apart); ``cursor`` the global sample cursor before the
+    onset step (None: the script reports none); ``batch`` the global batch size
+    seen in the cursors (None: unknown). ``action``: ``rollback``, ``alert``,
+    ``drain`` (silent corruption), ``crash_loop`` or ``off``; ``skipped`` the
+    sample range the rollback skipped (set at its relaunch), ``resumed_step`` the
+    checkpoint step it resumed from.
+    """
+
+    kind: str
+    onset_step: int
+    attempt: int
+    nodes: tuple[str, ...]
+    cursor: int | None
+    batch: int | None
+    detail: str
+    action: str
+    skipped: tuple[int, int] | None = None
+    resumed_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +277,9 @@ class Recovery:
     resume_step: int | None = None
     rejected: tuple[str, ...] = ()
     requeue_seen: bool = False
+    # A rollback after a training anomaly: only checkpoints of this step or
+    # earlier are candidates (None: any).
+    resume_before: int | None = None
 
     @property
     def collecting_exits(self) -> bool:
@@ -282,6 +332,15 @@ class JobRecord:
     spares_wanted: int = 0
     spare_nodes: tuple[str, ...] = ()
     swaps: tuple[tuple[Cause, int], ...] = ()
+    # Training anomalies (newest last, at most MAX_ANOMALIES), the global sample
+    # ranges every launch skips ([start, end), merged), and rollbacks so far.
+    anomalies: tuple[AnomalySeen, ...] = ()
+    skipped_samples: tuple[tuple[int, int], ...] = ()
+    rollbacks: int = 0
+
+    def with_anomaly(self, seen: AnomalySeen) -> JobRecord:
+        """This record with ``seen`` as its newest anomaly (the oldest dropped past the cap)."""
+        return replace(self, anomalies=(*self.anomalies, seen)[-MAX_ANOMALIES:])
 
     def with_swap(self, cause: Cause) -> JobRecord:
         """This record with one more spare swap counted for ``cause``."""
@@ -402,13 +461,22 @@ def _exit_seen(doc: Mapping[str, Any]) -> ExitSeen:
     return ExitSeen(**{f.name: _get(doc, f.name) for f in fields(ExitSeen)})
 
 
+def _anomaly(doc: Mapping[str, Any]) -> AnomalySeen:
+    values = {f.name: _get(doc, f.name) for f in fields(AnomalySeen)}
+    values["nodes"] = tuple(values["nodes"])
+    skipped = values["skipped"]
+    values["skipped"] = None if skipped is None else (int(skipped[0]), int(skipped[1]))
+    return AnomalySeen(**values)
+
+
 def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
     if doc is None:
         return None
     # Records written before exit windows (or their early close) existed lack
     # ``exits`` (``settled``): none collected.
-    later = ("exits", "settled")
+    later = ("exits", "settled", "resume_before")
     values = {f.name: _get(doc, f.name) for f in fields(Recovery) if f.name not in later}
+    values["resume_before"] = doc.get("resume_before")
     values["cause"] = Cause(values["cause"])
     values["suspects"] = tuple(_suspect(s) for s in values["suspects"])
     values["exits"] = tuple(_exit_seen(e) for e in doc.get("exits", ()))
@@ -436,6 +504,9 @@ def record_from_json(text: str) -> JobRecord:
         "spares_wanted": 0,
         "spare_nodes": (),
         "swaps": (),
+        "anomalies": (),
+        "skipped_samples": (),
+        "rollbacks": 0,
     }
     values: dict[str, Any] = {
         f.name: doc.get(f.name, later[f.name]) if f.name in later else _get(doc, f.name)
@@ -453,6 +524,10 @@ def record_from_json(text: str) -> JobRecord:
         values["blamed_nodes"] = tuple(values["blamed_nodes"])
         values["straggler_reports"] = tuple((n, int(c)) for n, c in values["straggler_reports"])
         values["recovery"] = _recovery(values["recovery"])
+        values["anomalies"] = tuple(_anomaly(a) for a in values["anomalies"])
+        values["skipped_samples"] = tuple(
+            (int(start), int(end)) for start, end in values["skipped_samples"]
+        )
         record = JobRecord(**values)
     except (TypeError, ValueError, AttributeError, OverflowError) as error:
         raise RecordFormatError(f"job record is malformed: {error}") from error
@@ -489,11 +564,13 @@ def _check_types(value: Any, where: str) -> None:
 
 
 __all__ = [
+    "MAX_ANOMALIES",
     "MAX_EXITS",
     "MAX_SIGNATURES",
     "NO_BUDGET_CAUSES",
     "RECORD_VERSION",
     "TRANSITIONS",
+    "AnomalySeen",
     "Cause",
     "ClusterView",
     "CrashSignature",

@@ -157,6 +157,28 @@ class TimeLimitNear:
 
 
 @dataclass(frozen=True)
+class TrainingAnomaly:
+    """The training signal of ``attempt`` went bad without an error (supervisor.intake,
+    from :class:`supervisor.core.anomaly.LossWatch`).
+
+    ``kind``: the :class:`~supervisor.core.anomaly.AnomalyKind` value;
+    ``onset_step`` its first bad step; ``ranks`` the ranks bad at that step and
+    ``nodes`` their nodes when they alone were (empty: no node can be told
+    apart); ``cursor`` the global sample cursor before the onset step and
+    ``batch`` the global batch size, where the script reports a cursor.
+    """
+
+    kind: str
+    onset_step: int
+    attempt: int
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    cursor: int | None
+    batch: int | None
+    detail: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed; closes the hang and rank exit evidence windows, releases the backoff."""
 
@@ -174,6 +196,7 @@ Observation = (
     | StepProgress
     | CancelRequested
     | TimeLimitNear
+    | TrainingAnomaly
     | Tick
 )
 

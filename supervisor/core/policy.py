@@ -44,7 +44,7 @@ import math
 from dataclasses import replace
 
 from agent.wire.protocol import EventKind
-from supervisor.core import follow_slurm, planned_stop, recovery
+from supervisor.core import follow_slurm, planned_stop, recovery, rollback, skips
 from supervisor.core.blame import (
     Blame,
     blame,
@@ -81,6 +81,7 @@ from supervisor.core.observations import (
     StepEnded,
     StepProgress,
     TimeLimitNear,
+    TrainingAnomaly,
 )
 
 __all__ = ["ClusterView", "Decision", "Policy", "decide", "permits"]
@@ -162,6 +163,8 @@ def decide(
             return planned_stop.on_notice(
                 record, observation.time_left_s, observation.stopped, now_s, policy, cluster
             )
+        case TrainingAnomaly():
+            return rollback.on_anomaly(record, observation, now_s, policy, cluster)
         case CancelRequested(reason=reason):
             why = reason or "cancelled on request"
             return recovery.stop(record, now_s, JobState.CANCELLED, Cause.OPERATOR, why)
@@ -499,7 +502,7 @@ def _on_checkpoint(
         rejected = (*pending.rejected, seen.path)
         record = replace(record, recovery=replace(pending, rejected=rejected))
         retry = ValidateCheckpoints(
-            record.job_id, record.attempt, policy.validation_level, rejected
+            record.job_id, record.attempt, policy.validation_level, rejected, pending.resume_before
         )
         return Decision(record, (retry,), pending.cause, f"{seen.path} invalid: {seen.reason}")
     if seen.path is None and record.last_step is not None:
@@ -507,9 +510,11 @@ def _on_checkpoint(
             f"no checkpoint passed {policy.validation_level.value} validation "
             f"(rejected: {', '.join(pending.rejected) or 'none found'})"
         )
+        if pending.resume_before is not None:
+            reason = rollback.nothing_before(pending.resume_before, pending.rejected, policy)
         return recovery.stop(record, now_s, JobState.FAILED, Cause.NO_CHECKPOINT, reason)
     chosen = replace(pending, validated=True, resume_from=seen.path, resume_step=seen.step)
-    record = replace(record, recovery=chosen)
+    record = skips.with_skip(replace(record, recovery=chosen), policy)
     if record.state is JobState.REQUEUED:
         return Decision(record, (), pending.cause, f"the requeued job resumes from {seen.path}")
     return recovery.relaunch(record, now_s, cluster)

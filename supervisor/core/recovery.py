@@ -248,8 +248,12 @@ def start(
     requeue: bool = False,
     slurm_took_it: bool = False,
     stop_ranks: bool = True,
+    resume_before: int | None = None,
 ) -> Decision:
     """Begin a recovery for ``blame.cause``: budget, drain, stop ranks, validate checkpoints.
+
+    ``resume_before``: only checkpoints of that step or earlier are candidates
+    (a rollback past a training anomaly).
 
     During a planned stop for the time limit the allocation is about to end:
     whatever the cause, the job is requeued, never relaunched inside it.
@@ -286,6 +290,7 @@ def start(
             suspects=earlier.suspects if earlier else (),
             exclude=earlier.exclude if earlier else (),
             requeue=requeue or (earlier.requeue if earlier else False),
+            resume_before=resume_before,
         ),
     )
     record, drain_intents, drained = _drain(record, blame, policy, cluster, slurm_took_it)
@@ -295,7 +300,7 @@ def start(
     # Before the time limit, a full read of a large checkpoint takes longer than the
     # time left, and healthy ranks just wrote it (supervisor.core.planned_stop).
     level = ValidationLevel.QUICK if cause is Cause.TIME_LIMIT else policy.validation_level
-    intents.append(ValidateCheckpoints(record.job_id, record.attempt, level))
+    intents.append(ValidateCheckpoints(record.job_id, record.attempt, level, (), resume_before))
     return decision(record, tuple(intents), cause, f"{cause.value}: {drained}")
 
 

@@ -56,8 +56,13 @@ def check_resume(
     resume_step: int,
     same_size: bool,
     tolerance: float = 0.0,
+    until_step: int | None = None,
 ) -> VerifyResult | None:
     """Compare launch ``attempt``, resumed from the checkpoint of ``resume_step``, with before.
+
+    ``until_step``: the attempt rolled back past a training anomaly whose onset
+    is that step, skipping its data; from there on it is meant to differ, so
+    only the steps before it are compared.
 
     The replayed steps start at ``resume_step + 1``. **Before the fault** means
     the reports of the *reference attempt*: the newest attempt earlier than
@@ -117,6 +122,14 @@ def check_resume(
     reference = max(earlier)
     if same_size:
         fault_step = store.last_reported_step(job_id, reference)
+        if fault_step is not None and until_step is not None:
+            fault_step = min(fault_step, until_step - 1)
+            if fault_step < first:
+                return VerifyResult(
+                    False, None, 0,
+                    f"attempt {attempt} rolled back to step {resume_step} past the anomaly at "
+                    f"step {until_step}: no step before the anomaly was replayed to compare",
+                )  # fmt: skip
         if fault_step is None or last_now < fault_step:
             return None
         before = store.steps_for(job_id, reference, first_step=first, last_step=fault_step)

@@ -45,6 +45,8 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
         "spares_wanted": record.get("spares_wanted", 0),
         "swaps": {cause: count for cause, count in record.get("swaps", [])},
         "restarts": {cause: count for cause, count in record.get("restarts", [])},
+        "anomalies": [_anomaly(seen) for seen in record.get("anomalies", [])],
+        "skipped_samples": [list(pair) for pair in record.get("skipped_samples", [])],
         "goodput": round(goodput.ratio, 4),
         "badput_s": {kind.value: round(s, 3) for kind, s in goodput.badput_s.items()},
         "last_checkpoint": own
@@ -59,6 +61,17 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
         "final_reason": record.get("final_reason", ""),
         "updated_s": row.updated_s,
     }
+
+
+def _anomaly(seen: dict[str, Any]) -> dict[str, Any]:
+    """A training anomaly of the record, as status shows it."""
+    keys = ("kind", "onset_step", "attempt", "nodes", "action", "skipped", "resumed_step", "detail")
+    return {key: seen.get(key) for key in keys}
+
+
+def skipped_count(ranges: list[list[int]]) -> int:
+    """How many global samples the ranges skip."""
+    return sum(end - start for start, end in ranges)
 
 
 def _newest_written(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None:

@@ -232,6 +232,32 @@ def _spares(status: dict[str, Any]) -> str:
     return f"{len(status['spare_nodes'])} of {status['spares_wanted']} ready ({ready}); {swaps}"
 
 
+_ACTIONS = {
+    "rollback": "rolled back",
+    "drain": "its node drained (silent data corruption)",
+    "crash_loop": "the job stopped (crash loop)",
+    "alert": "alerted only",
+}
+
+
+def _health(status: dict[str, Any]) -> str:
+    """The training anomalies and what each did: the rollback's checkpoint and skip."""
+    anomalies = status.get("anomalies", [])
+    if not anomalies:
+        return "no anomaly (NaN, loss spike, grad explosion) seen"
+    parts = []
+    for seen in anomalies:
+        text = f"{seen['kind']} at step {seen['onset_step']}: {_ACTIONS.get(seen['action'], '')}"
+        if seen["resumed_step"] is not None:
+            text += f" to step {seen['resumed_step']}"
+        if seen["skipped"]:
+            start, end = seen["skipped"]
+            text += f", global samples [{start}, {end}) skipped"
+        parts.append(text)
+    total = views.skipped_count(status.get("skipped_samples", []))
+    return "; ".join(parts) + (f" ({total} samples skipped in all)" if total else "")
+
+
 def render(store: Store, job_id: str, now_s: float | None = None) -> str:
     """The whole report as HTML text; KeyError-free: unknown jobs are the caller's check."""
     now = time.time() if now_s is None else now_s
@@ -251,6 +277,7 @@ def render(store: Store, job_id: str, now_s: float | None = None) -> str:
                        f"(minimum {status['min_nodes']})"),
         ("hot spares", _spares(status)),
         ("restarts", restarts),
+        ("training health", _health(status)),
         ("goodput", f"{goodput.ratio * 100:.1f}%"),
         ("newest checkpoint", "none" if checkpoint is None else
          f"step {checkpoint['step']} ({checkpoint['path']})"),

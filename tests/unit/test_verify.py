@@ -76,6 +76,22 @@ def test_the_first_diverging_step_is_named(store: Store) -> None:
     assert "step 8" in result.reason and "nondeterministic" in result.reason
 
 
+def test_a_rollback_past_an_anomaly_compares_only_the_steps_before_its_onset(
+    store: Store,
+) -> None:
+    report(store, 0, range(1, 11), losses={9: None, 10: None})  # NaN from step 9
+    # Resumed from 5, skipping the data from step 9 on: steps 9-10 differ by design.
+    report(store, 1, range(6, 11), losses={9: 0.5, 10: 0.4})
+    assert same_size(store).first_diverging_step == 9  # compared through the onset: diverges
+    result = same_size(store, until_step=9)
+    assert (result.verified, result.compared) == (True, 3)
+    # Resumed from the step right before the onset: nothing before it to compare.
+    report(store, 2, range(9, 11), losses={9: 0.5, 10: 0.4})
+    nothing = check_resume(store, JOB, 2, 8, True, until_step=9)
+    assert nothing is not None and (nothing.verified, nothing.compared) == (False, 0)
+    assert "past the anomaly at step 9" in nothing.reason
+
+
 def test_a_tolerance_accepts_differences_within_it(store: Store) -> None:
     report(store, 0, range(1, 11))
     report(store, 1, range(6, 11), losses={7: loss(7) + 1e-7})
