@@ -58,7 +58,7 @@ from agent.wire.errors import ConfigError, ResurgoError
 from agent.wire.periodic import every
 from agent.wire.protocol import RETRY_MAX_S, EventKind
 from supervisor import jobs as jobfiles
-from supervisor.act.executor import Executor, Validator
+from supervisor.act.executor import Executor, Validator, warm_validator
 from supervisor.act.ticket_hook import ticket_hook
 from supervisor.api import bound_port, build_app, build_metrics_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
@@ -215,6 +215,7 @@ class Supervisor(SlurmWatch):
                 name="stragglers",
             ),
             asyncio.create_task(self._every(WAL_CHECKPOINT_S, self.checkpoint_wal), name="wal"),
+            asyncio.create_task(warm_validator(), name="warm-validator"),
         ]
         try:
             await self._stop.wait()

@@ -30,6 +30,7 @@ returns the first outcome.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +103,17 @@ def validate_checkpoint(path: str, level: ValidationLevel) -> tuple[bool, str]:
 
     report = validate(path, Level(level.value))
     return report.valid, report.reason or ""
+
+
+async def warm_validator() -> None:
+    """Import the validator (and torch) in a worker thread now, at the supervisor's start.
+
+    The first recovery's checkpoint choice would otherwise pay for the import:
+    seconds on a busy head node, between a fault and the relaunch.
+    """
+    started = time.monotonic()
+    await asyncio.to_thread(importlib.import_module, "agent.checkpoint.validate")
+    log.info("checkpoint validator ready (imported in %.1f s)", time.monotonic() - started)
 
 
 @dataclass
