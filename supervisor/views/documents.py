@@ -136,6 +136,15 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
         )
     if kind == "alert":
         return f"ALERT ({payload.get('severity')}): {payload.get('message')}"
+    if kind == "training_anomaly":
+        nodes = payload.get("nodes") or []
+        where = f" (only {', '.join(map(str, nodes))}'s ranks)" if nodes else ""
+        cursor = payload.get("cursor")
+        data = "" if cursor is None else f", global sample {cursor}"
+        return (
+            f"training anomaly {payload.get('kind')} from step {payload.get('onset_step')}"
+            f"{where}{data}: {payload.get('detail')}"
+        )
     if kind == "agent_started" and isinstance(payload.get("attempt"), int):
         return f"agent started for attempt {payload['attempt']}"
     if kind == "driver_step_ended":

@@ -147,7 +147,8 @@ def timeline_svg(store: Store, job_id: str, start_s: float, now_s: float) -> str
     steps_axis.set_ylabel("step")
     steps_axis.set_title(f"job {job_id}: progress, faults and recoveries")
     steps_axis.grid(alpha=0.3)
-    steps_axis.legend(loc="upper left", fontsize=8)
+    if steps_axis.get_legend_handles_labels()[0]:  # a job with no step yet draws no line
+        steps_axis.legend(loc="upper left", fontsize=8)
     if attempts:
         times, sizes = [], []
         for attempt in attempts:

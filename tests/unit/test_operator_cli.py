@@ -238,3 +238,37 @@ def test_status_shows_the_scripts_own_newest_dcp_save_by_directory_and_step(
     assert (newest["kind"], newest["step"], newest["path"]) == ("dcp", 120, "/out/step-120")
     _, out, _ = run(capsys, "status", own, "--state-dir", str(state_dir))
     assert re.search(r"step-120 \(step 120, \d+s ago\)", out), out
+
+
+def test_a_rollback_shows_in_status_events_and_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a person reads after a NaN: the anomaly, the resume point and the samples skipped."""
+    state = tmp_path / "state"
+    state.mkdir()
+    now = time.time() - 600
+    seen = {"kind": "non_finite", "onset_step": 9, "attempt": 1, "nodes": [], "cursor": 96,
+            "batch": 12, "detail": "rank 1 reported a loss of nan at step 9",
+            "action": "rollback", "skipped": [96, 132], "resumed_step": 8}  # fmt: skip
+    with Store.open(state / "resurgo.db") as store:
+        record = {"attempt": 2, "nodes": ["node1", "node2"], "restarts": [["training_anomaly", 1]],
+                  "final_reason": "", "anomalies": [seen],
+                  "skipped_samples": [[96, 132]]}  # fmt: skip
+        store.upsert_job(JOB, state="running", record=record, now_s=now, name="llm",
+                         original_nodes=2, min_nodes=2)  # fmt: skip
+        payload = {k: seen[k] for k in ("kind", "onset_step", "attempt", "nodes", "cursor",
+                                        "batch", "detail")}  # fmt: skip
+        store.record_observation(JOB, "training_anomaly", {**payload, "ranks": [1]}, now + 10)
+    _, out, _ = run(capsys, "status", "--state-dir", str(state))
+    assert "training_anomaly 1, 36 samples skipped" in out
+    _, out, _ = run(capsys, "status", "--json", "--state-dir", str(state))
+    (job,) = json.loads(out)["jobs"]
+    assert job["skipped_samples"] == [[96, 132]]
+    assert job["anomalies"][0]["resumed_step"] == 8
+    _, out, _ = run(capsys, "events", JOB, "--state-dir", str(state))
+    assert "training anomaly non_finite from step 9, global sample 96" in out
+    report = tmp_path / "r.html"
+    run(capsys, "report", JOB, "-o", str(report), "--state-dir", str(state))
+    text = report.read_text()
+    assert "non_finite at step 9: rolled back to step 8, global samples [96, 132) skipped" in text
+    assert "(36 samples skipped in all)" in text
