@@ -38,7 +38,7 @@ every stack) and, for Resurgo, its store:
   decision's words for how it relaunched.
 
 Hot spares (``spare_*`` scenarios): the demo trainer on 3 nodes, the fault
-on rank 1, twice side by side:
+on node2's rank, twice side by side:
 
 - **spare**: ``resurgo submit -N 3 --spares 1`` (4 nodes, trains on 3); the
   spare takes the blamed node's place, the world stays at 3;
@@ -47,10 +47,9 @@ on rank 1, twice side by side:
   nodes inside its allocation. (With that node idle, Resurgo would requeue
   the job at 3 nodes instead: a new allocation, not the shrink path.)
 
-Which path a run takes depends on which node the faulting rank landed on
-(torchrun's rendezvous orders the ranks): when it is the batch host, both
-stacks requeue the job into a new allocation instead. Each run's ``path``
-says which; the summary has the medians per path (``by_path``: swap,
+The fault strikes node2's rank whatever rank the rendezvous gave it: a rank
+on the batch host would take both stacks through a requeue into a new
+allocation instead. Each run's ``path`` says which path it took; the summary has the medians per path (``by_path``: swap,
 shrink, requeue) and ``spare_vs_shrink`` compares swap with shrink.
 
 ``--repeat N`` runs each scenario N times, its stacks alternating, so load
@@ -101,9 +100,10 @@ SCENARIOS = {
     "plain_sigkill": "kill@15:2",
     "plain_srun_sigkill": "kill@15:2",
     "plain_wrapper_sigkill": "kill@15:2",
-    # The demo trainer on 3 nodes, with a hot spare and without (shrink): rank 1 faults.
-    "spare_sigkill": "sigkill@6:1",
-    "spare_hang": "hang@6:1",
+    # The demo trainer on 3 nodes, with a hot spare and without (shrink): the rank on
+    # node2 faults (not the batch host's, whose loss is a requeue under both stacks).
+    "spare_sigkill": "sigkill@6:node2",
+    "spare_hang": "hang@6:node2",
 }
 SPARE_NODE = "node4"  # the cluster's 4th node: the 3+1 job's spare, the shrink run's filler
 PLAIN = REPO / "tests" / "workers" / "ddp_plain.py"
