@@ -49,8 +49,9 @@ on node2's rank, twice side by side:
 
 The fault strikes node2's rank whatever rank the rendezvous gave it: a rank
 on the batch host would take both stacks through a requeue into a new
-allocation instead. Each run's ``path`` says which path it took; the summary has the medians per path (``by_path``: swap,
-shrink, requeue) and ``spare_vs_shrink`` compares swap with shrink.
+allocation instead. Each run's ``path`` says which path it took; the summary
+has the medians per path (``by_path``: swap, shrink, requeue) and
+``spare_vs_shrink`` compares swap with shrink.
 
 ``--repeat N`` runs each scenario N times, its stacks alternating, so load
 on the machine falls on both alike; the JSON then has a ``summary`` per
