@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -220,21 +220,7 @@ class Intake:
         if found is None:
             return
         log.warning("job %s: training anomaly: %s", job_id, found.detail)
-        self.store.record_observation(
-            job_id,
-            "training_anomaly",
-            {
-                "kind": found.kind,
-                "onset_step": found.onset_step,
-                "attempt": found.attempt,
-                "ranks": list(found.ranks),
-                "nodes": list(found.nodes),
-                "cursor": found.cursor,
-                "batch": found.batch,
-                "detail": found.detail,
-            },
-            now,
-        )
+        self.store.record_observation(job_id, "training_anomaly", asdict(found), now)
         self._enqueue(job_id, found)
 
     def _hold_hang(self, job_id: str, job: TrackedJob, event: Event) -> bool:

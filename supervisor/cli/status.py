@@ -99,7 +99,7 @@ def _spares_cell(job: dict[str, Any]) -> str:
 
 def _skipped_cell(job: dict[str, Any]) -> str:
     """``, 240 samples skipped``: the data rollbacks skipped (nothing when none)."""
-    skipped = sum(end - start for start, end in job.get("skipped_samples", []))
+    skipped = views.skipped_count(job.get("skipped_samples", []))
     return f", {skipped} samples skipped" if skipped else ""
 
 

@@ -71,11 +71,10 @@ def on_anomaly(
             f"anomaly_max_rollbacks {policy.anomaly_max_rollbacks} allows: the data or the "
             "training recipe needs a person"
         )
-        stopped = recovery.stop(
+        return recovery.stop(
             record.with_anomaly(replace(entry, action="crash_loop")),
             now_s, JobState.FAILED, Cause.TRAINING_ANOMALY, reason,
         )  # fmt: skip
-        return stopped
     return _roll_back(record, entry, now_s, policy, cluster)
 
 
