@@ -122,12 +122,17 @@ def finish(cluster: LiveCluster, supervisor: SupervisorProcess, run: Run) -> dic
 
 def story(supervisor: SupervisorProcess, run: Run) -> str:
     """The job's decisions and its output's tail: what a failed assertion should show."""
+    return story_of(supervisor, run.job_id, run.text())
+
+
+def story_of(supervisor: SupervisorProcess, job_id: int, text: str) -> str:
+    """Job ``job_id``'s decisions and the tail of its output ``text``."""
     with supervisor.store() as store:
         decisions = [
             f"{d.from_state}->{d.to_state} [{d.cause}] {d.detail.get('explanation', '')}"
-            for d in store.decisions_for(str(run.job_id))
+            for d in store.decisions_for(str(job_id))
         ]
-    return "\n".join(["--- decisions ---", *decisions, "--- job ---", run.text()[-3000:]])
+    return "\n".join(["--- decisions ---", *decisions, "--- job ---", text[-3000:]])
 
 
 def supervisor_state(supervisor: SupervisorProcess, job_id: int) -> str | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import ENDED, attempts, drained
+from tests.e2e.test_faults import ENDED, attempts, drained, story_of
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess
 
 pytestmark = pytest.mark.slurm
@@ -91,10 +91,11 @@ def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself
     assert drained(supervisor, job_id) == [(victim, "hang")], output.read_text()
     job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
     text = output.read_text(errors="replace")
-    assert job["job_state"] == "COMPLETED", text[-3000:]
-    assert f"done at iter {ITERS} with world 3" in text, text[-3000:]
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    assert f"done at iter {ITERS} with world 3" in text, told
     # The script went on from its own checkpoint, not from iteration 0.
-    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), told
     assert len(attempts(supervisor, job_id)) == 2
     with supervisor.store() as store:
         hangs = store.events_for(str(job_id), kinds=["hang"])
@@ -114,8 +115,9 @@ def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
     )
     job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
     text = output.read_text(errors="replace")
-    assert job["job_state"] == "COMPLETED", text[-3000:]
-    assert f"done at iter {ITERS} with world 4" in text, text[-3000:]
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    assert f"done at iter {ITERS} with world 4" in text, told
     assert drained(supervisor, job_id) == []
     assert len(attempts(supervisor, job_id)) == 1
     assert "held" in supervisor.log(), "the save never kept the peers waiting long enough"
@@ -159,12 +161,13 @@ def test_a_wrapper_scripts_torchrun_gets_the_jobs_world_and_a_killed_rank_is_rec
         "--kill-at", "15", "--fault-rank", "2",
     ])  # fmt: skip
     job, text = ended(slurm_cluster, job_id, output)
-    assert job["job_state"] == "COMPLETED", text[-3000:]
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
     victim = victim_of(output, "killing itself")
-    assert drained(supervisor, job_id) == [(victim, "rank_signal")], text[-3000:]
+    assert drained(supervisor, job_id) == [(victim, "rank_signal")], told
     assert "with world 4" not in text.split("resuming")[0]  # no world ever completed alone
-    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
-    assert f"done at iter {ITERS} with world 3" in text, text[-3000:]
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), told
+    assert f"done at iter {ITERS} with world 3" in text, told
     assert len(attempts(supervisor, job_id)) == 2
     # Detection and recovery are timed from the bootstrap's steps, as for our trainer.
     with urllib.request.urlopen(f"{supervisor.url}/metrics", timeout=30) as answer:
@@ -191,11 +194,12 @@ def test_an_srun_style_script_runs_one_process_per_rank_and_an_exception_is_retr
         "--fault-rank", "1",
     ], sizes=("-N", "2", "--min-nodes", "1"))  # fmt: skip
     job, text = ended(slurm_cluster, job_id, output)
-    assert job["job_state"] == "COMPLETED", text[-3000:]
-    assert "RuntimeError: rank 1 fails in iter 15" in text, text[-3000:]
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    assert "RuntimeError: rank 1 fails in iter 15" in text, told
     assert drained(supervisor, job_id) == []
-    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
-    assert f"done at iter {ITERS} with world 4" in text, text[-3000:]
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), told
+    assert f"done at iter {ITERS} with world 4" in text, told
     assert status(supervisor, job_id)["restarts"] == {"user_exception": 1}
     tries = attempts(supervisor, job_id)
     assert len(tries) == 2 and tries[0].nodes == tries[1].nodes, tries
@@ -220,7 +224,8 @@ def test_a_wrapper_whose_torchrun_keeps_its_own_world_is_stopped_at_once(
     wrapper.write_text(f"#!/bin/bash\nexec {sys.executable} {launcher}\n")
     job_id, output = submit_job(supervisor, tmp_path, ["bash", str(wrapper)], sizes=("-N", "4"))
     job, text = ended(slurm_cluster, job_id, output)
-    assert job["job_state"] != "COMPLETED", text[-3000:]
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] != "COMPLETED", told
     shown = status(supervisor, job_id)
     assert shown["state"] == "failed", shown
     reason = shown["final_reason"]
@@ -238,11 +243,12 @@ def test_a_rank_stopped_before_an_all_reduce_is_blamed_and_the_script_resumes_it
         "--fault-rank", "2",
     )  # fmt: skip
     job, text = ended(slurm_cluster, job_id, output)
-    assert job["job_state"] == "COMPLETED", text[-3000:]
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
     victim = victim_of(output, "stopping")
-    assert drained(supervisor, job_id) == [(victim, "hang")], text[-3000:]
-    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
-    assert f"done at iter {ITERS} with world 3" in text, text[-3000:]
+    assert drained(supervisor, job_id) == [(victim, "hang")], told
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), told
+    assert f"done at iter {ITERS} with world 3" in text, told
 
 
 FSDP2_PLAIN = PLAIN.with_name("fsdp2_plain.py")
@@ -262,14 +268,15 @@ def test_an_fsdp2_script_with_a_killed_rank_resumes_from_its_own_dcp_save_on_thr
         "--save-every", "10", "--step-s", "0.3", "--kill-at", "15", "--fault-rank", "2",
     ])  # fmt: skip
     job, text = ended(slurm_cluster, job_id, output)
-    assert job["job_state"] == "COMPLETED", text[-3000:]
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
     victim = victim_of(output, "killing itself")
-    assert drained(supervisor, job_id) == [(victim, "rank_signal")], text[-3000:]
+    assert drained(supervisor, job_id) == [(victim, "rank_signal")], told
     # What the relaunch loaded: its own step-10 save (the kill came at step 15).
     resumed = re.findall(r"resuming from (\S+) at step (\d+) ", text)
-    assert resumed == [(str(out_dir / "step-10"), "10")], text[-3000:]
+    assert resumed == [(str(out_dir / "step-10"), "10")], told
     assert "with world 4" not in text.split("resuming")[0]
-    assert f"done at step {ITERS} with world 3" in text, text[-3000:]
+    assert f"done at step {ITERS} with world 3" in text, told
     assert len(attempts(supervisor, job_id)) == 2
     newest = status(supervisor, job_id)["last_checkpoint"]
     assert (newest["kind"], newest["step"]) == ("dcp", ITERS), newest
@@ -296,10 +303,11 @@ def test_a_job_that_exports_nothing_or_one_variable_is_still_supervised(
         "--raise-at", "15", "--fault-rank", "1",
     ], sizes=("-N", "2", "--min-nodes", "1", f"--export={export}"))  # fmt: skip
     job, text = ended(slurm_cluster, job_id, output)
-    assert job["job_state"] == "COMPLETED", text[-3000:]
-    assert "RuntimeError: rank 1 fails in iter 15" in text, text[-3000:]
-    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), text[-3000:]
-    assert f"done at iter {ITERS} with world 2" in text, text[-3000:]
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    assert "RuntimeError: rank 1 fails in iter 15" in text, told
+    assert re.search(r"resuming training from \S+ckpt.pt at iter 10 ", text), told
+    assert f"done at iter {ITERS} with world 2" in text, told
     # The supervisor learns of the end from its next Slurm poll (every 2 s).
     seen = slurm_cluster.wait_for(
         "the supervisor to see the job end",

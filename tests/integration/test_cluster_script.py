@@ -149,18 +149,22 @@ def daemons_of(directory: Path) -> set[int]:
 
 
 def tasks_of(conf: Path, node: str, command: bytes) -> set[int]:
-    """Pids of processes running ``command`` as a task of ``conf``'s cluster on ``node``."""
+    """Pids of processes running ``command`` as a task of ``conf``'s cluster on ``node``:
+    the tasks themselves (``/usr/bin/sleep 300`` for ``sleep 300``), not the ``srun``
+    naming them, nor the helper of the same command line that srun forks."""
     found = set()
     marks = {f"SLURM_CONF={conf}".encode(), f"SLURMD_NODENAME={node}".encode()}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").strip()
+            program, *args = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
             environ = set((entry / "environ").read_bytes().split(b"\0"))
-        except OSError:
+        except (OSError, ValueError):
             continue
-        if cmdline.endswith(command) and marks <= environ:
+        if b" ".join([Path(os.fsdecode(program)).name.encode(), *args]) == command and (
+            marks <= environ
+        ):
             found.add(int(entry.name))
     return found
 
