@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import ENDED, attempts, drained, story_of
+from tests.e2e.test_faults import ENDED, attempts, drained, story_of, supervisor_state
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess
 
 pytestmark = pytest.mark.slurm
@@ -138,8 +138,18 @@ def victim_of(output: Path, what: str) -> str:
     return str(found[0])
 
 
-def ended(slurm_cluster: LiveCluster, job_id: int, output: Path) -> tuple[dict, str]:  # type: ignore[type-arg]
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
+def ended(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, job_id: int, output: Path
+) -> tuple[dict, str]:  # type: ignore[type-arg]
+    """Slurm's record of the job once it ended for good, and its output. The supervisor's
+    end comes first: while a requeue takes the job back (a killed rank on the batch
+    host), Slurm may show the old run as ended for a moment."""
+    slurm_cluster.wait_for(
+        "the supervisor to record the job's end",
+        lambda: supervisor_state(supervisor, job_id) in ("completed", "failed", "cancelled"),
+        timeout_s=300,
+    )
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=60)
     return job, output.read_text(errors="replace")
 
 
@@ -160,7 +170,7 @@ def test_a_wrapper_scripts_torchrun_gets_the_jobs_world_and_a_killed_rank_is_rec
         "bash", str(wrapper), "--out-dir", str(out_dir), "--max-iters", str(ITERS),
         "--kill-at", "15", "--fault-rank", "2",
     ])  # fmt: skip
-    job, text = ended(slurm_cluster, job_id, output)
+    job, text = ended(slurm_cluster, supervisor, job_id, output)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     victim = victim_of(output, "killing itself")
@@ -193,7 +203,7 @@ def test_an_srun_style_script_runs_one_process_per_rank_and_an_exception_is_retr
         "--out-dir", str(out_dir), "--max-iters", str(ITERS), "--raise-at", "15",
         "--fault-rank", "1",
     ], sizes=("-N", "2", "--min-nodes", "1"))  # fmt: skip
-    job, text = ended(slurm_cluster, job_id, output)
+    job, text = ended(slurm_cluster, supervisor, job_id, output)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     assert "RuntimeError: rank 1 fails in iter 15" in text, told
@@ -223,7 +233,7 @@ def test_a_wrapper_whose_torchrun_keeps_its_own_world_is_stopped_at_once(
     wrapper = tmp_path / "run.sh"
     wrapper.write_text(f"#!/bin/bash\nexec {sys.executable} {launcher}\n")
     job_id, output = submit_job(supervisor, tmp_path, ["bash", str(wrapper)], sizes=("-N", "4"))
-    job, text = ended(slurm_cluster, job_id, output)
+    job, text = ended(slurm_cluster, supervisor, job_id, output)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] != "COMPLETED", told
     shown = status(supervisor, job_id)
@@ -242,7 +252,7 @@ def test_a_rank_stopped_before_an_all_reduce_is_blamed_and_the_script_resumes_it
         supervisor, tmp_path, "--iter-s", "0.3", "--reduce-loss", "--stop-at", "15",
         "--fault-rank", "2",
     )  # fmt: skip
-    job, text = ended(slurm_cluster, job_id, output)
+    job, text = ended(slurm_cluster, supervisor, job_id, output)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     victim = victim_of(output, "stopping")
@@ -267,7 +277,7 @@ def test_an_fsdp2_script_with_a_killed_rank_resumes_from_its_own_dcp_save_on_thr
         *TORCHRUN, str(FSDP2_PLAIN), "--out-dir", str(out_dir), "--steps", str(ITERS),
         "--save-every", "10", "--step-s", "0.3", "--kill-at", "15", "--fault-rank", "2",
     ])  # fmt: skip
-    job, text = ended(slurm_cluster, job_id, output)
+    job, text = ended(slurm_cluster, supervisor, job_id, output)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     victim = victim_of(output, "killing itself")
@@ -302,7 +312,7 @@ def test_a_job_that_exports_nothing_or_one_variable_is_still_supervised(
         *TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", str(ITERS),
         "--raise-at", "15", "--fault-rank", "1",
     ], sizes=("-N", "2", "--min-nodes", "1", f"--export={export}"))  # fmt: skip
-    job, text = ended(slurm_cluster, job_id, output)
+    job, text = ended(slurm_cluster, supervisor, job_id, output)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     assert "RuntimeError: rank 1 fails in iter 15" in text, told
