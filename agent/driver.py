@@ -60,6 +60,7 @@ import aiohttp
 import tenacity
 
 from agent.checkpoint.catalog import list_checkpoints
+from agent.node.sparecheck import parse_verdicts
 from agent.ports import rendezvous_port
 from agent.skips import ENV_SKIP_SAMPLES, SampleRange, format_skip_samples
 from agent.stopfiles import clear_notice, write_notice
@@ -81,6 +82,11 @@ DO_NOT_REQUEUE_EXIT = 93
 # The supervisor requeues as soon as the ranks stopped; the driver does it itself
 # only this close to the end (the requeue takes about two seconds).
 SELF_REQUEUE_BEFORE_END_S = 5.0
+# The longest an idle spares' health-check step may take: each check bounds
+# itself (the agents' health timeouts); this bounds srun on a node that hangs.
+SPARE_CHECK_LIMIT_S = 180.0
+# What one failed spare's report may say.
+SPARE_DETAIL_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -231,6 +237,30 @@ def agent_argv(
     ]  # fmt: skip
 
 
+def spare_check_argv(
+    settings: DriverSettings, spares: Sequence[str], master_addr: str, master_port: int
+) -> list[str]:
+    """``srun`` running :mod:`agent.node.sparecheck` once on each idle spare of ``spares``,
+    with the rendezvous address of the world it would join. ``--overlap``: the check
+    holds no resources a relaunch onto the spare would wait for."""
+    count = str(len(spares))
+    return [
+        "srun",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(spares)}",
+        "--overlap",
+        "--kill-on-bad-exit=0",
+        "--export=ALL",
+        settings.python, "-m", "agent.node.sparecheck",
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--ckpt-root", settings.ckpt_root,
+        "--", *settings.command,
+    ]  # fmt: skip
+
+
 async def _capture(argv: Sequence[str], environ: Mapping[str, str]) -> str:
     process = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=dict(environ)
@@ -239,6 +269,26 @@ async def _capture(argv: Sequence[str], environ: Mapping[str, str]) -> str:
     if process.returncode != 0:
         raise ResurgoError(f"`{' '.join(argv)}` failed: {err.decode(errors='replace').strip()}")
     return out.decode()
+
+
+async def _run_bounded(argv: Sequence[str], environ: Mapping[str, str], limit_s: float) -> str:
+    """Run ``argv`` to its end within ``limit_s`` and return its standard output, whatever
+    its exit status; on timeout or cancellation its process group is killed."""
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env=dict(environ),
+        start_new_session=True,
+    )
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(), timeout=limit_s)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        raise
+    return out.decode(errors="replace")
 
 
 async def current_nodes(environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -274,6 +324,8 @@ class Driver:
         self._backoff = backoff or tenacity.wait_random_exponential(multiplier=0.5, max=10.0)
         self._secret = load_secret(settings.job_dir / "secret")
         self._step: asyncio.subprocess.Process | None = None
+        self._rendezvous: tuple[str, int] | None = None  # the running step's master
+        self._spare_check: asyncio.Task[None] | None = None
         self._stopping = False
         self._time_limit = False
         self._attempt = 1
@@ -363,21 +415,76 @@ class Driver:
             return returncode, None
         assert self._step is not None
         ended = asyncio.ensure_future(self._step.wait())
-        while True:
-            done, _ = await asyncio.wait({ended}, timeout=self.settings.watch_s)
-            if done:
-                return ended.result(), None
-            told = await self._ask(
-                DriverRequest(self.settings.job_id, DriverPhase.RUNNING, attempt=answer.attempt),
-                wait_s=0.0,
-            )
-            moved_on = told is not None and (
-                told.action is DriverAction.STOP
-                or (told.action is DriverAction.RELAUNCH and told.attempt > answer.attempt)
-            )
-            if moved_on and told is not None:
-                log.warning("the supervisor moved on (%s): ending the step", told.reason)
-                return await self._end_step(ended), told
+        try:
+            while True:
+                done, _ = await asyncio.wait({ended}, timeout=self.settings.watch_s)
+                if done:
+                    return ended.result(), None
+                told = await self._ask(
+                    DriverRequest(
+                        self.settings.job_id, DriverPhase.RUNNING, attempt=answer.attempt
+                    ),
+                    wait_s=0.0,
+                )
+                moved_on = told is not None and (
+                    told.action is DriverAction.STOP
+                    or (told.action is DriverAction.RELAUNCH and told.attempt > answer.attempt)
+                )
+                if moved_on and told is not None:
+                    log.warning("the supervisor moved on (%s): ending the step", told.reason)
+                    return await self._end_step(ended), told
+                if told is not None and told.check_spares:
+                    self._start_spare_check(told.check_spares, answer.attempt)
+        finally:
+            await self._stop_spare_check()
+
+    # -- the idle spares' health checks (agent.node.sparecheck) ---------------------
+
+    def _start_spare_check(self, spares: Sequence[str], attempt: int) -> None:
+        """Check the idle spares beside the step, unless a check still runs."""
+        if self._spare_check is not None and not self._spare_check.done():
+            return
+        self._spare_check = asyncio.ensure_future(self._check_spares(tuple(spares), attempt))
+
+    async def _stop_spare_check(self) -> None:
+        """End a check still running: the step it ran beside is over."""
+        check, self._spare_check = self._spare_check, None
+        if check is not None and not check.done():
+            check.cancel()
+            await asyncio.gather(check, return_exceptions=True)
+
+    async def _check_spares(self, spares: tuple[str, ...], attempt: int) -> None:
+        """Run the health gate on ``spares`` and tell the supervisor what failed. A spare
+        that gave no verdict (srun could not run the check there) is not reported:
+        Slurm's own view of the node says what became of it."""
+        assert self._rendezvous is not None
+        argv = spare_check_argv(self.settings, spares, *self._rendezvous)
+        try:
+            output = await _run_bounded(argv, self._environ, SPARE_CHECK_LIMIT_S)
+        except (OSError, TimeoutError) as error:
+            log.warning("spare check on %s gave no answer: %s", ",".join(spares), error)
+            return
+        verdicts = parse_verdicts(output, spares)
+        unhealthy = tuple(
+            (node, verdict.failures()[:SPARE_DETAIL_CHARS])
+            for node, verdict in sorted(verdicts.items())
+            if not verdict.healthy
+        )
+        silent = [node for node in spares if node not in verdicts]
+        log.info(
+            "spare check: %d healthy, %d unhealthy%s%s",
+            len(verdicts) - len(unhealthy), len(unhealthy),
+            "".join(f"; {node}: {detail}" for node, detail in unhealthy),
+            f"; no verdict from {','.join(silent)}" if silent else "",
+        )  # fmt: skip
+        if verdicts:
+            await self._ask(
+                DriverRequest(
+                    self.settings.job_id, DriverPhase.SPARE_CHECK, attempt=attempt,
+                    checked=tuple(sorted(verdicts)), unhealthy=unhealthy,
+                ),
+                wait_s=self.settings.request_timeout_s,
+            )  # fmt: skip
 
     async def _end_step(self, ended: asyncio.Future[int]) -> int:
         """SIGTERM the srun step, SIGKILL it after the grace (a dead node's task never ends)."""
@@ -402,6 +509,7 @@ class Driver:
             nodes[0], self._environ, self.settings.python,
             job_id=self.settings.job_id, attempt=answer.attempt,
         )  # fmt: skip
+        self._rendezvous = (master, port)
         argv = agent_argv(
             self.settings, nodes, master, answer.attempt, answer.resume_from, port,
             answer.skip_samples,

@@ -42,6 +42,7 @@ from supervisor.core.intents import RelaunchStep
 from supervisor.core.model import JobRecord, JobState
 from supervisor.core.observations import (
     Observation,
+    SpareCheckFailed,
     StepEnded,
     StepProgress,
     TimeLimitNear,
@@ -98,6 +99,8 @@ class TrackedJob:
     busy: dict[str, tuple[int, float, int, str]] = field(default_factory=dict)
     held_hangs: list[tuple[int, int, Event]] = field(default_factory=list)
     idle_since_s: float | None = None
+    # when the driver was last asked to health-check the idle spares (None: not yet)
+    spares_checked_s: float | None = None
     # the training-health watch over the step reports (None: anomaly_action off)
     watch: JobWatch | None = None
     # (record nodes, Slurm's nodes, their union) as of the last allocation() call
@@ -510,11 +513,16 @@ class Intake:
                 reason="requeueing for the time limit" if stopped else "planned stop noted",
                 retry_after_s=DRIVER_RETRY_S,
             )
+        if request.phase is DriverPhase.SPARE_CHECK:
+            return self._spares_checked(job_id, request)
         if request.phase is DriverPhase.RUNNING:
             pending = self.executor.pending_relaunch(job_id)
             if pending is not None and pending.attempt > (request.attempt or 0):
                 return _relaunch_answer(pending, record)
-            return DriverAnswer(DriverAction.WAIT, record.attempt, reason="carry on")
+            return DriverAnswer(
+                DriverAction.WAIT, record.attempt, reason="carry on",
+                check_spares=self._spares_due(job, request.attempt),
+            )  # fmt: skip
         if request.phase is DriverPhase.ENDED:
             self._note_step_ended(job_id, job, request)
         pending = self.executor.pending_relaunch(job_id)
@@ -550,6 +558,34 @@ class Intake:
             reason=f"job is {record.state.value}",
             retry_after_s=DRIVER_RETRY_S,
         )
+
+    def _spares_due(self, job: TrackedJob, attempt: int | None) -> tuple[str, ...]:
+        """The idle spares the driver should health-check now: all of them, once the
+        policy's interval passed since the last check (at once, the first time), while
+        the current attempt runs."""
+        record, interval_s = job.record, self.policy.spare_check_interval_s
+        if not record.spare_nodes or not interval_s or attempt != record.attempt:
+            return ()
+        if record.state is not JobState.RUNNING:
+            return ()
+        now = self.clock()
+        if job.spares_checked_s is not None and now - job.spares_checked_s < interval_s:
+            return ()
+        job.spares_checked_s = now
+        return record.spare_nodes
+
+    def _spares_checked(self, job_id: str, request: DriverRequest) -> DriverAnswer:
+        """The driver's spare check: a spare that failed is decided on (released)."""
+        record = self.jobs[job_id].record
+        failed = dict(request.unhealthy)
+        healthy = [node for node in request.checked if node not in failed]
+        log.info(
+            "job %s: idle spares checked: %s healthy%s", job_id, ",".join(healthy) or "none",
+            "".join(f"; {node} failed: {detail}" for node, detail in failed.items()),
+        )  # fmt: skip
+        for node, detail in failed.items():
+            self._enqueue(job_id, SpareCheckFailed(node, detail))
+        return DriverAnswer(DriverAction.WAIT, record.attempt, reason="spare check noted")
 
     def _note_step_ended(self, job_id: str, job: TrackedJob, request: DriverRequest) -> None:
         """The driver's "the attempt's step ended": decided on when its agents say nothing.

@@ -69,6 +69,9 @@ class Policy:
       agent of a job does, the silence has a common cause (the supervisor was
       away, the network, the job ended): no node is blamed for it, and Slurm's
       view decides (:mod:`supervisor.core.silence`).
+    - ``spare_check_interval_s``: how often the health gate runs on a job's idle
+      hot spares (0: only when a spare is swapped in); a spare that fails it is
+      released and kept out of the job (:mod:`agent.node.sparecheck`).
     - ``anomaly_action``: what a training anomaly (a NaN or infinite loss or
       grad norm, a loss spike, a grad-norm explosion in the ranks' step
       reports) does: ``rollback`` (stop, resume from a checkpoint before the
@@ -122,6 +125,7 @@ class Policy:
     relaunch_start_timeout_s: float = 300.0
     silence_share: float = 0.5
     silence_min_agents: int = 4
+    spare_check_interval_s: float = 300.0
     anomaly_action: AnomalyAction = AnomalyAction.ROLLBACK
     anomaly_margin_steps: int = 20
     anomaly_skip_batches: int = 20

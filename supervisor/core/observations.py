@@ -106,6 +106,15 @@ class SlurmNodeSeen:
 
 
 @dataclass(frozen=True)
+class SpareCheckFailed:
+    """An idle hot spare failed the health gate the driver ran on it; ``detail``: the
+    failing checks' lines."""
+
+    node: str
+    detail: str
+
+
+@dataclass(frozen=True)
 class CheckpointValidated:
     """The executor validated one candidate, newest first; ``path`` None: none left."""
 
@@ -190,6 +199,7 @@ Observation = (
     | StepEnded
     | SlurmJobSeen
     | SlurmNodeSeen
+    | SpareCheckFailed
     | CheckpointValidated
     | RelaunchFinished
     | RequeueFailed

@@ -102,17 +102,22 @@ def swap_in(
     return tuple(world), tuple(free), tuple(swaps)
 
 
-def lose_spare(record: JobRecord, verdict: Blame) -> Decision:
-    """A hot spare went down or stopped responding while it waited: take it out of the
-    allocation before Slurm ends the job for a failed node; nothing restarts.
+def lose_spare(record: JobRecord, verdict: Blame, blame: bool = False) -> Decision:
+    """A hot spare went down, stopped responding or failed its health check while it
+    waited: take it out of the allocation (before Slurm ends the job for a failed
+    node); nothing restarts.
 
     A running job keeps training (the spare ran nothing); the spare's loss is
-    counted only in the spares left. It is refilled like a used one.
+    counted only in the spares left. It is refilled like a used one. ``blame``
+    (a failed health check: Slurm still offers the node) keeps the node out of
+    this job's refills and requeues, as a node this job blamed is.
     """
     node = verdict.node
     assert node is not None and node in record.spare_nodes
     spares = tuple(n for n in record.spare_nodes if n != node)
     kept = replace(record, spare_nodes=spares)
+    if blame:
+        kept = replace(kept, blamed_nodes=tuple(sorted({*record.blamed_nodes, node})))
     evidence = "; ".join(verdict.evidence)
     if not record.nodes or record.state not in (
         JobState.STARTING,
@@ -351,7 +356,11 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     cause = recovery.cause
     if record.not_before_s is not None and now_s < record.not_before_s:
         return decision(record, (), cause, f"backing off {record.not_before_s - now_s:.0f} s more")
-    exclude = {*recovery.exclude, *cluster.lemons, *cluster.down, *cluster.drained}
+    # Every node this job blamed stays out, not this fault's alone: a drain the
+    # hourly share refused, or a spare that failed its health check, left it in
+    # service and idle, where a larger size or a refill would take it again.
+    blamed = {*recovery.exclude, *record.blamed_nodes}
+    exclude = {*blamed, *cluster.lemons, *cluster.down, *cluster.drained}
     healthy = tuple(n for n in record.nodes if n not in exclude)
     world, spares, swapped = swap_in(record, exclude)
     size = world_size(len(world), record)
@@ -392,15 +401,15 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
                 f"in multiples of {record.unit}"
             )
             return stop(record, now_s, JobState.FAILED, Cause.BELOW_MIN_NODES, reason)
-    blocked = tuple(sorted({*recovery.exclude, *cluster.lemons}))
+    blocked = tuple(sorted({*blamed, *cluster.lemons}))
     # Spares only as far as nodes free now allow: a spare never holds the restart in the queue.
     free_now = (cluster.idle - exclude) | set(world) | set(spares)
     asked = with_spares(record, size, len(free_now))
     requeue = RequeueSmaller(record.job_id, record.attempt, asked, blocked, recovery.resume_from)
     queued = replace(to_state(ready, JobState.REQUEUED, now_s), nodes=(), spare_nodes=())
-    excluded = exclusions(
-        set(recovery.exclude), f"in this job ({cause.value})", record.nodes, cluster
-    )
+    # This fault's cause names its nodes; with earlier ones among them, the job alone.
+    when = f"in this job ({cause.value})" if blamed == set(recovery.exclude) else "in this job"
+    excluded = exclusions(blamed, when, record.nodes, cluster)
     return decision(
         queued,
         (requeue,),

@@ -169,11 +169,54 @@ def test_a_second_fault_with_no_spare_left_shrinks_the_job(
     assert run.steps()[STEPS]["world"] == WORLD - 1
 
 
-def test_a_spare_that_fails_its_health_check_never_runs_a_rank(
+# The operator's health check fails on the spare only (the nodes share one host here).
+FAILS_ON_THE_SPARE = f"sh -c 'test \"$SLURMD_NODENAME\" != {SPARE}'"
+
+
+def test_an_idle_spare_that_fails_its_health_check_is_released_while_the_job_trains(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
-    # The operator's health check fails on the spare only (the nodes share one host here).
-    check = f"sh -c 'test \"$SLURMD_NODENAME\" != {SPARE}'"
+    """The gate runs on the idle spare as soon as the job trains (the policy's
+    spare_check_interval_s, 300 s by default, after that): it fails there, and the
+    spare leaves the allocation with nothing restarted. With no spare left, the
+    fault that follows shrinks the job."""
+    # Seconds-long steps: the check (at the driver's next poll once steps come in) ends
+    # well before the fault at step 12.
+    run = submit(
+        supervisor, tmp_path, "--fault", f"sigkill@12:{VICTIM}", "--step-s", "1",
+        env={"RESURGO_AGENT_HEALTH_CHECK": FAILS_ON_THE_SPARE},
+    )  # fmt: skip
+    slurm_cluster.wait_for(
+        "the failing spare released",
+        lambda: status_of(supervisor, run.job_id).get("blamed_nodes") == [SPARE],
+        180,
+    )
+    record = status_of(supervisor, run.job_id)
+    assert record["spare_nodes"] == [] and len(attempts(supervisor, run.job_id)) == 1
+    job = slurm_cluster.job(run.job_id)
+    assert job is not None
+    held = slurm_cluster.run(["scontrol", "show", "hostnames", job["nodes"]]).stdout.split()
+    assert held == [f"node{i}" for i in range(1, WORLD + 1)], story(supervisor, run)
+    with supervisor.store() as store:
+        explained = [d.detail.get("explanation", "") for d in store.decisions_for(str(run.job_id))]
+    (released,) = [e for e in explained if e.startswith(f"spare {SPARE} lost")]
+    assert f"health check failed on idle spare {SPARE}" in released, released
+    assert "FAIL sh -c" in released and "0 left" in released, released
+    job = finish(slurm_cluster, supervisor, run)
+    assert job["job_state"] == "COMPLETED", story(supervisor, run)
+    assert f"on {SPARE}" not in run.text()  # no rank ever ran there to report a step
+    sizes = [len(a.nodes) for a in attempts(supervisor, run.job_id)]
+    assert sizes == [WORLD, WORLD - 1], story(supervisor, run)
+    assert run.steps()[STEPS]["world"] == WORLD - 1
+
+
+@pytest.mark.policy(spare_check_interval_s="0")
+def test_a_spare_that_fails_its_health_check_when_swapped_in_never_runs_a_rank(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """With idle checks off, the swap's own gate catches the spare: blamed, and the
+    job shrinks instead."""
+    check = FAILS_ON_THE_SPARE
     run = submit(
         supervisor, tmp_path, "--fault", f"sigkill@6:{VICTIM}",
         env={"RESURGO_AGENT_HEALTH_CHECK": check},

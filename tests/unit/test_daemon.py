@@ -26,6 +26,7 @@ from supervisor.core.observations import RelaunchFinished
 from supervisor.core.policy import Policy
 from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmUnavailable
+from supervisor.intake import TrackedJob
 from supervisor.jobs import JobSpec, write_job_dir
 from supervisor.store import Actor
 from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
@@ -577,14 +578,19 @@ def test_held_hang_reports_are_decided_once_the_save_ended_without_progress(
     run(body, tmp_path)
 
 
+async def _with_a_spare(supervisor: Supervisor) -> TrackedJob:
+    """Job JOB registered as a 3+1 job: three nodes of world, one spare."""
+    write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), nodes=3, spares=1))
+    await supervisor.poll()
+    await supervisor.settle()
+    return supervisor.jobs[JOB]
+
+
 def test_a_job_with_spares_launches_its_world_only_once_slurm_showed_the_allocation(
     tmp_path: Path,
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), nodes=3, spares=1))
-        await supervisor.poll()
-        await supervisor.settle()
-        job = supervisor.jobs[JOB]
+        job = await _with_a_spare(supervisor)
         seen = job.record
         assert (seen.nodes, seen.spare_nodes) == (NODES[:3], NODES[3:])
         assert supervisor.store.attempts_for(JOB)[0].nodes == NODES[:3]
@@ -599,5 +605,41 @@ def test_a_job_with_spares_launches_its_world_only_once_slurm_showed_the_allocat
         assert answer.action is protocol.DriverAction.LAUNCH
         assert answer.nodes == NODES[:3]
         assert "1 spare(s) kept ready" in answer.reason
+
+    run(body, tmp_path)
+
+
+def test_the_idle_spares_are_checked_at_once_then_each_interval_and_a_failed_one_is_released(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        job = await _with_a_spare(supervisor)
+        spare = NODES[3]
+        running = protocol.DriverRequest(JOB, protocol.DriverPhase.RUNNING, attempt=1)
+        # Not while the job starts: a check beside ranks still loading waits for them.
+        assert (await supervisor.driver(JOB, running)).check_spares == ()
+        job.record = replace(job.record, state=JobState.RUNNING)
+        assert (await supervisor.driver(JOB, running)).check_spares == (spare,)
+        assert (await supervisor.driver(JOB, running)).check_spares == ()  # asked already
+        clock[0] += supervisor.policy.spare_check_interval_s
+        stale = protocol.DriverRequest(JOB, protocol.DriverPhase.RUNNING, attempt=2)
+        assert (await supervisor.driver(JOB, stale)).check_spares == ()  # not this attempt's
+        assert (await supervisor.driver(JOB, running)).check_spares == (spare,)
+        report = protocol.DriverRequest(
+            JOB, protocol.DriverPhase.SPARE_CHECK, attempt=1, checked=(spare,),
+            unhealthy=((spare, "FAIL builtin:ckpt_root (0.01 s): not writable"),),
+        )  # fmt: skip
+        answer = await supervisor.driver(JOB, report)
+        assert answer.action is protocol.DriverAction.WAIT
+        await supervisor.settle()
+        assert job.record.spare_nodes == () and job.record.nodes == NODES[:3]
+        assert job.record.blamed_nodes == (spare,)
+        (decided,) = [
+            d for d in supervisor.store.decisions_for(JOB)
+            if "health check failed on idle spare" in d.detail.get("explanation", "")
+        ]  # fmt: skip
+        assert "not writable" in decided.detail["explanation"]
+        clock[0] += supervisor.policy.spare_check_interval_s
+        assert (await supervisor.driver(JOB, running)).check_spares == ()  # none left
 
     run(body, tmp_path)

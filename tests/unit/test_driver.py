@@ -32,6 +32,11 @@ FAKE_SRUN = """#!/usr/bin/env python3
 import json, os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 log = os.environ["FAKE_LOG"]
+if "agent.node.sparecheck" in sys.argv:  # the idle spares' health check: its own log
+    with open(log + ".checks", "a") as f:
+        f.write(json.dumps(sys.argv[1:]) + "\\n")
+    print(os.environ.get("FAKE_SPARE_OUTPUT", ""), flush=True)
+    sys.exit(int(os.environ.get("FAKE_SPARE_EXIT", "0")))
 with open(log, "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 with open(log + ".skips", "a") as f:
@@ -104,6 +109,8 @@ def drive(
     # Answers given only once the first step runs (its srun wrote its log line): an
     # answer queued before would reach the driver before the step's process started.
     once_running: list[DriverAnswer] = settings.pop("once_running", [])
+    # Answers given once a condition holds, after those above (``(condition, answers)``).
+    later: tuple[Any, list[DriverAnswer]] | None = settings.pop("later", None)
     job_dir = tmp_path / "state" / "jobs" / JOB
     job_dir.mkdir(parents=True)
     write_secret(job_dir / "secret", SECRET)
@@ -133,6 +140,12 @@ def drive(
                 while not srun_calls(tmp_path) and not running.done():
                     await asyncio.sleep(0.05)
                 for answer in once_running:
+                    directory.answer_driver(JOB, answer)
+            if later is not None:
+                condition, answers = later
+                while not condition() and not running.done():
+                    await asyncio.sleep(0.05)
+                for answer in answers:
                     directory.answer_driver(JOB, answer)
             for delay_s, signum in signals:
                 await asyncio.sleep(delay_s)
@@ -366,3 +379,90 @@ def test_a_step_the_supervisor_gave_up_on_is_ended_and_relaunched(tmp_path: Path
     assert phases[:2] == [DriverPhase.START, DriverPhase.RUNNING]
     assert DriverPhase.RELAUNCHED in phases
     assert DriverPhase.ENDED not in phases  # it was told, it did not have to ask
+
+
+def spare_check_calls(tmp_path: Path) -> list[list[str]]:
+    log = tmp_path / "srun.log.checks"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.parametrize("exit_code", [0, 1])
+def test_told_to_check_the_idle_spares_the_driver_runs_the_gate_there_and_reports_failures(
+    tmp_path: Path, exit_code: int
+) -> None:
+    """The check runs beside the step (srun --overlap on the spares only); the verdicts
+    reach the supervisor whatever srun's exit status (a node that failed its check
+    makes srun fail): the unhealthy spare with its failing lines, the silent one not
+    at all, another job's node or a stray line ignored."""
+    verdicts = "\n".join([
+        'resurgo-spare-check {"node":"node3","healthy":false,"lines":["ok builtin:gpus (0.00 s): '
+        'skipped","FAIL builtin:ckpt_root (0.01 s): /ckpt is not writable"]}',
+        'resurgo-spare-check {"node":"node4","healthy":true,"lines":["ok builtin:gpus"]}',
+        'resurgo-spare-check {"node":"node9","healthy":false,"lines":["FAIL x"]}',
+        "srun: error: node5: task 2: Exited with exit code 1",
+        "resurgo-spare-check {not json",
+    ])  # fmt: skip
+    check = DriverAnswer(DriverAction.WAIT, 1, check_spares=("node3", "node4", "node5"))
+    status, directory = drive(
+        tmp_path, [0], [DriverAnswer(DriverAction.LAUNCH, 1, nodes=("node1", "node2"))],
+        once_running=[check],
+        environ={"FAKE_RUN_S": "3", "FAKE_SPARE_OUTPUT": verdicts,
+                 "FAKE_SPARE_EXIT": str(exit_code)},
+        watch_s=0.2,
+    )  # fmt: skip
+    assert status == 0
+    (call,) = spare_check_calls(tmp_path)
+    assert call[:6] == [
+        "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--nodelist=node3,node4,node5",
+        "--overlap", "--kill-on-bad-exit=0",
+    ]  # fmt: skip
+    assert call[call.index("--master-addr") + 1] == "10.0.0.1"  # the world's rendezvous
+    assert call[call.index("--ckpt-root") + 1] == "/ckpt"
+    assert call[-3:] == ["--", "torchrun", "train.py"]
+    (report,) = [r for r in directory.driver_requests(JOB) if r.phase is DriverPhase.SPARE_CHECK]
+    assert report.attempt == 1
+    assert report.checked == ("node3", "node4")
+    assert report.unhealthy == (
+        ("node3", "FAIL builtin:ckpt_root (0.01 s): /ckpt is not writable"),
+    )
+    assert len(srun_calls(tmp_path)) == 1  # the training step alone
+
+
+def test_a_spare_check_still_running_when_its_step_ends_is_ended_before_the_next_step(
+    tmp_path: Path,
+) -> None:
+    """The supervisor moves on (a relaunch) while a check hangs on a spare: the check's
+    srun is killed with its process group before the relaunched step starts, and
+    reports nothing."""
+    sleeper, seen = tmp_path / "sleeper", tmp_path / "check-alive-at-steps"
+    script = FAKE_SRUN.replace(
+        'print(os.environ.get("FAKE_SPARE_OUTPUT", ""), flush=True)',
+        f'open({str(sleeper)!r}, "w").write(str(os.getpid())); time.sleep(120)',
+    ).replace(
+        "codes = json.loads(",
+        f"""alive = False
+if os.path.exists({str(sleeper)!r}):
+    try:
+        os.kill(int(open({str(sleeper)!r}).read()), 0)
+        alive = True
+    except ProcessLookupError:
+        pass
+open({str(seen)!r}, "a").write(str(alive) + " ")
+codes = json.loads(""",
+    )
+
+    def hang_the_check() -> None:
+        (tmp_path / "bin" / "srun").write_text(script)
+
+    check = DriverAnswer(DriverAction.WAIT, 1, check_spares=("node3",))
+    relaunch = DriverAnswer(
+        DriverAction.RELAUNCH, 2, ("node1", "node3"), "/ckpt/step-4", "4711/2/relaunch/2"
+    )
+    status, directory = drive(
+        tmp_path, [0, 0], [DriverAnswer(DriverAction.LAUNCH, 1, nodes=("node1", "node2"))],
+        once_running=[check], later=(sleeper.exists, [relaunch]), environ={"FAKE_RUN_S": "60,0"},
+        watch_s=0.2, start_check_s=0.0, kill_grace_s=2.0, before=hang_the_check,
+    )  # fmt: skip
+    assert status == 0
+    assert seen.read_text().split() == ["False", "False"]  # gone before the relaunch
+    assert all(r.phase is not DriverPhase.SPARE_CHECK for r in directory.driver_requests(JOB))

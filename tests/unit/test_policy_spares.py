@@ -34,6 +34,7 @@ from supervisor.core.observations import (
     CheckpointValidated,
     SlurmJobSeen,
     SlurmNodeSeen,
+    SpareCheckFailed,
 )
 from supervisor.core.recovery import split_allocation, swap_in
 from tests.unit.policy_world import (
@@ -236,6 +237,34 @@ def test_a_spare_that_stops_responding_is_released_and_training_goes_on():
     crash, *_ = run(with_spares("node5", "node6"), rank_exit("node3", sig=KILL))
     (later,) = run(crash.record, lost)
     assert later.intents == () and later.record.spare_nodes == ("node6",)
+
+
+def test_an_idle_spare_that_fails_its_health_check_is_released_and_kept_out_of_refills():
+    failed = SpareCheckFailed("node5", "FAIL builtin:ckpt_root (0.01 s): /c is not writable")
+    (seen,) = run(with_spares("node5", "node6"), failed)
+    assert seen.record.state is JobState.RUNNING and seen.record.spare_nodes == ("node6",)
+    assert seen.intents == (ShrinkAllocation("42", 1, (*NODES, "node6")),)
+    assert seen.record.blamed_nodes == ("node5",)
+    assert seen.record.swaps == () and seen.record.restarts == ()
+    assert "health check failed on idle spare node5: FAIL builtin:ckpt_root" in seen.explanation
+    # Released, it is idle to Slurm again; the refill at the next commit passes it by.
+    cluster = replace(CLUSTER, idle=frozenset({"node5"}))
+    (later,) = run(seen.record, SpareCheckFailed("node6", "FAIL x"), cluster=cluster)
+    (kept_on,) = run(later.record, commit(200), cluster=cluster)
+    assert kept_on.intents == () and kept_on.record.state is JobState.RUNNING
+    # Nor does a fault's relaunch grow onto it, nor a requeue take it back.
+    both_idle = replace(CLUSTER, idle=frozenset({"node5", "node6"}))
+    _, relaunched = sigkill_on_node3(later.record, cluster=both_idle)
+    kept = ("node1", "node2", "node4")
+    assert relaunched.intents[-1] == RelaunchStep("42", 2, kept, CKPT), relaunched.explanation
+    batch_host_lost = rank_exit("node1", sig=KILL), CheckpointValidated(100, CKPT, True)
+    _, requeued = run(later.record, *batch_host_lost, cluster=both_idle)
+    (requeue,) = [i for i in requeued.intents if isinstance(i, RequeueSmaller)]
+    assert requeue.exclude == ("node1", "node5", "node6"), requeued.explanation
+    assert "node5 (blamed in this job)" in requeued.explanation, requeued.explanation
+    # A node that is no spare (any more) is not taken out of the world for it.
+    (ignored,) = run(with_spares("node6"), failed)
+    assert ignored.intents == () and ignored.record.spare_nodes == ("node6",)
 
 
 def test_a_spare_slurm_took_out_is_refilled_as_if_used():

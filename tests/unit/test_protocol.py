@@ -646,6 +646,42 @@ def test_a_driver_answer_names_the_samples_to_skip_only_when_there_are_some() ->
     assert protocol.decode_driver_answer(plain).skip_samples == ()
 
 
+def test_a_spare_check_travels_as_the_spares_to_check_and_the_verdicts_that_failed() -> None:
+    asked = protocol.DriverAnswer(protocol.DriverAction.WAIT, 2, check_spares=("node5", "node6"))
+    data = protocol.encode_driver_answer(asked)
+    assert json.loads(data)["check_spares"] == ["node5", "node6"]
+    assert protocol.decode_driver_answer(data) == asked
+    report = protocol.DriverRequest(
+        "4711", protocol.DriverPhase.SPARE_CHECK, attempt=2, checked=("node5", "node6"),
+        unhealthy=(("node6", "FAIL builtin:gpus (0.2 s): 7 of 8 GPUs"),),
+    )  # fmt: skip
+    assert protocol.decode_driver_request(protocol.encode_driver_request(report)) == report
+    # Absent when there is nothing to say: older peers read what they always read.
+    plain = protocol.encode_driver_answer(protocol.DriverAnswer(protocol.DriverAction.WAIT, 2))
+    assert b"check_spares" not in plain
+    running = protocol.DriverRequest("4711", protocol.DriverPhase.RUNNING, attempt=2)
+    assert b"unhealthy" not in protocol.encode_driver_request(running)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("unhealthy", [["node6"]], r"unhealthy\[0\] must be a \[node, detail\] pair"),
+        ("unhealthy", [["node6", 3]], r"unhealthy\[0\] must be a \[node, detail\] pair"),
+        ("unhealthy", [["../x", "FAIL"]], "node"),
+        ("checked", ["node5", 7], "checked must hold strings"),
+        ("checked", "node5", "checked must be a list"),
+    ],
+)
+def test_a_malformed_spare_check_report_is_refused(key: str, value: Any, message: str) -> None:
+    document = json.loads(protocol.encode_driver_request(
+        protocol.DriverRequest("4711", protocol.DriverPhase.SPARE_CHECK, attempt=2)
+    ))  # fmt: skip
+    document[key] = value
+    with pytest.raises(ProtocolError, match=message):
+        protocol.decode_driver_request(json.dumps(document).encode())
+
+
 @pytest.mark.parametrize(
     ("skips", "message"),
     [

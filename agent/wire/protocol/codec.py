@@ -219,6 +219,10 @@ def encode_driver_request(request: DriverRequest) -> bytes:
     }
     if request.time_left_s is not None:
         document["time_left_s"] = request.time_left_s
+    if request.checked or request.unhealthy:
+        # Absent otherwise: supervisors older than spare checks refuse no request they read.
+        document["checked"] = list(request.checked)
+        document["unhealthy"] = [[node, detail] for node, detail in request.unhealthy]
     data = _dump(document)
     decode_driver_request(data)
     return data
@@ -240,6 +244,8 @@ def decode_driver_request(data: bytes) -> DriverRequest:
         time_left_s=(
             _optional(document, "time_left_s", where, _float) if "time_left_s" in document else None
         ),
+        checked=_node_names(document, "checked", where) if "checked" in document else (),
+        unhealthy=_unhealthy(document, where) if "unhealthy" in document else (),
     )
     if request.phase is DriverPhase.RELAUNCHED and (
         request.action_id is None or request.ok is None
@@ -264,6 +270,8 @@ def encode_driver_answer(answer: DriverAnswer) -> bytes:
     if answer.skip_samples:
         # Absent when empty: drivers older than skips refuse no answer they used to read.
         document["skip_samples"] = [[start, end] for start, end in answer.skip_samples]
+    if answer.check_spares:
+        document["check_spares"] = list(answer.check_spares)
     data = _dump(document)
     decode_driver_answer(data)
     return data
@@ -273,10 +281,7 @@ def decode_driver_answer(data: bytes) -> DriverAnswer:
     """Parse the supervisor's answer to ``POST /v1/driver``."""
     where = "driver_answer"
     document = _envelope(_load(data, where), where)
-    nodes = _optional(document, "nodes", where, lambda d, k, w: _list(d, k, w, max_items=MAX_RANKS))
-    if nodes is not None:
-        nodes = tuple(check_name(node, "node") if isinstance(node, str) else _fail(
-            f"{where}.nodes must hold strings") for node in nodes)  # fmt: skip
+    nodes = _node_names(document, "nodes", where) if document.get("nodes") is not None else None
     answer = DriverAnswer(
         action=_enum(document, "action", where, DriverAction),
         attempt=_int(document, "attempt", where, minimum=1),
@@ -286,10 +291,38 @@ def decode_driver_answer(data: bytes) -> DriverAnswer:
         reason=_optional(document, "reason", where, _str) or "",
         retry_after_s=_float(document, "retry_after_s", where),
         skip_samples=_skip_samples(document, where) if "skip_samples" in document else (),
+        check_spares=(
+            _node_names(document, "check_spares", where) if "check_spares" in document else ()
+        ),
     )
     if answer.action is DriverAction.RELAUNCH and (not answer.nodes or answer.action_id is None):
         _fail(f"{where}: a relaunch names its nodes and action_id")
     return answer
+
+
+# What one failed spare check may say (the driver sends its failing check lines).
+SPARE_DETAIL_CHARS = 1000
+
+
+def _node_names(document: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    """A list of node names (each a checked name), at most one per rank."""
+    return tuple(
+        check_name(node, "node") if isinstance(node, str) else _fail(
+            f"{where}.{key} must hold strings")
+        for node in _list(document, key, where, max_items=MAX_RANKS)
+    )  # fmt: skip
+
+
+def _unhealthy(document: Mapping[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    """``[[node, what failed], ...]``: the spares whose health checks failed."""
+    found = []
+    for index, item in enumerate(_list(document, "unhealthy", where, max_items=MAX_RANKS)):
+        at = f"{where}.unhealthy[{index}]"
+        pair = isinstance(item, list) and len(item) == 2
+        if not (pair and all(isinstance(part, str) for part in item)):
+            _fail(f"{at} must be a [node, detail] pair of strings")
+        found.append((check_name(item[0], "node"), clip_text(item[1], SPARE_DETAIL_CHARS)))
+    return tuple(found)
 
 
 def _skip_samples(document: Mapping[str, Any], where: str) -> tuple[tuple[int, int], ...]:

@@ -180,6 +180,8 @@ class DriverPhase(enum.Enum):
     RELAUNCHED = "relaunched"  # the outcome of starting a relaunch the supervisor ordered
     # The time limit is near (``time_left_s``); with ``exit_code``, the step stopped for it.
     TIME_LIMIT = "time_limit"
+    # The idle hot spares' health checks ran: ``checked`` answered, ``unhealthy`` failed.
+    SPARE_CHECK = "spare_check"
 
 
 class DriverAction(enum.Enum):
@@ -193,7 +195,8 @@ class DriverAction(enum.Enum):
 
 @dataclass(frozen=True)
 class DriverRequest:
-    """The driver's question; ``exit_code`` with ENDED, ``action_id``/``ok`` with RELAUNCHED."""
+    """The driver's question; ``exit_code`` with ENDED, ``action_id``/``ok`` with RELAUNCHED,
+    ``checked``/``unhealthy`` (node, what failed) with SPARE_CHECK."""
 
     job_id: str
     phase: DriverPhase
@@ -203,6 +206,8 @@ class DriverRequest:
     ok: bool | None = None
     reason: str = ""
     time_left_s: float | None = None  # with TIME_LIMIT: seconds until Slurm ends the job
+    checked: tuple[str, ...] = ()
+    unhealthy: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,8 @@ class DriverAnswer:
 
     ``skip_samples``: half-open ``[start, end)`` ranges of the global sample
     cursor the ranks must not train on (after a rollback past a loss anomaly;
-    :mod:`agent.skips`).
+    :mod:`agent.skips`). ``check_spares``: idle hot spares whose health checks
+    are due; the driver runs them beside the step and reports with SPARE_CHECK.
     """
 
     action: DriverAction
@@ -222,3 +228,4 @@ class DriverAnswer:
     reason: str = ""
     retry_after_s: float = 2.0
     skip_samples: tuple[tuple[int, int], ...] = ()
+    check_spares: tuple[str, ...] = ()
