@@ -1,10 +1,10 @@
 """Imported by Python at the start of every rank the node agent launches (this
 directory comes first on the ranks' ``PYTHONPATH``): fits a torchrun started
 below a wrapper script to the job (:mod:`agent.node.torchrunshim`; the process is
-replaced), arms Resurgo's automatic progress (:mod:`agent.train.autohooks`),
-then runs the ``sitecustomize`` that
-this one shadows, if there is one, so that a distribution's or the user's
-still runs. Never raises: a rank must start whatever happens here.
+replaced), arms Resurgo's automatic progress (:mod:`agent.train.autohooks`)
+and the note of an uncaught exception (:mod:`agent.node.raised`), then runs
+the ``sitecustomize`` that this one shadows, if there is one, so that a
+distribution's or the user's still runs. Never raises: a rank must start whatever happens here.
 """
 
 import importlib.machinery
@@ -29,6 +29,12 @@ def _arm() -> None:
         from agent.train.autohooks import install
 
         install()
+    except Exception:  # never stop a rank from starting
+        pass
+    try:
+        from agent.node import raised
+
+        raised.install()
     except Exception:  # never stop a rank from starting
         pass
 

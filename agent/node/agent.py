@@ -461,6 +461,11 @@ class NodeAgent:
                 "last_step": None if progress is None else progress.step,
                 "phase": None if progress is None else progress.phase.value,
                 "exit_time_unix_s": rank_exit.time_unix_s,
+                **(
+                    {"raised": rank_exit.raised[0], "raised_time_unix_s": rank_exit.raised[1]}
+                    if rank_exit.raised is not None
+                    else {}
+                ),
             },
         )
         self._exits[rank_exit.rank.global_rank] = rank_exit

@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from agent.node import raised
 from agent.node.launch import Shape
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class RankExit:
     exit_code: int | None
     signal: int | None
     time_unix_s: float
+    # The rank's uncaught exception (type, when) if it raised one (agent.node.raised).
+    raised: tuple[str, float] | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -177,6 +180,7 @@ class RankWatcher:
                         record.get("exit_code"),
                         record.get("signal"),
                         float(ended) if ended is not None else now_unix_s,
+                        raised.read(self._exit_dir, key),
                     )
                 )
             self._reported.add(key)

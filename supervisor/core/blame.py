@@ -88,7 +88,8 @@ def suspects_of(event: AgentEvent) -> tuple[Suspect, ...]:
 
 
 def exit_seen(event: AgentEvent) -> ExitSeen:
-    """A RANK_EXITED event as an :class:`ExitSeen`, dead at its exit time (else the event's)."""
+    """A RANK_EXITED event as an :class:`ExitSeen`, dead at its exit time (else the event's);
+    its uncaught exception and when it raised it, if it raised one."""
     return ExitSeen(
         node=event.node,
         global_rank=event.global_rank,
@@ -97,11 +98,16 @@ def exit_seen(event: AgentEvent) -> ExitSeen:
         step=event.step,
         died_at_s=event.time_s if event.exit_time_s is None else event.exit_time_s,
         error_digest=event.error_digest,
+        raised=event.raised,
+        raised_at_s=event.raised_time_s if event.raised is not None else None,
     )
 
 
 def is_failure(seen: ExitSeen) -> bool:
-    """False for a rank that finished (code 0) or was stopped on purpose (a stop signal)."""
+    """False for a rank that finished (code 0) or was stopped on purpose (a stop signal)
+    without an exception of its own."""
+    if seen.raised is not None:
+        return True
     if seen.signal is None:
         return seen.exit_code != 0
     return seen.signal not in STOP_SIGNALS
@@ -110,12 +116,25 @@ def is_failure(seen: ExitSeen) -> bool:
 def root_cause(exits: tuple[ExitSeen, ...]) -> ExitSeen:
     """The exit that caused the others (``exits``: at least one).
 
-    The earliest death; among those within :data:`EXIT_TIE_TOLERANCE_S` of it,
-    a node signal first, then the earliest.
+    The earliest failure; among those within :data:`EXIT_TIE_TOLERANCE_S` of
+    it, a node signal first, then the earliest. A rank fails when it dies, or,
+    when no rank died by a node signal, when it raised its uncaught exception
+    if that was earlier: the peers of a rank that raised abort on its closed
+    connections while it still unwinds, and torchrun then stops it. A node
+    signal's peers raise too (the same closed connections) a moment after the
+    death, and the death's own record may come later than their exceptions:
+    there, the deaths alone decide.
     """
-    first = min(seen.died_at_s for seen in exits)
-    tied = [seen for seen in exits if seen.died_at_s - first <= EXIT_TIE_TOLERANCE_S]
-    return min(tied, key=lambda seen: (seen.signal not in NODE_SIGNALS, seen.died_at_s))
+    by_raise = not any(seen.signal in NODE_SIGNALS for seen in exits)
+
+    def failed_at(seen: ExitSeen) -> float:
+        if by_raise and seen.raised_at_s is not None:
+            return min(seen.died_at_s, seen.raised_at_s)
+        return seen.died_at_s
+
+    first = min(failed_at(seen) for seen in exits)
+    tied = [seen for seen in exits if failed_at(seen) - first <= EXIT_TIE_TOLERANCE_S]
+    return min(tied, key=lambda seen: (seen.signal not in NODE_SIGNALS, failed_at(seen)))
 
 
 def blame_exits(
@@ -214,6 +233,20 @@ def blame_hang(
 def _rank_exit(seen: ExitSeen, record: JobRecord) -> Blame:
     node = seen.node or record.node_of_rank(seen.global_rank or 0)
     rank = f"rank {seen.global_rank} on {node}"
+    if seen.raised is not None:
+        # The user's code raised: whatever ended the process after (torchrun's
+        # SIGTERM while it unwound, a peer's abort) followed from it.
+        ended = (
+            f"ended by {_signal_name(seen.signal)}"
+            if seen.signal is not None
+            else f"exit code {seen.exit_code}"
+        )
+        return Blame(
+            None,
+            Cause.USER_EXCEPTION,
+            0.0,
+            (f"{rank} raised {seen.raised} {at_step(seen.step)} ({ended}): the user's code",),
+        )
     if seen.signal is not None:
         name = _signal_name(seen.signal)
         if seen.signal in STOP_SIGNALS:

@@ -228,7 +228,9 @@ class ExitSeen:
     ``died_at_s`` is when the rank died by the clock of its node (the event's
     ``exit_time_unix_s``), else when the agent reported it: the earliest death
     is the root cause, the others its consequences. ``error_digest`` as in
-    :class:`CrashSignature`.
+    :class:`CrashSignature`. ``raised`` / ``raised_at_s``: the rank's uncaught
+    exception type and when it reached the top, when it raised one (a rank
+    stopped while it unwound its exception failed when it raised).
     """
 
     node: str
@@ -238,6 +240,8 @@ class ExitSeen:
     step: int | None
     died_at_s: float
     error_digest: str | None = None
+    raised: str | None = None
+    raised_at_s: float | None = None
 
 
 @dataclass(frozen=True)

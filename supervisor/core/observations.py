@@ -54,6 +54,10 @@ class AgentEvent:
     # HEALTH_CHECK_FAILED: the checks that failed (the operator's command, or
     # ``builtin:NAME`` for the agent's own, agent.node.healthchecks).
     failed_checks: tuple[str, ...] = ()
+    # RANK_EXITED: the rank's uncaught exception type and when it reached the top
+    # (payload ``raised``/``raised_time_unix_s``, agent.node.raised), if it raised one.
+    raised: str | None = None
+    raised_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -276,6 +280,8 @@ def from_event(event: Event) -> AgentEvent:
         exit_time_s=_opt_float(payload, "exit_time_unix_s"),
         time_left_s=_time_left(event),
         failed_checks=_failed_checks(event),
+        raised=payload.get("raised") if isinstance(payload.get("raised"), str) else None,
+        raised_time_s=_opt_float(payload, "raised_time_unix_s"),
     )
 
 

@@ -359,7 +359,12 @@ def _on_exception(
     cluster: ClusterView,
     verdict: Blame,
 ) -> Decision:
-    signature = CrashSignature(root.error_digest or f"exit:{root.exit_code}", root.step)
+    # A raised exception is named the same whether the rank then exited 1 or was
+    # stopped while it unwound: the same crash reads as the same crash.
+    digest = root.error_digest or (
+        f"raised:{root.raised}" if root.raised is not None else f"exit:{root.exit_code}"
+    )
+    signature = CrashSignature(digest, root.step)
     if signature in record.signatures:
         reason = (
             f"crash loop: {signature.digest} {at_step(signature.step)} again "

@@ -106,8 +106,13 @@ class RunningAgent:
 def agent_factory(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     started: list[RunningAgent] = []
 
-    def start(agent_args: list[str], worker_args: list[str], worker: Path = WORKER) -> RunningAgent:
-        running = RunningAgent(tmp_path, agent_args, worker_args, worker)
+    def start(
+        agent_args: list[str],
+        worker_args: list[str],
+        worker: Path = WORKER,
+        command: list[str] | None = None,
+    ) -> RunningAgent:
+        running = RunningAgent(tmp_path, agent_args, worker_args, worker, command)
         started.append(running)
         return running
 
@@ -433,3 +438,35 @@ def test_a_notice_older_than_the_agent_is_not_its_own(agent_factory, tmp_path) -
     agent.wait_file("step.1")
     time.sleep(1.5)
     assert not [e for e in agent.events() if e.kind is EventKind.TIME_LIMIT_NEAR]
+
+
+# Rank 1 raises and then unwinds slowly (an atexit handler, as a framework's may
+# be); rank 0 aborts 1 s later without a Python exception; torchrun then stops
+# rank 1 with SIGTERM while it still unwinds. No torch needed to show it.
+UNWINDING = """
+import atexit, os, sys, time
+rank = int(os.environ["RANK"])
+if rank == 1:
+    atexit.register(time.sleep, 60)
+    raise RuntimeError("rank 1 fails in iter 15")
+time.sleep(1.0)
+os.abort()
+"""
+
+
+def test_a_rank_stopped_while_it_unwinds_its_exception_reports_that_it_raised_first(  # type: ignore[no-untyped-def]
+    agent_factory, tmp_path: Path
+) -> None:
+    script = tmp_path / "unwinding.py"
+    script.write_text(UNWINDING)
+    agent = agent_factory([], [], command=["torchrun", "--nproc-per-node=2", str(script)])
+    agent.wait_event(EventKind.LAUNCHER_EXITED, 60)
+    exits = {e.payload["global_rank"]: e.payload for e in agent.events()
+             if e.kind is EventKind.RANK_EXITED}  # fmt: skip
+    raiser, aborted = exits[1], exits[0]
+    assert aborted["signal_name"] == "SIGABRT" and "raised" not in aborted, aborted
+    assert raiser["signal_name"] == "SIGTERM", raiser  # stopped while it unwound
+    assert raiser["raised"] == "RuntimeError"
+    # It raised a second before its peer died, though its exit came after.
+    assert raiser["raised_time_unix_s"] < aborted["exit_time_unix_s"] - 0.5
+    assert raiser["exit_time_unix_s"] > aborted["exit_time_unix_s"]

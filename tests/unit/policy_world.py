@@ -53,6 +53,7 @@ def rank_exit(
     digest: str | None = None,
     at: float = NOW - 1,
     exit_time: float | None = None,
+    raised: tuple[str, float] | None = None,
 ) -> AgentEvent:
     return AgentEvent(
         EventKind.RANK_EXITED,
@@ -65,6 +66,8 @@ def rank_exit(
         step=step,
         error_digest=digest,
         exit_time_s=exit_time,
+        raised=None if raised is None else raised[0],
+        raised_time_s=None if raised is None else raised[1],
     )
 
 

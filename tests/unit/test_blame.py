@@ -154,6 +154,36 @@ def test_finished_and_stopped_ranks_are_no_failures(sig, code, failure):
     assert is_failure(exit_seen(exited(sig, code))) is failure
 
 
+@pytest.mark.parametrize(
+    ("sig", "code", "ended"),
+    [(signal.SIGTERM.value, None, "ended by SIGTERM"), (None, 1, "exit code 1")],
+)
+def test_a_rank_that_raised_failed_when_it_raised_and_blames_the_users_code(sig, code, ended):
+    event = replace(
+        exited(sig, code), exit_time_s=NOW - 1.0, raised="RuntimeError", raised_time_s=NOW - 1.4
+    )
+    seen = exit_seen(event)
+    assert is_failure(seen) and (seen.raised, seen.raised_at_s) == ("RuntimeError", NOW - 1.4)
+    assert seen.died_at_s == NOW - 1.0
+    _, verdict = blame_exits((seen,), RECORD)
+    assert (verdict.node, verdict.cause) == (None, Cause.USER_EXCEPTION)
+    assert verdict.evidence == (
+        f"rank 3 on b raised RuntimeError at step 12 ({ended}): the user's code",
+    )
+
+
+def test_a_raise_before_a_peers_death_is_the_root_cause_unless_a_node_signal_killed_one():
+    raiser = ExitSeen("b", 3, None, signal.SIGTERM.value, 12, NOW, raised="E", raised_at_s=NOW - 2)
+    abort = ExitSeen("a", 0, None, signal.SIGABRT.value, 12, NOW - 1)
+    root, verdict = blame_exits((abort, raiser), RECORD)
+    assert root is raiser and verdict.cause is Cause.USER_EXCEPTION
+    # A SIGKILL's record can trail its peers' exceptions (they raise on its closed
+    # connections): with a node signal among the exits, the deaths alone decide.
+    killed = ExitSeen("a", 0, None, signal.SIGKILL.value, 12, NOW - 1)
+    root, verdict = blame_exits((killed, raiser), RECORD)
+    assert root is killed and (verdict.node, verdict.cause) == ("a", Cause.RANK_SIGNAL)
+
+
 def gone(node: str, rank: int, died: float, sig: int | None = None) -> ExitSeen:
     return ExitSeen(node, rank, None if sig else 1, sig, 12, died, None if sig else "E")
 

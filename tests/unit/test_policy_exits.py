@@ -110,6 +110,28 @@ def test_a_user_exception_before_its_peers_failures_is_retried_without_drain_the
     assert "ValueError:abc at step 150 again (rank 0 on node1)" in second.record.final_reason
 
 
+def test_a_rank_stopped_while_it_unwound_its_exception_is_the_root_cause_not_a_peers_abort():
+    """Seen with gloo: rank 1 raises; its closing connections make rank 0 abort, and
+    torchrun SIGTERMs rank 1 while it still unwinds. The exits alone say a peer's
+    SIGABRT came first; the rank's own note of its exception says who failed."""
+    abort = signal.SIGABRT.value
+    peer = rank_exit("node1", sig=abort, at=NOW - 1.9, exit_time=NOW - 2.0)
+    raiser = rank_exit(
+        "node2", sig=signal.SIGTERM.value, at=NOW - 1.8, exit_time=NOW - 1.92,
+        raised=("RuntimeError", NOW - 2.3),
+    )  # fmt: skip
+    collecting = run(running(), peer, raiser, policy=WINDOW, cluster=FOUR)
+    (decided,) = run(collecting[-1].record, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + 3)
+    assert decided.cause is Cause.USER_EXCEPTION, decided.explanation
+    assert kinds(decided) == [StopRanks, ValidateCheckpoints]  # no node blamed, none drained
+    assert decided.record.signatures[-1].digest == "raised:RuntimeError"
+    # Without the note the same exits blame the peer's abort, as before.
+    plain = replace(raiser, raised=None, raised_time_s=None)
+    before = run(running(), peer, plain, policy=WINDOW, cluster=FOUR)
+    (blamed,) = run(before[-1].record, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + 3)
+    assert blamed.cause is Cause.RANK_SIGNAL
+
+
 def test_without_an_exit_window_the_first_exit_reported_decides_as_before():
     peer = rank_exit("node1", code=1, exit_time=NOW - 2.0)
     killed = rank_exit("node3", sig=KILL, exit_time=NOW - 3.0)

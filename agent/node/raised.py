@@ -1,0 +1,74 @@
+"""A rank's uncaught exception, noted the moment it reaches the top of the rank.
+
+The rank that raises is not always the first to die. Its peers see its
+connections close and abort while its own interpreter still unwinds, and
+torchrun then stops it with SIGTERM: its exit reads as a stop, and a peer's
+abort as the root cause (seen with gloo: the raising rank ended by SIGTERM 80 ms
+after a peer's SIGABRT). The bootstrap (``agent/bootstrap/sitecustomize.py``)
+calls :func:`install` in every rank: on an uncaught exception the hook writes
+``raised-rank-<RANK>.json`` (the exception's type and when) into the agent's
+exit directory before Python prints the traceback, and the agent attaches it
+to the rank's exit (:mod:`agent.node.procs`).
+
+Launchers' own errors (torchrun's ``ChildFailedError``, raised because a rank
+failed) are not a rank's exception and are not noted. Never raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+ENV_EXIT_DIR = "RESURGO_EXIT_DIR"
+TYPE_CHARS = 200
+
+
+def path_of(exit_dir: Path, global_rank: int) -> Path:
+    """Where rank ``global_rank``'s note goes."""
+    return exit_dir / f"raised-rank-{global_rank}.json"
+
+
+def install() -> None:
+    """Note this rank's uncaught exception (when it is a rank of a Resurgo launch)."""
+    exit_dir, rank = os.environ.get(ENV_EXIT_DIR), os.environ.get("RANK", "")
+    if not exit_dir or not rank.isdigit():
+        return
+    previous = sys.excepthook
+
+    def hook(
+        kind: type[BaseException], value: BaseException, traceback: TracebackType | None
+    ) -> None:
+        if issubclass(kind, Exception) and not kind.__module__.startswith(
+            "torch.distributed.elastic"
+        ):
+            with contextlib.suppress(Exception):
+                note(Path(exit_dir), int(rank), kind.__qualname__)
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
+def note(exit_dir: Path, global_rank: int, type_name: str) -> None:
+    """Write the note atomically: the agent may read it at any moment."""
+    document = {"type": type_name[:TYPE_CHARS], "time_unix_s": time.time()}
+    final = path_of(exit_dir, global_rank)
+    temporary = final.with_name(f".{final.name}.tmp")
+    temporary.write_text(json.dumps(document))
+    os.replace(temporary, final)
+
+
+def read(exit_dir: Path, global_rank: int) -> tuple[str, float] | None:
+    """The rank's note as (exception type, when), or None: none, or unreadable."""
+    try:
+        document = json.loads(path_of(exit_dir, global_rank).read_text())
+        kind, when = document["type"], document["time_unix_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(kind, str) or isinstance(when, bool) or not isinstance(when, int | float):
+        return None
+    return kind[:TYPE_CHARS], float(when)

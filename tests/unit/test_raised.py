@@ -1,0 +1,67 @@
+"""A rank's uncaught exception, noted when it reaches the top (agent.node.raised)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.node import raised
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rank_that_runs(code: str, exit_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a rank of a Resurgo launch (rank 3), the hook installed as the bootstrap
+    installs it."""
+    program = f"from agent.node import raised\nraised.install()\n{code}\n"
+    return subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=REPO,
+        env={**os.environ, "RESURGO_EXIT_DIR": str(exit_dir), "RANK": "3", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_an_uncaught_exception_is_noted_before_the_traceback_as_usual(tmp_path: Path) -> None:
+    done = rank_that_runs("raise RuntimeError('rank 3 fails in iter 15')", tmp_path)
+    assert done.returncode == 1
+    assert "RuntimeError: rank 3 fails in iter 15" in done.stderr  # the usual traceback
+    kind, when = raised.read(tmp_path, 3) or ("", 0.0)
+    assert kind == "RuntimeError" and when > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["raised-rank-3.json"]  # no temporary left
+
+
+@pytest.mark.parametrize(
+    ("code", "env"),
+    [
+        ("import sys; sys.exit(1)", {}),  # an exit status, not an exception
+        ("raise KeyboardInterrupt", {}),  # a person's interrupt
+        ("class ChildFailedError(Exception): pass\n"
+         "ChildFailedError.__module__ = 'torch.distributed.elastic.multiprocessing.errors'\n"
+         "raise ChildFailedError()", {}),  # torchrun's own: a rank failed below it
+        ("raise RuntimeError('x')", {"RANK": ""}),  # not a rank
+    ],
+)  # fmt: skip
+def test_what_is_no_ranks_own_exception_is_not_noted(
+    tmp_path: Path, code: str, env: dict[str, str]
+) -> None:
+    rank_that_runs(code, tmp_path, **env)
+    assert raised.read(tmp_path, 3) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "text", ["", "{", json.dumps({"type": 3, "time_unix_s": 1.0}), json.dumps({"type": "E"}),
+             json.dumps({"type": "E", "time_unix_s": True}), json.dumps([1])],
+)  # fmt: skip
+def test_a_note_that_cannot_be_read_is_no_note(tmp_path: Path, text: str) -> None:
+    raised.path_of(tmp_path, 0).write_text(text)
+    assert raised.read(tmp_path, 0) is None
