@@ -85,8 +85,6 @@ SELF_REQUEUE_BEFORE_END_S = 5.0
 # The longest an idle spares' health-check step may take: each check bounds
 # itself (the agents' health timeouts); this bounds srun on a node that hangs.
 SPARE_CHECK_LIMIT_S = 180.0
-# What one failed spare's report may say.
-SPARE_DETAIL_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -466,7 +464,7 @@ class Driver:
             return
         verdicts = parse_verdicts(output, spares)
         unhealthy = tuple(
-            (node, verdict.failures()[:SPARE_DETAIL_CHARS])
+            (node, protocol.clip_text(verdict.failures(), protocol.MAX_SPARE_DETAIL_CHARS))
             for node, verdict in sorted(verdicts.items())
             if not verdict.healthy
         )

@@ -4,7 +4,8 @@ below a wrapper script to the job (:mod:`agent.node.torchrunshim`; the process i
 replaced), arms Resurgo's automatic progress (:mod:`agent.train.autohooks`)
 and the note of an uncaught exception (:mod:`agent.node.raised`), then runs
 the ``sitecustomize`` that this one shadows, if there is one, so that a
-distribution's or the user's still runs. Never raises: a rank must start whatever happens here.
+distribution's or the user's still runs. Never raises: a rank must start
+whatever happens here.
 """
 
 import importlib.machinery

@@ -26,7 +26,13 @@ from dataclasses import dataclass, replace
 
 from agent.wire.protocol import EventKind
 from supervisor.core.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect, at_step
-from supervisor.core.observations import AgentEvent, LeaseExpired, Observation, SlurmNodeSeen
+from supervisor.core.observations import (
+    AgentEvent,
+    LeaseExpired,
+    Observation,
+    SlurmNodeSeen,
+    SpareCheckFailed,
+)
 
 # Deaths that come from the machine, not from Python: bad memory, a bus error,
 # an illegal instruction on a broken CPU, the kernel's OOM killer or a
@@ -312,6 +318,9 @@ def _blame(observation: Observation, record: JobRecord) -> Blame:
             CONFIDENCE_NODE_LOST,
             (f"the agent on {observation.node} stopped calling in (lease expired)",),
         )
+    if isinstance(observation, SpareCheckFailed):
+        why = f"health check failed on idle spare {observation.node}: {observation.detail}"
+        return Blame(observation.node, Cause.HEALTH_CHECK, 1.0, (why,))
     if isinstance(observation, SlurmNodeSeen):
         states = [
             name

@@ -142,12 +142,10 @@ def decide(
             return _on_agent_event(record, observation, now_s, policy, cluster)
         case LeaseExpired() | SlurmNodeSeen():
             return _on_node(record, observation, now_s, policy, cluster)
-        case SpareCheckFailed(node=node, detail=detail):
+        case SpareCheckFailed(node=node):
             if node not in record.spare_nodes:
                 return _nothing(record, f"{node} failed a spare check but is no spare now")
-            evidence = (f"health check failed on idle spare {node}: {detail}",)
-            verdict = Blame(node, Cause.HEALTH_CHECK, 1.0, evidence)
-            return recovery.lose_spare(record, verdict, blame=True)
+            return recovery.lose_spare(record, blame(observation, record, cluster), blame=True)
         case SilenceShared(nodes=nodes, reason=reason):
             # Lease expiry alone blames no node here: Slurm's next reading
             # (the job ended, a node DOWN) is what decides.

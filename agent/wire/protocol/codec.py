@@ -15,6 +15,7 @@ from agent.wire.protocol.constants import (
     MAX_EVENTS_PER_BATCH,
     MAX_RANKS,
     MAX_SKIP_RANGES,
+    MAX_SPARE_DETAIL_CHARS,
     MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
 )
@@ -300,10 +301,6 @@ def decode_driver_answer(data: bytes) -> DriverAnswer:
     return answer
 
 
-# What one failed spare check may say (the driver sends its failing check lines).
-SPARE_DETAIL_CHARS = 1000
-
-
 def _node_names(document: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
     """A list of node names (each a checked name), at most one per rank."""
     return tuple(
@@ -321,7 +318,7 @@ def _unhealthy(document: Mapping[str, Any], where: str) -> tuple[tuple[str, str]
         pair = isinstance(item, list) and len(item) == 2
         if not (pair and all(isinstance(part, str) for part in item)):
             _fail(f"{at} must be a [node, detail] pair of strings")
-        found.append((check_name(item[0], "node"), clip_text(item[1], SPARE_DETAIL_CHARS)))
+        found.append((check_name(item[0], "node"), clip_text(item[1], MAX_SPARE_DETAIL_CHARS)))
     return tuple(found)
 
 
