@@ -48,7 +48,8 @@ class Policy:
     - ``stop_grace_s``: SIGTERM to SIGKILL when stopping ranks.
     - ``validation_level``: how deep a checkpoint is validated before resuming.
     - ``hang_evidence_window_s``: how long other nodes' hang reports are
-      awaited before blaming.
+      awaited before blaming; the window closes early once every node of the
+      attempt has reported.
     - ``exit_evidence_window_s``: after a rank fails, the longest the other
       ranks' exits are awaited before the earliest death is taken as the
       root cause (0: act on the first exit reported). The window closes

@@ -15,8 +15,8 @@ Per cause (issue 5, items 3-4):
   share, else alert), stop ranks, validate checkpoints, relaunch smaller;
 - Python exception -> no drain, ``user_exception_retries`` retries; the same
   failure at the same step again -> CRASH_LOOP, stop the job;
-- hang -> collect the other nodes' reports for ``hang_evidence_window_s``,
-  blame the rank behind / outside the collective / stopped first; ranks
+- hang -> collect the other nodes' reports for ``hang_evidence_window_s``
+  (or until every node has reported), blame the rank behind / outside the collective / stopped first; ranks
   that exit meanwhile are the hang's consequences (or our stopping them);
   a hang report during an exit window is evidence only;
 - node lost (lease expired, Slurm DOWN/NOT_RESPONDING) -> exclude it (drain
@@ -407,9 +407,20 @@ def _on_hang(
         # In an exit window ranks already died: whatever hangs now waits on
         # them, and their exits name the root cause.
         return _nothing(record, f"hang report from {event.node} during recovery: evidence only")
-    if policy.hang_evidence_window_s == 0:
+    if policy.hang_evidence_window_s == 0 or _every_node_reported(record):
         return _blame_hang(record, now_s, policy, cluster)
     return Decision(record, (), Cause.HANG, f"hang on {event.node}: collecting evidence")
+
+
+def _every_node_reported(record: JobRecord) -> bool:
+    """Every node of the attempt sent its hung ranks: no more evidence is due.
+
+    The window exists for the reports still in flight; once each node's agent
+    has spoken, waiting it out changes nothing but the time to recover.
+    """
+    assert record.recovery is not None
+    reported = {suspect.node for suspect in record.recovery.suspects}
+    return bool(record.nodes) and reported.issuperset(record.nodes)
 
 
 def _blame_hang(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:

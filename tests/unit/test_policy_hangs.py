@@ -55,3 +55,21 @@ def test_persistent_straggler_is_drained_when_configured():
     drain = decisions[2].intents[1]
     assert isinstance(drain, DrainNode) and drain.node == "node2"
     assert drain.cause is Cause.STRAGGLER and "2x median" in drain.reason
+
+
+def test_the_hang_window_closes_once_every_node_has_reported():
+    policy = replace(POLICY, hang_evidence_window_s=30.0)
+    record = running()
+    *waiting, last = run(
+        record,
+        *(
+            hang(node, rank, 500 if node != "node3" else 499, True, 100.0)
+            for rank, node in enumerate(record.nodes)
+        ),
+        policy=policy,
+    )
+    assert all(decision.intents == () for decision in waiting)
+    # The last node's report closes the window at NOW, not 30 s later.
+    assert kinds(last) == [DrainNode, StopRanks, ValidateCheckpoints]
+    drain = last.intents[0]
+    assert isinstance(drain, DrainNode) and drain.node == "node3"
