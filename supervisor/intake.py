@@ -76,6 +76,8 @@ class TrackedJob:
     slurm_nodes: tuple[str, ...] = ()
     last_seen: tuple[str, tuple[str, ...], int, str] | None = None
     nodes_flagged: set[str] = field(default_factory=set)
+    # NOT_RESPONDING nodes not taken as lost while their agent calls in (logged once).
+    nodes_excused: set[str] = field(default_factory=set)
     # agent incarnation -> the attempt it was launched for (from agent_started)
     incarnations: dict[str, int] = field(default_factory=dict)
     stopped: set[str] = field(default_factory=set)

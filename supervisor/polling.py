@@ -139,7 +139,7 @@ class SlurmWatch(Deciding):
                 if seen is not None:
                     self._observe_slurm_job(job_id, job, seen, read_s)
             if nodes is not None:
-                self._observe_nodes(job_id, job, nodes)
+                self._observe_nodes(job_id, job, nodes, now)
 
     async def _detect_rights(self) -> Rights | None:
         """Whether this supervisor may drain (None: Slurm could not be asked; next poll)."""
@@ -246,10 +246,30 @@ class SlurmWatch(Deciding):
         )
         self._sighted(job_id, observation, read_s)
 
-    def _observe_nodes(self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode]) -> None:
+    def _observe_nodes(
+        self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode], now: float
+    ) -> None:
+        calling_in = {
+            lease.node
+            for lease in self.store.leases_for(job_id)
+            if now - lease.last_seen_s <= self.config.lease_s
+        }
         for name in (*job.record.nodes, *job.record.spare_nodes):
             node = nodes.get(name)
             bad = node is not None and (node.down or node.not_responding)
+            if node is not None and node.not_responding and not node.down and name in calling_in:
+                # NOT_RESPONDING alone is a missed ping: a loaded slurmd answers
+                # late while the job's agent on the node still calls in. A node
+                # really gone is marked DOWN by Slurm, or its agent's lease lapses.
+                if name not in job.nodes_excused:
+                    job.nodes_excused.add(name)
+                    log.info(
+                        "job %s: Slurm flags %s NOT_RESPONDING, but its agent still calls "
+                        "in: not a lost node until Slurm marks it DOWN or the lease lapses",
+                        job_id, name,
+                    )  # fmt: skip
+                continue
+            job.nodes_excused.discard(name)
             if bad and name not in job.nodes_flagged:
                 job.nodes_flagged.add(name)
                 assert node is not None

@@ -28,6 +28,7 @@ from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmUnavailable
 from supervisor.intake import TrackedJob
 from supervisor.jobs import JobSpec, write_job_dir
+from supervisor.slurm.parse import NodeFlag, NodeState
 from supervisor.store import Actor
 from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
 from tests.unit.test_executor import JOB, NODES, FakeSlurm
@@ -643,3 +644,44 @@ def test_the_idle_spares_are_checked_at_once_then_each_interval_and_a_failed_one
         assert (await supervisor.driver(JOB, running)).check_spares == ()  # none left
 
     run(body, tmp_path)
+
+
+def _not_responding(name: str, *, down: bool = False) -> Any:
+    flags = {NodeFlag.NOT_RESPONDING}
+    return replace(
+        slurm_node(name),
+        state=NodeState.DOWN if down else NodeState.ALLOCATED,
+        flags=frozenset(flags),
+        flags_raw=tuple(flag.value for flag in flags),
+    )
+
+
+def test_a_not_responding_flag_is_no_lost_node_while_its_agent_still_calls_in(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        nodes = supervisor.jobs[JOB].record.nodes
+        assert nodes, "the job's nodes are known"
+        clock[0] = NOW
+        for name in NODES:
+            _beat(supervisor, name, NOW)
+        seen = _observed(supervisor)
+        flaky, gone = nodes[0], nodes[1]
+        slurm.nodes_by_name[flaky] = _not_responding(flaky)
+        await supervisor.poll()
+        assert [type(o).__name__ for o in seen] == []  # a missed ping: the agent calls in
+        # Slurm marks it DOWN: lost, whatever its agent said last.
+        slurm.nodes_by_name[flaky] = _not_responding(flaky, down=True)
+        await supervisor.poll()
+        assert [(type(o).__name__, o.node) for o in seen] == [("SlurmNodeSeen", flaky)]  # type: ignore[attr-defined]
+        # NOT_RESPONDING on a node whose agent has not called in for a lease: lost.
+        clock[0] = NOW + supervisor.config.lease_s + 1
+        for name in NODES:
+            if name != gone:
+                _beat(supervisor, name, clock[0])
+        slurm.nodes_by_name[gone] = _not_responding(gone)
+        await supervisor.poll()
+        assert [(type(o).__name__, o.node) for o in seen][1:] == [("SlurmNodeSeen", gone)]  # type: ignore[attr-defined]
+
+    run(body, tmp_path, start_s=NOW - 60)
