@@ -208,7 +208,16 @@ def agent_argv(
 ) -> list[str]:
     """``srun`` running one node agent per node of ``nodes``, each launching the command
     (``master_port``: from :func:`agent.ports.rendezvous_port`; ``skip_samples``: the
-    windows of the global sample cursor the ranks leave out)."""
+    windows of the global sample cursor the ranks leave out).
+
+    ``--overlap``: a step with a task on a dead node stays "completing" until Slurm
+    marks that node DOWN (``SlurmdTimeout``, 300 s by default), even after the job
+    was shrunk off the node, and holds its CPUs on the live nodes all that time:
+    without it, the relaunch after a lost node waits for them ("Requested nodes
+    are busy"). Steps of one job run one after the other here, the earlier one
+    ended first, so sharing its resources in Slurm's books takes nothing from
+    anyone.
+    """
     count = str(len(nodes))
     return [
         "srun",
@@ -216,6 +225,7 @@ def agent_argv(
         f"--ntasks={count}",
         "--ntasks-per-node=1",
         f"--nodelist={','.join(nodes)}",
+        "--overlap",
         "--kill-on-bad-exit=0",
         "--export=ALL",
         settings.python, "-m", "agent.node.agent",

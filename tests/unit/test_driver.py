@@ -162,8 +162,9 @@ def test_a_step_that_succeeds_ends_the_job_successfully(tmp_path: Path) -> None:
     status, directory = drive(tmp_path, [0], [])
     assert status == 0
     (argv,) = srun_calls(tmp_path)
-    assert argv[:5] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
-                        "--nodelist=node1,node2,node3", "--kill-on-bad-exit=0"]  # fmt: skip
+    assert argv[:6] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
+                        "--nodelist=node1,node2,node3", "--overlap",
+                        "--kill-on-bad-exit=0"]  # fmt: skip
     assert argv[argv.index("--master-addr") + 1] == "10.0.0.1"
     assert argv[argv.index("--attempt") + 1] == "1"
     assert argv[-3:] == ["--", "torchrun", "train.py"]
