@@ -64,6 +64,7 @@ from agent.node.procs import RankExit, RankProcess, RankWatcher
 from agent.node.rundir import default_run_dir, private_dir
 from agent.node.savenotes import SaveNotes
 from agent.node.steps import StepBuffer
+from agent.node.torchrun_options import torchrun_parser
 from agent.node.watch import RankMonitor
 from agent.stopfiles import clear_save_request, read_notice, write_save_request
 from agent.timelimit import Notice
@@ -238,8 +239,6 @@ class NodeAgent:
         return returncode if returncode >= 0 else 128 - returncode
 
     def _build_plan(self) -> LaunchPlan:
-        from torch.distributed.run import get_args_parser
-
         config = self.config
         allocation = Allocation(
             job_id=config.job_id,
@@ -251,6 +250,7 @@ class NodeAgent:
             restart_count=config.restart_count,
             launch_nonce=config.launch_nonce,
         )
+        options_dir = self._torchrun_options_dir()
         settings = LaunchSettings(
             agent_socket=str(self.run_dir / "agent.sock"),
             exit_dir=str(self.run_dir / "exits"),
@@ -262,10 +262,19 @@ class NodeAgent:
             save_request_file=str(self._save_request_path()),
             procs_per_node=config.procs_per_node,
             shim_dir=str(self._shim_dir()),
+            torchrun_options_dir=None if options_dir is None else str(options_dir),
         )
+        parser = torchrun_parser(options_dir)
         return plan_launch(
-            self.command, allocation, settings, self._environ, sys.executable, get_args_parser()
+            self.command, allocation, settings, self._environ, sys.executable, parser
         )
+
+    def _torchrun_options_dir(self) -> Path | None:
+        """Beside the job's secret (shared by every node): torchrun's parser described once
+        serves every later launch of the job (agent.node.torchrun_options)."""
+        if not self.config.secret_file:
+            return None
+        return Path(self.config.secret_file).parent
 
     def _save_request_path(self) -> Path:
         return self.run_dir / "save-request.json"

@@ -58,6 +58,7 @@ ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 ENV_CKPT_INTERVAL_S = "RESURGO_CKPT_INTERVAL_S"
 ENV_CKPT_INTERVAL_FILE = "RESURGO_CKPT_INTERVAL_FILE"
 ENV_SAVE_REQUEST_FILE = "RESURGO_SAVE_REQUEST_FILE"
+ENV_TORCHRUN_OPTIONS_DIR = "RESURGO_TORCHRUN_OPTIONS_DIR"
 # The allocation as JSON, for the torchrun that a wrapper script starts (agent.node.torchrunshim).
 ENV_ALLOCATION = "RESURGO_ALLOCATION"
 # Set for per-rank launches: the rank shim gives the command Slurm's task variables.
@@ -173,6 +174,9 @@ class LaunchSettings:
     # Where the agent put Resurgo's ``torchrun`` (TORCHRUN_SHIM): first on a
     # wrapper's PATH.
     shim_dir: str | None = None
+    # Where torchrun's parser is described (agent.node.torchrun_options), for the
+    # ``torchrun`` a wrapper starts.
+    torchrun_options_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -321,8 +325,8 @@ def plan_launch(
 
     ``python`` is the interpreter that runs torchrun and the rank shim (the
     agent's own, so Resurgo is importable in the ranks). ``torchrun_parser``
-    is torch's own (``torch.distributed.run.get_args_parser()``), passed in so
-    this module stays cheap to import; required for torchrun commands.
+    is torchrun's (:func:`agent.node.torchrun_options.torchrun_parser`), passed
+    in so this module stays cheap to import; required for torchrun commands.
     """
     if not command:
         raise ConfigError("no command to launch: give it after `--`, e.g. -- torchrun train.py")
@@ -460,6 +464,7 @@ def _resurgo_env(allocation: Allocation, settings: LaunchSettings) -> dict[str, 
         else repr(settings.ckpt_interval_s),
         ENV_CKPT_INTERVAL_FILE: settings.ckpt_interval_file,
         ENV_SAVE_REQUEST_FILE: settings.save_request_file,
+        ENV_TORCHRUN_OPTIONS_DIR: settings.torchrun_options_dir,
     }
     env.update({name: value for name, value in optional.items() if value is not None})
     return env

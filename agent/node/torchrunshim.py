@@ -23,9 +23,15 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
-from agent.node.launch import ENV_ALLOCATION, allocation_from_env, fit_torchrun
+from agent.node.launch import (
+    ENV_ALLOCATION,
+    ENV_TORCHRUN_OPTIONS_DIR,
+    allocation_from_env,
+    fit_torchrun,
+)
+from agent.node.torchrun_options import torchrun_parser
 from agent.wire.errors import ConfigError
 
 ENV_FITTED = "RESURGO_TORCHRUN_FITTED"
@@ -44,11 +50,11 @@ def torchrun_args(orig_argv: Sequence[str]) -> list[str] | None:
 def exec_fitted(args: Sequence[str]) -> None:
     """Replace this process with torchrun ``args`` fitted to the job; SystemExit with what
     is wrong when they cannot be fitted."""
-    from torch.distributed.run import get_args_parser
-
+    options_dir = os.environ.get(ENV_TORCHRUN_OPTIONS_DIR)
+    parser = torchrun_parser(Path(options_dir) if options_dir else None)
     try:
         allocation = allocation_from_env(os.environ)
-        argv, _ = fit_torchrun(["torchrun", *args], allocation, sys.executable, get_args_parser())
+        argv, _ = fit_torchrun(["torchrun", *args], allocation, sys.executable, parser)
     except ConfigError as error:
         raise SystemExit(f"resurgo: torchrun: {error}") from None
     sys.stdout.flush()
