@@ -16,8 +16,9 @@ Per cause (issue 5, items 3-4):
 - Python exception -> no drain, ``user_exception_retries`` retries; the same
   failure at the same step again -> CRASH_LOOP, stop the job;
 - hang -> collect the other nodes' reports for ``hang_evidence_window_s``
-  (or until every node has reported), blame the rank behind / outside the collective / stopped first; ranks
-  that exit meanwhile are the hang's consequences (or our stopping them);
+  (or until every node has reported), blame the rank behind / outside the
+  collective / stopped first; ranks that exit meanwhile are the hang's
+  consequences (or our stopping them);
   a hang report during an exit window is evidence only;
 - node lost (lease expired, Slurm DOWN/NOT_RESPONDING) -> exclude it (drain
   it unless Slurm already did), requeue if it was the batch host;
