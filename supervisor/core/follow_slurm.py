@@ -18,7 +18,7 @@ from dataclasses import replace
 from supervisor.core import recovery
 from supervisor.core.blame import Blame
 from supervisor.core.decision import LIVE, Decision, Policy, decision
-from supervisor.core.model import Cause, ClusterView, JobRecord, JobState
+from supervisor.core.model import MAX_LOST_REQUEUES, Cause, ClusterView, JobRecord, JobState
 from supervisor.core.observations import SlurmJobSeen
 
 # Slurm job states that mean the job ended and will not come back by itself.
@@ -61,6 +61,8 @@ def on_job_seen(
             # Our requeue may not have reached Slurm yet: an ended state from before it is stale.
             return _nothing(record, f"Slurm shows {state} from before the requeue took effect")
         record = replace(record, recovery=replace(pending, requeue_seen=True))
+    if state in _SLURM_FAILED and not requeued_by_slurm and _requeue_pending(record):
+        return _requeue_lost(record, seen, now_s, cluster)
     if state in _SLURM_QUEUED:
         if requeued_by_slurm and record.state not in (JobState.SUBMITTED, JobState.REQUEUED):
             return _adopt(record, seen, now_s, policy, cluster)
@@ -84,6 +86,54 @@ def on_job_seen(
         failed = replace(recovery.to_state(record, JobState.FAILED, now_s), recovery=None)
         return decision(replace(failed, final_reason=reason), (), Cause.SLURM_ENDED, reason)
     return _nothing(record, f"Slurm state {state} needs no action")
+
+
+def _requeue_pending(record: JobRecord) -> bool:
+    """Our requeue took (Slurm showed the job queued) and the job has not run since."""
+    pending = record.recovery
+    return (
+        record.state is JobState.REQUEUED
+        and pending is not None
+        and pending.requeue_seen
+        and pending.validated
+    )
+
+
+def _requeue_lost(
+    record: JobRecord, seen: SlurmJobSeen, now_s: float, cluster: ClusterView
+) -> Decision:
+    """Slurm showed the requeued job queued, then ended, before it ran again.
+
+    Seen on Slurm 22.05: a requeue made while the batch script still ended
+    (the relaunch's ``srun`` failed as the requeue landed) was reported
+    PENDING, then FAILED (NonZeroExitCode): the earlier run's end overrode the
+    requeue. Nothing of the job ran, so nothing concluded about it: the
+    requeue is made again (``requeuehold`` brings an ended job back under the
+    same id), as a new attempt so that it is a new action. A job that Slurm
+    ends after :data:`MAX_LOST_REQUEUES` of them is failed, with what to do.
+    """
+    pending = record.recovery
+    assert pending is not None
+    ended = f"Slurm ended the job ({seen.state.upper()}{_because(seen)})"
+    if pending.requeues_lost >= MAX_LOST_REQUEUES:
+        resume = pending.resume_from or "its newest valid checkpoint"
+        reason = (
+            f"{ended} after each of {pending.requeues_lost + 1} requeues, before it ran "
+            f"again; resubmit it with `resurgo submit` and the same --ckpt-root: it "
+            f"resumes from {resume}"
+        )
+        failed = replace(recovery.to_state(record, JobState.FAILED, now_s), recovery=None)
+        return decision(replace(failed, final_reason=reason), (), Cause.SLURM_ENDED, reason)
+    again = replace(
+        record,
+        attempt=record.attempt + 1,
+        recovery=replace(
+            pending, requeue=True, requeue_seen=False, requeues_lost=pending.requeues_lost + 1
+        ),
+    )
+    planned = recovery.relaunch(again, now_s, cluster)
+    why = f"{ended} after the requeue took, before it ran again: requeue again; "
+    return replace(planned, explanation=why + planned.explanation)
 
 
 def _restart_requeued(

@@ -244,6 +244,10 @@ class ExitSeen:
     raised_at_s: float | None = None
 
 
+# Requeues made again after Slurm reported the job ended before it ran again.
+MAX_LOST_REQUEUES = 2
+
+
 @dataclass(frozen=True)
 class Recovery:
     """How far the current recovery got; None on the record when none is under way.
@@ -266,6 +270,9 @@ class Recovery:
     - ``rejected``: checkpoint paths that failed validation in this recovery.
     - ``requeue_seen``: Slurm showed the job queued again after the requeue
       (until then an ended state from Slurm predates the requeue).
+    - ``requeues_lost``: requeues Slurm showed queued and then reported ended
+      before the job ran again (the earlier run's end overrode them); each is
+      made again, up to :data:`MAX_LOST_REQUEUES`.
     """
 
     cause: Cause
@@ -281,6 +288,7 @@ class Recovery:
     resume_step: int | None = None
     rejected: tuple[str, ...] = ()
     requeue_seen: bool = False
+    requeues_lost: int = 0
     # A rollback after a training anomaly: only checkpoints of this step or
     # earlier are candidates (None: any).
     resume_before: int | None = None

@@ -114,3 +114,44 @@ def test_an_ended_state_seen_before_our_requeue_took_effect_is_stale_but_not_aft
     assert stale.record.state is JobState.REQUEUED and stale.intents == ()
     assert queued.record.state is JobState.REQUEUED
     assert cancelled.record.state is JobState.CANCELLED
+
+
+def test_a_requeue_that_slurm_ends_before_the_job_ran_again_is_made_again_then_given_up():
+    record = run(
+        running(), SlurmNodeSeen("node1", down=True), CheckpointValidated(100, CKPT, True)
+    )[-1].record
+    first = record.attempt
+    queued, lost, queued_again, lost_again, queued_last, given_up = run(
+        record,
+        SlurmJobSeen("PENDING", (), 1),
+        SlurmJobSeen("FAILED", (), 1, "NonZeroExitCode"),
+        SlurmJobSeen("PENDING", (), 2),
+        SlurmJobSeen("FAILED", (), 2, "NonZeroExitCode"),
+        SlurmJobSeen("PENDING", (), 3),
+        SlurmJobSeen("FAILED", (), 3, "NonZeroExitCode"),
+    )
+    assert queued.record.state is JobState.REQUEUED
+    # Nothing ran since the requeue: the earlier run's end overrode it; made again.
+    assert lost.record.state is JobState.REQUEUED
+    (requeue,) = lost.intents
+    assert isinstance(requeue, RequeueSmaller) and requeue.attempt == first + 1
+    assert requeue.resume_from == CKPT and "node1" in requeue.exclude
+    assert "requeue again" in lost.explanation
+    assert kinds(lost_again) == [RequeueSmaller]
+    assert lost_again.intents[0].attempt == first + 2
+    assert given_up.record.state is JobState.FAILED and given_up.intents == ()
+    assert "after each of 3 requeues" in given_up.record.final_reason
+    assert f"resumes from {CKPT}" in given_up.record.final_reason
+
+
+def test_a_failed_end_after_the_requeued_job_ran_again_ends_the_job():
+    record = run(
+        running(), SlurmNodeSeen("node1", down=True), CheckpointValidated(100, CKPT, True)
+    )[-1].record
+    *_, failed = run(
+        record,
+        SlurmJobSeen("PENDING", (), 1),
+        SlurmJobSeen("RUNNING", tuple(NODES[1:]), 1),
+        SlurmJobSeen("FAILED", (), 1, "NonZeroExitCode"),
+    )
+    assert failed.record.state is JobState.FAILED and failed.intents == ()
