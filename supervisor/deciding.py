@@ -30,12 +30,15 @@ from supervisor.act.reconcile import KIND_OF, intent_of
 from supervisor.core.decision import Decision
 from supervisor.core.intents import Intent, RequeueSmaller
 from supervisor.core.model import ClusterView, JobRecord, JobState, record_to_json
-from supervisor.core.observations import Observation, SlurmJobSeen, from_event
+from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
 from supervisor.core.policy import decide
 from supervisor.intake import Intake
 from supervisor.store import ActionState, EventSource
 
 log = logging.getLogger("resurgo.supervisor")
+
+# A deadline's Tick comes this much after it, so the clock the core reads has passed it.
+DEADLINE_SLACK_S = 0.01
 
 
 class Deciding(Intake):
@@ -174,8 +177,23 @@ class Deciding(Intake):
             job.compute.clear()  # the new launch's ranks measure afresh
         if after.state is not before.state or decision.intents:
             _log_decision(job_id, before, decision)
+        self._wake_at_deadline(job_id, after, now)
         for seen in await self.executor.execute(job_id, decision.intents, now):
             await self.apply(job_id, seen)
+
+    def _wake_at_deadline(self, job_id: str, record: JobRecord, now: float) -> None:
+        """A Tick for ``record``'s next deadline (the end of an evidence window, of a
+        backoff) at that moment: the periodic tick alone releases it up to ``tick_s``
+        late, on the way from the fault to the relaunch. An early or extra Tick
+        decides nothing."""
+        pending = record.recovery
+        if record.state is not JobState.RECOVERING or pending is None:
+            return
+        due = [at for at in (pending.evidence_until_s, record.not_before_s) if at is not None]
+        later = [at for at in due if at > now]
+        if later:
+            delay_s = min(later) - now + DEADLINE_SLACK_S
+            asyncio.get_running_loop().call_later(delay_s, self._enqueue, job_id, Tick())
 
     def _persist(
         self, job_id: str, before: JobRecord, decision: Decision, ref: str | None, now: float

@@ -685,3 +685,24 @@ def test_a_not_responding_flag_is_no_lost_node_while_its_agent_still_calls_in(
         assert [(type(o).__name__, o.node) for o in seen][1:] == [("SlurmNodeSeen", gone)]  # type: ignore[attr-defined]
 
     run(body, tmp_path, start_s=NOW - 60)
+
+
+def test_an_exit_window_is_closed_at_its_end_not_at_the_next_periodic_tick(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        agents = {node: f"00000000000000d{i}" for i, node in enumerate(NODES)}
+        for node, incarnation in agents.items():
+            supervisor.accept_events(JOB, [started(node, incarnation, 1)])
+        supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
+        await supervisor.settle()
+        record = supervisor.jobs[JOB].record
+        assert record.state is JobState.RECOVERING and record.attempt == 1  # collecting
+        clock[0] = record.recovery.evidence_until_s  # type: ignore[union-attr]
+        await asyncio.sleep(0.5)  # the window's own timer; tick() is never called here
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.attempt == 2
+        assert slurm.calls[0][:2] == ("drain", "node3")
+
+    run(body, tmp_path, exit_evidence_window_s=0.3)
