@@ -62,6 +62,10 @@ log = logging.getLogger("resurgo.supervisor")
 
 # How long the driver is told to wait before asking again.
 DRIVER_RETRY_S = 2.0
+# While a recovery prepares the relaunch (evidence, checkpoint choice, backoff),
+# the driver asks again this soon, or right after the backoff ends: the relaunch
+# is planned within moments, and the driver is the one to start it.
+DRIVER_RECOVERY_RETRY_S = 0.2
 # Phases in which a rank may keep its peers waiting in a collective for long.
 _BUSY_PHASES = frozenset({"checkpoint", "eval"})
 
@@ -535,7 +539,7 @@ class Intake:
             if recovery is not None and not recovery.validated:
                 return DriverAnswer(
                     DriverAction.WAIT, record.attempt, reason="choosing a checkpoint",
-                    retry_after_s=DRIVER_RETRY_S,
+                    retry_after_s=self._retry_s(record),
                 )  # fmt: skip
             if record.spares_wanted and not record.nodes:
                 # Which nodes are the world and which the spares is decided on
@@ -558,8 +562,18 @@ class Intake:
             DriverAction.WAIT,
             record.attempt,
             reason=f"job is {record.state.value}",
-            retry_after_s=DRIVER_RETRY_S,
+            retry_after_s=self._retry_s(record),
         )
+
+    def _retry_s(self, record: JobRecord) -> float:
+        """When the driver should ask again: soon while a recovery prepares the relaunch
+        (right after its backoff, when one runs), else :data:`DRIVER_RETRY_S`."""
+        if record.state is not JobState.RECOVERING:
+            return DRIVER_RETRY_S
+        wait_s = DRIVER_RECOVERY_RETRY_S
+        if record.not_before_s is not None:
+            wait_s = max(wait_s, record.not_before_s - self.clock() + DRIVER_RECOVERY_RETRY_S / 4)
+        return min(wait_s, DRIVER_RETRY_S)
 
     def _spares_due(self, job: TrackedJob, attempt: int | None) -> tuple[str, ...]:
         """The idle spares the driver should health-check now: all of them, once the

@@ -706,3 +706,26 @@ def test_an_exit_window_is_closed_at_its_end_not_at_the_next_periodic_tick(
         assert slurm.calls[0][:2] == ("drain", "node3")
 
     run(body, tmp_path, exit_evidence_window_s=0.3)
+
+
+def test_the_driver_asks_again_soon_while_a_recovery_prepares_its_relaunch(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        assert (await _step_ended(supervisor, None)).retry_after_s == 2.0  # nothing to wait for
+        agents = {node: f"00000000000000e{i}" for i, node in enumerate(NODES)}
+        for node, incarnation in agents.items():
+            supervisor.accept_events(JOB, [started(node, incarnation, 1)])
+        supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
+        await supervisor.settle()
+        record = supervisor.jobs[JOB].record
+        assert record.state is JobState.RECOVERING and record.not_before_s is not None
+        # Asked again right after the backoff (1.5 s), not 2 s later; then at once.
+        answer = await _step_ended(supervisor, 1)
+        assert answer.action is protocol.DriverAction.WAIT
+        assert answer.retry_after_s == pytest.approx(min(2.0, record.not_before_s - NOW + 0.05))
+        clock[0] = record.not_before_s
+        assert (await _step_ended(supervisor, 1)).retry_after_s == pytest.approx(0.2)
+
+    run(body, tmp_path, backoff_base_s=1.5)
