@@ -137,8 +137,10 @@ def test_a_requeue_that_slurm_ends_before_the_job_ran_again_is_made_again_then_g
     assert isinstance(requeue, RequeueSmaller) and requeue.attempt == first + 1
     assert requeue.resume_from == CKPT and "node1" in requeue.exclude
     assert "requeue again" in lost.explanation
+    assert queued_again.record.state is JobState.REQUEUED and queued_again.intents == ()
     assert kinds(lost_again) == [RequeueSmaller]
     assert lost_again.intents[0].attempt == first + 2
+    assert queued_last.record.state is JobState.REQUEUED
     assert given_up.record.state is JobState.FAILED and given_up.intents == ()
     assert "after each of 3 requeues" in given_up.record.final_reason
     assert f"resumes from {CKPT}" in given_up.record.final_reason
