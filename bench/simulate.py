@@ -7,7 +7,7 @@ sweep behind ``resurgo simulate --plot`` (25 intervals x 4 seeds, without
 drawing). Target: a simulation under 10 s.
 
     python -m bench.simulate [--seeds 5]
-    python -m bench.simulate --spares 0 1 2 4 8 16 32 --seeds 10
+    python -m bench.simulate --spares 0 1 2 4 8 16 32 --seeds 10 [--save-stall-s S]
 
 With ``--spares``, instead: goodput of Llama 3's preset with each number of
 hot spares, under the adaptive and the recommended (Daly) interval, with
@@ -38,15 +38,15 @@ SWEEP_POINTS = 25
 SWEEP_SEEDS = 4
 
 
-def spares_table(counts: list[int], seeds: int) -> None:
-    """Goodput of Llama 3 with each of ``counts`` hot spares; the rows, then one JSON object."""
+def spares_table(counts: list[int], seeds: int, save_stall_s: float | None = None) -> None:
+    """Goodput of Llama 3 with each of ``counts`` hot spares (each save stalling
+    ``save_stall_s``, default the preset's); the rows, then one JSON object."""
     rows = []
+    base = llama3() if save_stall_s is None else replace(llama3(), save_stall_s=save_stall_s)
     for policy in (IntervalPolicy.ADAPTIVE, IntervalPolicy.DALY):
         for idle in (16, 0):
             for spares in counts:
-                params = replace(
-                    llama3(), interval_policy=policy, spare_nodes=idle, job_spares=spares
-                )
+                params = replace(base, interval_policy=policy, spare_nodes=idle, job_spares=spares)
                 outcomes = [simulate(params, seed) for seed in range(seeds)]
                 goodputs = [o.goodput for o in outcomes]
                 badput = {
@@ -82,16 +82,19 @@ def spares_table(counts: list[int], seeds: int) -> None:
                     f"{badput['checkpoint_stall']:.2%}, recovery {badput['recovery']:.2%}, "
                     f"queue {badput['queue_wait']:.2%}"
                 )
-    print(json.dumps({"seeds": seeds, "rows": rows}))
+    print(json.dumps({"seeds": seeds, "save_stall_s": base.save_stall_s, "rows": rows}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5, help="simulations to time (5)")
     parser.add_argument("--spares", type=int, nargs="+", metavar="K", help="goodput per K instead")
+    parser.add_argument(
+        "--save-stall-s", type=float, metavar="S", help="with --spares: each save's stall"
+    )
     args = parser.parse_args()
     if args.spares:
-        spares_table(args.spares, args.seeds)
+        spares_table(args.spares, args.seeds, args.save_stall_s)
         return
 
     params = llama3()
