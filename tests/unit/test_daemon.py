@@ -101,6 +101,16 @@ def killed(node: str, incarnation: str, rank: int):  # type: ignore[no-untyped-d
     return event(EventKind.RANK_EXITED, node, incarnation, 2, payload)
 
 
+def _node3_killed(supervisor: Supervisor, digit: str) -> dict[str, str]:
+    """Every node's agent of attempt 1 started, then rank 2 on node3 SIGKILLed; the
+    agents' incarnations by node."""
+    agents = {node: f"00000000000000{digit}{i}" for i, node in enumerate(NODES)}
+    for node, incarnation in agents.items():
+        supervisor.accept_events(JOB, [started(node, incarnation, 1)])
+    supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
+    return agents
+
+
 async def registered_and_running(supervisor: Supervisor) -> None:
     write_job_dir(supervisor.config.jobs_path, JOB, spec())
     await supervisor.poll()
@@ -198,10 +208,7 @@ def test_an_exit_window_closes_when_every_launcher_ended_not_when_the_clock_says
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
-        agents = {node: f"00000000000000c{i}" for i, node in enumerate(NODES)}
-        for node, incarnation in agents.items():
-            supervisor.accept_events(JOB, [started(node, incarnation, 1)])
-        supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
+        agents = _node3_killed(supervisor, "c")
         ended = {"exit_code": 1, "signal": None, "signal_name": None, "pid": 10}
         for node in NODES[:-1]:
             launcher = event(EventKind.LAUNCHER_EXITED, node, agents[node], 3, ended)
@@ -692,10 +699,7 @@ def test_an_exit_window_is_closed_at_its_end_not_at_the_next_periodic_tick(
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
-        agents = {node: f"00000000000000d{i}" for i, node in enumerate(NODES)}
-        for node, incarnation in agents.items():
-            supervisor.accept_events(JOB, [started(node, incarnation, 1)])
-        supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
+        _node3_killed(supervisor, "d")
         await supervisor.settle()
         record = supervisor.jobs[JOB].record
         assert record.state is JobState.RECOVERING and record.attempt == 1  # collecting
@@ -714,10 +718,7 @@ def test_the_driver_asks_again_soon_while_a_recovery_prepares_its_relaunch(
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         assert (await _step_ended(supervisor, None)).retry_after_s == 2.0  # nothing to wait for
-        agents = {node: f"00000000000000e{i}" for i, node in enumerate(NODES)}
-        for node, incarnation in agents.items():
-            supervisor.accept_events(JOB, [started(node, incarnation, 1)])
-        supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
+        _node3_killed(supervisor, "e")
         await supervisor.settle()
         record = supervisor.jobs[JOB].record
         assert record.state is JobState.RECOVERING and record.not_before_s is not None
