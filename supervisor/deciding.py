@@ -189,8 +189,8 @@ class Deciding(Intake):
         pending = record.recovery
         if record.state is not JobState.RECOVERING or pending is None:
             return
-        due = [at for at in (pending.evidence_until_s, record.not_before_s) if at is not None]
-        later = [at for at in due if at > now]
+        due = (pending.evidence_until_s, record.not_before_s)
+        later = [at for at in due if at is not None and at > now]
         if later:
             delay_s = min(later) - now + DEADLINE_SLACK_S
             asyncio.get_running_loop().call_later(delay_s, self._enqueue, job_id, Tick())

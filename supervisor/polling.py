@@ -139,7 +139,7 @@ class SlurmWatch(Deciding):
                 if seen is not None:
                     self._observe_slurm_job(job_id, job, seen, read_s)
             if nodes is not None:
-                self._observe_nodes(job_id, job, nodes, now)
+                self._observe_nodes(job_id, job, nodes)
 
     async def _detect_rights(self) -> Rights | None:
         """Whether this supervisor may drain (None: Slurm could not be asked; next poll)."""
@@ -246,14 +246,10 @@ class SlurmWatch(Deciding):
         )
         self._sighted(job_id, observation, read_s)
 
-    def _observe_nodes(
-        self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode], now: float
-    ) -> None:
-        calling_in = {
-            lease.node
-            for lease in self.store.leases_for(job_id)
-            if now - lease.last_seen_s <= self.config.lease_s
-        }
+    def _observe_nodes(self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode]) -> None:
+        # A lease is held until the daemon expires it (its one definition of an agent
+        # gone silent, with the time the daemon itself was held up given back).
+        calling_in = {lease.node for lease in self.store.leases_for(job_id)}
         for name in (*job.record.nodes, *job.record.spare_nodes):
             node = nodes.get(name)
             bad = node is not None and (node.down or node.not_responding)
