@@ -85,7 +85,7 @@ if not __package__:
     sys.exit("run the benchmarks from the repository root as modules: python -m bench.recovery")
 
 from bench.recovery_phases import breakdown, store_marks, summarize
-from tests.conftest import REPO, LiveCluster, _cluster_conf
+from tests.conftest import REPO, LiveCluster, cluster_conf
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
 SCENARIOS = {
@@ -429,7 +429,7 @@ def main() -> int:
     names = list(args.scenario or ([] if args.spares else list(SCENARIOS)))
     if args.spares:
         names += [n for n in SCENARIOS if n.startswith("spare_") and n not in names]
-    cluster = LiveCluster(conf=_cluster_conf())
+    cluster = LiveCluster(conf=cluster_conf())
     results = []
     with tempfile.TemporaryDirectory(prefix="resurgo-bench-recovery-") as tmp:
         for name in names:

@@ -36,6 +36,14 @@ def in_ci() -> bool:
 _GPU_SKIPS: list[str] = []
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker's processes all talk to the worker's own cluster: whatever a test
+    starts without an explicit environment inherits it (see :func:`worker_cluster`)."""
+    if worker_id() is not None:
+        os.environ["SLURM_CONF"] = str(cluster_conf())
+        os.environ["RESURGO_CLUSTER_DIR"] = str(worker_cluster())
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     outcome = yield
@@ -49,6 +57,43 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return
     report.outcome = "failed"
     report.longrepr = f"skipped in CI, which must run every test: {reason}"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that takes the live cluster is marked ``slurm``: the tiers select on it
+    (``-m slurm`` for the live tier, ``-m "not slurm"`` for the rest); tests marked
+    ``long_wait`` run first.
+
+    Under ``--dist loadgroup``, fail at once when xdist's grouping did not take. A
+    module marked ``xdist_group`` holds something machine-wide (a local user, fixed
+    ports); split across workers it fails in ways that look like flakes. xdist
+    groups by suffixing node ids (``test_x@group``) in its own hook, which runs
+    before this one; some pytest releases silently undo the suffix (pytest 9.2:
+    pytest-xdist issue 1386).
+    """
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker(
+            "slurm"
+        ):
+            item.add_marker(pytest.mark.slurm)
+    # Tests that mostly wait go first: a worker's long wait then overlaps the other
+    # workers' short tests instead of being the tier's tail (a stable sort: the rest
+    # keep their order).
+    items.sort(key=lambda item: item.get_closest_marker("long_wait") is None)
+    if worker_id() is None or not config.getoption("loadgroup", False):
+        return
+    lost = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid
+    ]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup did not group {len(lost)} test(s), e.g. {lost[0]}: this pytest "
+            f"({pytest.__version__}) and pytest-xdist disagree on node ids; install the "
+            "versions pyproject.toml pins (deploy/setup)"
+        )
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -65,8 +110,15 @@ class LiveCluster:
     conf: Path
 
     @property
+    def root(self) -> Path:
+        """The cluster's folder (``deploy/slurm/cluster --dir``)."""
+        return self.conf.parent
+
+    @property
     def env(self) -> dict[str, str]:
-        return dict(os.environ, SLURM_CONF=str(self.conf))
+        """The environment of a command on this cluster: Slurm's commands and
+        ``deploy/slurm/cluster`` (kill-node, start-node) both act on it alone."""
+        return dict(os.environ, SLURM_CONF=str(self.conf), RESURGO_CLUSTER_DIR=str(self.root))
 
     def run(
         self, argv: Sequence[str], timeout: float = 30.0, env: dict[str, str] | None = None
@@ -128,34 +180,83 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _cluster_conf() -> Path:
+def worker_id() -> str | None:
+    """This pytest-xdist worker's name (``gw0``, ``gw1``, ...), or None outside xdist."""
+    return os.environ.get("PYTEST_XDIST_WORKER") or None
+
+
+def worker_cluster() -> Path:
+    """The folder of the local cluster this test process runs on.
+
+    One cluster per xdist worker, so live tests on different workers never share
+    nodes, jobs or drains: worker ``gwN`` runs on ``.cluster-gwN``, which
+    ``deploy/slurm/cluster --worker gwN`` manages (its ports too). Without xdist,
+    the default cluster, or the one ``SLURM_CONF`` names.
+    """
+    worker = worker_id()
+    if worker is not None:
+        return REPO / f".cluster-{worker}"
     configured = os.environ.get("SLURM_CONF")
-    return Path(configured) if configured else REPO / ".cluster" / "slurm.conf"
+    return Path(configured).parent if configured else REPO / ".cluster"
+
+
+def cluster_conf() -> Path:
+    """The slurm.conf of this test process's cluster (see :func:`worker_cluster`)."""
+    return worker_cluster() / "slurm.conf"
+
+
+def _cluster_problem(conf: Path) -> str | None:
+    """None when the cluster of ``conf`` answers ``sinfo`` with nodes; else what is wrong."""
+    if not conf.exists():
+        return f"no slurm.conf at {conf}"
+    try:
+        done = subprocess.run(
+            ["sinfo", "--json"],
+            env=dict(os.environ, SLURM_CONF=str(conf)),
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"sinfo did not answer: {error}"
+    if done.returncode != 0:
+        return f"sinfo failed: {done.stderr.strip()}"
+    try:
+        if not json.loads(done.stdout).get("nodes"):
+            return "sinfo lists no nodes"
+    except json.JSONDecodeError as error:
+        return f"sinfo did not answer: {error}"
+    return None
+
+
+def _bring_up(worker: str) -> str | None:
+    """Start ``worker``'s cluster with deploy/slurm/cluster; None on success, else why not."""
+    try:
+        done = subprocess.run(
+            [str(CLUSTER_SCRIPT), "up", "--worker", worker],
+            capture_output=True, text=True, timeout=180, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"`deploy/slurm/cluster up --worker {worker}` did not finish: {error}"
+    if done.returncode != 0:
+        return done.stderr.strip() or done.stdout.strip()
+    return None
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> LiveCluster:
-    """The live local cluster; fails in CI and skips locally when it is not reachable."""
-    conf = _cluster_conf()
-    problem = None
-    if not conf.exists():
-        problem = f"no slurm.conf at {conf}"
-    else:
-        try:
-            done = subprocess.run(
-                ["sinfo", "--json"],
-                env=dict(os.environ, SLURM_CONF=str(conf)),
-                capture_output=True,
-                text=True,
-                timeout=15,
-                check=False,
-            )
-            if done.returncode != 0:
-                problem = f"sinfo failed: {done.stderr.strip()}"
-            elif not json.loads(done.stdout).get("nodes"):
-                problem = "sinfo lists no nodes"
-        except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as error:
-            problem = f"sinfo did not answer: {error}"
+    """The live local cluster of this test process; fails in CI, skips locally when unreachable.
+
+    An xdist worker brings its own cluster up when it is not up yet (CI starts
+    them ahead, beside the unit tier); ``deploy/slurm/cluster down --all`` stops
+    them all.
+    """
+    conf = cluster_conf()
+    problem = _cluster_problem(conf)
+    worker = worker_id()
+    if problem is not None and worker is not None:
+        problem = _bring_up(worker) or _cluster_problem(conf)
     if problem is not None:
         message = f"live Slurm cluster not reachable ({problem}): run `deploy/slurm/cluster up`"
         if in_ci():

@@ -21,7 +21,13 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from filelock import FileLock
+
 from tests.conftest import REPO
+
+LOCK = "/tmp/resurgo-tests-reachable-by-others.lock"
+# Longer than the longest module that holds it (test_unprivileged.py).
+LOCK_TIMEOUT_S = 1800.0
 
 
 @contextlib.contextmanager
@@ -30,7 +36,14 @@ def reachable_by_others() -> Iterator[None]:
 
     Directories on ``PYTHONPATH`` need read permission too (the import system
     lists them); those above them only search. The modes are put back after.
+    Blocks of several pytest-xdist workers take turns (a file lock): one that
+    put the modes back would otherwise take them from under another.
     """
+    with FileLock(LOCK, timeout=LOCK_TIMEOUT_S):
+        yield from _reachable()
+
+
+def _reachable() -> Iterator[None]:
     imported = [REPO, Path(sysconfig.get_paths()["purelib"])]
     wanted: dict[Path, int] = {}
     for path in imported:

@@ -18,7 +18,7 @@ from typing import IO, Any
 from supervisor.jobs import JobSpec, submit
 from supervisor.slurm import SlurmClient
 from supervisor.store import Store
-from tests.conftest import REPO, LiveCluster, free_port
+from tests.conftest import REPO, LiveCluster, cluster_conf, free_port
 
 # The node agents of test jobs report quickly, so recoveries fit in a test.
 AGENT_ENV = {
@@ -197,8 +197,11 @@ def toy_spec(
     )
 
 
-def rank_pids(node: str, marker: str = "train_toy.py") -> list[int]:
-    """Pids of training ranks (not their shims or torchrun) running as Slurm node ``node``."""
+def rank_pids(node: str, marker: str = "train_toy.py", conf: Path | None = None) -> list[int]:
+    """Pids of training ranks (not their shims or torchrun) running as Slurm node ``node``
+    of the cluster whose slurm.conf is ``conf`` (default: this test process's cluster):
+    every local cluster has a node1, so the node name alone would take another's ranks."""
+    cluster = f"SLURM_CONF={conf or cluster_conf()}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -212,15 +215,17 @@ def rank_pids(node: str, marker: str = "train_toy.py") -> list[int]:
             continue
         if b"agent.node.rankexec" in cmdline or b"torch.distributed.run" in cmdline:
             continue
-        if f"SLURMD_NODENAME={node}".encode() in environ and any(
-            item.startswith(b"RANK=") for item in environ
+        if (
+            f"SLURMD_NODENAME={node}".encode() in environ
+            and cluster in environ
+            and any(item.startswith(b"RANK=") for item in environ)
         ):
             found.append(int(entry.name))
     return found
 
 
-def kill_rank_on(node: str) -> int:
-    pids = rank_pids(node)
+def kill_rank_on(node: str, conf: Path | None = None) -> int:
+    pids = rank_pids(node, conf=conf)
     assert pids, f"no toy rank runs on {node}"
     os.kill(pids[0], signal.SIGKILL)
     return pids[0]

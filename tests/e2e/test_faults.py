@@ -26,6 +26,7 @@ import torch
 
 from supervisor.store import EventSource
 from tests.conftest import CLUSTER_SCRIPT, LiveCluster
+from tests.run_once import key_of, once_per_run
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
 pytestmark = pytest.mark.slurm
@@ -151,19 +152,30 @@ def attempts(supervisor: SupervisorProcess, job_id: int) -> list:  # type: ignor
         return list(store.attempts_for(str(job_id)))
 
 
+def unfaulted(cluster: LiveCluster, factory: pytest.TempPathFactory, nodes: int = 4) -> Run:
+    """The demo job without faults on ``nodes`` nodes, made once per pytest run (every
+    worker and module that asks shares it; tests only read its record)."""
+
+    def make(where: Path) -> None:
+        supervisor = SupervisorProcess(cluster, where / "state", POLICY)
+        supervisor.start()
+        try:
+            run = submit(supervisor, where, nodes=nodes)
+            job = finish(cluster, supervisor, run)
+            assert job["job_state"] == "COMPLETED", story(supervisor, run)
+            assert run.steps()[STEPS]["world"] == nodes
+        finally:
+            supervisor.stop()
+
+    key = key_of((STEPS, nodes, sorted(POLICY.items())), files=[TOY])
+    where = once_per_run(factory, f"unfaulted-{nodes}", key, make)
+    return Run(0, where / "job.out", where / "ckpt", where / "record")
+
+
 @pytest.fixture(scope="module")
 def reference(slurm_cluster: LiveCluster, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The same job without faults, on 4 nodes: the samples and parameters to match."""
-    where = tmp_path_factory.mktemp("reference")
-    supervisor = SupervisorProcess(slurm_cluster, where / "state", POLICY)
-    supervisor.start()
-    try:
-        run = submit(supervisor, where)
-        job = finish(slurm_cluster, supervisor, run)
-        assert job["job_state"] == "COMPLETED", story(supervisor, run)
-    finally:
-        supervisor.stop()
-    return run
+    return unfaulted(slurm_cluster, tmp_path_factory)
 
 
 def restore_cluster(cluster: LiveCluster) -> None:

@@ -36,7 +36,8 @@ from tests.e2e.test_faults import (
 )
 from tests.supervisor_harness import SupervisorProcess, rank_pids
 
-pytestmark = pytest.mark.slurm
+# Minutes of waiting (limits, outages): started first, so other tests fill the wait.
+pytestmark = [pytest.mark.slurm, pytest.mark.long_wait]
 
 VICTIM = "node2"
 

@@ -104,6 +104,7 @@ def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself
     print(f"detected and drained {detected_s:.1f} s after the rank fell asleep")
 
 
+@pytest.mark.long_wait
 def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:

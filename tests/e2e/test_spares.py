@@ -25,7 +25,6 @@ import torch
 from tests.conftest import CLUSTER_SCRIPT, LiveCluster
 from tests.e2e import test_faults
 from tests.e2e.test_faults import (
-    POLICY,
     STEPS,
     Run,
     assert_resumed_from,
@@ -60,17 +59,7 @@ def submit(
 @pytest.fixture(scope="module")
 def reference(slurm_cluster: LiveCluster, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The same job unfaulted, on the world's nodes and no spare: what to match bitwise."""
-    where = tmp_path_factory.mktemp("reference")
-    supervisor = SupervisorProcess(slurm_cluster, where / "state", POLICY)
-    supervisor.start()
-    try:
-        run = submit(supervisor, where, spares=0)
-        job = finish(slurm_cluster, supervisor, run)
-        assert job["job_state"] == "COMPLETED", story(supervisor, run)
-        assert run.steps()[STEPS]["world"] == WORLD
-    finally:
-        supervisor.stop()
-    return run
+    return test_faults.unfaulted(slurm_cluster, tmp_path_factory, nodes=WORLD)
 
 
 def status_of(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: ignore[type-arg]

@@ -48,8 +48,14 @@ def order() -> list[int]:
     return sampler.permutation(0).tolist()
 
 
+# Steps of 1 s: the supervisor must see the onset and stop the ranks before they
+# train the 7 steps after it. At the toy's default 0.2 s a loaded machine's
+# verdict came after the job had already ended (COMPLETED instead of a crash loop).
+STEP_S = "1"
+
+
 def submit(supervisor: SupervisorProcess, where: Path, *toy_args: str, nodes: int = 2) -> Run:
-    return test_faults.submit(supervisor, where, *toy_args, nodes=nodes)
+    return test_faults.submit(supervisor, where, "--step-s", STEP_S, *toy_args, nodes=nodes)
 
 
 def record_of(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: ignore[type-arg]

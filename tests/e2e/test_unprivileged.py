@@ -41,7 +41,9 @@ from tests.e2e.test_faults import (
 from tests.other_users import python_for, reachable_by_others
 from tests.supervisor_harness import LocalUser, SupervisorProcess
 
-pytestmark = pytest.mark.slurm
+# One worker runs the whole module: its module fixture creates and removes one
+# local user, which a second worker would remove under the first one's tests.
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("local-user")]
 
 USER = "resurgo-ada"
 # What the hook writes: each ticket it received, one JSON object per line.

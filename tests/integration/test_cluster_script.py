@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLUSTER_SCRIPT, _cluster_conf
+from tests.conftest import CLUSTER_SCRIPT, cluster_conf
 
-pytestmark = pytest.mark.slurm
+# One worker runs the whole module: its throwaway clusters use fixed ports.
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("cluster-script")]
 
 # Far from the session cluster's default ports (17000..17004).
 PORT_BASE = 17100
@@ -70,12 +71,12 @@ def test_up_is_idempotent_and_down_stops_exactly_its_daemons(throwaway: Path) ->
     daemons = pids_of(throwaway)
     assert len(daemons) == 4  # munged, slurmctld, two slurmd
 
-    session_cluster_before = pids_of(CLUSTER_SCRIPT.parents[2] / ".cluster")
+    session_cluster_before = pids_of(cluster_conf().parent)
     down = cluster(throwaway, "down")
     assert down.returncode == 0, down.stderr
     assert pids_of(throwaway) == []
     # The session's own cluster (if any) is untouched.
-    assert pids_of(CLUSTER_SCRIPT.parents[2] / ".cluster") == session_cluster_before
+    assert pids_of(cluster_conf().parent) == session_cluster_before
     assert cluster(throwaway, "status").returncode == 3
 
 
@@ -204,7 +205,7 @@ def test_killing_a_node_of_one_cluster_leaves_the_other_clusters_job_running(
         pytest.fail("slurm-wlm is not installed: run deploy/setup")
     first, second = two_clusters
     # The cluster the rest of the suite runs on (CI keeps it up on 17000), if any.
-    session = _cluster_conf().parent
+    session = cluster_conf().parent
     session_daemons = daemons_of(session)
     for directory, port_base in zip(two_clusters, SIDE_BY_SIDE_PORTS, strict=True):
         # --dir after the action, as well as before it.

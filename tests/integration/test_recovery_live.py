@@ -202,14 +202,23 @@ def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nod
     assert png.stat().st_size > 50_000  # a page with two plots, not a blank one
 
     # Every dashboard panel's expression parses and returns data in Prometheus.
-    time.sleep(3)  # a few scrapes after the end
-    empty = []
-    for title, expr in dashboard_expressions(str(job_id)):
-        answer = prometheus.query(expr)
-        assert answer["status"] == "success", (title, expr, answer)
-        if not answer["data"]["result"]:
-            empty.append((title, expr))
-    assert not empty, f"panels without data: {empty}"
+    # Prometheus scrapes every second; on a loaded machine the scrapes after the end
+    # come late: wait until every panel has data (or say which never did).
+    empty: list[tuple[str, str]] = []
+
+    def every_panel_has_data() -> bool:
+        empty.clear()
+        for title, expr in dashboard_expressions(str(job_id)):
+            answer = prometheus.query(expr)
+            assert answer["status"] == "success", (title, expr, answer)
+            if not answer["data"]["result"]:
+                empty.append((title, expr))
+        return not empty
+
+    try:
+        supervisor.cluster.wait_for("every panel to have data", every_panel_has_data, 60)
+    except AssertionError:
+        raise AssertionError(f"panels without data: {empty}") from None
     firing = prometheus.query('ALERTS{alertname="ResurgoDrainRateLimitReached"}')
     assert firing["data"]["result"], "one drain of the one allowed per hour: the limit is reached"
     # An operator returns node3 to service.
