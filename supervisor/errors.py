@@ -15,6 +15,11 @@ class SlurmUnavailable(SlurmError):
     """Slurm could not be reached at all (no binary on PATH, controller down, timeout)."""
 
 
+class SlurmNotSettled(SlurmError):
+    """A job did not reach the state a step waits for in time (a requeued job still
+    COMPLETING while its old processes end): asking again later can succeed."""
+
+
 class RequestRefused(SupervisorError):
     """The API refused a request: ``status`` is the HTTP status, ``cause`` a stable short code.
 

@@ -10,7 +10,9 @@ the recorded observations and calls Slurm for nothing.
 
 A failed prerequisite (stop ranks, validation, shrink, requeue) leaves the
 intents after it planned: relaunching on an allocation that did not shrink
-would be worse than waiting. :meth:`Executor.reconcile` picks them up.
+would be worse than waiting. :meth:`Executor.reconcile` picks them up. A job
+stopped for good (:class:`StopJob`) never waits for one: that stop is how the
+core answers a prerequisite that failed for good.
 
 After a restart, :meth:`Executor.reconcile` finishes what is unfinished: a
 ``started`` action may or may not have taken effect, so Slurm is asked first
@@ -76,7 +78,13 @@ from supervisor.core.observations import (
     RelaunchFinished,
     RequeueFailed,
 )
-from supervisor.errors import SlurmError, SlurmRequeueFailed, SlurmUnavailable, StoreError
+from supervisor.errors import (
+    SlurmError,
+    SlurmNotSettled,
+    SlurmRequeueFailed,
+    SlurmUnavailable,
+    StoreError,
+)
 from supervisor.store import ActionRow, ActionState, Store
 
 log = logging.getLogger(__name__)
@@ -86,9 +94,16 @@ Validator = Callable[[str, ValidationLevel], tuple[bool, str]]
 
 # Later intents of a decision depend on these having happened.
 _PREREQUISITES = (StopRanks, ValidateCheckpoints, ShrinkAllocation, RequeueSmaller)
+# Never held by a failed prerequisite of the same attempt: ending the job for good
+# is the core's answer to such a failure (a requeue Slurm refused), not a step of
+# the plan that failed. Held, the job was never cancelled and ran on for minutes.
+_NEVER_HELD = (StopJob,)
 _UNFINISHED = (ActionState.PLANNED, ActionState.STARTED, ActionState.FAILED)
 # A shrink refused this often (or for good) abandons the fast path: requeue instead.
 SHRINK_ATTEMPTS = 3
+# A requeue whose job stays COMPLETING (each try waits the client's settle time, 60 s)
+# is tried this often before the job is stopped with the requeue's error.
+REQUEUE_ATTEMPTS = 5
 # A job stopped for good (status failed) is left this long to its in-job driver,
 # which learns of the stop at its next question (every few seconds) and ends
 # the job with exit code 93, "do not requeue"; only then is it cancelled.
@@ -194,7 +209,7 @@ class Executor:
                     continue
                 if intent.attempt < self._newest_attempt(row.job_id, newest):
                     continue  # the job moved on; a retry would act on a stale plan
-            if key in waiting:
+            if key in waiting and not isinstance(intent, _NEVER_HELD):
                 log.info(
                     "action %s job=%s kind=%s: %s, waits for an earlier action",
                     row.action_id, row.job_id, row.kind, row.state.value,
@@ -303,7 +318,7 @@ class Executor:
             gave_up = isinstance(intent, ShrinkAllocation) and (
                 not retryable or starts >= SHRINK_ATTEMPTS
             )
-            if gave_up:
+            if gave_up or (isinstance(intent, RequeueSmaller) and starts >= REQUEUE_ATTEMPTS):
                 retryable = False
             if current is not None and current.state is not ActionState.FAILED:
                 self._store.mark_failed(
@@ -517,7 +532,9 @@ def ticket_message(intent: DrainTicket) -> str:
 
 def _retryable(error: SlurmError) -> bool:
     if isinstance(error, SlurmRequeueFailed):
-        return isinstance(error.error, SlurmUnavailable)
+        # A job still COMPLETING after requeuehold is Slurm ending the old run (slow
+        # under load, or with a stopped rank to kill): the requeue resumes there.
+        return isinstance(error.error, (SlurmUnavailable, SlurmNotSettled))
     return isinstance(error, SlurmUnavailable)
 
 

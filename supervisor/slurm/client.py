@@ -20,6 +20,7 @@ from supervisor.children import subprocess_runner
 from supervisor.errors import (
     SlurmCommandFailed,
     SlurmError,
+    SlurmNotSettled,
     SlurmRequeueFailed,
     SlurmUnavailable,
 )
@@ -299,8 +300,8 @@ _REQUEUE_HOLDS = frozenset(
 )
 
 
-class _NotYet(SlurmError):
-    """Internal: the job has not reached the state a step waits for."""
+class _NotYet(SlurmNotSettled):
+    """Internal: the job has not reached the state a step waits for (yet)."""
 
 
 __all__ = ["Runner", "SlurmClient"]

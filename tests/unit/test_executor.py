@@ -18,6 +18,7 @@ from agent.wire.protocol import CommandKind, Reply, decode_reply, encode_reply
 from supervisor.act.executor import (
     ALERT_KIND,
     DRIVER_STOP_GRACE_S,
+    REQUEUE_ATTEMPTS,
     Executor,
     Validator,
     validate_checkpoint,
@@ -39,7 +40,12 @@ from supervisor.core.intents import (
 )
 from supervisor.core.model import Cause, JobState
 from supervisor.core.observations import CheckpointValidated, RelaunchFinished
-from supervisor.errors import SlurmCommandFailed, SlurmUnavailable
+from supervisor.errors import (
+    SlurmCommandFailed,
+    SlurmNotSettled,
+    SlurmRequeueFailed,
+    SlurmUnavailable,
+)
 from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.slurm.parse import NodeFlag, NodeState, SlurmJob, SlurmNode
 from supervisor.store import ActionState, Store
@@ -400,6 +406,75 @@ def test_a_job_stopped_for_good_is_left_to_its_driver_then_cancelled_after_the_g
     assert slurm.calls == [] and state_of(store, stop) is ActionState.STARTED
     asyncio.run(ex.reconcile(NOW + DRIVER_STOP_GRACE_S + 1))
     assert slurm.calls == [("cancel", 4242)] and state_of(store, stop) is ActionState.DONE
+
+
+def test_a_job_stopped_after_its_requeue_failed_for_good_is_still_cancelled(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    """Seen live under load: Slurm kept the job COMPLETING past the requeue's wait, the
+    requeue failed for good, the core stopped the job (same attempt), and that stop
+    waited behind the failed requeue for ever while the job stayed in Slurm."""
+
+    class Refusing(FakeSlurm):
+        async def requeue_smaller(
+            self, job_id: int, n_nodes: int, n_tasks: int, exclude_nodes: Sequence[str] = ()
+        ) -> None:
+            raise SlurmCommandFailed(["scontrol"], 1, "job is COMPLETING, not PENDING yet")
+
+    refusing = Refusing()
+    ex = executor(store, refusing)
+    run_execute(ex, [REQUEUE])
+    row = store.get_action(REQUEUE.action_id)
+    assert row is not None and row.state is ActionState.FAILED and not row.retryable
+    stop = StopJob(JOB, REQUEUE.attempt, JobState.FAILED, "Slurm could not requeue the job")
+    asyncio.run(ex.execute(JOB, [stop], NOW + 1))
+    asyncio.run(ex.reconcile(NOW + DRIVER_STOP_GRACE_S + 2))
+    assert refusing.calls[-1] == ("cancel", 4242)
+    assert state_of(store, stop) is ActionState.DONE
+    assert state_of(store, REQUEUE) is ActionState.FAILED  # never run again
+
+
+def test_a_requeue_whose_job_is_still_completing_is_retried_until_slurm_lets_it_pend(
+    store: Store, slurm: FakeSlurm
+) -> None:
+    """requeuehold landed but the old run is still ending (COMPLETING past the wait):
+    reconcile tries again and the requeue resumes; only after REQUEUE_ATTEMPTS tries is
+    it a failure for good."""
+
+    class Completing(FakeSlurm):
+        completing_for = 2
+
+        async def requeue_smaller(
+            self, job_id: int, n_nodes: int, n_tasks: int, exclude_nodes: Sequence[str] = ()
+        ) -> None:
+            if self.completing_for > 0:
+                self.completing_for -= 1
+                not_yet = SlurmNotSettled(f"job {job_id} is COMPLETING, not PENDING yet")
+                raise SlurmRequeueFailed(job_id, "wait for pending", not_yet)
+            await super().requeue_smaller(job_id, n_nodes, n_tasks, exclude_nodes)
+
+    completing = Completing()
+    ex = executor(store, completing)
+    assert run_execute(ex, [REQUEUE]) == []
+    row = store.get_action(REQUEUE.action_id)
+    assert row is not None and row.state is ActionState.FAILED and row.retryable
+    asyncio.run(ex.reconcile(NOW + 5))
+    assert state_of(store, REQUEUE) is ActionState.FAILED
+    asyncio.run(ex.reconcile(NOW + 10))
+    assert state_of(store, REQUEUE) is ActionState.DONE
+    assert completing.the_job is not None and completing.the_job.state is SlurmState.PENDING
+
+    never = Completing()
+    never.completing_for = REQUEUE_ATTEMPTS + 10
+    other = RequeueSmaller(JOB, 3, 3, ("node3",), None)
+    ex = executor(store, never)
+    observations = asyncio.run(ex.execute(JOB, [other], NOW))
+    for tick in range(1, REQUEUE_ATTEMPTS + 2):
+        observations += [seen for _, seen in asyncio.run(ex.reconcile(NOW + tick))]
+    row = store.get_action(other.action_id)
+    assert row is not None and row.state is ActionState.FAILED and not row.retryable
+    assert row.starts == REQUEUE_ATTEMPTS
+    assert [type(seen).__name__ for seen in observations] == ["RequeueFailed"]
 
 
 def test_a_job_its_driver_ended_is_not_cancelled(store: Store, slurm: FakeSlurm) -> None:
