@@ -18,6 +18,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "deploy" / "slurm" / "cluster"
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 
 
 def in_ci() -> bool:
@@ -63,7 +65,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that takes the live cluster is marked ``slurm``: the tiers select on it
     (``-m slurm`` for the live tier, ``-m "not slurm"`` for the rest); tests marked
-    ``long_wait`` run first.
+    ``long`` run first.
 
     Under ``--dist loadgroup``, fail at once when xdist's grouping did not take. A
     module marked ``xdist_group`` holds something machine-wide (a local user, fixed
@@ -77,10 +79,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "slurm"
         ):
             item.add_marker(pytest.mark.slurm)
-    # Tests that mostly wait go first: a worker's long wait then overlaps the other
-    # workers' short tests instead of being the tier's tail (a stable sort: the rest
-    # keep their order).
-    items.sort(key=lambda item: item.get_closest_marker("long_wait") is None)
+    # Long tests go first: one worker's minutes then overlap the other workers' short
+    # tests instead of being the tier's tail (a stable sort: the rest keep their
+    # order; the tiers run xdist with --no-loadscope-reorder, which keeps it).
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if worker_id() is None or not config.getoption("loadgroup", False):
         return
     lost = [
@@ -165,7 +167,28 @@ class LiveCluster:
             time.sleep(0.25)
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
-    def wait_job_state(self, job_id: int, states: set[str], timeout_s: float = 60.0) -> dict:
+    def restore(self) -> None:
+        """Cancel leftover jobs, bring killed nodes back, undo drains: four idle nodes.
+
+        Every live test starts from this (the autouse ``clean_cluster`` fixture), so
+        a test that left a node drained or a job running cannot fail the next test
+        on the same worker, whichever test that is.
+        """
+        for job in self.json(["squeue", "--json"]).get("jobs", []):
+            if job["job_state"] not in ENDED:
+                self.run(["scancel", str(job["job_id"])])
+        for name, node in self.nodes().items():
+            flags = node.get("state_flags", [])
+            if node["state"] != "idle" or "DRAIN" in flags or "NOT_RESPONDING" in flags:
+                # start-node starts a dead slurmd, resumes the node and waits for idle.
+                subprocess.run(
+                    [str(CLUSTER_SCRIPT), "start-node", name],
+                    env=self.env, capture_output=True, timeout=120, check=False,
+                )  # fmt: skip
+
+    def wait_job_state(
+        self, job_id: int, states: AbstractSet[str], timeout_s: float = 60.0
+    ) -> dict:
         def reached() -> dict[str, Any] | None:
             job = self.job(job_id)
             return job if job is not None and job["job_state"] in states else None
@@ -263,3 +286,10 @@ def slurm_cluster() -> LiveCluster:
             pytest.fail(message)
         pytest.skip(message)
     return LiveCluster(conf=conf)
+
+
+@pytest.fixture(autouse=True)
+def clean_cluster(request: pytest.FixtureRequest) -> None:
+    """Before each test that takes the live cluster: four idle nodes, no job left over."""
+    if "slurm_cluster" in request.fixturenames:
+        request.getfixturevalue("slurm_cluster").restore()

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from supervisor.store import EventSource
-from tests.conftest import CLUSTER_SCRIPT, LiveCluster
+from tests.conftest import CLUSTER_SCRIPT, ENDED, LiveCluster
 from tests.run_once import key_of, once_per_run
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
@@ -52,7 +52,6 @@ AGENTS = {
     "RESURGO_AGENT_HEARTBEAT_REPORT_S": "1",
 }
 STEPS = 16
-ENDED = {"COMPLETED", "FAILED", "CANCELLED"}
 
 
 @dataclass
@@ -180,16 +179,7 @@ def reference(slurm_cluster: LiveCluster, tmp_path_factory: pytest.TempPathFacto
 
 def restore_cluster(cluster: LiveCluster) -> None:
     """Cancel leftovers, bring killed nodes back, undo drains: the next test gets 4 nodes."""
-    for job in cluster.json(["squeue", "--json"]).get("jobs", []):
-        if job["job_state"] not in ENDED:
-            cluster.run(["scancel", str(job["job_id"])])
-    for name, node in cluster.nodes().items():
-        flags = node.get("state_flags", [])
-        if node["state"] != "idle" or "DRAIN" in flags or "NOT_RESPONDING" in flags:
-            subprocess.run(
-                [str(CLUSTER_SCRIPT), "start-node", name],
-                env=cluster.env, capture_output=True, timeout=120, check=False,
-            )  # fmt: skip
+    cluster.restore()
 
 
 def assert_same_samples(run: Run, reference: Run) -> None:

@@ -37,7 +37,7 @@ from tests.e2e.test_faults import (
 from tests.supervisor_harness import SupervisorProcess, rank_pids
 
 # Minutes of waiting (limits, outages): started first, so other tests fill the wait.
-pytestmark = [pytest.mark.slurm, pytest.mark.long_wait]
+pytestmark = [pytest.mark.slurm, pytest.mark.long]
 
 VICTIM = "node2"
 

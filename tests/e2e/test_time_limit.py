@@ -29,7 +29,7 @@ from tests.e2e.test_faults import AGENTS, DAEMON, ENDED, POLICY, restore_cluster
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
 # Minutes of waiting (limits, outages): started first, so other tests fill the wait.
-pytestmark = [pytest.mark.slurm, pytest.mark.long_wait]
+pytestmark = [pytest.mark.slurm, pytest.mark.long]
 
 # A one-minute allocation trains at most 60 - 15 (the warning's lead) - start-up
 # (>= 8 s) seconds, so at most 37 steps of 1 s: 120 steps cross the limit >= 3 times.

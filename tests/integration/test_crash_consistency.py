@@ -658,6 +658,7 @@ def make_templates(root: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_supervisor_killed_at_50_points_finishes_every_recovery_exactly_once(
     tmp_path: Path,
 ) -> None:
