@@ -44,6 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker_id() is not None:
         os.environ["SLURM_CONF"] = str(cluster_conf())
         os.environ["RESURGO_CLUSTER_DIR"] = str(worker_cluster())
+        if config.getoption("loadgroup", False):
+            config.pluginmanager.register(GroupingCheck(), "resurgo-grouping-check")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -61,19 +63,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report.longrepr = f"skipped in CI, which must run every test: {reason}"
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that takes the live cluster is marked ``slurm``: the tiers select on it
     (``-m slurm`` for the live tier, ``-m "not slurm"`` for the rest); tests marked
-    ``long`` run first.
-
-    Under ``--dist loadgroup``, fail at once when xdist's grouping did not take. A
-    module marked ``xdist_group`` holds something machine-wide (a local user, fixed
-    ports); split across workers it fails in ways that look like flakes. xdist
-    groups by suffixing node ids (``test_x@group``) in its own hook, which runs
-    before this one; some pytest releases silently undo the suffix (pytest 9.2:
-    pytest-xdist issue 1386).
-    """
+    ``long`` run first. First among the hooks: ``-m`` deselects in pytest's own."""
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker(
             "slurm"
@@ -83,19 +77,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # tests instead of being the tier's tail (a stable sort: the rest keep their
     # order; the tiers run xdist with --no-loadscope-reorder, which keeps it).
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
-    if worker_id() is None or not config.getoption("loadgroup", False):
-        return
-    lost = [
-        item.nodeid
-        for item in items
-        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid
-    ]
-    if lost:
-        raise pytest.UsageError(
-            f"--dist loadgroup did not group {len(lost)} test(s), e.g. {lost[0]}: this pytest "
-            f"({pytest.__version__}) and pytest-xdist disagree on node ids; install the "
-            "versions pyproject.toml pins (deploy/setup)"
-        )
+
+
+class GroupingCheck:
+    """Under ``--dist loadgroup``, fail at once when xdist's grouping did not take.
+
+    A module marked ``xdist_group`` holds something machine-wide (a local user,
+    fixed ports); split across workers it fails in ways that look like flakes.
+    xdist groups by suffixing node ids (``test_x@group``) in its own hook, which
+    runs before this one; some pytest releases silently undo the suffix (pytest
+    9.2: pytest-xdist issue 1386). The run then ends with an internal error.
+    """
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        lost = [
+            item.nodeid
+            for item in items
+            if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid
+        ]
+        if lost:
+            raise pytest.UsageError(
+                f"--dist loadgroup did not group {len(lost)} test(s), e.g. {lost[0]}: this "
+                f"pytest ({pytest.__version__}) and pytest-xdist disagree on node ids; install "
+                "the versions pyproject.toml pins (deploy/setup)"
+            )
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
