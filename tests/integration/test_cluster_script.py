@@ -226,7 +226,12 @@ def test_killing_a_node_of_one_cluster_leaves_the_other_clusters_job_running(
     confs = [directory / "slurm.conf" for directory in two_clusters]
     command = b"sleep 300"
     for conf in confs:
-        slurm(conf, "sbatch", "-N2", "-o", "/dev/null", "--wrap", "srun -N2 -n2 sleep 300")
+        # One batch job per node, not one srun across both: a step's task on node2
+        # belongs to the srun on node1, and dies with it when node1 is killed (seen
+        # on a loaded machine, where the check came after node2's slurmstepd noticed).
+        for node in ("node1", "node2"):
+            slurm(conf, "sbatch", "-N1", f"--nodelist={node}", "-o", "/dev/null",
+                  "--wrap", "sleep 300")  # fmt: skip
     for conf in confs:
         for node in ("node1", "node2"):
             wait_for(
@@ -244,8 +249,8 @@ def test_killing_a_node_of_one_cluster_leaves_the_other_clusters_job_running(
         "the first cluster seeing node1 not responding",
         lambda: "*" in slurm(confs[0], "sinfo", "--noheader", "--nodes=node1", "--format=%t"),
     )
-    # ... while the second cluster's job, and each of its processes, goes on.
-    assert slurm(confs[1], "squeue", "--noheader", "--format=%T") == "RUNNING"
+    # ... while the second cluster's jobs, and each of their processes, go on.
+    assert slurm(confs[1], "squeue", "--noheader", "--format=%T").split() == ["RUNNING"] * 2
     assert "*" not in slurm(confs[1], "sinfo", "--noheader", "--format=%t")
     alive = tasks_of(confs[1], "node1", command) | tasks_of(confs[1], "node2", command)
     assert alive == survivors
