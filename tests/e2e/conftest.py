@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import AGENTS, DAEMON, POLICY, restore_cluster
+from tests.e2e.test_faults import AGENTS, DAEMON, POLICY
 from tests.supervisor_harness import SupervisorProcess
 
 
@@ -25,4 +25,4 @@ def supervisor(
         yield process
     finally:
         process.stop()
-        restore_cluster(slurm_cluster)
+        slurm_cluster.restore()

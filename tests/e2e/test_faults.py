@@ -177,11 +177,6 @@ def reference(slurm_cluster: LiveCluster, tmp_path_factory: pytest.TempPathFacto
     return unfaulted(slurm_cluster, tmp_path_factory)
 
 
-def restore_cluster(cluster: LiveCluster) -> None:
-    """Cancel leftovers, bring killed nodes back, undo drains: the next test gets 4 nodes."""
-    cluster.restore()
-
-
 def assert_same_samples(run: Run, reference: Run) -> None:
     """Every step trained on exactly the reference's global samples, whatever the world size."""
     got, want = run.steps(), reference.steps()

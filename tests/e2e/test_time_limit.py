@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import AGENTS, DAEMON, ENDED, POLICY, restore_cluster
+from tests.e2e.test_faults import AGENTS, DAEMON, ENDED, POLICY
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
 # Minutes of waiting (limits, outages): started first, so other tests fill the wait.
@@ -191,4 +191,4 @@ def test_a_job_crosses_its_time_limit_three_times_losing_no_step(
               "resume_steps": resumes, "steps_lost": 0}))  # fmt: skip
     finally:
         supervisor.stop()
-        restore_cluster(slurm_cluster)
+        slurm_cluster.restore()

@@ -35,7 +35,6 @@ from tests.e2e.test_faults import (
     Run,
     attempts,
     finish,
-    restore_cluster,
     story,
 )
 from tests.other_users import python_for, reachable_by_others
@@ -111,7 +110,7 @@ def supervisor(
         yield process
     finally:
         process.stop()
-        restore_cluster(slurm_cluster)
+        slurm_cluster.restore()
 
 
 def submit(
