@@ -155,6 +155,8 @@ class Supervisor(SlurmWatch):
         self._stalls: deque[tuple[float, float]] = deque()
         self._last_tick_mono: float | None = None
         self.port: int | None = None
+        # Why the daemon stopped on its own (a task that must run forever ended).
+        self.failed: str | None = None
 
     # ------------------------------------------------------------------
     # Lifecycle.
@@ -215,19 +217,44 @@ class Supervisor(SlurmWatch):
                 name="stragglers",
             ),
             asyncio.create_task(self._every(WAL_CHECKPOINT_S, self.checkpoint_wal), name="wal"),
-            asyncio.create_task(warm_validator(), name="warm-validator"),
         ]
+        warm = asyncio.create_task(warm_validator(), name="warm-validator")
         try:
-            await self._stop.wait()
+            await self._until_stopped(tasks)
         finally:
             log.info("supervisor stopping")
             for each in runners:
                 await shutdown(each)
-            for task in tasks:
+            for task in (*tasks, warm):
                 task.cancel()
             await self.manifest_reader.aclose()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, warm, return_exceptions=True)
             self.store.close()  # writes every lease's last renewal
+
+    async def _until_stopped(self, tasks: Sequence[asyncio.Task[None]]) -> None:
+        """Wait for a stop request, or for one of the tasks that must run forever to end.
+
+        A supervisor whose decision task died still answers agents and stores
+        their events, and never decides on them again: a recovery stuck for
+        good while everything looks alive. Such a supervisor stops with an
+        error instead (:attr:`failed`), and its service manager restarts it;
+        the restart finishes what was under way from the store.
+        """
+        stop = asyncio.create_task(self._stop.wait(), name="stop")
+        try:
+            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        for task in done:
+            if task is stop or task.cancelled():
+                continue
+            error = task.exception()
+            self.failed = f"its {task.get_name()} task ended: {error!r}"
+            log.critical(
+                "supervisor stopping with an error: %s; its service manager restarts it "
+                "and the restart carries every recovery on from the store",
+                self.failed, exc_info=error,
+            )  # fmt: skip
 
     def connected_agents(self) -> int:
         """Agents of unfinished jobs whose lease is current."""
@@ -589,7 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # heartbeat frame (bench/RESULTS.md), which is most of what the
         # supervisor does; nothing in it depends on which loop runs it.
         uvloop.run(supervisor.run())
-    return 0
+    return 0 if supervisor.failed is None else 1
 
 
 __all__ = ["Supervisor", "main"]

@@ -125,9 +125,12 @@ class Deciding(Intake):
         # relaunch decided on an empty view would requeue the job with the few
         # nodes it still holds. Until Slurm answers once, observations wait.
         await self._cluster_known.wait()
-        await self.reconcile()
-        await self.resume_recoveries()
-        await self.replay_undecided()
+        for start_step in (self.reconcile, self.resume_recoveries, self.replay_undecided):
+            try:
+                await start_step()
+            except Exception:
+                # The periodic reconcile finishes what this left unfinished.
+                log.exception("%s at start failed; continuing", start_step.__name__)
         while True:
             await self._handle(await self._queue.get())
 

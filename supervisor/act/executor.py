@@ -34,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.checkpoint.catalog import list_checkpoints
 from supervisor.act.reconcile import (
     KIND_OF,
     SlurmActions,
@@ -112,8 +114,24 @@ ALERT_KIND = "alert"
 REQUEUE_BASELINE_KIND = "requeue_baseline"
 
 
+_VALIDATOR_IMPORT = threading.Lock()
+
+
+def load_validator() -> None:
+    """Import the checkpoint validator (and torch with it), one thread at a time.
+
+    The start-up warm-up and a recovery's validation may both ask at once
+    (a supervisor restarted in the middle of a recovery). Torch's nested
+    package imports are not safe from two threads at once (pytorch#182560);
+    a failure here would cost the validation it came with.
+    """
+    with _VALIDATOR_IMPORT:
+        importlib.import_module("agent.checkpoint.validate")
+
+
 def validate_checkpoint(path: str, level: ValidationLevel) -> tuple[bool, str]:
     """The default :data:`Validator`: ``agent.checkpoint.validate`` (imports torch on first use)."""
+    load_validator()
     from agent.checkpoint.validate import Level, validate
 
     report = validate(path, Level(level.value))
@@ -127,7 +145,11 @@ async def warm_validator() -> None:
     seconds on a busy head node, between a fault and the relaunch.
     """
     started = time.monotonic()
-    await asyncio.to_thread(importlib.import_module, "agent.checkpoint.validate")
+    try:
+        await asyncio.to_thread(load_validator)
+    except Exception:
+        log.exception("importing the checkpoint validator failed; validations will try again")
+        return
     log.info("checkpoint validator ready (imported in %.1f s)", time.monotonic() - started)
 
 
@@ -451,9 +473,6 @@ class Executor:
         root = self._checkpoint_root_of(intent.job_id)
         if root is None:
             return [CheckpointValidated(None, None, False, "no checkpoint directory is known")]
-        # catalog imports torch (through validate): only the executor's thread pays for it.
-        from agent.checkpoint.catalog import list_checkpoints
-
         checked: list[CheckpointValidated] = []
         for entry in await asyncio.to_thread(list_checkpoints, root):
             if entry.path in intent.skip:

@@ -161,6 +161,18 @@ class Daemon:
             self._log.close()
             self._log = None
 
+    def exceptions(self) -> list[str]:
+        """Each traceback in the log, with the line that logged it."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        found = []
+        for index, line in enumerate(lines):
+            if line.startswith("Traceback"):
+                inside = (" ", "Traceback")
+                later = range(index + 1, len(lines))
+                end = next((i for i in later if not lines[i].startswith(inside)), len(lines))
+                found.append("\n".join(lines[max(index - 1, 0) : end + 1]))
+        return found
+
     def tail(self, lines: int = 80) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])

@@ -597,6 +597,11 @@ class Round:
                         and c["argv"][3].startswith("NodeList="))  # fmt: skip
         if shrunk != ["NodeList=node[1,4]", "NodeList=node[1-2,4]"]:
             self.violate(when, f"shrinks applied in Slurm: {shrunk}")
+        survived = self.daemon.exceptions()
+        if survived:
+            # Each is a step the daemon skipped; a restart may have hidden the cost.
+            self.violate(when, "the supervisor logged exceptions it went on after:\n"
+                         + "\n".join(survived))  # fmt: skip
         holds = [c for c in applied if c["argv"][1] == "requeuehold"]
         if len(holds) != 1:
             self.violate(when, f"{len(holds)} requeuehold(s) applied, expected 1")

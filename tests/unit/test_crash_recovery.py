@@ -19,12 +19,14 @@ import pytest
 
 from agent.wire import protocol
 from supervisor.act.executor import Executor
+from supervisor.config import SupervisorConfig
 from supervisor.core.model import JobState
 from supervisor.core.observations import LeaseExpired
+from supervisor.core.policy import Policy
 from supervisor.daemon import Supervisor
 from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.store import ActionState, Store
-from tests.unit.test_daemon import Slurm, killed, registered_and_running, run, started
+from tests.unit.test_daemon import Slurm, killed, me, registered_and_running, run, started
 from tests.unit.test_executor import JOB, NOW, REQUEUE, Crash, FakeSlurm, job
 
 Body = Callable[[Supervisor, Slurm, list[float]], Awaitable[None]]
@@ -217,3 +219,64 @@ def test_a_requeue_killed_right_after_requeuehold_is_finished_not_taken_for_done
     assert slurm.the_job.state is SlurmState.PENDING and not slurm.the_job.held
     assert slurm.the_job.node_count == REQUEUE.n_nodes
     store.close()
+
+
+def test_a_restart_whose_first_reconcile_fails_still_decides_on_what_waits(
+    tmp_path: Path,
+) -> None:
+    agent = "00000000000000a5"
+
+    async def before(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        # Stored and acknowledged; the decision task never took them up.
+        supervisor.accept_events(JOB, [started("node3", agent, 1), killed("node3", agent, 2)])
+
+    async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        supervisor._load_jobs()
+        reconcile = supervisor.executor.reconcile
+        failures = []
+
+        async def fails_once(now_s: float) -> Any:
+            if not failures:
+                failures.append(now_s)
+                raise RuntimeError("validator import failed")
+            return await reconcile(now_s)
+
+        supervisor.executor.reconcile = fails_once  # type: ignore[method-assign]
+        deciding = asyncio.create_task(supervisor._decide_loop())
+        try:
+            await supervisor.poll()
+            for _ in range(600):
+                if supervisor.jobs[JOB].record.attempt == 2 and supervisor._queue.empty():
+                    break
+                await asyncio.sleep(0.01)
+            assert not deciding.done(), "the decision task died with its start-up step"
+        finally:
+            deciding.cancel()
+        assert failures
+        record = supervisor.jobs[JOB].record
+        assert record.state is JobState.RECOVERING and record.attempt == 2
+        assert slurm.calls[0][:2] == ("drain", "node3")
+
+    life(tmp_path, NOW, before)
+    life(tmp_path, NOW + 5, after)
+
+
+def test_a_supervisor_whose_decision_task_dies_stops_with_an_error_for_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        config = SupervisorConfig(state_dir=str(tmp_path / "state"), listen_host="127.0.0.1",
+                                  listen_port=0)  # fmt: skip
+        supervisor = Supervisor(config, Policy(), slurm=Slurm(me()))  # type: ignore[arg-type]
+
+        async def dies() -> None:
+            raise RuntimeError("a bug in the decision task")
+
+        supervisor._decide_loop = dies  # type: ignore[method-assign]
+        await asyncio.wait_for(supervisor.run(), timeout=30)
+        assert supervisor.failed is not None and "decide" in supervisor.failed
+        assert "a bug in the decision task" in supervisor.failed
+
+    asyncio.run(scenario())
+    assert "supervisor stopping with an error" in caplog.text
