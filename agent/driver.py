@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -60,6 +61,7 @@ import aiohttp
 import tenacity
 
 from agent.checkpoint.catalog import list_checkpoints
+from agent.checkpoint.quarantine import quarantine
 from agent.node.sparecheck import parse_verdicts
 from agent.ports import rendezvous_port
 from agent.skips import ENV_SKIP_SAMPLES, SampleRange, format_skip_samples
@@ -340,6 +342,8 @@ class Driver:
         self._end_unix_s: float | None = None
         self._requeue_failed: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Checkpoints moved into quarantine for the last launch, not yet reported.
+        self._quarantined: tuple[tuple[str, str], ...] = ()
 
     async def run(self) -> int:
         """Launch, watch, relaunch as told; see the module docstring."""
@@ -527,6 +531,8 @@ class Driver:
             answer.attempt, len(nodes), ",".join(nodes), answer.resume_from or "(newest valid)",
             format_skip_samples(answer.skip_samples) or "(none)",
         )  # fmt: skip
+        if answer.quarantine:
+            await asyncio.to_thread(self._quarantine, answer)
         env = {**self._environ, "RESURGO_CKPT_ROOT": self.settings.ckpt_root}
         # Only the answer says what to resume from and skip: never an earlier launch's.
         env.pop("RESURGO_RESUME_FROM", None)
@@ -550,6 +556,22 @@ class Driver:
                 return returncode
         return None
 
+    def _quarantine(self, answer: DriverAnswer) -> None:
+        """Move the checkpoints the supervisor rejected aside, so that the script's own
+        "latest" logic finds the one it chose (:mod:`agent.checkpoint.quarantine`)."""
+        try:
+            moves, steered = quarantine(
+                self.settings.ckpt_root, dict(answer.quarantine), answer.resume_from
+            )
+        except OSError as error:
+            # The launch goes on: a script that loads the broken one fails again, and the
+            # supervisor sees a crash loop rather than a job that never restarts.
+            log.error("could not move rejected checkpoints into quarantine: %s", error)
+            return
+        for change in steered:
+            log.info("checkpoint root: %s", change)
+        self._quarantined += tuple((move.source, move.target) for move in moves)
+
     async def _confirm(self, answer: DriverAnswer, ok: bool, reason: str) -> None:
         if answer.action is not DriverAction.RELAUNCH:
             return
@@ -563,6 +585,9 @@ class Driver:
     ) -> DriverAnswer | None:
         """Post ``request`` until answered or ``wait_s`` (default ``supervisor_wait_s``)
         passed (None then)."""
+        reported = self._quarantined
+        if reported and request.phase in (DriverPhase.RELAUNCHED, DriverPhase.RUNNING):
+            request = dataclasses.replace(request, quarantined=reported)
         body = protocol.encode_driver_request(request)
         limit_s = self.settings.supervisor_wait_s if wait_s is None else wait_s
         started_s = time.monotonic()
@@ -590,7 +615,10 @@ class Driver:
                         timeout_s=self.settings.request_timeout_s,
                         clock=self._clock,
                     )
-                    return protocol.decode_driver_answer(data)
+                    answer = protocol.decode_driver_answer(data)
+                    if request.quarantined:
+                        self._quarantined = self._quarantined[len(request.quarantined) :]
+                    return answer
         except (aiohttp.ClientError, TimeoutError, Rejected) as error:
             log.log(
                 logging.ERROR if limit_s > 0 else logging.WARNING,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,11 @@ from agent.wire.protocol import (
 )
 from supervisor import manifests
 from supervisor.act.executor import ALERT_KIND, Executor
-from supervisor.act.reconcile import command_attempt
+from supervisor.act.reconcile import KIND_OF, command_attempt
 from supervisor.config import SupervisorConfig
 from supervisor.core.anomaly import AnomalyAction
 from supervisor.core.goodput import Goodput
-from supervisor.core.intents import RelaunchStep
+from supervisor.core.intents import RelaunchStep, ValidateCheckpoints
 from supervisor.core.model import JobRecord, JobState
 from supervisor.core.observations import (
     Observation,
@@ -493,6 +493,8 @@ class Intake:
     async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
         """Tell the in-job driver what to do (see :class:`agent.wire.protocol.DriverPhase`)."""
         job = self.jobs[job_id]
+        if request.quarantined:
+            self._note_quarantined(job_id, job, request)
         if request.phase is DriverPhase.RELAUNCHED:
             assert request.action_id is not None and request.ok is not None
             now = self.clock()
@@ -533,7 +535,9 @@ class Intake:
             self._note_step_ended(job_id, job, request)
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
-            return _relaunch_answer(pending, record)
+            return replace(
+                _relaunch_answer(pending, record), quarantine=self._to_quarantine(job_id, record)
+            )
         if request.phase is DriverPhase.START:
             recovery = record.recovery
             if recovery is not None and not recovery.validated:
@@ -557,6 +561,7 @@ class Intake:
                 resume_from=recovery.resume_from if recovery is not None else None,
                 skip_samples=record.skipped_samples,
                 reason=f"launch on the current allocation{spares}",
+                quarantine=self._to_quarantine(job_id, record),
             )
         return DriverAnswer(
             DriverAction.WAIT,
@@ -589,6 +594,41 @@ class Intake:
             return ()
         job.spares_checked_s = now
         return record.spare_nodes
+
+    def _to_quarantine(self, job_id: str, record: JobRecord) -> tuple[tuple[str, str], ...]:
+        """The checkpoints this recovery rejected, newer than the one it resumes from, and why.
+
+        The driver moves them aside (:mod:`agent.checkpoint.quarantine`), so a
+        script that resumes by its framework's own "latest" finds the valid one.
+        """
+        recovery = record.recovery
+        if recovery is None or not recovery.validated or not recovery.rejected:
+            return ()
+        reasons: dict[str, str] = {}
+        for row in self.store.list_actions(job_id):
+            if (
+                row.kind == KIND_OF[ValidateCheckpoints]
+                and row.args.get("attempt") == record.attempt
+            ):
+                for checked in (row.result or {}).get("checked", []):
+                    if checked.get("path") and not checked.get("valid"):
+                        reasons[checked["path"]] = checked.get("reason") or "failed validation"
+        return tuple((path, reasons.get(path, "failed validation")) for path in recovery.rejected)
+
+    def _note_quarantined(self, job_id: str, job: TrackedJob, request: DriverRequest) -> None:
+        """Record each checkpoint the driver moved into quarantine as an event of the job."""
+        now = self.clock()
+        for source, target in request.quarantined:
+            self.store.record_observation(
+                job_id, "checkpoint_quarantined",
+                {"checkpoint": source, "moved_to": target, "attempt": request.attempt},
+                now, observation_id=f"{job_id}/quarantine/{target}",
+            )  # fmt: skip
+            log.warning(
+                "job %s: checkpoint %s failed validation and was moved to %s under %s "
+                "(`resurgo ckpt release %s %s` moves it back)",
+                job_id, source, target, job.spec.ckpt_root, job.spec.ckpt_root, source,
+            )  # fmt: skip
 
     def _spares_checked(self, job_id: str, request: DriverRequest) -> DriverAnswer:
         """The driver's spare check: a spare that failed is decided on (released)."""

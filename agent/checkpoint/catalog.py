@@ -54,7 +54,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:
         if step is None or not child.is_dir():
             continue
         try:
-            entries.append(_describe(child, step))
+            entries.append(describe(child, step))
         except OSError as error:
             # Deleted while we looked (retention, an operator): not a checkpoint now.
             log.warning("skipping %s: %s", child, error)
@@ -98,7 +98,8 @@ def newest_valid(
     return None, rejected
 
 
-def _describe(directory: Path, step: int) -> Entry:
+def describe(directory: Path, step: int) -> Entry:
+    """The catalog's entry for one ``step-<N>`` directory (not validated)."""
     mtime_s = directory.stat().st_mtime
     total_bytes = 0
     for child in directory.iterdir():

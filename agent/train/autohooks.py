@@ -14,7 +14,7 @@ for ``import torch`` to finish, and then
   write), and a file written under the job's checkpoint root
   (``RESURGO_CKPT_ROOT``) is noted to the agent (``checkpoint_written``:
   ``resurgo status`` shows it); ``torch.load``: a checkpoint dict with an integer under one of
-  :data:`STEP_KEYS` (nanoGPT's ``iter_num``, ``step``, ``global_step``, ...)
+  the step keys (nanoGPT's ``iter_num``, ``step``, ``global_step``, ...)
   says where the script resumes, so the count goes on from there;
 - wraps ``torch.nn.Module.train``: a model put in eval mode is phase eval;
 - when the script imports ``torch.distributed.checkpoint`` (DCP; never
@@ -22,7 +22,7 @@ for ``import torch`` to finish, and then
   ``async_save`` (phase checkpoint while the call blocks) and ``load``. A save
   into a directory under the checkpoint root is noted by the coordinator
   (rank 0 of the save's group) once it is complete (for ``async_save``, when
-  its upload finishes), with the step the state dict names (:data:`STEP_KEYS`)
+  its upload finishes), with the step the state dict names (the step keys)
   or the directory's name names (torchtitan's ``step-120``); a ``dcp.load``
   that fills in such a step key continues the count, as ``torch.load`` does.
 
@@ -50,14 +50,13 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
+from agent.checkpoint.layouts.torchfile import step_named
 from agent.node.launch import ENV_CKPT_ROOT
 from agent.train import heartbeat as heartbeat_module
 from agent.train.heartbeat import ENV_AGENT_SOCKET, ENV_RANK, Heartbeat, Phase
 
 ENV_AUTO_PROGRESS = "RESURGO_AUTO_PROGRESS"
 OFF = frozenset({"0", "no", "off", "false"})
-# Keys under which public training scripts keep their step in a checkpoint dict.
-STEP_KEYS = ("iter_num", "global_step", "step", "iteration", "iter", "steps")
 DCP_MODULE = "torch.distributed.checkpoint"
 DCP_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 # Never an object's id(): steps of any optimizer are not counted while it is set.
@@ -65,17 +64,6 @@ _NO_OPTIMIZER = 0
 # The end of a checkpoint directory's name that names its step: torchtitan's
 # step-120, Hugging Face's checkpoint-120, DeepSpeed's global_step120.
 _STEP_IN_NAME = re.compile(r"(?:step|checkpoint|iter)[-_]?(\d+)$")
-
-
-def step_named(state: object) -> int | None:
-    """The step a loaded checkpoint dict names under one of :data:`STEP_KEYS` (None: none)."""
-    if not isinstance(state, dict):
-        return None
-    for key in STEP_KEYS:
-        value = state.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
 
 
 def step_in_name(path: str) -> int | None:

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint.catalog import list_checkpoints
+from agent.checkpoint import layouts
+from agent.checkpoint.report import Level
 from supervisor.act.reconcile import (
     KIND_OF,
     SlurmActions,
@@ -130,11 +131,10 @@ def load_validator() -> None:
 
 
 def validate_checkpoint(path: str, level: ValidationLevel) -> tuple[bool, str]:
-    """The default :data:`Validator`: ``agent.checkpoint.validate`` (imports torch on first use)."""
+    """The default :data:`Validator`: the ladder of the checkpoint's layout
+    (:mod:`agent.checkpoint.layouts`; a DCP check or a load test imports torch)."""
     load_validator()
-    from agent.checkpoint.validate import Level, validate
-
-    report = validate(path, Level(level.value))
+    report = layouts.check(path, Level(level.value))
     return report.valid, report.reason or ""
 
 
@@ -474,11 +474,13 @@ class Executor:
         if root is None:
             return [CheckpointValidated(None, None, False, "no checkpoint directory is known")]
         checked: list[CheckpointValidated] = []
-        for entry in await asyncio.to_thread(list_checkpoints, root):
+        for entry in await asyncio.to_thread(layouts.find_all, root):
             if entry.path in intent.skip:
                 continue
-            if intent.before_step is not None and entry.step > intent.before_step:
-                continue  # a rollback: after the anomaly's onset (less the margin)
+            if intent.before_step is not None and (
+                entry.step is None or entry.step > intent.before_step
+            ):
+                continue  # a rollback: after the anomaly's onset (less the margin), or unknown
             valid, reason = await asyncio.to_thread(self._validate, entry.path, intent.level)
             checked.append(CheckpointValidated(entry.step, entry.path, valid, reason))
             log.info(

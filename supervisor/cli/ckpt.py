@@ -2,24 +2,26 @@
 
 Commands and exit status (2 is a usage error, as in argparse)::
 
-    resurgo ckpt validate DIR  [--level quick|full|load] [--trust-objects] [--json]
-        0 valid, 1 invalid (the reason is printed), 2 DIR missing / not a directory
+    resurgo ckpt validate CKPT [--level quick|full|load] [--trust-objects] [--json]
+        0 valid, 1 invalid (the reason is printed), 2 CKPT missing
     resurgo ckpt newest ROOT   [--level quick|full|load] [--json]
         prints the newest valid checkpoint's path on stdout and, on stderr, why
         each newer one was rejected; 0 found, 1 none valid, 2 ROOT missing
     resurgo ckpt list ROOT     [--json]
-        one row per step-N directory, newest first (COMMITTED "plain": a
-        complete DCP save without Resurgo's manifest, e.g. a script's own
-        dcp.save), then the script's own torch.save files (*.pt, *.pth,
-        *.ckpt, ...); 0, or 2 ROOT missing
+        one row per checkpoint, newest first, of every layout: Resurgo's and
+        plain DCP step-N/ (COMMITTED "plain": a complete DCP save without
+        Resurgo's manifest), Hugging Face checkpoint-N/, DeepSpeed
+        global_stepN/, Lightning *.ckpt, a torch.save file; 0, or 2 ROOT missing
+    resurgo ckpt quarantined ROOT [--json]
+        the checkpoints moved into ROOT/.resurgo-quarantine/ because they failed
+        validation before a relaunch (:mod:`agent.checkpoint.quarantine`)
+    resurgo ckpt release ROOT NAME
+        moves one back to where it was; 0, 1 nothing by that name held or its
+        place taken again (the message says what to do)
 
-A script's own DCP saves into ``step-N`` folders (torchtitan's layout) are
-checkpoints like Resurgo's, validated without the manifest's levels (see
-:mod:`agent.checkpoint.validate`). A script that keeps its own ``torch.save``
-checkpoint (no step-N folders) is served too (:mod:`agent.checkpoint.plain`):
-``newest`` falls back to its files when no step-N checkpoint is valid, checked
-for being complete and, at ``full`` and ``load``, test-loaded with
-``torch.load(weights_only=True)``.
+Each layout is found and validated by its module in
+:mod:`agent.checkpoint.layouts`; a directory no layout names is taken for a
+DCP checkpoint.
 
 JSON output (``--json``; one document on stdout; keys are stable, enums by value):
 
@@ -29,20 +31,15 @@ JSON output (``--json``; one document on stdout; keys are stable, enums by value
      "checked": [level...], "failed_level": level|null, "reason": str|null,
      "step": int|null, "has_manifest": bool, "skipped": [str...]}
 
-- ``newest``: ``{"root": str, "newest": report|null, "rejected": [report...],
-  "file": file|null, "rejected_files": [file...]}``, rejected newest first;
-  ``file`` is the newest valid torch.save file when no step-N one is valid.
-  A file::
-
-    {"path": str, "total_bytes": int, "mtime_unix_s": float, "valid": bool,
-     "loaded": bool, "step": int|null, "reason": str|null}
+- ``newest``: ``{"root": str, "newest": report|null, "rejected": [report...]}``,
+  rejected newest first.
 
 - ``list``: ``{"root": str, "filesystem": str, "warnings": [str...],
-  "checkpoints": [row...], "files": [file...]}`` (files checked at quick;
-  ``filesystem`` by statfs magic, e.g. "ext4",
+  "checkpoints": [row...]}`` (``filesystem`` by statfs magic, e.g. "ext4",
   "nfs", "lustre"; ``warnings`` e.g. many ranks writing shards to NFS), each row::
 
-    {"step": int, "path": str, "committed": bool, "has_manifest": bool,
+    {"name": str, "layout": "resurgo"|"dcp"|"huggingface"|"deepspeed"|"lightning"|
+     "torch_save", "step": int|null, "path": str, "committed": bool, "has_manifest": bool,
      "valid_quick": bool, "quick_reason": str|null, "total_bytes": int, "mtime_unix_s": float,
      "age_s": float, "stats": null | {"stall_s": float, "write_s": float,
      "total_bytes": int, "filesystem": str, "mode": str,
@@ -61,7 +58,8 @@ from supervisor.cli.common import duration, print_json, size, table
 
 if TYPE_CHECKING:
     from agent.checkpoint.catalog import Entry
-    from agent.checkpoint.validate import Report
+    from agent.checkpoint.layouts import Found
+    from agent.checkpoint.report import Report
 
 EXIT_OK = 0
 EXIT_INVALID = 1
@@ -74,17 +72,20 @@ LEVELS = ("quick", "full", "load")
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``ckpt`` subcommand and its ``validate``, ``newest``, ``list`` commands."""
+    """Add the ``ckpt`` subcommand and its commands (see the module docstring)."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "ckpt",
         help="validate, pick and list checkpoints",
-        description="Validate, pick and list Resurgo and plain DCP checkpoints.",
+        description="Validate, pick and list checkpoints: Resurgo's, plain DCP, Hugging Face, "
+        "DeepSpeed, Lightning and torch.save files.",
     )
     parser.set_defaults(func=lambda _args: _usage(parser))
     commands = parser.add_subparsers(dest="ckpt_command", metavar="COMMAND")
 
-    check = commands.add_parser("validate", help="validate one checkpoint directory")
-    check.add_argument("dir", metavar="DIR", help="a checkpoint directory (step-N/)")
+    check = commands.add_parser("validate", help="validate one checkpoint")
+    check.add_argument(
+        "dir", metavar="CKPT", help="a checkpoint: step-N/, checkpoint-N/, a .ckpt or .pt file"
+    )
     _add_level(check)
     check.add_argument(
         "--trust-objects",
@@ -96,15 +97,27 @@ def register(subparsers: Any) -> None:
     check.set_defaults(func=_validate)
 
     newest = commands.add_parser("newest", help="print the newest valid checkpoint")
-    newest.add_argument("root", metavar="ROOT", help="the directory holding step-N/ folders")
+    newest.add_argument("root", metavar="ROOT", help="the checkpoint root")
     _add_level(newest)
     newest.add_argument("--json", action="store_true", help="print the result as JSON")
     newest.set_defaults(func=_newest)
 
     listing = commands.add_parser("list", help="list checkpoints with size, age, save stats")
-    listing.add_argument("root", metavar="ROOT", help="the directory holding step-N/ folders")
+    listing.add_argument("root", metavar="ROOT", help="the checkpoint root")
     listing.add_argument("--json", action="store_true", help="print the rows as JSON")
     listing.set_defaults(func=_list)
+
+    held = commands.add_parser(
+        "quarantined", help="list the checkpoints moved into quarantine under a root"
+    )
+    held.add_argument("root", metavar="ROOT", help="the checkpoint root")
+    held.add_argument("--json", action="store_true", help="print the moves as JSON")
+    held.set_defaults(func=_quarantined)
+
+    back = commands.add_parser("release", help="move a quarantined checkpoint back")
+    back.add_argument("root", metavar="ROOT", help="the checkpoint root")
+    back.add_argument("name", metavar="NAME", help="its name before the move (checkpoint-40)")
+    back.set_defaults(func=_release)
 
 
 def _add_level(parser: argparse.ArgumentParser) -> None:
@@ -131,12 +144,12 @@ def _missing_directory(command: str, path: str, what: str) -> int | None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    usage = _missing_directory("validate", args.dir, "one checkpoint directory (step-N/)")
-    if usage is not None:
-        return usage
-    from agent.checkpoint.validate import Level, validate
-
-    report = validate(args.dir, Level(args.level), trust_pickled_objects=args.trust_objects)
+    if not Path(args.dir).exists():
+        what = "a step-N/ or checkpoint-N/ directory, or a .ckpt/.pt file"
+        print(f"resurgo ckpt validate: {args.dir} does not exist: pass one checkpoint ({what})",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    report = _check(Path(args.dir), args.level, trust=args.trust_objects)
     if args.json:
         print_json(report.to_json_dict())
     else:
@@ -146,74 +159,76 @@ def _validate(args: argparse.Namespace) -> int:
     return EXIT_OK if report.valid else EXIT_INVALID
 
 
+def _check(path: Path, level: str, *, trust: bool = False) -> Report:
+    """Validate by the checkpoint's layout; any other directory is taken for a DCP one."""
+    from agent.checkpoint import layouts
+    from agent.checkpoint.report import Level
+
+    layout = layouts.layout_of(path)
+    if (layout is None and path.is_dir()) or (layout is not None and layout.name == "dcp"):
+        from agent.checkpoint.validate import validate
+
+        return validate(path, Level(level), trust_pickled_objects=trust)
+    return layouts.check(path, Level(level))
+
+
 def _newest(args: argparse.Namespace) -> int:
-    usage = _missing_directory("newest", args.root, "the directory holding step-N/ folders")
+    usage = _missing_directory("newest", args.root, "the checkpoint root")
     if usage is not None:
         return usage
-    from agent.checkpoint.catalog import newest_valid
-    from agent.checkpoint.validate import Level
+    from agent.checkpoint import layouts
 
-    found, rejected = newest_valid(args.root, Level(args.level))
-    file, rejected_files = (None, []) if found is not None else _newest_file(args)
+    found: Report | None = None
+    rejected: list[Report] = []
+    for candidate in layouts.find_all(args.root):
+        report = _check(Path(candidate.path), args.level)
+        if report.valid:
+            found = report
+            break
+        rejected.append(report)
     if args.json:
         print_json(
             {
                 "root": args.root,
                 "newest": None if found is None else found.to_json_dict(),
                 "rejected": [report.to_json_dict() for report in rejected],
-                "file": None if file is None else file.to_json_dict(),
-                "rejected_files": [bad.to_json_dict() for bad in rejected_files],
             }
         )
     else:
         for report in rejected:
             print(f"rejected: {_report_line(report)}", file=sys.stderr)
-        for bad in rejected_files:
-            print(f"rejected: {bad.path}: {bad.reason}", file=sys.stderr)
         if found is not None:
+            for note in found.skipped:
+                print(f"note: {note}", file=sys.stderr)
             print(found.path)
-        elif file is not None:
-            if file.reason:
-                print(f"note: {file.path}: {file.reason}", file=sys.stderr)
-            print(file.path)
         else:
             print(
                 f"resurgo ckpt newest: no valid checkpoint under {args.root} at level {args.level}",
                 file=sys.stderr,
             )
-    return EXIT_OK if found is not None or file is not None else EXIT_INVALID
-
-
-def _newest_file(args: argparse.Namespace) -> tuple[Any, list[Any]]:
-    """The newest valid torch.save file under the root, and the newer ones rejected."""
-    from agent.checkpoint.plain import check_plain, find_plain
-
-    now_s = time.time()
-    rejected: list[Any] = []
-    for path in find_plain(args.root):
-        checked = check_plain(path, now_s, load=args.level != "quick")
-        if checked.valid:
-            return checked, rejected
-        rejected.append(checked)
-    return None, rejected
+    return EXIT_OK if found is not None else EXIT_INVALID
 
 
 def _list(args: argparse.Namespace) -> int:
-    usage = _missing_directory("list", args.root, "the directory holding step-N/ folders")
+    usage = _missing_directory("list", args.root, "the checkpoint root")
     if usage is not None:
         return usage
-    from agent.checkpoint.catalog import list_checkpoints
+    from agent.checkpoint import layouts
+    from agent.checkpoint.catalog import describe
     from agent.checkpoint.storage import filesystem_of
-    from agent.checkpoint.validate import Level, validate
 
     now_s = time.time()
-    reports = [(entry, validate(entry.path, Level.QUICK)) for entry in list_checkpoints(args.root)]
-    rows = [_row(entry, report, now_s) for entry, report in reports]
+    rows = []
+    reports = []
+    for found in layouts.find_all(args.root):
+        quick = _check(Path(found.path), "quick")
+        entry = None
+        if found.layout in ("resurgo", "dcp") and found.step is not None:
+            entry = describe(Path(found.path), found.step)
+            reports.append((entry, quick))
+        rows.append(_row(found, entry, quick, now_s))
     filesystem = filesystem_of(Path(args.root))
     warnings = _storage_warnings(filesystem, reports)
-    from agent.checkpoint.plain import check_plain, find_plain
-
-    files = [check_plain(path, now_s, load=False) for path in find_plain(args.root)]
     if args.json:
         print_json(
             {
@@ -221,17 +236,52 @@ def _list(args: argparse.Namespace) -> int:
                 "filesystem": filesystem.value,
                 "warnings": warnings,
                 "checkpoints": rows,
-                "files": [file.to_json_dict() for file in files],
             }
         )
     else:
-        if rows or not files:
-            print(_table(rows) if rows else f"no step-N checkpoints under {args.root}")
-        if files:
-            print(_files_table(files, now_s))
+        print(_table(rows) if rows else f"no checkpoints under {args.root}")
         print(f"filesystem: {filesystem.value}")
         for warning in warnings:
             print(f"warning: {warning}")
+    return EXIT_OK
+
+
+def _quarantined(args: argparse.Namespace) -> int:
+    usage = _missing_directory("quarantined", args.root, "the checkpoint root")
+    if usage is not None:
+        return usage
+    from agent.checkpoint.quarantine import quarantined
+
+    moves = quarantined(args.root)
+    if args.json:
+        print_json({"root": args.root, "quarantined": [move.to_json_dict() for move in moves]})
+        return EXIT_OK
+    if not moves:
+        print(f"no checkpoint in quarantine under {args.root}")
+        return EXIT_OK
+    now_s = time.time()
+    rows = [
+        (move.source, move.target, duration(max(0.0, now_s - move.time_unix_s)), move.reason)
+        for move in moves
+    ]
+    print(table(("CHECKPOINT", "MOVED TO", "AGO", "WHY"), rows))
+    print(f"`resurgo ckpt release {args.root} NAME` moves one back")
+    return EXIT_OK
+
+
+def _release(args: argparse.Namespace) -> int:
+    usage = _missing_directory("release", args.root, "the checkpoint root")
+    if usage is not None:
+        return usage
+    from agent.checkpoint.quarantine import release
+    from agent.wire.errors import ConfigError
+
+    try:
+        move = release(args.root, args.name)
+    except (ConfigError, OSError) as error:
+        print(f"resurgo ckpt release: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"{move.target} moved back to {move.source}")
     return EXIT_OK
 
 
@@ -258,9 +308,9 @@ def _report_line(report: Report) -> str:
     return f"invalid at {report.failed_level.value}: {name}: {report.reason}"
 
 
-def _row(entry: Entry, quick: Report, now_s: float) -> dict[str, Any]:
+def _row(found: Found, entry: Entry | None, quick: Report, now_s: float) -> dict[str, Any]:
     stats: dict[str, Any] | None = None
-    if entry.stats is not None:
+    if entry is not None and entry.stats is not None:
         write_s = entry.stats.write_s
         stats = {
             "stall_s": entry.stats.stall_s,
@@ -271,20 +321,23 @@ def _row(entry: Entry, quick: Report, now_s: float) -> dict[str, Any]:
             "throughput_bytes_per_s": entry.stats.total_bytes / write_s if write_s > 0 else None,
         }
     return {
-        "step": entry.step,
-        "path": entry.path,
-        "committed": entry.committed,
-        "has_manifest": entry.has_manifest,
+        "name": found.name,
+        "layout": found.layout,
+        "step": found.step,
+        "path": found.path,
+        "committed": entry.committed if entry is not None else found.complete,
+        "has_manifest": entry.has_manifest if entry is not None else False,
         "valid_quick": quick.valid,
         "quick_reason": quick.reason,
-        "total_bytes": entry.total_bytes,
-        "mtime_unix_s": entry.mtime_s,
-        "age_s": max(0.0, now_s - entry.mtime_s),
+        "total_bytes": found.total_bytes,
+        "mtime_unix_s": found.mtime_s,
+        "age_s": max(0.0, now_s - found.mtime_s),
         "stats": stats,
     }
 
 
-_COLUMNS = ("STEP", "COMMITTED", "VALID(quick)", "SIZE", "AGE", "STALL", "WRITE", "THROUGHPUT")
+_COLUMNS = ("CHECKPOINT", "LAYOUT", "STEP", "COMMITTED", "VALID(quick)", "SIZE", "AGE", "STALL",
+            "WRITE", "THROUGHPUT")  # fmt: skip
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -294,7 +347,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
         throughput = None if stats is None else stats["throughput_bytes_per_s"]
         cells.append(
             (
-                str(row["step"]),
+                row["name"],
+                row["layout"],
+                "?" if row["step"] is None else str(row["step"]),
                 _committed_cell(row),
                 "yes" if row["valid_quick"] else "NO",
                 size(row["total_bytes"]),
@@ -304,26 +359,12 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 "-" if throughput is None else f"{size(throughput)}/s",
             )
         )
-    return table(cells[0], cells[1:], right=True)
+    return table(cells[0], cells[1:])
 
 
 def _committed_cell(row: dict[str, Any]) -> str:
-    """yes / no for Resurgo's commit marker; "plain" for a complete DCP save that has no
-    manifest (a script's own ``dcp.save``), which has no marker to have."""
-    if row["committed"]:
-        return "yes"
-    return "plain" if row["valid_quick"] and not row["has_manifest"] else "no"
-
-
-def _files_table(files: list[Any], now_s: float) -> str:
-    """The script's own torch.save files (quick check: complete, not growing)."""
-    cells = [
-        (
-            Path(file.path).name,
-            size(file.total_bytes),
-            duration(max(0.0, now_s - file.mtime_unix_s)),
-            "yes" if file.valid else f"NO: {file.reason}",
-        )
-        for file in files
-    ]
-    return table(("TORCH.SAVE FILE", "SIZE", "AGE", "VALID(quick)"), cells)
+    """yes / no for the layout's sign of a finished save (Resurgo's commit marker); "plain"
+    for a complete DCP save that has no manifest (a script's own ``dcp.save``)."""
+    if row["layout"] == "dcp":
+        return "plain" if row["valid_quick"] else "no"
+    return "yes" if row["committed"] else "no"

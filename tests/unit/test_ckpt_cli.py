@@ -77,15 +77,15 @@ def test_validate_plain_dcp_prints_what_was_skipped(
     assert "note: no Resurgo manifest: checksums not checked" in out
 
 
-def test_validate_missing_directory_is_a_usage_error_saying_what_to_pass(
+def test_validate_missing_checkpoint_is_a_usage_error_saying_what_to_pass(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, out, err = _run(capsys, "validate", str(tmp_path / "nope"))
     assert status == 2 and out == ""
-    assert "does not exist: pass one checkpoint directory" in err
-    (tmp_path / "file").write_text("x")
-    status, _, err = _run(capsys, "validate", str(tmp_path / "file"))
-    assert status == 2 and "is not a directory" in err
+    assert "does not exist: pass one checkpoint (a step-N/ or checkpoint-N/ directory" in err
+    (tmp_path / "notes.txt").write_text("x")
+    status, out, _ = _run(capsys, "validate", str(tmp_path / "notes.txt"))
+    assert status == 1 and "not a checkpoint of any known layout" in out
 
 
 def test_newest_prints_the_path_and_each_newer_rejection(
@@ -123,10 +123,12 @@ def test_list_shows_a_row_per_checkpoint_with_save_stats(
     lines = out.splitlines()
     assert status == 0
     assert lines[0].split() == [
-        "STEP", "COMMITTED", "VALID(quick)", "SIZE", "AGE", "STALL", "WRITE", "THROUGHPUT",
+        "CHECKPOINT", "LAYOUT", "STEP", "COMMITTED", "VALID(quick)", "SIZE", "AGE", "STALL",
+        "WRITE", "THROUGHPUT",
     ]  # fmt: skip
-    assert [line.split()[:3] for line in lines[1:4]] == [
-        ["3", "yes", "NO"], ["2", "yes", "yes"], ["1", "yes", "yes"],
+    assert [line.split()[:5] for line in lines[1:4]] == [
+        ["step-3", "resurgo", "3", "yes", "NO"], ["step-2", "resurgo", "2", "yes", "yes"],
+        ["step-1", "resurgo", "1", "yes", "yes"],
     ]  # fmt: skip
     assert lines[3].split()[-4:] == ["0.25s", "2.00s", "4.0", "MiB/s"]
     assert lines[4] == f"filesystem: {filesystem_of(root).value}"
@@ -202,41 +204,43 @@ def _own_checkpoints(out: Path) -> tuple[Path, Path]:
     return good, cut
 
 
-def test_newest_falls_back_to_the_scripts_own_files_and_says_why_the_newer_one_is_rejected(
+def test_newest_picks_the_scripts_own_older_file_and_says_why_the_newer_one_is_rejected(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     good, cut = _own_checkpoints(tmp_path)
     code, out, err = _run(capsys, "newest", str(tmp_path))
     assert (code, out.strip()) == (0, str(good))
-    assert f"rejected: {cut}: torch.load cannot read it" in err and "truncated or corrupt" in err
-    code, out, _ = _run(capsys, "newest", str(tmp_path), "--json")
+    # Cut short, its step cannot be read: being the newer file, it is tried (and refused) first.
+    assert "rejected: invalid at quick: ckpt.pt: not a whole zip archive" in err
+    code, out, _ = _run(capsys, "newest", str(tmp_path), "--json", "--level", "load")
     document = json.loads(out)
-    assert document["file"]["step"] == 30 and document["file"]["loaded"] is True
-    assert [bad["path"] for bad in document["rejected_files"]] == [str(cut)]
+    assert document["newest"]["step"] == 30 and document["newest"]["checked"] == [
+        "quick", "full", "load",
+    ]  # fmt: skip
+    assert [bad["path"] for bad in document["rejected"]] == [str(cut)]
 
 
-def test_newest_at_quick_does_not_load_and_list_shows_the_files(
+def test_list_shows_the_scripts_own_files_with_their_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _, cut = _own_checkpoints(tmp_path)
-    code, out, _ = _run(capsys, "newest", str(tmp_path), "--level", "quick")
-    assert (code, out.strip()) == (0, str(cut))  # complete as far as quick can tell
+    _own_checkpoints(tmp_path)
     code, out, _ = _run(capsys, "list", str(tmp_path))
-    assert code == 0 and "TORCH.SAVE FILE" in out and "ckpt.pt" in out and "ckpt-old.pt" in out
+    rows = [line.split()[:5] for line in out.splitlines()[1:3]]
+    assert code == 0 and rows == [
+        ["ckpt.pt", "torch_save", "?", "no", "NO"],
+        ["ckpt-old.pt", "torch_save", "30", "yes", "yes"],
+    ]  # fmt: skip
 
 
 def test_a_file_still_being_written_and_an_empty_one_are_rejected_in_plain_words(
     tmp_path: Path,
 ) -> None:
-    import time
-
-    from agent.checkpoint.plain import check_plain
+    from agent.checkpoint import layouts
 
     (tmp_path / "empty.pt").write_bytes(b"")
-    (tmp_path / "fresh.pt").write_bytes(b"x" * 10)
-    now = time.time()
-    assert "empty" in str(check_plain(tmp_path / "empty.pt", now, load=True).reason)
-    fresh = check_plain(tmp_path / "fresh.pt", now, load=True)
+    (tmp_path / "fresh.pt").write_bytes(b"x" * 10)  # legacy format: no zip end to look for
+    assert "empty" in str(layouts.check(tmp_path / "empty.pt", Level.LOAD).reason)
+    fresh = layouts.check(tmp_path / "fresh.pt", Level.LOAD)
     assert not fresh.valid and "still be writing" in str(fresh.reason)
 
 
@@ -256,8 +260,8 @@ def test_a_scripts_own_dcp_step_directories_are_listed_as_plain_and_the_newest_c
     assert newest["step"] == 10 and newest["checked"] == ["quick"], newest
     assert newest["has_manifest"] is False and PLAIN_DCP_NOTE in newest["skipped"]
     status, out, _ = _run(capsys, "list", str(tmp_path))
-    assert [line.split()[:3] for line in out.splitlines()[1:3]] == [
-        ["20", "no", "NO"], ["10", "plain", "yes"],
+    assert [line.split()[:5] for line in out.splitlines()[1:3]] == [
+        ["step-20", "dcp", "20", "no", "NO"], ["step-10", "dcp", "10", "plain", "yes"],
     ]  # fmt: skip
     _, out, _ = _run(capsys, "list", str(tmp_path), "--json")
     rows = json.loads(out)["checkpoints"]

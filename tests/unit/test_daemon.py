@@ -734,3 +734,45 @@ def test_the_driver_asks_again_soon_while_a_recovery_prepares_its_relaunch(
         assert (await _step_ended(supervisor, 1)).retry_after_s == pytest.approx(0.2)
 
     run(body, tmp_path, backoff_base_s=1.5)
+
+
+def test_a_relaunch_names_the_rejected_newer_checkpoints_and_their_quarantine_becomes_events(
+    tmp_path: Path,
+) -> None:
+    from tests.unit.test_layouts import cut, hf_checkpoint
+
+    root = tmp_path / "out"
+    hf_checkpoint(root, 20)
+    broken = hf_checkpoint(root, 40)
+    cut(broken / "model.safetensors")
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), ckpt_root=str(root)))
+        await supervisor.poll()
+        await supervisor.settle()
+        first = "00000000000000c1"
+        supervisor.accept_events(JOB, [started("node3", first, 1), killed("node3", first, 2)])
+        await supervisor.settle()
+        clock[0] += 11.0  # past the backoff
+        await supervisor.tick()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state is JobState.RELAUNCHING
+        ended = protocol.DriverRequest(JOB, protocol.DriverPhase.ENDED, attempt=1, exit_code=1)
+        answer = await supervisor.driver(JOB, ended)
+        assert answer.action is protocol.DriverAction.RELAUNCH
+        assert answer.resume_from == str(root / "checkpoint-20")
+        [(path, why)] = answer.quarantine
+        assert path == str(broken) and "model.safetensors" in why and "truncated" in why
+        moved = (("checkpoint-40", ".resurgo-quarantine/checkpoint-40.1760000011"),)
+        confirm = protocol.DriverRequest(
+            JOB, protocol.DriverPhase.RELAUNCHED, attempt=2, action_id=answer.action_id, ok=True,
+            quarantined=moved,
+        )  # fmt: skip
+        await supervisor.driver(JOB, confirm)
+        await supervisor.driver(JOB, confirm)  # a retried report is one event
+        [event] = supervisor.store.events_for(JOB, kinds=["checkpoint_quarantined"])
+        assert event.payload == {
+            "checkpoint": "checkpoint-40", "moved_to": moved[0][1], "attempt": 2,
+        }  # fmt: skip
+
+    run(body, tmp_path)

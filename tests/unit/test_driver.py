@@ -111,6 +111,7 @@ def drive(
     once_running: list[DriverAnswer] = settings.pop("once_running", [])
     # Answers given once a condition holds, after those above (``(condition, answers)``).
     later: tuple[Any, list[DriverAnswer]] | None = settings.pop("later", None)
+    ckpt_root = settings.pop("ckpt_root", "/ckpt")
     job_dir = tmp_path / "state" / "jobs" / JOB
     job_dir.mkdir(parents=True)
     write_secret(job_dir / "secret", SECRET)
@@ -131,7 +132,7 @@ def drive(
                 job_id=JOB,
                 job_dir=job_dir,
                 supervisor_url=f"http://127.0.0.1:{port}",
-                ckpt_root="/ckpt",
+                ckpt_root=ckpt_root,
                 command=("torchrun", "train.py"),
                 **settings,
             )
@@ -194,6 +195,35 @@ def test_after_a_failure_the_driver_relaunches_where_told_and_confirms(tmp_path:
         (DriverPhase.ENDED, 1, None, None),
         (DriverPhase.RELAUNCHED, None, "4711/2/relaunch/2", True),
     ]
+
+
+def test_before_a_relaunch_the_rejected_checkpoints_are_quarantined_and_reported(
+    tmp_path: Path,
+) -> None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from tests.unit.test_layouts import hf_checkpoint
+
+    root = tmp_path / "out"
+    chosen, broken = hf_checkpoint(root, 20), hf_checkpoint(root, 40)
+    relaunch = DriverAnswer(
+        DriverAction.RELAUNCH, 2, ("node1", "node3"), str(chosen), "4711/2/relaunch/2",
+        quarantine=((str(broken), "model.safetensors: truncated"),),
+    )  # fmt: skip
+    launch = DriverAnswer(DriverAction.LAUNCH, 1)
+    status, directory = drive(
+        tmp_path, [1, 0], [launch, relaunch], start_check_s=0.0, ckpt_root=str(root)
+    )
+    assert status == 0
+    # What the script's own resume line reads now is the checkpoint the supervisor chose.
+    assert get_last_checkpoint(str(root)) == str(chosen)
+    [confirmed] = [r for r in directory.driver_requests(JOB) if r.phase is DriverPhase.RELAUNCHED]
+    [(source, target)] = confirmed.quarantined
+    assert source == "checkpoint-40" and target.startswith(".resurgo-quarantine/checkpoint-40.")
+    assert (root / target / "trainer_state.json").is_file()
+    # Reported once: later questions do not carry it again.
+    later = [r for r in directory.driver_requests(JOB) if r.phase is not DriverPhase.RELAUNCHED]
+    assert all(not r.quarantined for r in later)
 
 
 def test_the_samples_to_skip_reach_the_agents_flags_and_no_stale_value_their_environment(

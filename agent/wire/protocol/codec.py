@@ -13,7 +13,9 @@ from agent.wire.protocol.constants import (
     MAX_COMMANDS,
     MAX_EVENT_BYTES,
     MAX_EVENTS_PER_BATCH,
+    MAX_QUARANTINE,
     MAX_RANKS,
+    MAX_SHORT_TEXT_CHARS,
     MAX_SKIP_RANGES,
     MAX_SPARE_DETAIL_CHARS,
     MAX_TEXT_CHARS,
@@ -224,6 +226,8 @@ def encode_driver_request(request: DriverRequest) -> bytes:
         # Absent otherwise: supervisors older than spare checks refuse no request they read.
         document["checked"] = list(request.checked)
         document["unhealthy"] = [[node, detail] for node, detail in request.unhealthy]
+    if request.quarantined:
+        document["quarantined"] = [list(pair) for pair in request.quarantined]
     data = _dump(document)
     decode_driver_request(data)
     return data
@@ -247,6 +251,7 @@ def decode_driver_request(data: bytes) -> DriverRequest:
         ),
         checked=_node_names(document, "checked", where) if "checked" in document else (),
         unhealthy=_unhealthy(document, where) if "unhealthy" in document else (),
+        quarantined=_text_pairs(document, "quarantined", where),
     )
     if request.phase is DriverPhase.RELAUNCHED and (
         request.action_id is None or request.ok is None
@@ -273,6 +278,8 @@ def encode_driver_answer(answer: DriverAnswer) -> bytes:
         document["skip_samples"] = [[start, end] for start, end in answer.skip_samples]
     if answer.check_spares:
         document["check_spares"] = list(answer.check_spares)
+    if answer.quarantine:
+        document["quarantine"] = [list(pair) for pair in answer.quarantine]
     data = _dump(document)
     decode_driver_answer(data)
     return data
@@ -295,6 +302,7 @@ def decode_driver_answer(data: bytes) -> DriverAnswer:
         check_spares=(
             _node_names(document, "check_spares", where) if "check_spares" in document else ()
         ),
+        quarantine=_text_pairs(document, "quarantine", where),
     )
     if answer.action is DriverAction.RELAUNCH and (not answer.nodes or answer.action_id is None):
         _fail(f"{where}: a relaunch names its nodes and action_id")
@@ -320,6 +328,22 @@ def _unhealthy(document: Mapping[str, Any], where: str) -> tuple[tuple[str, str]
             _fail(f"{at} must be a [node, detail] pair of strings")
         found.append((check_name(item[0], "node"), clip_text(item[1], MAX_SPARE_DETAIL_CHARS)))
     return tuple(found)
+
+
+def _text_pairs(document: Mapping[str, Any], key: str, where: str) -> tuple[tuple[str, str], ...]:
+    """``[[text, text], ...]`` (absent: none): checkpoint paths and what goes with each."""
+    if key not in document:
+        return ()
+    pairs = []
+    for index, item in enumerate(_list(document, key, where, max_items=MAX_QUARANTINE)):
+        pair = isinstance(item, list) and len(item) == 2
+        if not (pair and all(isinstance(part, str) and part for part in item)):
+            _fail(f"{where}.{key}[{index}] must be a pair of non-empty strings")
+        if any(len(part) > MAX_SHORT_TEXT_CHARS for part in item):
+            # A path cut short names another file: refused, never clipped.
+            _fail(f"{where}.{key}[{index}] is longer than {MAX_SHORT_TEXT_CHARS} characters")
+        pairs.append((item[0], item[1]))
+    return tuple(pairs)
 
 
 def _skip_samples(document: Mapping[str, Any], where: str) -> tuple[tuple[int, int], ...]:

@@ -44,6 +44,8 @@ MAX_ARGV_ITEMS = 1024
 MAX_STEPS_PER_EVENT = 4096
 # Sample windows a driver answer may tell the ranks to skip.
 MAX_SKIP_RANGES = 64
+# Checkpoints one answer may send to quarantine, and one request report as moved.
+MAX_QUARANTINE = 64
 # What a driver's report may say of one failed spare (its failing check lines).
 MAX_SPARE_DETAIL_CHARS = 500
 # Integers are 64-bit signed on the wire: SQLite stores them as such.

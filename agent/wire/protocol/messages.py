@@ -196,7 +196,8 @@ class DriverAction(enum.Enum):
 @dataclass(frozen=True)
 class DriverRequest:
     """The driver's question; ``exit_code`` with ENDED, ``action_id``/``ok`` with RELAUNCHED,
-    ``checked``/``unhealthy`` (node, what failed) with SPARE_CHECK."""
+    ``checked``/``unhealthy`` (node, what failed) with SPARE_CHECK; ``quarantined`` with the
+    first question after a launch that moved checkpoints aside."""
 
     job_id: str
     phase: DriverPhase
@@ -208,6 +209,8 @@ class DriverRequest:
     time_left_s: float | None = None  # with TIME_LIMIT: seconds until Slurm ends the job
     checked: tuple[str, ...] = ()
     unhealthy: tuple[tuple[str, str], ...] = ()
+    # Checkpoints the driver moved into quarantine for the launch: (from, to), root-relative.
+    quarantined: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,7 @@ class DriverAnswer:
     cursor the ranks must not train on (after a rollback past a loss anomaly;
     :mod:`agent.skips`). ``check_spares``: idle hot spares whose health checks
     are due; the driver runs them beside the step and reports with SPARE_CHECK.
+    ``quarantine``: see :mod:`agent.checkpoint.quarantine`.
     """
 
     action: DriverAction
@@ -229,3 +233,6 @@ class DriverAnswer:
     retry_after_s: float = 2.0
     skip_samples: tuple[tuple[int, int], ...] = ()
     check_spares: tuple[str, ...] = ()
+    # With LAUNCH/RELAUNCH: checkpoints newer than ``resume_from`` that failed validation
+    # (path, why); the driver moves them into quarantine before the launch.
+    quarantine: tuple[tuple[str, str], ...] = ()

@@ -1,0 +1,96 @@
+"""What every checkpoint layout shares: a found checkpoint, the interface, a report builder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from agent.checkpoint.report import Level, Report
+
+# Where quarantined checkpoints go, inside the checkpoint root; no layout looks in it.
+QUARANTINE_DIR = ".resurgo-quarantine"
+
+
+@dataclass(frozen=True)
+class Found:
+    """One checkpoint as found on disk, not validated.
+
+    ``name`` is how its framework names it (``checkpoint-120``, ``last.ckpt``),
+    relative to the root; ``complete`` is the layout's sign that its save
+    finished (a commit marker, ``trainer_state.json``, a whole zip archive's
+    end); ``mtime_s`` the newest modification time in it.
+    """
+
+    layout: str
+    path: str
+    name: str
+    step: int | None
+    mtime_s: float
+    total_bytes: int
+    complete: bool
+
+
+class Layout(Protocol):
+    """One framework's way of keeping checkpoints (see the module docstring)."""
+
+    name: str
+
+    def owns(self, path: Path) -> bool:
+        """Whether ``path`` is a checkpoint of this layout (by its name and kind)."""
+
+    def find(self, root: Path) -> Iterable[Found]:
+        """The checkpoints of this layout under ``root``."""
+
+    def check(self, path: Path, level: Level) -> Report:
+        """Validate one checkpoint up to ``level``; a bad one is a report, never an exception."""
+
+    def steer(self, root: Path, chosen: Path | None) -> list[str]:
+        """Point the framework's "latest" at ``chosen`` after a quarantine; say what changed."""
+
+
+@dataclass
+class Ladder:
+    """A report under construction: the levels passed so far, and what was skipped."""
+
+    path: Path
+    level: Level
+    step: int | None = None
+    checked: list[Level] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def wants(self, level: Level) -> bool:
+        """Whether validation goes as deep as ``level``."""
+        order = (Level.QUICK, Level.FULL, Level.LOAD)
+        return order.index(level) <= order.index(self.level)
+
+    def passed(self, level: Level) -> None:
+        self.checked.append(level)
+
+    def fail(self, level: Level, reason: str) -> Report:
+        return self._report(level, reason)
+
+    def ok(self) -> Report:
+        return self._report(None, None)
+
+    def _report(self, failed: Level | None, reason: str | None) -> Report:
+        return Report(
+            path=str(self.path), valid=failed is None, level=self.level,
+            checked=tuple(self.checked), failed_level=failed, reason=reason, step=self.step,
+            has_manifest=False, skipped=tuple(self.skipped),
+        )  # fmt: skip
+
+
+def newest_mtime(path: Path) -> tuple[float, int]:
+    """(newest modification time, total bytes) of a file, or of a directory and its files."""
+    status = path.lstat()
+    if not path.is_dir():
+        return status.st_mtime, status.st_size
+    mtime_s, total = status.st_mtime, 0
+    for child in path.iterdir():
+        # lstat: a symlink counts as itself, never as what it points to.
+        child_status = child.lstat()
+        total += child_status.st_size
+        mtime_s = max(mtime_s, child_status.st_mtime)
+    return mtime_s, total
