@@ -16,10 +16,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from agent.checkpoint.format import SaveStats, parse_step_dir_name
+from agent.checkpoint.format import SaveStats
+from agent.checkpoint.layouts import step_in_path
 from agent.wire import protocol
 from agent.wire.protocol import (
     Command,
@@ -358,7 +358,7 @@ class Intake:
         current = attempts.get(attempt)
         if current is None or current.resumed_from is None:
             return
-        resume_step = parse_step_dir_name(Path(current.resumed_from).name)
+        resume_step = step_in_path(current.resumed_from)
         earlier = [row for number, row in attempts.items() if number < attempt]
         if resume_step is None or not earlier:
             return

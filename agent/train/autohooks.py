@@ -43,13 +43,13 @@ import functools
 import importlib.abc
 import importlib.machinery
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
+from agent.checkpoint.layouts import step_in_path
 from agent.checkpoint.layouts.torchfile import step_named
 from agent.node.launch import ENV_CKPT_ROOT
 from agent.train import heartbeat as heartbeat_module
@@ -61,15 +61,6 @@ DCP_MODULE = "torch.distributed.checkpoint"
 DCP_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 # Never an object's id(): steps of any optimizer are not counted while it is set.
 _NO_OPTIMIZER = 0
-# The end of a checkpoint directory's name that names its step: torchtitan's
-# step-120, Hugging Face's checkpoint-120, DeepSpeed's global_step120.
-_STEP_IN_NAME = re.compile(r"(?:step|checkpoint|iter)[-_]?(\d+)$")
-
-
-def step_in_name(path: str) -> int | None:
-    """The step a checkpoint directory's name ends with (``step-120``), None: none."""
-    match = _STEP_IN_NAME.search(os.path.basename(path.rstrip(os.sep)))
-    return int(match.group(1)) if match else None
 
 
 def enabled(environ: dict[str, str] | os._Environ[str]) -> bool:
@@ -117,15 +108,34 @@ class AutoProgress:
         except Exception:  # never into the user's training loop
             pass
 
-    def resumed_at(self, loaded: object) -> None:
-        """A loaded checkpoint dict that names its step: the count goes on from it."""
+    def resumed_at(self, loaded: object, source: object = None) -> None:
+        """A loaded checkpoint that names its step: the count goes on from it.
+
+        The step is the one the loaded dict names, else the one its checkpoint
+        directory's name gives (Hugging Face's Trainer loads
+        ``checkpoint-40/optimizer.pt``, its step kept in a JSON file).
+        """
         try:
-            step = None if self.standing_down else step_named(loaded)
+            if self.standing_down:
+                return
+            step = step_named(loaded)
+            if step is None and isinstance(source, str | os.PathLike):
+                step = self._checkpoint_of(os.path.abspath(os.fspath(source)))[1]
             if step is not None:
                 self.step = step
                 self.beats.beat(step)
         except Exception:
             pass
+
+    def _checkpoint_of(self, path: str) -> tuple[str, int | None]:
+        """The checkpoint a file under the root belongs to, and its step when its name
+        gives one: ``checkpoint-60/rng_state.pth`` is checkpoint-60 of step 60,
+        ``global_step60/...`` step 60 (DeepSpeed); a file in the root is its own."""
+        if self._root is None or not path.startswith(self._root):
+            return path, None
+        top = os.path.join(self._root, path[len(self._root) :].split(os.sep)[0])
+        step = step_in_path(top) if top != path else None
+        return (top, step) if step is not None else (path, None)
 
     def wrap_save(self, save: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(save)
@@ -162,7 +172,8 @@ class AutoProgress:
                 return
             path = _final_name(os.path.abspath(os.fspath(target)))
             if self._under_root(path):
-                self.beats.file_written(path)
+                checkpoint, step = self._checkpoint_of(path)
+                self.beats.file_written(checkpoint, step)
         except Exception:
             pass
 
@@ -224,7 +235,7 @@ class AutoProgress:
                 return None
             step = step_named(args[0] if args else kwargs.get("state_dict"))
             if step is None:
-                step = step_in_name(path)
+                step = step_in_path(path)
             return path, self.step if step is None else step
         except Exception:
             return None
@@ -276,7 +287,7 @@ class AutoProgress:
         @functools.wraps(load)
         def loading(*args: Any, **kwargs: Any) -> Any:
             loaded = load(*args, **kwargs)
-            self.resumed_at(loaded)
+            self.resumed_at(loaded, args[0] if args else kwargs.get("f"))
             return loaded
 
         return loading

@@ -97,10 +97,14 @@ class _Walk:
 
 
 def _lost_work(walk: _Walk, resume_step: float) -> float:
-    """Seconds between reaching ``resume_step`` in the failed run and the fault, less stalls."""
+    """Seconds between reaching ``resume_step`` in the failed run and the fault, less stalls.
+
+    A resume at or past the last step the failed run reported lost nothing of
+    it (a checkpoint saved at the fault's step, or steps reported late): none.
+    """
     fault_s = walk.fault_s if walk.fault_s is not None else walk.since
     reached = [t for t, step in walk.steps if step >= resume_step]
-    start = reached[0] if reached else (walk.steps[0][0] if walk.steps else fault_s)
+    start = reached[0] if reached else fault_s
     stalled = sum(d for t, d in walk.stalls if start <= t <= fault_s)
     return max(0.0, fault_s - start - stalled)
 

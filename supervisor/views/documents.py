@@ -136,6 +136,11 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
         )
     if kind == "alert":
         return f"ALERT ({payload.get('severity')}): {payload.get('message')}"
+    if kind == "checkpoint_quarantined":
+        return (
+            f"checkpoint {payload.get('checkpoint')} failed validation: moved to "
+            f"{payload.get('moved_to')} (resurgo ckpt release moves it back)"
+        )
     if kind == "training_anomaly":
         nodes = payload.get("nodes") or []
         where = f" (only {', '.join(map(str, nodes))}'s ranks)" if nodes else ""

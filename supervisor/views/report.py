@@ -17,7 +17,6 @@ from __future__ import annotations
 import html
 import io
 import time
-from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -25,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on a head node
 import matplotlib.pyplot as plt
 
-from agent.checkpoint.format import parse_step_dir_name
+from agent.checkpoint.layouts import step_in_path
 from supervisor.core.goodput import Badput, Goodput
 from supervisor.store import Store
 from supervisor.views import documents as views
@@ -126,7 +125,7 @@ def timeline_svg(store: Store, job_id: str, start_s: float, now_s: float) -> str
             color=COLORS["drain"],
         )
     for index, attempt in enumerate(attempts[1:]):
-        step = parse_step_dir_name(Path(attempt.resumed_from).name) if attempt.resumed_from else 0
+        step = (step_in_path(attempt.resumed_from) or 0) if attempt.resumed_from else 0
         steps_axis.axvline(
             minutes(attempt.started_s),
             color=COLORS["relaunch"],

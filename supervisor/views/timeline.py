@@ -29,9 +29,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from agent.checkpoint.format import parse_step_dir_name
+from agent.checkpoint.layouts import step_in_path
 from supervisor.core.goodput import Accountant, Fact, FactKind, Goodput, RecoveryDurations, account
 from supervisor.core.model import NODE_FAULT_CAUSES
 from supervisor.store import DecisionRow, JobRow, ProgressRow, Store
@@ -101,12 +100,11 @@ def _facts_in(
     for attempt in store.attempts_for(job_id)[1:]:
         if not inside(attempt.started_s):
             continue
-        step = None
-        if attempt.resumed_from is not None:
-            step = parse_step_dir_name(Path(attempt.resumed_from).name)
-        else:
-            # No checkpoint of ours: a script that keeps its own resumed where its
-            # first step report after the start says (0: it started over).
+        step = None if attempt.resumed_from is None else step_in_path(attempt.resumed_from)
+        if step is None:
+            # No checkpoint chosen, or one whose name gives no step (a script's ckpt.pt):
+            # the script resumed where its first step report after the start says (0:
+            # it started over).
             first = store.first_progress_after(job_id, attempt.started_s)
             step = None if first is None else first.step
         facts.append(Fact(attempt.started_s, FactKind.RESUMED, float(step or 0)))

@@ -129,3 +129,24 @@ def test_interval_is_pushed_only_when_it_changes_enough():
     assert push is not None and push.interval_s == pytest.approx(target)
     assert interval_push("42", 1, target * 1.05, job_mtbf * 4, 4, 120.0, 0.0) is None
     assert interval_push("42", 1, 600.0, None, 4, 120.0, 0.0) is None
+
+
+def test_a_resume_past_the_last_reported_step_loses_none_of_the_run():
+    """A checkpoint newer than the last step report (a save right before a kill, steps
+    reported late): the time since that checkpoint is lost, not the whole run before it."""
+    lost = {}
+    for resumed_at in (80, 85):
+        result = account(
+            [
+                Fact(0, K.ALLOCATED),
+                Fact(10, K.STEP, 1),
+                Fact(80, K.STEP, 80),
+                Fact(90, K.FAULT, cause="rank_signal"),
+                Fact(95, K.DETECTED, cause="rank_signal"),
+                Fact(110, K.RESUMED, resumed_at),
+                Fact(120, K.STEP, 86),
+                Fact(130, K.ENDED),
+            ]
+        )
+        lost[resumed_at] = result.badput_s[Badput.LOST_WORK]
+    assert lost == {80: 10, 85: 0}  # from step 80 (t=80) to the fault; nothing

@@ -1,0 +1,68 @@
+"""The frameworks users run, under ``resurgo submit`` on the live 4-node cluster.
+
+The scripts (tests/frameworks/) import nothing of Resurgo and resume the way
+their documentation shows. Each test breaks what a user's night breaks, and
+checks what the script itself printed: where it resumed, and that it finished.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import LiveCluster
+from tests.e2e.test_faults import ENDED, attempts, drained, story_of
+from tests.e2e.test_plain_scripts import submit_job
+from tests.supervisor_harness import TORCHRUN, SupervisorProcess, rank_pids
+
+pytestmark = pytest.mark.slurm
+
+FRAMEWORKS = Path(__file__).resolve().parents[1] / "frameworks"
+STEPS = 80
+
+
+def submit_framework(
+    supervisor: SupervisorProcess, where: Path, script: str, *args: str
+) -> tuple[int, Path]:
+    out = where / "out"
+    command = [*TORCHRUN, str(FRAMEWORKS / script), "--out", str(out), "--steps", str(STEPS),
+               "--save-steps", "20", *args]  # fmt: skip
+    return submit_job(supervisor, where, command)
+
+
+def test_a_trainer_with_its_newest_checkpoint_cut_short_and_a_rank_killed_completes(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """Every rank would load checkpoint-40 (get_last_checkpoint takes the highest N) and
+    fail on its truncated weights; Resurgo rejects it, moves it into quarantine before
+    the relaunch, and the unchanged script resumes from checkpoint-20."""
+    job_id, output = submit_framework(supervisor, tmp_path, "hf_trainer.py", "--step-s", "0.5")
+    out = tmp_path / "out"
+    newest = out / "checkpoint-40"
+    slurm_cluster.wait_for(
+        "checkpoint-40 saved", lambda: (newest / "trainer_state.json").is_file(), timeout_s=300
+    )
+    weights = newest / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    pids = rank_pids("node3", marker="hf_trainer.py")
+    assert pids, output.read_text(errors="replace")[-3000:]
+    os.kill(pids[0], 9)
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
+    text = output.read_text(errors="replace")
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    assert f"resume from {out / 'checkpoint-20'}" in text, told
+    assert re.search(rf"^step {STEPS} loss", text, re.MULTILINE), told
+    assert drained(supervisor, job_id) == [("node3", "rank_signal")], told
+    assert len(attempts(supervisor, job_id)) == 2, told
+    held = list((out / ".resurgo-quarantine").glob("checkpoint-40.*"))
+    assert len(held) == 1 and (held[0] / "trainer_state.json").is_file(), told
+    events = supervisor.resurgo("events", str(job_id))
+    assert "checkpoint checkpoint-40 failed validation: moved to .resurgo-quarantine/" in (
+        events.stdout
+    ), events.stdout
+    listed = supervisor.resurgo("ckpt", "quarantined", str(out))
+    assert "model.safetensors" in listed.stdout and "truncated" in listed.stdout, listed.stdout
