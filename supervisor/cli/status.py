@@ -1,7 +1,7 @@
 """`resurgo status [JOB...] [--json] [--watch]`: every supervised job at a glance.
 
 Columns: id, name, state, world size now/original (and hot spares ready/asked
-for, with the swaps so far), restarts by cause,
+for, with the swaps so far), the newest step the job reported, restarts by cause,
 goodput, newest checkpoint step and age, nodes drained for the job. Read from
 the supervisor's store, so it works while the supervisor is down (showing
 what it last knew). ``--json`` prints :func:`supervisor.views.documents.status`.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -19,7 +20,11 @@ from supervisor.errors import StoreError
 from supervisor.text import one_line
 from supervisor.views import documents as views
 
-HEADERS = ("JOB", "NAME", "STATE", "NODES", "RESTARTS", "GOODPUT", "CHECKPOINT", "DRAINED")
+HEADERS = (
+    "JOB", "NAME", "STATE", "NODES", "STEP", "RESTARTS", "GOODPUT", "CHECKPOINT", "DRAINED",
+)  # fmt: skip
+# A final reason longer than this is shortened at a word, with an ellipsis.
+REASON_CHARS = 60
 
 
 def register(subparsers: Any) -> None:
@@ -43,8 +48,9 @@ def row_cells(job: dict[str, Any]) -> list[str]:
     return [
         one_line(job["job_id"]),
         one_line(job["name"]),
-        job["state"] + (f" ({one_line(job['final_reason'][:60])})" if job["final_reason"] else ""),
+        job["state"] + (f" ({_shortened(job['final_reason'])})" if job["final_reason"] else ""),
         f"{size if size is not None else '-'}/{job['original_nodes']}" + _spares_cell(job),
+        "-" if job.get("step") is None else str(job["step"]),
         (restarts or "-") + _skipped_cell(job),
         f"{job['goodput'] * 100:.1f}%",
         "-" if checkpoint is None else _checkpoint_cell(checkpoint),
@@ -85,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
             except KeyboardInterrupt:
                 return 0
+
+
+def _shortened(reason: str) -> str:
+    """The reason on one line, cut at a word with an ellipsis when longer than the cell."""
+    return textwrap.shorten(one_line(reason), REASON_CHARS, placeholder=" ...")
 
 
 def _spares_cell(job: dict[str, Any]) -> str:

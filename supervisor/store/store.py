@@ -469,6 +469,15 @@ class Store(History, StepReports, Tickets):
         return None if row is None else ProgressRow(*row)
 
     @locked
+    def latest_progress(self, job_id: str) -> ProgressRow | None:
+        """The job's newest progress sample (None: it never stepped)."""
+        row = self._db.execute(
+            "SELECT job_id, step, time_s FROM progress WHERE job_id = ? ORDER BY id DESC LIMIT 1",
+            (job_id,),
+        ).fetchone()
+        return None if row is None else ProgressRow(*row)
+
+    @locked
     def progress_for(self, job_id: str, since_s: float | None = None) -> list[ProgressRow]:
         """The job's progress samples (at or after ``since_s``) in the order they came."""
         rows = self._db.execute(

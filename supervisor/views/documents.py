@@ -32,6 +32,7 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
     own = None if newest is not None else _newest_written(store, job_id, now_s)
     drained = sorted(d.node for d in store.open_drains() if d.job_id == job_id)
     goodput = goodput_of(store, job_id, now_s)
+    progress = store.latest_progress(job_id)
     return {
         "job_id": job_id,
         "name": row.name,
@@ -47,6 +48,8 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
         "restarts": {cause: count for cause, count in record.get("restarts", [])},
         "anomalies": [_anomaly(seen) for seen in record.get("anomalies", [])],
         "skipped_samples": [list(pair) for pair in record.get("skipped_samples", [])],
+        "step": None if progress is None else progress.step,
+        "step_age_s": None if progress is None else round(now_s - progress.time_s, 1),
         "goodput": round(goodput.ratio, 4),
         "badput_s": {kind.value: round(s, 3) for kind, s in goodput.badput_s.items()},
         "last_checkpoint": own

@@ -72,10 +72,10 @@ def test_status_shows_size_restarts_goodput_checkpoint_and_drains(
     status, out, _ = run(capsys, "status", "--state-dir", str(state_dir))
     assert status == 0
     header, row = out.strip().splitlines()
-    assert header.split() == ["JOB", "NAME", "STATE", "NODES", "RESTARTS", "GOODPUT",
+    assert header.split() == ["JOB", "NAME", "STATE", "NODES", "STEP", "RESTARTS", "GOODPUT",
                               "CHECKPOINT", "DRAINED"]  # fmt: skip
     assert re.search(
-        r"4711\s+llm\s+running\s+2/3\s+hang 1\s+\d+\.\d%\s+10 \(\d+m ago\)\s+node3", row
+        r"4711\s+llm\s+running\s+2/3\s+12\s+hang 1\s+\d+\.\d%\s+10 \(\d+m ago\)\s+node3", row
     )
 
 
@@ -272,3 +272,12 @@ def test_a_rollback_shows_in_status_events_and_the_report(
     text = report.read_text()
     assert "non_finite at step 9: rolled back to step 8, global samples [96, 132) skipped" in text
     assert "(36 samples skipped in all)" in text
+
+
+def test_a_long_final_reason_is_cut_at_a_word_never_inside_one() -> None:
+    from supervisor.cli.status import REASON_CHARS, _shortened
+
+    reason = "a rank of attempt 3 ended with exit code 1 at step 8 while the job was reported"
+    shown = _shortened(reason)
+    assert len(shown) <= REASON_CHARS and shown.endswith(" ...")
+    assert reason.startswith(shown[: -len(" ...")]) and reason[len(shown) - 4] == " "
