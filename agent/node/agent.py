@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.checkpoint.catalog import newest_committed_step
+from agent.node.ckptscan import SCAN_S, CheckpointScan
 from agent.node.commands import (
     await_final_checkpoint,
     notice_is_ours,
@@ -115,6 +116,9 @@ class NodeAgent:
         self._plan: LaunchPlan | None = None
         self._world_reported = False
         self._saves = SaveNotes(self._clocks.monotonic)
+        self._scan: CheckpointScan | None = None
+        # A rank beat through the in-rank library (not only the bootstrap's hooks).
+        self._library_beats = False
         self._stopping = False
         self._stop_task: asyncio.Task[None] | None = None
         self._exits: dict[int, RankExit] = {}
@@ -210,6 +214,9 @@ class NodeAgent:
             ticks.append(self._every(self.config.health_check_interval_s, self._health_tick))
         if self.config.time_limit_file:
             ticks.append(self._every(self.config.time_limit_poll_s, self._time_limit_tick))
+        if self.config.node_rank == 0 and self.config.ckpt_root:
+            self._scan = CheckpointScan(self.config.ckpt_root)
+            ticks.append(self._every(SCAN_S, self._scan_tick))
         tasks = [asyncio.create_task(tick) for tick in ticks]
         commands = asyncio.create_task(self._serve_queue())
         try:
@@ -391,9 +398,11 @@ class NodeAgent:
                 if adopted is not None:
                     self._check_world([adopted])
             if isinstance(message, RankBeat):
+                self._library_beats |= not message.automatic
                 self._saves.on_beat(message)
                 self.monitor.on_beat(message, self._clocks.monotonic())
             elif isinstance(message, StepReport):
+                self._library_beats = True  # step reports come from the library only
                 # A finished step is progress too: the report doubles as a beat.
                 self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
                 self._steps.add(message)
@@ -401,6 +410,16 @@ class NodeAgent:
                 event = self._saves.event(message)
                 if event is not None:
                     asyncio.get_running_loop().create_task(self.events.emit(*event))
+
+    async def _scan_tick(self) -> None:
+        """Report the checkpoints a framework wrote itself since the last look."""
+        assert self._scan is not None
+        for found in await asyncio.to_thread(self._scan.new):
+            await self.events.emit(
+                protocol.EventKind.CHECKPOINT_WRITTEN,
+                {"step": found.step, "path": found.path, "global_rank": 0,
+                 "total_bytes": found.total_bytes},
+            )  # fmt: skip
 
     # -- rank exits ------------------------------------------------------------
 
@@ -498,8 +517,10 @@ class NodeAgent:
         finished = bool(self._exits) and not self._watcher.live_ranks
         root = self.config.ckpt_root
         before = newest_committed_step(root) if root else None
-        # Only ranks that send heartbeats (the in-rank library) can take a save request.
-        asked = bool(root) and bool(self.monitor.progress) and not finished
+        # Only ranks of the in-rank library can take a save request: a script seen through
+        # the bootstrap alone (its optimizer steps) saves when it saves, and waiting for it
+        # would eat the time a short limit leaves.
+        asked = bool(root) and self._library_beats and not finished
         if asked:
             write_save_request(self._save_request_path(), int(notice.warned_unix_s * 1000))
         await self.events.emit(
@@ -517,7 +538,7 @@ class NodeAgent:
             # a stopped one.
             log.info("time limit near: the ranks have already exited; nothing to stop")
             return
-        outcome = "the ranks send no heartbeats: stopping them at once"
+        outcome = "the ranks do not use Resurgo's library, no save request reaches them"
         if asked:
             assert root
             log.info("time limit near: final checkpoint requested (newest committed: %s)", before)

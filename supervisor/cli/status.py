@@ -118,7 +118,7 @@ def _checkpoint_cell(checkpoint: dict[str, Any]) -> str:
     """Step and age; a script's own file or DCP directory by its name (its step as
     counted or named, if known)."""
     age = f"{duration(checkpoint['age_s'])} ago"
-    if checkpoint.get("kind") in ("torch.save", "dcp"):
+    if checkpoint.get("kind") != "resurgo":
         name = one_line(str(checkpoint["path"]).rsplit("/", 1)[-1])
         step = checkpoint.get("step")
         return f"{name} (step {step}, {age})" if step is not None else f"{name} ({age})"

@@ -8,6 +8,7 @@ rendered from the same documents by the CLI.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Any
@@ -94,11 +95,17 @@ def _newest_written(store: Store, job_id: str, now_s: float) -> dict[str, Any] |
 
 
 def written_kind(path: object) -> str:
-    """``"dcp"`` for a script's checkpoint path that names a directory, ``"torch.save"`` for a
-    file. The note carries only the path, and the store is all a view reads: a DCP
-    save names a directory (torchtitan's ``step-120``), a torch.save a file with a
-    suffix (``ckpt.pt``), so the last part's suffix tells them apart."""
+    """Which layout a script's own checkpoint path is, by its name alone (the store is all
+    a view reads): ``"huggingface"`` (``checkpoint-120``), ``"deepspeed"``
+    (``global_step120``), ``"lightning"`` (``*.ckpt``), ``"dcp"`` (any other
+    directory: a name without a suffix, torchtitan's ``step-120``), else ``"torch.save"``."""
     name = PurePosixPath(path).name if isinstance(path, str) else ""
+    if re.fullmatch(r"checkpoint-\d+", name):
+        return "huggingface"
+    if re.fullmatch(r"global_step\d+", name):
+        return "deepspeed"
+    if name.endswith(".ckpt"):
+        return "lightning"
     return "dcp" if name and not PurePosixPath(name).suffix else "torch.save"
 
 

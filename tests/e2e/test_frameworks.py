@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import LiveCluster
 from tests.e2e.test_faults import ENDED, attempts, drained, story_of
-from tests.e2e.test_plain_scripts import submit_job
+from tests.e2e.test_plain_scripts import status, submit_job
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess, rank_pids
 
 pytestmark = pytest.mark.slurm
@@ -66,3 +66,42 @@ def test_a_trainer_with_its_newest_checkpoint_cut_short_and_a_rank_killed_comple
     ), events.stdout
     listed = supervisor.resurgo("ckpt", "quarantined", str(out))
     assert "model.safetensors" in listed.stdout and "truncated" in listed.stdout, listed.stdout
+    newest = status(supervisor, job_id)["last_checkpoint"]
+    assert newest["kind"] == "huggingface" and newest["step"] == STEPS, newest
+    assert newest["path"] == str(out / f"checkpoint-{STEPS}"), newest
+
+
+def test_lightning_with_its_last_ckpt_cut_short_and_a_rank_killed_completes(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """fit(ckpt_path="last") would load the truncated last.ckpt; Resurgo moves it into
+    quarantine and leaves a copy of step=40.ckpt in its place."""
+    job_id, output = submit_framework(supervisor, tmp_path, "lightning_fit.py", "--step-s", "0.5")
+    out = tmp_path / "out"
+    slurm_cluster.wait_for(
+        "step=40.ckpt saved", lambda: (out / "step=40.ckpt").is_file(), timeout_s=300
+    )
+    last = out / "last.ckpt"
+    slurm_cluster.wait_for("last.ckpt of step 40", lambda: _holds_step(last, 40), timeout_s=60)
+    os.truncate(last, last.stat().st_size // 3)
+    pids = rank_pids("node3", marker="lightning_fit.py")
+    assert pids, output.read_text(errors="replace")[-3000:]
+    os.kill(pids[0], 9)
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
+    text = output.read_text(errors="replace")
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    # Resumed at step 40: the first step after the relaunch is 41, and the run reaches the end.
+    steps = [int(n) for n in re.findall(r"^step (\d+) loss", text, re.MULTILINE)]
+    assert 41 in steps and steps.index(41) > steps.index(40) and steps[-1] == STEPS, told
+    assert drained(supervisor, job_id) == [("node3", "rank_signal")], told
+    held = list((out / ".resurgo-quarantine").glob("last.ckpt.*"))
+    assert len(held) == 1, told
+    newest = status(supervisor, job_id)["last_checkpoint"]
+    assert newest["kind"] == "lightning" and newest["step"] == STEPS, newest
+
+
+def _holds_step(path: Path, step: int) -> bool:
+    from agent.checkpoint.layouts.torchfile import peek, step_named
+
+    return path.is_file() and step_named(peek(path)) == step

@@ -403,10 +403,26 @@ def test_a_time_limit_notice_stops_an_uninstrumented_script_at_once(
     assert near.payload["attempt"] == 1
     stopped = agent.wait_event(EventKind.RANKS_STOPPED, 10)
     # No heartbeats: no final checkpoint to wait for, the ranks get SIGTERM now.
-    assert "send no heartbeats" in stopped.payload["reason"]
+    assert "Resurgo's library" in stopped.payload["reason"]
     assert near.payload["final_checkpoint_requested"] is False
     assert stopped.time_unix_s - near.time_unix_s < 5.0
     assert not (tmp_path / "run" / "save-request.json").exists()
+
+
+def test_a_time_limit_notice_stops_a_script_seen_only_through_the_bootstrap_at_once(
+    agent_factory, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Its optimizer steps beat, but no save request reaches a script that imports nothing:
+    waiting for its final checkpoint would only eat the time a short limit leaves."""
+    agent = _time_limit_agent(agent_factory, tmp_path, ["--optimizer"])
+    agent.wait_file("step.1")
+    time.sleep(2.0)  # the bootstrap's first beats reached the agent
+    _notice(tmp_path, save_in_s=60.0, end_in_s=90.0)
+    near = agent.wait_event(EventKind.TIME_LIMIT_NEAR, 10)
+    stopped = agent.wait_event(EventKind.RANKS_STOPPED, 10)
+    assert near.payload["final_checkpoint_requested"] is False
+    assert "Resurgo's library" in stopped.payload["reason"]
+    assert stopped.time_unix_s - near.time_unix_s < 5.0
 
 
 def test_a_time_limit_notice_asks_instrumented_ranks_for_a_checkpoint_until_its_deadline(

@@ -195,14 +195,16 @@ def test_log_lines_are_json_objects_with_the_decision_fields() -> None:
     ("path", "kind"),
     [
         ("/ckpt/out/step-120", "dcp"),
-        ("/ckpt/out/checkpoint-120/", "dcp"),
+        ("/ckpt/out/checkpoint-120/", "huggingface"),
+        ("/ckpt/out/global_step120", "deepspeed"),
+        ("/ckpt/out/last.ckpt", "lightning"),
         ("/ckpt/out/ckpt.pt", "torch.save"),
         ("/ckpt/out/model.safetensors.pth", "torch.save"),
         ("", "torch.save"),
         (None, "torch.save"),
     ],
 )
-def test_a_scripts_own_checkpoint_is_a_dcp_directory_when_its_name_has_no_suffix(
+def test_a_scripts_own_checkpoint_is_named_for_its_layout_by_its_name(
     path: str | None, kind: str
 ) -> None:
     from supervisor.views.documents import written_kind

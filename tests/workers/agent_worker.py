@@ -6,7 +6,8 @@ step all-reduces over gloo, so one stopped rank blocks the others inside the
 collective, as in a real data-parallel job. Faults: ``--stop-rank R
 --stop-step S`` SIGSTOPs rank R at step S; ``--init-sleep-s`` sleeps before
 the first step; ``--checkpoint-at S --checkpoint-s T`` spends T seconds in the
-checkpoint phase at step S; ``--slow-rank R --slow-step-s T`` makes rank R's
+checkpoint phase at step S; ``--optimizer`` takes an optimizer step each
+step, which the bootstrap counts; ``--slow-rank R --slow-step-s T`` makes rank R's
 steps take T seconds (with ``--no-sync``, so the others do not wait for it).
 Each rank writes its pid to ``OUT/pid.<rank>``, and the torchrun and Slurm task
 variables it was given to ``OUT/env.<rank>`` (JSON).
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-step-s", type=float, default=0.0)
     parser.add_argument("--no-sync", action="store_true", help="no all-reduce per step")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="an optimizer step per step (the bootstrap counts them)")  # fmt: skip
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -53,6 +56,8 @@ def main() -> None:
         heartbeat.beat(0, Phase.INIT)
     time.sleep(args.init_sleep_s)
     value = torch.ones(4)
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
     for step in range(1, args.steps + 1):
         if rank == args.stop_rank and step == args.stop_step:
             Path(args.out, f"stopped.{rank}").write_text(str(step))
@@ -61,6 +66,9 @@ def main() -> None:
             dist.all_reduce(value)
             value.fill_(1.0)
         time.sleep(args.slow_step_s if rank == args.slow_rank else args.step_s)
+        if args.optimizer:
+            weight.sum().backward()
+            optimizer.step()
         if heartbeat is not None:
             heartbeat.beat(step)
             if step == args.checkpoint_at:
