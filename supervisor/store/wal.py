@@ -18,6 +18,7 @@ https://www.sqlite.org/fileformat2.html#walformat.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from collections.abc import Iterator
@@ -163,22 +164,19 @@ def check_wal(path: Path, restore_hint: str) -> None:
 
     A log that changes while it is read belongs to a supervisor that has the
     store open (its connection owns the recovery; ours will not run one), so
-    it is not judged.
+    it is not judged. Its size and header do not tell: a supervisor appending
+    to a log that an earlier generation made longer changes neither, and a
+    frame read half-written, with whole frames after it by the time they are
+    read, looks exactly like damage. So damage found is looked for again, and
+    counts only when it is still there and the whole log read the same before
+    and after that second look.
     """
     wal = wal_path(path)
-
-    def fingerprint() -> tuple[int, bytes] | None:
-        try:
-            with wal.open("rb") as file:
-                return wal.stat().st_size, file.read(_HEADER_BYTES)
-        except FileNotFoundError:
-            return None
-
-    before = fingerprint()
-    if before is None:
+    if inspect_wal(wal) is None:
         return
+    before = _digest(wal)
     damage = inspect_wal(wal)
-    if damage is None or fingerprint() != before:
+    if damage is None or before is None or _digest(wal) != before:
         return
     lost = (
         "every transaction in it"
@@ -189,3 +187,15 @@ def check_wal(path: Path, restore_hint: str) -> None:
         f"store {path}: its write-ahead log {wal} is damaged ({damage.problem}); opening "
         f"the store would silently drop {lost}; {restore_hint}"
     )
+
+
+def _digest(wal: Path) -> bytes | None:
+    """A hash of the whole log's bytes (None: there is none)."""
+    hasher = hashlib.blake2b(digest_size=16)
+    try:
+        with wal.open("rb") as file:
+            while chunk := file.read(1 << 20):
+                hasher.update(chunk)
+    except FileNotFoundError:
+        return None
+    return hasher.digest()
