@@ -298,8 +298,25 @@ class Intake:
             return
         if job.idle_since_s is None:
             job.idle_since_s = now
-        elif now - job.idle_since_s >= self.config.lease_s:
+        elif now - job.idle_since_s >= self._held_patience_s(job):
             self._release_held(job_id, job)
+
+    def _held_patience_s(self, job: TrackedJob) -> float:
+        """How long held hang reports wait for progress once nobody is busy any more.
+
+        As long as the agents' own hang timeout that made them report (the
+        ``timeout_s`` of each hung rank), and at least a lease: the ranks that
+        waited for the busy one must get as long to show progress as they got to
+        show it before, or a loaded machine's slow first step after a 60 s
+        evaluation turns into a restart.
+        """
+        timeouts = [
+            float(hung["timeout_s"])
+            for _, _, event in job.held_hangs
+            for hung in event.payload.get("hung", ())
+            if isinstance(hung.get("timeout_s"), int | float)
+        ]
+        return max([self.config.lease_s, *timeouts])
 
     async def refuse_events(self, job_id: str, events: Sequence[Event]) -> str | None:
         """Why the batch cannot be taken: a committed checkpoint outside the job's root.

@@ -119,8 +119,10 @@ def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     assert f"done at iter {ITERS} with world 4" in text, told
-    assert drained(supervisor, job_id) == []
-    assert len(attempts(supervisor, job_id)) == 1
+    assert drained(supervisor, job_id) == [], told
+    assert len(attempts(supervisor, job_id)) == 1, f"{told}\n--- supervisor ---\n" + "\n".join(
+        line for line in supervisor.log().splitlines() if "held" in line or "hang" in line
+    )
     assert "held" in supervisor.log(), "the save never kept the peers waiting long enough"
     # Goodput from the observed steps, and the script's own newest file as the checkpoint.
     shown_job = status(supervisor, job_id)

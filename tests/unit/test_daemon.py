@@ -501,10 +501,10 @@ def test_the_drivers_failed_step_waits_while_the_agents_still_report(tmp_path: P
     run(body, tmp_path)
 
 
-def _waiting(node: str, incarnation: str, rank: int, step: int):  # type: ignore[no-untyped-def]
+def _waiting(node: str, incarnation: str, rank: int, step: int, timeout_s: float = 8.0):  # type: ignore[no-untyped-def]
     payload = {
         "hung": [{"global_rank": rank, "local_rank": 0, "pid": 50 + rank, "last_step": step,
-                  "phase": "train", "seconds_since_progress": 9.0, "timeout_s": 8.0,
+                  "phase": "train", "seconds_since_progress": 9.0, "timeout_s": timeout_s,
                   "detector": "heartbeat"}],
         "stacks": {str(rank): "Thread 1 (idle)\n  barrier"},
         "culprits": [{"global_rank": rank, "last_step": step, "in_collective": True,
@@ -578,6 +578,31 @@ def test_held_hang_reports_are_decided_once_the_save_ended_without_progress(
         # The save ended, and nobody steps on: a lease later the report is decided on.
         supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
         clock[0] += supervisor.config.lease_s + 1
+        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].held_hangs == []
+        assert supervisor.jobs[JOB].record.state.value != "running"
+
+    run(body, tmp_path)
+
+
+def test_held_hang_reports_wait_as_long_as_the_agents_hang_timeout_once_the_save_ended(
+    tmp_path: Path,
+) -> None:
+    """The peers were reported after 90 s without progress: after the save they get 90 s
+    again to step on, not just a lease (a loaded machine's first step is slow)."""
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        agents = await _training_then_rank_0_saving(supervisor)
+        saver = NODES[0]
+        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10, 90.0)])
+        await supervisor.settle()
+        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        clock[0] += supervisor.config.lease_s + 1
+        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"  # still patient
+        clock[0] += 90.0 - supervisor.config.lease_s
         supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
         await supervisor.settle()
         assert supervisor.jobs[JOB].held_hangs == []
