@@ -17,7 +17,9 @@
    (and ``RESURGO_SKIP_SAMPLES``, the data to leave out after a rollback past
    a loss anomaly) set through the agent, and confirms the relaunch (phase
    ``relaunched``);
-5. exits 0 when a step succeeds, and exits :data:`DO_NOT_REQUEUE_EXIT` (93)
+5. exits 0 when a step succeeds or the supervisor says the run completed (a
+   rank that died in its teardown after the last step), and exits
+   :data:`DO_NOT_REQUEUE_EXIT` (93)
    with the supervisor's reason when told to stop (a crash loop, a user
    error, no valid checkpoint, an operator's cancel): Slurm records the job
    FAILED with exit code 93, which tells wrappers and dependency chains not
@@ -366,6 +368,9 @@ class Driver:
             launched = False
             ended_with: int | None = None  # the exit code of the step last run
             while not self._stopping:
+                if answer.action is DriverAction.DONE:
+                    print(f"resurgo: the run completed: {answer.reason}", flush=True)
+                    return 0
                 if answer.action is DriverAction.STOP:
                     print(
                         f"resurgo: job stopped by the supervisor: {answer.reason} (exit "
@@ -439,7 +444,9 @@ class Driver:
                     wait_s=0.0,
                 )
                 moved_on = told is not None and (
-                    told.action is DriverAction.STOP
+                    # Done: every rank has exited, the launchers only wait in torchrun's
+                    # exit barrier for the one whose rank died in its teardown (300 s).
+                    told.action in (DriverAction.STOP, DriverAction.DONE)
                     or (told.action is DriverAction.RELAUNCH and told.attempt > answer.attempt)
                 )
                 if moved_on and told is not None:

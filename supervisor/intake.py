@@ -526,8 +526,9 @@ class Intake:
                                 retry_after_s=0.0)  # fmt: skip
         record = job.record
         if record.state.terminal:
+            action = DriverAction.DONE if record.state is JobState.COMPLETED else DriverAction.STOP
             return DriverAnswer(
-                DriverAction.STOP, record.attempt, reason=record.final_reason or record.state.value
+                action, record.attempt, reason=record.final_reason or record.state.value
             )
         if request.phase is DriverPhase.TIME_LIMIT:
             stopped = request.exit_code is not None

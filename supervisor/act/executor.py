@@ -391,6 +391,10 @@ class Executor:
             level = logging.ERROR if intent.severity is Severity.CRITICAL else logging.WARNING
             log.log(level, "ALERT job=%s: %s", intent.job_id, intent.message)
             return {"severity": intent.severity.value}, []
+        if isinstance(intent, StopJob) and intent.status is JobState.COMPLETED:
+            # The run completed: its driver is told so and exits 0, and Slurm records
+            # the job COMPLETED; a cancel would make it CANCELLED.
+            return {"cancelled": False, "left_to_driver": True}, []
         if isinstance(intent, StopJob):
             job = await self._slurm.job(slurm_job_id(intent.job_id))
             if job is None or job.state.finished:

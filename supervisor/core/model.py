@@ -349,6 +349,9 @@ class JobRecord:
     anomalies: tuple[AnomalySeen, ...] = ()
     skipped_samples: tuple[tuple[int, int], ...] = ()
     rollbacks: int = 0
+    # Ranks that exited 0, as (attempt, global rank, last step): a rank that dies in its
+    # teardown after every peer finished the same last step ended a completed run.
+    finished_ranks: tuple[tuple[int, int, int | None], ...] = ()
 
     def with_anomaly(self, seen: AnomalySeen) -> JobRecord:
         """This record with ``seen`` as its newest anomaly (the oldest dropped past the cap)."""
@@ -519,6 +522,7 @@ def record_from_json(text: str) -> JobRecord:
         "anomalies": (),
         "skipped_samples": (),
         "rollbacks": 0,
+        "finished_ranks": (),
     }
     values: dict[str, Any] = {
         f.name: doc.get(f.name, later[f.name]) if f.name in later else _get(doc, f.name)
@@ -539,6 +543,10 @@ def record_from_json(text: str) -> JobRecord:
         values["anomalies"] = tuple(_anomaly(a) for a in values["anomalies"])
         values["skipped_samples"] = tuple(
             (int(start), int(end)) for start, end in values["skipped_samples"]
+        )
+        values["finished_ranks"] = tuple(
+            (int(attempt), int(rank), None if step is None else int(step))
+            for attempt, rank, step in values["finished_ranks"]
         )
         record = JobRecord(**values)
     except (TypeError, ValueError, AttributeError, OverflowError) as error:

@@ -45,7 +45,7 @@ import math
 from dataclasses import replace
 
 from agent.wire.protocol import EventKind
-from supervisor.core import follow_slurm, planned_stop, recovery, rollback, skips
+from supervisor.core import clean_end, follow_slurm, planned_stop, recovery, rollback, skips
 from supervisor.core.blame import (
     Blame,
     blame,
@@ -251,7 +251,7 @@ def _on_rank_exit(
     rank = f"rank {seen.global_rank} on {seen.node}"
     if not is_failure(seen):
         if seen.signal is None:
-            return _nothing(record, f"rank {seen.global_rank} finished")
+            return _nothing(clean_end.finished(record, seen), f"rank {seen.global_rank} finished")
         return _nothing(record, "; ".join(blame(event, record, cluster).evidence))
     if record.state in LIVE:
         return _open_exit_window(record, seen, now_s, policy, cluster)
@@ -344,6 +344,9 @@ def _decide_exits(
 ) -> Decision:
     """The exit window closed: recover from the root cause alone."""
     assert record.recovery is not None
+    ended_clean = clean_end.why(record)
+    if ended_clean is not None:
+        return recovery.stop(record, now_s, JobState.COMPLETED, Cause.SLURM_ENDED, ended_clean)
     root, verdict = blame_exits(record.recovery.exits, record, cluster.lemons)
     if verdict.cause is Cause.USER_EXCEPTION:
         return _on_exception(record, root, now_s, policy, cluster, verdict)

@@ -105,3 +105,23 @@ def _holds_step(path: Path, step: int) -> bool:
     from agent.checkpoint.layouts.torchfile import peek, step_named
 
     return path.is_file() and step_named(peek(path)) == step
+
+
+def test_a_rank_aborting_in_its_teardown_after_the_last_step_ends_the_job_completed(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """Every rank trained to the end; rank 2 then dies by SIGABRT while the others exit
+    0. A restart would train past the end: the job completes instead."""
+    job_id, output = submit_framework(
+        supervisor, tmp_path, "hf_trainer.py", "--abort-at-exit-rank", "2"
+    )
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
+    text = output.read_text(errors="replace")
+    told = story_of(supervisor, job_id, text)
+    assert "rank 2 finished training" in text, told
+    assert job["job_state"] == "COMPLETED", told
+    assert len(attempts(supervisor, job_id)) == 1, told
+    assert re.findall(r"^step (\d+) loss", text, re.MULTILINE)[-1] == str(STEPS), told
+    assert drained(supervisor, job_id) == [], told
+    shown = status(supervisor, job_id)
+    assert shown["state"] == "completed" and "died in its teardown" in shown["final_reason"], told

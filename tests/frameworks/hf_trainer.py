@@ -8,6 +8,8 @@ time, so a test can compute the run's real progress from this log alone.
 
 ``--nan-at-step N`` makes the loss NaN at step N (the first time only, by a
 marker file in the output directory): the kind of fault a user's data causes.
+``--abort-at-exit-rank R``: rank R dies by SIGABRT after training ended, as a
+crash in gloo's or CUDA's teardown does.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=20)
     parser.add_argument("--step-s", type=float, default=0.0, help="extra time per step")
     parser.add_argument("--nan-at-step", type=int, default=None)
+    parser.add_argument(
+        "--abort-at-exit-rank", type=int, default=None, help="this rank aborts after training"
+    )
     args = parser.parse_args()
 
     config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32)
@@ -103,6 +108,12 @@ def main() -> None:
     last = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
     print(f"resume from {last}", flush=True)
     trainer.train(resume_from_checkpoint=last)
+    print(f"rank {os.environ.get('RANK', '0')} finished training", flush=True)
+    if args.abort_at_exit_rank is not None and int(os.environ.get("RANK", "0")) == (
+        args.abort_at_exit_rank
+    ):
+        time.sleep(1.0)  # its peers exit 0 first, or at the same time
+        os.abort()
 
 
 if __name__ == "__main__":

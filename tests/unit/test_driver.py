@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,34 @@ def test_told_to_stop_the_driver_exits_93_do_not_requeue_with_the_reason(
     status, _ = drive(tmp_path, [1], [DriverAnswer(DriverAction.LAUNCH, 1), stop])
     assert status == 93
     assert "crash loop: exit:1 at step 6 again" in capsys.readouterr().out
+
+
+def test_told_the_run_completed_after_a_failed_step_the_driver_exits_0(tmp_path: Path) -> None:
+    """A rank died in its teardown after the last step: the supervisor says the run
+    completed, and Slurm must record the job COMPLETED, not FAILED with 93."""
+    launch = DriverAnswer(DriverAction.LAUNCH, 1)
+    done = DriverAnswer(DriverAction.DONE, 1, reason="completed: every rank reached step 80")
+    status, directory = drive(tmp_path, [134], [launch, done])
+    assert status == 0
+    assert len(srun_calls(tmp_path)) == 1
+    assert [r.phase for r in directory.driver_requests(JOB)] == [
+        DriverPhase.START, DriverPhase.ENDED,
+    ]  # fmt: skip
+
+
+def test_told_the_run_completed_while_its_launchers_wait_the_driver_ends_the_step(
+    tmp_path: Path,
+) -> None:
+    """Torchrun on the nodes whose ranks exited 0 waits in its exit barrier (300 s) for the
+    node whose rank died in its teardown; once told the run completed, the step ends."""
+    launch = DriverAnswer(DriverAction.LAUNCH, 1)
+    done = DriverAnswer(DriverAction.DONE, 1, reason="completed: every rank reached step 80")
+    began = time.monotonic()
+    status, _ = drive(  # the step would run 60 s unless ended
+        tmp_path, [0], [launch], once_running=[done], environ={"FAKE_RUN_S": "60"}, watch_s=0.1
+    )
+    assert status == 0 and time.monotonic() - began < 30
+    assert len(srun_calls(tmp_path)) == 1
 
 
 def test_an_unreachable_supervisor_at_start_does_not_keep_the_job_from_running(

@@ -180,7 +180,8 @@ def test_a_stop_signal_or_a_clean_exit_alone_opens_no_window():
         policy=WINDOW,
     )
     assert stopped.record == running() and stopped.intents == ()
-    assert finished.record == running() and finished.intents == ()
+    assert finished.intents == () and finished.record.state is JobState.RUNNING
+    assert finished.record.finished_ranks == ((1, 1, 150),)  # noted for a clean end
 
 
 def test_the_exit_window_counts_one_restart_when_it_closes_and_ignores_what_comes_too_late():
@@ -290,3 +291,50 @@ def test_ranks_exiting_during_the_hang_window_leave_the_hang_to_be_blamed():
     (late,) = run(killed.record, Tick(), policy=policy, cluster=FOUR, now=NOW + 31)
     assert late.cause is Cause.HANG
     assert isinstance(late.intents[0], DrainNode) and late.intents[0].node == "node4"
+
+
+# ---------------------------------------------------------------------------
+# A clean end: one rank dies in its teardown after every rank reached the last step.
+
+ABRT = signal.SIGABRT.value
+
+
+def test_a_rank_aborting_in_teardown_after_every_peer_finished_the_last_step_completes_the_job():
+    finished = [rank_exit(node, code=0, step=120, at=NOW - 2.0) for node in ("node1", "node2")]
+    aborted = rank_exit("node3", sig=ABRT, step=120, at=NOW - 1.5)
+    late = rank_exit("node4", code=0, step=120, at=NOW - 1.0)  # inside the window
+    *_, window_open, _ = run(running(), *finished, aborted, late, policy=WINDOW, cluster=FOUR)
+    assert window_open.record.state is JobState.RECOVERING
+    (closed,) = run(window_open.record, late, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + 3)[1:]
+    assert closed.record.state is JobState.COMPLETED, closed.explanation
+    assert kinds(closed) == [StopJob] and closed.intents[0].status is JobState.COMPLETED
+    assert "every rank reached step 120" in closed.explanation
+    assert closed.record.restarts == () and closed.record.attempt == 1
+    # Kept across a restart of the supervisor.
+    assert record_from_json(record_to_json(closed.record)) == closed.record
+
+
+@pytest.mark.parametrize(
+    ("aborted", "why"),
+    [
+        (rank_exit("node3", sig=ABRT, step=119), "it died before the last step"),
+        (rank_exit("node3", code=1, step=120), "an exit code, no signal: the script failed"),
+        (rank_exit("node3", sig=ABRT, step=120, raised=("RuntimeError", NOW - 2)),
+         "an exception of its own (a final save that raised)"),
+    ],
+)  # fmt: skip
+def test_a_failure_that_is_no_clean_teardown_is_recovered_from(aborted: AgentEvent, why: str):
+    finished = [rank_exit(n, code=0, step=120, at=NOW - 2.0) for n in ("node1", "node2", "node4")]
+    *_, opened = run(running(), *finished, aborted, policy=WINDOW, cluster=FOUR)
+    (closed,) = run(opened.record, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + 3)
+    assert closed.record.state is not JobState.COMPLETED, why
+    assert closed.intents and StopJob not in kinds(closed), why
+
+
+def test_a_teardown_death_while_a_peer_is_unaccounted_for_is_recovered_from():
+    finished = [rank_exit(n, code=0, step=120, at=NOW - 2.0) for n in ("node1", "node2")]
+    aborted = rank_exit("node3", sig=ABRT, step=120)
+    *_, opened = run(running(), *finished, aborted, policy=WINDOW, cluster=FOUR)
+    (closed,) = run(opened.record, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + 3)
+    assert closed.record.state is JobState.RECOVERING and closed.cause is Cause.RANK_SIGNAL
+    assert kinds(closed) == [StopRanks, ValidateCheckpoints]  # a recovery, not an end

@@ -191,6 +191,7 @@ class DriverAction(enum.Enum):
     RELAUNCH = "relaunch"  # start the agents on ``nodes``; confirm with RELAUNCHED
     WAIT = "wait"  # ask again after ``retry_after_s`` (a recovery is under way)
     STOP = "stop"  # the job ends: exit with a failure, saying ``reason``
+    DONE = "done"  # the run completed (a rank died in its teardown only): exit 0
 
 
 @dataclass(frozen=True)
