@@ -140,4 +140,5 @@ async def await_final_checkpoint(
         if committed and live_ranks() <= held_ranks(save_request):
             return f"final checkpoint at step {step} committed"
         await asyncio.sleep(0.25)
-    return f"no checkpoint newer than step {before} committed by the deadline"
+    since = "" if before is None else f" newer than step {before}"
+    return f"no checkpoint{since} committed by the deadline"

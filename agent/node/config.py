@@ -61,8 +61,10 @@ class AgentConfig:
     - ``hang_floor_s``: the shortest training-step timeout, whatever the step times say.
     - ``hang_k``: the training-step timeout is this factor x the p99 of recent step times
       (at least ``hang_floor_s``).
-    - ``init_grace_s`` / ``checkpoint_grace_s`` / ``eval_grace_s``: the timeout while a
-      rank starts, saves a checkpoint or evaluates.
+    - ``init_grace_s``: the timeout while a rank starts (imports, data loading, the
+      first collective), before its first step.
+    - ``checkpoint_grace_s``: the timeout while a rank saves a checkpoint.
+    - ``eval_grace_s``: the timeout while a rank evaluates (``model.eval()``).
     - ``stack_sample_s``: how often the ranks' stacks are sampled while they send no beats.
     - ``stack_timeout_s``: how long an unchanged stack inside a collective is tolerated.
     - ``health_check``: a command run on the node every ``health_check_interval_s``; a

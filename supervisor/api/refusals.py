@@ -2,8 +2,10 @@
 
 Every refusal has a :class:`Cause` (a stable short code, sent to the client
 and used as the log key) with its HTTP status. :class:`RefusalLog` writes one
-WARNING line per refused request, but at most ``per_window`` per cause per
-window; the rest are counted and summarised in one line when the window ends.
+WARNING line per refused request (INFO for an unknown job: a job submitted a
+moment ago calls in before it is registered), but at most ``per_window`` per
+cause per window; the rest are counted and summarised in one line when the
+window ends.
 """
 
 from __future__ import annotations
@@ -107,7 +109,11 @@ class RefusalLog:
     def record(self, status: int, cause: str, reason: str, job: str | None) -> None:
         """Count one refusal and log it unless its cause already filled this window."""
         if self._count(cause):
-            self._logger.warning(
+            # A job submitted moments ago calls in before the next poll registers it:
+            # its driver's first questions are refused and asked again, no warning.
+            level = logging.INFO if cause == Cause.UNKNOWN_JOB.value else logging.WARNING
+            self._logger.log(
+                level,
                 "refused request: job=%s status=%d cause=%s reason=%r",
                 "-" if job is None else repr(job[:64]),
                 status,

@@ -198,5 +198,5 @@ def _adopt(
 
 
 def _because(seen: SlurmJobSeen) -> str:
-    """Slurm's reason in parentheses, or nothing when it gave none."""
-    return f" ({seen.reason})" if seen.reason else ""
+    """Slurm's reason in parentheses, or nothing when it gave none (Slurm says "None")."""
+    return f" ({seen.reason})" if seen.reason and seen.reason != "None" else ""

@@ -200,7 +200,11 @@ def _drain(
     job all the same.
     """
     node = blame.node
-    if node is None or blame.confidence < policy.drain_confidence:
+    if node is None:
+        if blame.cause is Cause.TIME_LIMIT:
+            return record, (), "a planned stop for the time limit: no node is at fault"
+        return record, (), "no node blamed: the evidence names none"
+    if blame.confidence < policy.drain_confidence:
         return (
             record,
             (),

@@ -137,6 +137,19 @@ def test_refusals_are_logged_at_most_n_per_window_then_summarised(
     assert log.totals == {"bad_signature": 1001, "cross_job": 1}
 
 
+def test_an_unknown_job_is_logged_at_info_a_forged_signature_at_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job submitted a moment ago asks before the next poll registers it: no warning."""
+    log = RefusalLog(logging.getLogger("test.refusals"), lambda: 0.0)
+    with caplog.at_level(logging.INFO, logger="test.refusals"):
+        log.record(401, "unknown_job", "job '4711' is not known to this supervisor", "4711")
+        log.record(401, "bad_signature", "bad signature", "4711")
+    assert [(r.levelno, "cause=" + r.args[2]) for r in caplog.records] == [  # type: ignore[index, operator]
+        (logging.INFO, "cause=unknown_job"), (logging.WARNING, "cause=bad_signature"),
+    ]  # fmt: skip
+
+
 def test_refused_requests_are_logged_with_job_status_and_cause(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

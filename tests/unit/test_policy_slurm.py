@@ -157,3 +157,16 @@ def test_a_failed_end_after_the_requeued_job_ran_again_ends_the_job():
         SlurmJobSeen("FAILED", (), 1, "NonZeroExitCode"),
     )
     assert failed.record.state is JobState.FAILED and failed.intents == ()
+
+
+def test_a_cancel_slurm_gives_no_reason_for_is_told_without_slurms_none():
+    (cancelled,) = run(running(), SlurmJobSeen("CANCELLED", (), 0, "None"))
+    assert cancelled.record.final_reason == "cancelled in Slurm", cancelled.record.final_reason
+    (told,) = run(running(), SlurmJobSeen("CANCELLED", (), 0, "Preempted by admin"))
+    assert told.record.final_reason == "cancelled in Slurm (Preempted by admin)"
+
+
+def test_a_time_limit_requeue_says_no_node_is_at_fault_not_that_confidence_was_low():
+    (seen,) = run(running(), SlurmJobSeen("TIMEOUT", NODES, 0))
+    assert "a planned stop for the time limit: no node is at fault" in seen.explanation
+    assert "confidence" not in seen.explanation
