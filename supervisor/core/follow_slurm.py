@@ -36,6 +36,7 @@ def on_job_seen(
     """The next record for a ``squeue`` sighting of the job (see the module docstring)."""
     state = seen.state.upper()
     requeued_by_slurm = seen.restart_count > record.slurm_restart_count
+    counted = record.slurm_restart_count
     record = replace(
         record, slurm_restart_count=max(seen.restart_count, record.slurm_restart_count)
     )
@@ -63,7 +64,9 @@ def on_job_seen(
         record = replace(record, recovery=replace(pending, requeue_seen=True))
     if state in _SLURM_FAILED and not requeued_by_slurm and _requeue_pending(record):
         return _requeue_lost(record, seen, now_s, cluster)
-    if state in _SLURM_QUEUED:
+    # After `scontrol requeue` from inside the job (Lightning's auto-requeue, the
+    # driver's own), Slurm 22.05 shows COMPLETING with the new restart count first.
+    if state in _SLURM_QUEUED or (state == "COMPLETING" and requeued_by_slurm):
         if requeued_by_slurm and record.state not in (JobState.SUBMITTED, JobState.REQUEUED):
             return _adopt(record, seen, now_s, policy, cluster)
         return _nothing(record, "pending in Slurm's queue")
@@ -85,7 +88,10 @@ def on_job_seen(
         reason = f"Slurm ended the job: {state}{_because(seen)}"
         failed = replace(recovery.to_state(record, JobState.FAILED, now_s), recovery=None)
         return decision(replace(failed, final_reason=reason), (), Cause.SLURM_ENDED, reason)
-    return _nothing(record, f"Slurm state {state} needs no action")
+    # Not acted on: a restart count that rose stays to be seen with the next sighting.
+    return _nothing(
+        replace(record, slurm_restart_count=counted), f"Slurm state {state} needs no action"
+    )
 
 
 def _requeue_pending(record: JobRecord) -> bool:

@@ -170,3 +170,19 @@ def test_a_time_limit_requeue_says_no_node_is_at_fault_not_that_confidence_was_l
     (seen,) = run(running(), SlurmJobSeen("TIMEOUT", NODES, 0))
     assert "a planned stop for the time limit: no node is at fault" in seen.explanation
     assert "confidence" not in seen.explanation
+
+
+def test_a_requeue_first_seen_completing_then_pending_is_adopted():
+    """Slurm 22.05 after `scontrol requeue` from inside the job (Lightning's auto-requeue,
+    the driver's own): COMPLETING with the new restart count, then PENDING. The first
+    sighting must not use up the count that says the job was requeued."""
+    completing, pending = run(
+        running(),
+        SlurmJobSeen("COMPLETING", NODES, 1),
+        SlurmJobSeen("PENDING", (), 1, "BeginTime"),
+    )
+    adopted = completing if completing.record.state is JobState.REQUEUED else pending
+    assert adopted.record.state is JobState.REQUEUED, (completing.explanation, pending.explanation)
+    assert adopted.cause is Cause.SLURM_REQUEUE
+    assert pending.record.state is JobState.REQUEUED
+    assert dict(pending.record.restarts) == {Cause.SLURM_REQUEUE: 1}
