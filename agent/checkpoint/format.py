@@ -47,7 +47,7 @@ CHECKSUM_ALGORITHM = "xxh3_128"
 # validation memory bounded whatever the shard size.
 CHUNK_BYTES = 8 << 20
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
 _MARKER_PREFIX = "resurgo-commit v1 "
 
 
@@ -113,7 +113,7 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir_name(name: str) -> int | None:
     """The step of a ``step-<N>`` directory name, or None for any other name."""
-    match = _STEP_DIR.match(name)
+    match = STEP_DIR.match(name)
     return int(match.group(1)) if match else None
 
 

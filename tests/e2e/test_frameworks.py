@@ -7,6 +7,7 @@ checks what the script itself printed: where it resumed, and that it finished.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from pathlib import Path
@@ -18,7 +19,8 @@ from tests.e2e.test_faults import ENDED, attempts, drained, story_of
 from tests.e2e.test_plain_scripts import status, submit_job
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess, rank_pids
 
-pytestmark = pytest.mark.slurm
+# Minutes each: started first, so that they are not the tier's tail.
+pytestmark = [pytest.mark.slurm, pytest.mark.long]
 
 FRAMEWORKS = Path(__file__).resolve().parents[1] / "frameworks"
 STEPS = 80
@@ -31,6 +33,32 @@ def submit_framework(
     command = [*TORCHRUN, str(FRAMEWORKS / script), "--out", str(out), "--steps", str(STEPS),
                "--save-steps", "20", *args]  # fmt: skip
     return submit_job(supervisor, where, command)
+
+
+def kill_node3_rank_and_finish(
+    cluster: LiveCluster, supervisor: SupervisorProcess, job_id: int, output: Path, script: str
+) -> tuple[str, str]:
+    """SIGKILL the script's rank on node3, wait for the job to end COMPLETED; (its output,
+    the story told on failure)."""
+    pids = rank_pids("node3", marker=script)
+    assert pids, output.read_text(errors="replace")[-3000:]
+    os.kill(pids[0], 9)
+    job = cluster.wait_job_state(job_id, ENDED, timeout_s=420)
+    text = output.read_text(errors="replace")
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    return text, told
+
+
+def steps_of(text: str) -> list[int]:
+    """The steps rank 0 printed, in order (both attempts)."""
+    return [int(n) for n in re.findall(r"^step (\d+) loss", text, re.MULTILINE)]
+
+
+def resumed_at(text: str) -> int | None:
+    """The first step printed after the count went back (a relaunch); None: it never did."""
+    steps = steps_of(text)
+    return next((after for before, after in itertools.pairwise(steps) if after <= before), None)
 
 
 def test_a_trainer_with_its_newest_checkpoint_cut_short_and_a_rank_killed_completes(
@@ -47,15 +75,11 @@ def test_a_trainer_with_its_newest_checkpoint_cut_short_and_a_rank_killed_comple
     )
     weights = newest / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
-    pids = rank_pids("node3", marker="hf_trainer.py")
-    assert pids, output.read_text(errors="replace")[-3000:]
-    os.kill(pids[0], 9)
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
-    text = output.read_text(errors="replace")
-    told = story_of(supervisor, job_id, text)
-    assert job["job_state"] == "COMPLETED", told
+    text, told = kill_node3_rank_and_finish(
+        slurm_cluster, supervisor, job_id, output, "hf_trainer.py"
+    )
     assert f"resume from {out / 'checkpoint-20'}" in text, told
-    assert re.search(rf"^step {STEPS} loss", text, re.MULTILINE), told
+    assert resumed_at(text) == 21 and steps_of(text)[-1] == STEPS, told
     assert drained(supervisor, job_id) == [("node3", "rank_signal")], told
     assert len(attempts(supervisor, job_id)) == 2, told
     held = list((out / ".resurgo-quarantine").glob("checkpoint-40.*"))
@@ -84,16 +108,11 @@ def test_lightning_with_its_last_ckpt_cut_short_and_a_rank_killed_completes(
     last = out / "last.ckpt"
     slurm_cluster.wait_for("last.ckpt of step 40", lambda: _holds_step(last, 40), timeout_s=60)
     os.truncate(last, last.stat().st_size // 3)
-    pids = rank_pids("node3", marker="lightning_fit.py")
-    assert pids, output.read_text(errors="replace")[-3000:]
-    os.kill(pids[0], 9)
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
-    text = output.read_text(errors="replace")
-    told = story_of(supervisor, job_id, text)
-    assert job["job_state"] == "COMPLETED", told
-    # Resumed at step 40: the first step after the relaunch is 41, and the run reaches the end.
-    steps = [int(n) for n in re.findall(r"^step (\d+) loss", text, re.MULTILINE)]
-    assert 41 in steps and steps.index(41) > steps.index(40) and steps[-1] == STEPS, told
+    text, told = kill_node3_rank_and_finish(
+        slurm_cluster, supervisor, job_id, output, "lightning_fit.py"
+    )
+    # Resumed at step 40 (the copy of step=40.ckpt), not at 0, and ran to the end.
+    assert resumed_at(text) == 41 and steps_of(text)[-1] == STEPS, told
     assert drained(supervisor, job_id) == [("node3", "rank_signal")], told
     held = list((out / ".resurgo-quarantine").glob("last.ckpt.*"))
     assert len(held) == 1, told
@@ -121,7 +140,7 @@ def test_a_rank_aborting_in_its_teardown_after_the_last_step_ends_the_job_comple
     assert "rank 2 finished training" in text, told
     assert job["job_state"] == "COMPLETED", told
     assert len(attempts(supervisor, job_id)) == 1, told
-    assert re.findall(r"^step (\d+) loss", text, re.MULTILINE)[-1] == str(STEPS), told
+    assert steps_of(text)[-1] == STEPS and resumed_at(text) is None, told
     assert drained(supervisor, job_id) == [], told
     shown = status(supervisor, job_id)
     assert shown["state"] == "completed" and "died in its teardown" in shown["final_reason"], told

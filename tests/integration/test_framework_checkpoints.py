@@ -23,6 +23,9 @@ from agent.checkpoint import layouts
 from agent.checkpoint.quarantine import quarantine
 from agent.checkpoint.report import Level
 
+# Four real training runs (a minute and more): started first in their tier.
+pytestmark = pytest.mark.long
+
 FRAMEWORKS = Path(__file__).resolve().parents[1] / "frameworks"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 

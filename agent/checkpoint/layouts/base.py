@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -94,3 +95,20 @@ def newest_mtime(path: Path) -> tuple[float, int]:
         total += child_status.st_size
         mtime_s = max(mtime_s, child_status.st_mtime)
     return mtime_s, total
+
+
+def named_directories(
+    root: Path, pattern: re.Pattern[str]
+) -> Iterator[tuple[Path, int, float, int]]:
+    """The directories directly under ``root`` whose name matches ``pattern`` (its first
+    group a step): (path, that step, newest modification time, total bytes). One deleted
+    while it is looked at (retention, an operator) is left out."""
+    for child in root.iterdir():
+        match = pattern.match(child.name)
+        if match is None or not child.is_dir():
+            continue
+        try:
+            mtime_s, total = newest_mtime(child)
+        except OSError:
+            continue
+        yield child, int(match.group(1)), mtime_s, total

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agent.checkpoint import format as fmt
-from agent.checkpoint.layouts.base import Found, newest_mtime
+from agent.checkpoint.layouts.base import Found, named_directories
 from agent.checkpoint.report import Level, Report
 
 
@@ -22,14 +22,7 @@ class _Dcp:
         return fmt.parse_step_dir_name(path.name) is not None and path.is_dir()
 
     def find(self, root: Path) -> Iterator[Found]:
-        for child in root.iterdir():
-            step = fmt.parse_step_dir_name(child.name)
-            if step is None or not child.is_dir():
-                continue
-            try:
-                mtime_s, total = newest_mtime(child)
-            except OSError:
-                continue  # deleted while we looked (retention, an operator)
+        for child, step, mtime_s, total in named_directories(root, fmt.STEP_DIR):
             resurgo = (child / fmt.MANIFEST_NAME).is_file()
             complete = (child / (fmt.MARKER_NAME if resurgo else ".metadata")).is_file()
             layout = "resurgo" if resurgo else "dcp"

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agent.checkpoint.layouts import files_ladder
-from agent.checkpoint.layouts.base import Found, Ladder, newest_mtime
+from agent.checkpoint.layouts.base import Found, Ladder, named_directories
 from agent.checkpoint.report import Level, Report
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -44,18 +44,11 @@ class _HuggingFace:
         return _NAME.match(path.name) is not None and path.is_dir()
 
     def find(self, root: Path) -> Iterator[Found]:
-        for child in root.iterdir():
-            match = _NAME.match(child.name)
-            if match is None or not child.is_dir():
-                continue
-            try:
-                mtime_s, total = newest_mtime(child)
-            except OSError:
-                continue
+        for child, named, mtime_s, total in named_directories(root, _NAME):
             step = trainer_step(child)
             complete = step is not None
-            yield Found(self.name, str(child), child.name, int(match.group(1)) if step is None
-                        else step, mtime_s, total, complete)  # fmt: skip
+            yield Found(self.name, str(child), child.name, named if step is None else step,
+                        mtime_s, total, complete)  # fmt: skip
 
     def check(self, path: Path, level: Level) -> Report:
         ladder = Ladder(path, level, step=int(_NAME.match(path.name).group(1)))  # type: ignore[union-attr]
