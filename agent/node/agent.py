@@ -414,7 +414,7 @@ class NodeAgent:
     async def _scan_tick(self) -> None:
         """Report the checkpoints a framework wrote itself since the last look."""
         assert self._scan is not None
-        for found in await asyncio.to_thread(self._scan.new):
+        for found in await asyncio.to_thread(self._scan.new, frozenset(self._saves.written)):
             await self.events.emit(
                 protocol.EventKind.CHECKPOINT_WRITTEN,
                 {"step": found.step, "path": found.path, "global_rank": 0,

@@ -31,6 +31,8 @@ class SaveNotes:
         # A rank's save in progress (monotonic start) and its last save's seconds.
         self._saving_since: dict[int, float] = {}
         self._save_seconds: dict[int, float] = {}
+        # Paths the ranks noted as written themselves (the root's scan leaves them out).
+        self.written: set[str] = set()
 
     def on_beat(self, beat: RankBeat) -> None:
         """Note a save starting or ending from the phase of a rank's beat."""
@@ -51,6 +53,7 @@ class SaveNotes:
         note = {"step": message.step, "path": message.path, "global_rank": message.rank}
         kind = protocol.EventKind.CHECKPOINT_COMMITTED
         if message.automatic:
+            self.written.add(message.path)
             kind = protocol.EventKind.CHECKPOINT_WRITTEN
             note["total_bytes"] = _size_of(message.path)
             note["duration_s"] = self._took(message.rank)

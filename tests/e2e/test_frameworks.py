@@ -52,7 +52,8 @@ def kill_node3_rank_and_finish(
 
 def steps_of(text: str) -> list[int]:
     """The steps rank 0 printed, in order (both attempts)."""
-    return [int(n) for n in re.findall(r"^step (\d+) loss", text, re.MULTILINE)]
+    # Not anchored at a line's start: other ranks' and launchers' output shares the file.
+    return [int(n) for n in re.findall(r"step (\d+) loss \S+ t \d", text)]
 
 
 def resumed_at(text: str) -> int | None:

@@ -98,6 +98,7 @@ def main() -> None:
         ddp_backend="gloo",
         dataloader_num_workers=0,
         seed=0,
+        disable_tqdm=True,  # its carriage returns would run into the step lines
     )
     trainer = Trainer(
         model=model,

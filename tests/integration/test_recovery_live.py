@@ -188,7 +188,7 @@ def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nod
     # What an operator sees afterwards.
     status = supervisor.resurgo("status", str(job_id))
     assert status.returncode == 0
-    pattern = rf"{job_id}\s+train_toy\s+completed\s+3/4\s+rank_signal 1\s"
+    pattern = rf"{job_id}\s+train_toy\s+completed\s+3/4\s+\d+\s+rank_signal 1\s"
     assert re.search(pattern, status.stdout), status.stdout
     events = supervisor.resurgo("events", str(job_id))
     assert "rank_exited" in events.stdout and "died by SIGKILL" in events.stdout

@@ -38,3 +38,15 @@ def test_a_save_in_progress_waits_and_resurgos_own_commits_are_left_to_their_eve
     state.write_text(text)
     os.utime(directory, (1_700_000_300, 1_700_000_300))
     assert [(f.name, f.step) for f in scan.new()] == [("checkpoint-20", 20)]
+
+
+def test_what_the_ranks_noted_themselves_is_not_reported_again(tmp_path: Path) -> None:
+    """DCP saves and torch.save files are noted by the bootstrap; a Trainer's directory once
+    its torch.save of optimizer.pt was noted."""
+    from tests.ckpt_helpers import save_plain_dcp, small_state
+
+    scan = CheckpointScan(tmp_path)
+    save_plain_dcp(tmp_path / "step-10", small_state(10))
+    noted = hf_checkpoint(tmp_path, 20)
+    unnoted = hf_checkpoint(tmp_path, 40)
+    assert [f.name for f in scan.new(noted={str(noted)})] == [unnoted.name]
