@@ -106,7 +106,11 @@ def test_a_trainer_resuming_from_checkpoint_40_counts_on_from_step_40(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Its step is in trainer_state.json, which torch.load never reads; its optimizer.pt is."""
+    from agent.train import heartbeat
+
     monkeypatch.setenv("RESURGO_CKPT_ROOT", ROOT)
+    # Not a rank of the in-rank library (an earlier test in this process may have made one).
+    monkeypatch.setattr(heartbeat, "instrumented", False)
     beats = Beats()
     progress = AutoProgress(beats=beats)  # type: ignore[arg-type]
     progress.resumed_at({"state": {}, "param_groups": []}, f"{ROOT}/checkpoint-40/optimizer.pt")
