@@ -231,6 +231,8 @@ class NodeAgent:
         if self._stop_task is not None:
             await self._stop_task
         await self._final_exits(returncode)
+        if self._scan is not None:
+            await self._scan_tick()  # the save at the end, written after the last look
         if self._socket is not None:
             self._drain_socket()  # the ranks' last reports may still wait in the socket
         await self._emit_steps()

@@ -10,7 +10,9 @@ complete, and of a known step, as ``checkpoint_written``. What lay there when
 the agent started was reported by an earlier one. What the ranks note
 themselves is not reported twice: Resurgo's commits, DCP saves and
 ``torch.save`` files (:data:`SEEN_BY_HOOKS`), and a Trainer's or DeepSpeed's
-directory the bootstrap already noted by a ``torch.save`` into it.
+directory the bootstrap already noted by a ``torch.save`` into it. The agent
+looks once more when its launcher has ended: a run's last save is written
+after its last periodic look.
 """
 
 from __future__ import annotations
