@@ -26,11 +26,10 @@ it when they run.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.checkpoint.layouts.base import QUARANTINE_DIR, Found, Ladder, Layout
+from agent.checkpoint.layouts.base import QUARANTINE_DIR, Found, Ladder, Layout, step_in_path
 from agent.checkpoint.report import Level, Report
 
 __all__ = [
@@ -38,32 +37,12 @@ __all__ = [
     "step_in_path",
 ]  # fmt: skip
 
-# The step a checkpoint's name gives: step-120, checkpoint-120, global_step120, iter_0120
-# (a directory), or Lightning's "step=120" in a file's name.
-_STEP_NAMED = re.compile(r"(?:step|checkpoint|iter)[-_]?(\d+)$")
-_STEP_ASSIGNED = re.compile(r"(?:^|[-_])step=(\d+)")
-
 
 def all_layouts() -> Sequence[Layout]:
     """Every layout, in the order a path is matched."""
     from agent.checkpoint.layouts import dcp, deepspeed, huggingface, lightning, torch_save
 
     return (dcp.LAYOUT, huggingface.LAYOUT, deepspeed.LAYOUT, lightning.LAYOUT, torch_save.LAYOUT)
-
-
-def step_in_path(path: str | os.PathLike[str]) -> int | None:
-    """The step a checkpoint's path names, from its name alone (None: it names none).
-
-    What the supervisor and the views read from a chosen checkpoint's path, with
-    no file opened: ``checkpoint-120`` and ``last.ckpt`` differ, the first names
-    step 120, the second nothing.
-    """
-    name = Path(path).name
-    if name.endswith(".ckpt"):
-        match = _STEP_ASSIGNED.search(name[: -len(".ckpt")])
-        return int(match.group(1)) if match else None
-    match = _STEP_NAMED.search(name)
-    return int(match.group(1)) if match else None
 
 
 def layout_of(path: str | os.PathLike[str]) -> Layout | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -9,6 +10,11 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.checkpoint.report import Level, Report
+
+# The step a checkpoint's name gives: step-120, checkpoint-120, global_step120, iter_0120
+# (a directory), or Lightning's "step=120" in a file's name.
+_STEP_NAMED = re.compile(r"(?:step|checkpoint|iter)[-_]?(\d+)$")
+_STEP_ASSIGNED = re.compile(r"(?:^|[-_])step=(\d+)")
 
 # Where quarantined checkpoints go, inside the checkpoint root; no layout looks in it.
 QUARANTINE_DIR = ".resurgo-quarantine"
@@ -112,3 +118,18 @@ def named_directories(
         except OSError:
             continue
         yield child, int(match.group(1)), mtime_s, total
+
+
+def step_in_path(path: str | os.PathLike[str]) -> int | None:
+    """The step a checkpoint's path names, from its name alone (None: it names none).
+
+    What the supervisor and the views read from a chosen checkpoint's path, with
+    no file opened: ``checkpoint-120`` and ``last.ckpt`` differ, the first names
+    step 120, the second nothing.
+    """
+    name = Path(path).name
+    if name.endswith(".ckpt"):
+        match = _STEP_ASSIGNED.search(name[: -len(".ckpt")])
+        return int(match.group(1)) if match else None
+    match = _STEP_NAMED.search(name)
+    return int(match.group(1)) if match else None

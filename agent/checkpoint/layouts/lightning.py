@@ -12,29 +12,25 @@ read without running it (:func:`~agent.checkpoint.layouts.torchfile.peek`).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 from agent.checkpoint.layouts import files_ladder
-from agent.checkpoint.layouts.base import Found, Ladder
+from agent.checkpoint.layouts.base import Found, Ladder, step_in_path
 from agent.checkpoint.layouts.torchfile import peek, step_named, whole
 from agent.checkpoint.report import Level, Report
 
 SUFFIX = ".ckpt"
 LAST = "last.ckpt"
-_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
 # Lightning's default directory is three levels below the root.
 _DEPTH = 4
 
 
 def step_of(path: Path) -> int | None:
     """The step a ``.ckpt`` holds: from its name, else from its pickle (None: unknown)."""
-    match = _STEP.search(path.stem)
-    if match is not None:
-        return int(match.group(1))
-    return step_named(peek(path))
+    named = step_in_path(path)
+    return named if named is not None else step_named(peek(path))
 
 
 class _Lightning:
