@@ -89,6 +89,9 @@ SELF_REQUEUE_BEFORE_END_S = 5.0
 # The longest an idle spares' health-check step may take: each check bounds
 # itself (the agents' health timeouts); this bounds srun on a node that hangs.
 SPARE_CHECK_LIMIT_S = 180.0
+# What counts as no answer, asked again: the supervisor down or refusing, and an
+# answer cut off or garbled on the way (a supervisor killed while replying).
+_NO_ANSWER = (aiohttp.ClientError, TimeoutError, Rejected, protocol.ProtocolError)
 
 
 @dataclass(frozen=True)
@@ -601,7 +604,7 @@ class Driver:
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_delay(limit_s),
             wait=self._backoff,
-            retry=tenacity.retry_if_exception_type((aiohttp.ClientError, TimeoutError, Rejected)),
+            retry=tenacity.retry_if_exception_type(_NO_ANSWER),
             before_sleep=lambda state: log.warning(
                 "supervisor: no answer for %.0f s (gives up after %.0f s): %s; retrying",
                 state.seconds_since_start,
@@ -626,7 +629,7 @@ class Driver:
                     if request.quarantined:
                         self._quarantined = self._quarantined[len(request.quarantined) :]
                     return answer
-        except (aiohttp.ClientError, TimeoutError, Rejected) as error:
+        except _NO_ANSWER as error:
             log.log(
                 logging.ERROR if limit_s > 0 else logging.WARNING,
                 "supervisor unreachable: no answer for %.0f s (gave up after %.0f s): %s",
@@ -797,6 +800,8 @@ def _why(error: BaseException | None) -> str:
     registered yet (a job it registers from its directory within a poll) is no fault."""
     if isinstance(error, Rejected) and error.status == 401 and "unknown_job" in error.reason:
         return "the supervisor has not registered this job yet (it does within a poll)"
+    if isinstance(error, protocol.ProtocolError):
+        return f"its answer was not understood ({error})"
     return str(error)
 
 

@@ -213,7 +213,10 @@ class Api:
             return None
         if status != 200:
             return None
-        return protocol.decode_driver_answer(data)
+        try:
+            return protocol.decode_driver_answer(data)
+        except protocol.ProtocolError:
+            return None  # cut off by the kill: the real driver asks again too
 
 
 @dataclass
@@ -273,8 +276,8 @@ class Agent:
                 status, data = self.api.post(protocol.HEARTBEAT_PATH, self._heartbeat(now))
                 if status == 200:
                     self._take(protocol.decode_reply(data).commands)
-        except Unreachable:
-            return  # the supervisor is down: try again on the next pump
+        except (Unreachable, protocol.ProtocolError):
+            return  # the supervisor is down, or its reply was cut off: try again
 
     def _heartbeat(self, now: float) -> bytes:
         ranks = tuple(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from agent.driver import Driver, DriverSettings, agent_argv, settings_from
 from agent.wire import protocol
@@ -113,6 +114,8 @@ def drive(
     # Answers given once a condition holds, after those above (``(condition, answers)``).
     later: tuple[Any, list[DriverAnswer]] | None = settings.pop("later", None)
     ckpt_root = settings.pop("ckpt_root", "/ckpt")
+    # The driver answers (counted from 0) that arrive cut off (a supervisor killed mid-reply).
+    cut_answers: tuple[int, ...] = settings.pop("cut_answers", ())
     job_dir = tmp_path / "state" / "jobs" / JOB
     job_dir.mkdir(parents=True)
     write_secret(job_dir / "secret", SECRET)
@@ -124,7 +127,10 @@ def drive(
         before()
 
     async def scenario() -> int:
-        runner = await serve(build_app(directory), "127.0.0.1", 0)
+        app = build_app(directory)
+        if cut_answers:
+            app.middlewares.append(_cut_off(cut_answers))
+        runner = await serve(app, "127.0.0.1", 0)
         port = bound_port(runner)
         if not serve_api:
             await shutdown(runner)
@@ -158,6 +164,25 @@ def drive(
                 await shutdown(runner)
 
     return asyncio.run(scenario()), directory
+
+
+def _cut_off(which: tuple[int, ...]) -> Any:
+    """A middleware that sends half the body of the driver answers numbered ``which``."""
+    answered = [0]
+
+    @web.middleware
+    async def cut(request: web.Request, handler: Any) -> web.StreamResponse:
+        response = await handler(request)
+        if request.path != protocol.DRIVER_PATH:
+            return response
+        answered[0] += 1
+        if answered[0] - 1 not in which:
+            return response
+        assert isinstance(response, web.Response) and response.body is not None
+        whole = bytes(response.body)  # type: ignore[arg-type]
+        return web.Response(body=whole[: len(whole) // 2], content_type="application/json")
+
+    return cut
 
 
 def test_a_step_that_succeeds_ends_the_job_successfully(tmp_path: Path) -> None:
@@ -331,6 +356,24 @@ def test_an_unreachable_supervisor_after_a_failure_ends_the_job_with_the_steps_s
     status, _ = drive(tmp_path, [3], [], serve_api=False, supervisor_wait_s=0.5, start_wait_s=0.5)
     assert status == 3
     assert len(srun_calls(tmp_path)) == 1  # no guess at where to relaunch
+
+
+def test_an_answer_cut_off_on_the_way_is_asked_for_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    relaunch = DriverAnswer(
+        DriverAction.RELAUNCH, 2, ("node1", "node3"), "/ckpt/step-8", "4711/2/relaunch/2"
+    )
+    launch = DriverAnswer(DriverAction.LAUNCH, 1)
+    # The supervisor answers a question asked again as before; this directory hands
+    # each queued answer out once, so each cut answer is queued twice.
+    answers = [launch, launch, relaunch, relaunch]
+    status, _ = drive(tmp_path, [1, 0], answers, start_check_s=0.0, cut_answers=(0, 2))
+    assert status == 0
+    _, second = srun_calls(tmp_path)
+    assert second[second.index("--resume-from") + 1] == "/ckpt/step-8"
+    warnings = [r.getMessage() for r in caplog.records if "not understood" in r.getMessage()]
+    assert len(warnings) == 2 and "driver_answer" in warnings[0]
 
 
 def test_an_unanswered_question_logs_the_time_spent_apart_from_the_limit(
