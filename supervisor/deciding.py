@@ -22,18 +22,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agent.wire.protocol import Event, EventKind
 from supervisor.act.reconcile import KIND_OF, intent_of
 from supervisor.core.decision import Decision
-from supervisor.core.intents import Intent, RequeueSmaller
+from supervisor.core.intents import DrainNode, DrainTicket, Intent, RequeueSmaller
 from supervisor.core.model import ClusterView, JobRecord, JobState, record_to_json
 from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
 from supervisor.core.policy import decide
+from supervisor.core.recovery import drain_storm
 from supervisor.intake import Intake
-from supervisor.store import ActionState, EventSource
+from supervisor.store import ActionState, Actor, BlameOutcome, EventSource
 
 log = logging.getLogger("resurgo.supervisor")
 
@@ -170,6 +171,8 @@ class Deciding(Intake):
         before = job.record
         now = self.clock()
         decision = decide(before, observation, now, self.policy, self.cluster)
+        if set(decision.record.blamed_nodes) - set(before.blamed_nodes):
+            decision = decide(before, observation, now, self.policy, self.fresh_cluster(now))
         after = decision.record
         if after == before and not decision.intents:
             return
@@ -183,6 +186,31 @@ class Deciding(Intake):
         self._wake_at_deadline(job_id, after, now)
         for seen in await self.executor.execute(job_id, decision.intents, now):
             await self.apply(job_id, seen)
+
+    def _drains_counted(self, now: float) -> int:
+        """Resurgo's drains of the last hour, done or decided and not done yet."""
+        done = len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR))
+        return done + self.store.unfinished_count(KIND_OF[DrainNode])
+
+    def _recent_blames(self, now: float) -> tuple[tuple[str, str], ...]:
+        """(node, job) of the blames within the storm brake's window."""
+        since = now - self.policy.storm_window_s
+        return tuple((blame.node, blame.job_id) for blame in self.store.blames_since(since))
+
+    def fresh_cluster(self, now: float) -> ClusterView:
+        """The cluster view with the store's drain count and blames as of now.
+
+        A decision that blames a node is taken again on this: the view of the
+        last poll does not hold what the decisions since then planned, and
+        faults of several jobs decided between two polls would each take the
+        hourly share's last drain, or miss a storm.
+        """
+        self.cluster = replace(
+            self.cluster,
+            drains_last_hour=self._drains_counted(now),
+            recent_blames=self._recent_blames(now),
+        )
+        return self.cluster
 
     def _wake_at_deadline(self, job_id: str, record: JobRecord, now: float) -> None:
         """A Tick for ``record``'s next deadline (the end of an evidence window, of a
@@ -243,7 +271,38 @@ class Deciding(Intake):
                 )
             if after.state.terminal:
                 self._end_attempt(job_id, before, decision, now)
+            self._record_blames(job_id, before, decision, now)
             self.executor.plan(job_id, decision.intents, now)
+
+    def _record_blames(
+        self, job_id: str, before: JobRecord, decision: Decision, now: float
+    ) -> None:
+        """A blame row for each node ``decision`` blamed, with what was done about it."""
+        blamed = set(decision.record.blamed_nodes) - set(before.blamed_nodes)
+        if not blamed:
+            return
+        drained = {i.node for i in decision.intents if isinstance(i, DrainNode)}
+        ticketed = {i.node for i in decision.intents if isinstance(i, DrainTicket)}
+        took_out = self.cluster.drained | self.cluster.down
+        for node in sorted(blamed):
+            if node in drained:
+                outcome = BlameOutcome.DRAINED
+            elif node in ticketed:
+                outcome = BlameOutcome.TICKETED
+            elif node in took_out:
+                outcome = BlameOutcome.SLURM
+            elif drain_storm(self.policy, self.cluster, job_id, node) is not None:
+                outcome = BlameOutcome.STORM
+            else:
+                outcome = BlameOutcome.EXCLUDED
+            self.store.record_blame(
+                node,
+                job_id=job_id,
+                attempt=before.attempt,
+                cause=decision.cause.value if decision.cause else "none",
+                outcome=outcome,
+                now_s=now,
+            )
 
     def _end_attempt(self, job_id: str, before: JobRecord, decision: Decision, now: float) -> None:
         attempts = {row.attempt for row in self.store.attempts_for(job_id)}

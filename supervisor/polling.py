@@ -101,11 +101,13 @@ class SlurmWatch(Deciding):
                 original_nodes=spec.nodes,
                 min_nodes=spec.floor,
                 secret_path=str(directory / jobfiles.SECRET_NAME),
+                slurm_user=slurm_job.user_name,
             )
             self.jobs[job_id] = TrackedJob(record=record, secret=secret, spec=spec)
             log.info(
-                "job %s registered: %s, %d node(s) (min %d, unit %d), checkpoints in %s",
-                job_id, spec.name, spec.nodes, spec.floor, spec.unit, spec.ckpt_root,
+                "job %s of %s registered: %s, %d node(s) (min %d, unit %d), checkpoints in %s",
+                job_id, slurm_job.user_name, spec.name, spec.nodes, spec.floor, spec.unit,
+                spec.ckpt_root,
             )  # fmt: skip
 
     async def poll(self) -> None:
@@ -224,7 +226,8 @@ class SlurmWatch(Deciding):
             idle=idle - drained - down,
             drained=drained,
             down=down,
-            drains_last_hour=len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR)),
+            drains_last_hour=self._drains_counted(now),
+            recent_blames=self._recent_blames(now),
             lemons=frozenset(lemon.node for lemon in lemons) | {t.node for t in tickets},
             lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
             lemon_window_s=self.policy.lemon_window_s,

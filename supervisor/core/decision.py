@@ -60,6 +60,12 @@ class Policy:
       service this long after its drain, once its health check passes.
     - ``lemon_blames`` / ``lemon_window_s``: a node blamed that often within
       the window (across jobs) is a lemon: it stays out and no job uses it.
+    - ``storm_nodes`` / ``storm_jobs`` / ``storm_window_s``: the storm brake.
+      Blames of at least ``storm_nodes`` distinct nodes from at least
+      ``storm_jobs`` jobs within the window point at a shared cause (storage,
+      the network, the scheduler) rather than at the nodes: no node is drained
+      or ticketed while that holds, the jobs go on without the nodes they
+      blamed, and one critical alert is raised (``storm_nodes`` 0: no brake).
     - ``grow_back``: a job running below its original size is requeued at a
       larger one from a checkpoint it just committed when idle nodes allow it.
     - ``relaunch_start_timeout_s``: a relaunched step none of whose agents
@@ -122,6 +128,9 @@ class Policy:
     probation_s: float = 1800.0
     lemon_blames: int = 2
     lemon_window_s: float = 7 * 86400.0
+    storm_nodes: int = 3
+    storm_jobs: int = 2
+    storm_window_s: float = 600.0
     grow_back: bool = True
     relaunch_start_timeout_s: float = 300.0
     silence_share: float = 0.5
@@ -165,16 +174,23 @@ class Policy:
             raise ConfigError("policy: silence_share is a share, at most 1")
         if self.drain_confidence > 1:
             raise ConfigError("policy: drain_confidence is at most 1")
-        for name in ("straggler_reports_to_drain", "lemon_blames", "straggler_min_steps"):
+        for name in ("straggler_reports_to_drain", "lemon_blames", "straggler_min_steps",
+                     "storm_jobs"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"policy: {name} must be >= 1")
+        if self.storm_nodes == 1:
+            raise ConfigError(
+                "policy: storm_nodes 1 would call every blame a storm and never drain: "
+                "give at least 2, or 0 to turn the storm brake off"
+            )
         if self.straggler_factor <= 1:
             raise ConfigError("policy: straggler_factor must be > 1")
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError("policy: backoff_max_s must be >= backoff_base_s")
         for name in ("anomaly_margin_steps", "anomaly_skip_batches", "anomaly_skip_lead_batches",
                      "anomaly_max_rollbacks", "anomaly_recurrence_steps", "anomaly_window_steps",
-                     "anomaly_warmup_steps", "anomaly_spike_steps"):  # fmt: skip
+                     "anomaly_warmup_steps", "anomaly_spike_steps", "storm_nodes",
+                     "storm_jobs"):  # fmt: skip
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(f"policy: {name} must be a whole number")
         try:

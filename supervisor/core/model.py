@@ -390,7 +390,9 @@ class ClusterView:
 
     ``usable``: nodes up and not drained; ``drained`` and ``down`` as Slurm
     says; ``drains_last_hour``: Resurgo's drains in the last hour across all
-    jobs (from the store's audit), for the rate limit; ``lemons``: repeat
+    jobs (from the store's audit), and those decided and not done yet, for the
+    rate limit; ``recent_blames``: (node, job) of every blame within the
+    policy's storm window, for the storm brake; ``lemons``: repeat
     offenders that no relaunch uses; ``idle``: usable nodes allocated to no
     job (sinfo's IDLE), where a job asking for them starts at once. A job
     below its original size grows back onto idle nodes, so ``idle`` holds
@@ -406,6 +408,7 @@ class ClusterView:
     drained: frozenset[str] = frozenset()
     down: frozenset[str] = frozenset()
     drains_last_hour: int = 0
+    recent_blames: tuple[tuple[str, str], ...] = ()
     lemons: frozenset[str] = frozenset()
     idle: frozenset[str] = frozenset()
     lemon_blames: tuple[tuple[str, int], ...] = ()

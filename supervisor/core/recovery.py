@@ -167,6 +167,28 @@ def drains_allowed(policy: Policy, cluster: ClusterView) -> int:
     return max(0, drain_limit(policy, cluster.size) - cluster.drains_last_hour)
 
 
+def drain_storm(
+    policy: Policy, cluster: ClusterView, job_id: str, node: str
+) -> tuple[frozenset[str], frozenset[str], bool] | None:
+    """Whether ``job_id`` blaming ``node`` is part of a storm: (the nodes, the jobs,
+    whether this blame begins it), or None.
+
+    A storm is blames of at least ``storm_nodes`` distinct nodes from at least
+    ``storm_jobs`` jobs within ``storm_window_s`` (``cluster.recent_blames``
+    holds the window's blames before this one). It begins with the blame that
+    makes the counts reach the bar, so a burst raises one alert.
+    """
+    if policy.storm_nodes == 0:
+        return None
+    nodes_before = frozenset(blamed for blamed, _ in cluster.recent_blames)
+    jobs_before = frozenset(job for _, job in cluster.recent_blames)
+    nodes, jobs = nodes_before | {node}, jobs_before | {job_id}
+    if len(nodes) < policy.storm_nodes or len(jobs) < policy.storm_jobs:
+        return None
+    held = len(nodes_before) >= policy.storm_nodes and len(jobs_before) >= policy.storm_jobs
+    return nodes, jobs, not held
+
+
 def fast_path_started(record: JobRecord) -> bool:
     """The recovery relaunched a step inside the allocation (not through a requeue)."""
     pending = record.recovery
@@ -223,6 +245,27 @@ def _drain(
     evidence = "; ".join(blame.evidence)
     if slurm_took_it or node in cluster.drained or node in cluster.down:
         return excluded, (), f"{node} excluded; Slurm already took it out of service"
+    storm = drain_storm(policy, cluster, record.job_id, node)
+    if storm is not None:
+        nodes, jobs, begins = storm
+        what = f"{len(nodes)} nodes blamed by {len(jobs)} jobs within {policy.storm_window_s:g} s"
+        intents: tuple[Intent, ...] = ()
+        if begins:
+            message = (
+                f"drain storm: {what} ({', '.join(sorted(nodes))}; jobs "
+                f"{', '.join(sorted(jobs))}). A shared cause (storage, the network, the "
+                f"scheduler) is likelier than that many bad nodes: Resurgo drains no node "
+                f"while blames keep coming this fast, and each job goes on without the node "
+                f"it blamed. Look for the shared cause; `resurgo nodes` lists the blames. "
+                f"The brake is the policy's storm_nodes {policy.storm_nodes} / storm_jobs "
+                f"{policy.storm_jobs} / storm_window_s {policy.storm_window_s:g}."
+            )
+            intents = (Alert(record.job_id, record.attempt, Severity.CRITICAL, message),)
+        return (
+            excluded,
+            intents,
+            (f"{node} excluded, not drained: the storm brake holds ({what}): {evidence}"),
+        )
     if not cluster.may_drain:
         ticket = DrainTicket(record.job_id, record.attempt, node, blame.cause, evidence[:500])
         return (
@@ -235,7 +278,7 @@ def _drain(
         limit = drain_limit(policy, cluster.size)
         message = (
             f"job {record.job_id}: {node} was not drained ({blame.cause.value}: {evidence}): "
-            f"{cluster.drains_last_hour} drain(s) in the last hour already use the "
+            f"{cluster.drains_last_hour} drain(s) in the last hour (done or decided) use the "
             f"{limit} the policy allows on {cluster.size} nodes (max_drain_share_per_hour "
             f"{policy.max_drain_share_per_hour:g}, at least min_drains_per_hour "
             f"{policy.min_drains_per_hour}). The job goes on without {node}; a person should "

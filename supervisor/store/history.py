@@ -42,13 +42,15 @@ class History(StoreCore):
         world_size: int | None = None,
         min_nodes: int | None = None,
         secret_path: str | None = None,
+        slurm_user: str | None = None,
     ) -> JobRow:
         """Create the job or update it; return the stored row.
 
         A new job needs ``name``, ``original_nodes`` and ``min_nodes``
         (``world_size`` defaults to ``original_nodes``). On an update, the
         optional fields left None keep their stored values; ``state`` and
-        ``record`` are always replaced.
+        ``record`` are always replaced. ``slurm_user``: whose job it is, as
+        Slurm says (blames and drains name this user).
         """
         record_text = dumps(record, f"job {job_id} record")
         with self._tx(durable=True):
@@ -60,19 +62,20 @@ class History(StoreCore):
                     )
                 self._db.execute(
                     "INSERT INTO jobs (job_id, name, state, original_nodes, world_size,"
-                    " min_nodes, record, record_version, secret_path, created_s, updated_s)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " min_nodes, record, record_version, secret_path, created_s, updated_s,"
+                    " slurm_user) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         job_id, name, label(state), original_nodes,
                         original_nodes if world_size is None else world_size,
                         min_nodes, record_text, record_version, secret_path, now_s, now_s,
+                        slurm_user,
                     ),
                 )  # fmt: skip
             else:
                 self._db.execute(
                     "UPDATE jobs SET name = ?, state = ?, original_nodes = ?, world_size = ?,"
                     " min_nodes = ?, record = ?, record_version = ?, secret_path = ?,"
-                    " updated_s = ? WHERE job_id = ?",
+                    " updated_s = ?, slurm_user = ? WHERE job_id = ?",
                     (
                         old.name if name is None else name,
                         label(state),
@@ -83,6 +86,7 @@ class History(StoreCore):
                         record_version,
                         old.secret_path if secret_path is None else secret_path,
                         now_s,
+                        old.slurm_user if slurm_user is None else slurm_user,
                         job_id,
                     ),
                 )
@@ -284,7 +288,7 @@ class History(StoreCore):
 
 _JOB_COLUMNS = (
     "job_id, name, state, original_nodes, world_size, min_nodes, record, record_version,"
-    " secret_path, created_s, updated_s"
+    " secret_path, created_s, updated_s, slurm_user"
 )
 _ATTEMPT_COLUMNS = "job_id, attempt, nodes, resumed_from, started_s, ended_s, end_cause"
 _EVENT_COLUMNS = "seq, event_id, job_id, node, kind, source, agent_seq, time_s, received_s, payload"
@@ -303,6 +307,7 @@ def _job(row: tuple[Any, ...]) -> JobRow:
         secret_path=row[8],
         created_s=row[9],
         updated_s=row[10],
+        slurm_user=row[11],
     )
 
 

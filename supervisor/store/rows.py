@@ -95,6 +95,7 @@ class JobRow:
     secret_path: str | None
     created_s: float
     updated_s: float
+    slurm_user: str | None = None  # whose job, as Slurm said (None: registered before v5)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,42 @@ class TicketRow:
             "closed_s": self.closed_s,
             "closed_by": None if self.closed_by is None else self.closed_by.value,
             "hook": self.hook,
+        }
+
+
+class BlameOutcome(enum.Enum):
+    """What was done about a node a decision blamed."""
+
+    DRAINED = "drained"  # drained in Slurm
+    TICKETED = "ticketed"  # a drain ticket for the admins (no operator rights)
+    EXCLUDED = "excluded"  # only kept out of the job (the hourly share was used)
+    STORM = "storm"  # only kept out of the job: the storm brake held
+    SLURM = "slurm"  # Slurm had already taken the node out of service
+
+
+@dataclass(frozen=True)
+class BlameRow:
+    """A node blamed by one attempt of one job, whose user is ``slurm_user``."""
+
+    blame_id: int
+    node: str
+    job_id: str
+    attempt: int
+    slurm_user: str | None
+    cause: str
+    outcome: BlameOutcome
+    blamed_s: float
+
+    def document(self) -> dict[str, Any]:
+        """The blame as ``resurgo nodes --json`` gives it."""
+        return {
+            "node": self.node,
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "user": self.slurm_user,
+            "cause": self.cause,
+            "outcome": self.outcome.value,
+            "blamed_s": self.blamed_s,
         }
 
 

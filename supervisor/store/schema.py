@@ -213,8 +213,35 @@ CREATE TABLE supervisor_facts (
 );
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4)
+# Blames: every node a decision blamed, whatever was done about it (drained,
+# ticketed, only excluded from the job: the hourly share was used, or the storm
+# brake held), with the Slurm user whose job blamed it. The storm brake and the
+# per-user view read these; drains and tickets stay the audit of what was done.
+# jobs.slurm_user: the job's user as Slurm said at registration (never the
+# job's own files); NULL for jobs registered before this version.
+_V5 = """
+ALTER TABLE jobs ADD COLUMN slurm_user TEXT;
+
+CREATE TABLE blames (
+    blame_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    node TEXT NOT NULL,
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    attempt INTEGER NOT NULL,
+    slurm_user TEXT,
+    cause TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    blamed_s REAL NOT NULL,
+    UNIQUE (job_id, attempt, node)
+);
+CREATE INDEX blames_by_time ON blames (blamed_s);
+CREATE INDEX blames_by_node ON blames (node, blamed_s);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5)
 SCHEMA_VERSION = len(MIGRATIONS)
+# Tables every version has: a file holding them is a Resurgo store, damaged if
+# it lacks its schema_version.
+_OWN_TABLES = frozenset({"jobs", "attempts", "events", "decisions", "actions", "drains"})
 
 RESTORE_HINT = (
     "stop every resurgo-supervisor using it, move the file and its -wal and -shm files "
@@ -271,9 +298,17 @@ def check_integrity(db: sqlite3.Connection, path: Path) -> None:
 
 def stored_version(db: sqlite3.Connection, path: Path) -> int | None:
     """The schema version in ``db``; None for a file without tables (a new store)."""
-    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    # str(): a damaged schema table may hold names of other types.
+    tables = {
+        str(row[0]) for row in db.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")
+    }
     if not tables:
         return None
+    if "schema_version" not in tables and tables & _OWN_TABLES:
+        raise StoreCorrupt(
+            f"store {path} holds Resurgo's tables ({', '.join(sorted(tables & _OWN_TABLES))}) "
+            f"but no schema_version table: it is damaged; {RESTORE_HINT}"
+        )
     if "schema_version" not in tables:
         raise StoreSchemaError(
             f"{path} is an SQLite database but not a Resurgo store (tables: "

@@ -21,6 +21,7 @@ from supervisor.core.intents import (
     DrainTicket,
     RelaunchStep,
     RequeueSmaller,
+    Severity,
     ShrinkAllocation,
     StopJob,
     StopRanks,
@@ -209,6 +210,41 @@ def test_a_node_slurm_already_took_out_gets_no_ticket():
     user = replace(FOUR, may_drain=False, drained=frozenset({"node3"}))
     (crash,) = run(running(), rank_exit(sig=9), cluster=user)
     assert DrainTicket not in kinds(crash) and DrainNode not in kinds(crash)
+
+
+def test_blames_of_three_nodes_from_two_jobs_in_the_window_are_a_storm_drained_by_none():
+    # Job 42 blames node3; node1 (job 7) and node2 (job 42, earlier) were blamed before.
+    earlier = (("node1", "7"), ("node2", "42"))
+    (crash,) = run(running(), rank_exit(sig=9), cluster=replace(CLUSTER, recent_blames=earlier))
+    assert DrainNode not in kinds(crash) and DrainTicket not in kinds(crash)
+    alert = crash.intents[0]
+    assert isinstance(alert, Alert) and alert.severity is Severity.CRITICAL
+    assert alert.message.startswith("drain storm: 3 nodes blamed by 2 jobs within 600 s")
+    assert "the storm brake holds" in crash.explanation
+    assert crash.record.recovery is not None and "node3" in crash.record.recovery.exclude
+
+
+def test_a_storm_alerts_once_the_blames_after_its_start_are_only_excluded():
+    earlier = (("node1", "7"), ("node2", "8"), ("node4", "9"))
+    (crash,) = run(running(), rank_exit(sig=9), cluster=replace(CLUSTER, recent_blames=earlier))
+    assert not any(isinstance(i, Alert | DrainNode | DrainTicket) for i in crash.intents)
+    assert "the storm brake holds (4 nodes blamed by 4 jobs" in crash.explanation
+
+
+def test_one_jobs_blames_alone_are_no_storm():
+    earlier = (("node1", "42"), ("node2", "42"))
+    (crash,) = run(running(), rank_exit(sig=9), cluster=replace(CLUSTER, recent_blames=earlier))
+    assert kinds(crash)[0] is DrainNode
+
+
+def test_storm_nodes_zero_turns_the_brake_off_and_one_is_refused():
+    earlier = (("node1", "7"), ("node2", "8"))
+    off = replace(POLICY, storm_nodes=0)
+    cluster = replace(CLUSTER, recent_blames=earlier)
+    (crash,) = run(running(), rank_exit(sig=9), policy=off, cluster=cluster)
+    assert kinds(crash)[0] is DrainNode
+    with pytest.raises(ConfigError, match="storm_nodes 1 would call every blame a storm"):
+        Policy(storm_nodes=1)
 
 
 def test_the_share_still_limits_a_large_cluster():

@@ -1,0 +1,80 @@
+"""The store's blames: every node a decision blamed, and whose job blamed it.
+
+A drain or a ticket is what was done about a blame; the blame itself is kept
+whatever was done, so that what the hourly share or the storm brake left
+undone still counts as evidence: the storm brake reads the blames of the
+last minutes (:func:`supervisor.core.recovery.drain_storm`), and ``resurgo
+nodes`` shows who blamed a node. The user is the one Slurm named at the
+job's registration (``jobs.slurm_user``), never one a job's files say.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from supervisor.store.core import StoreCore, locked
+from supervisor.store.rows import ActionState, BlameOutcome, BlameRow, Label, label
+
+_COLUMNS = "blame_id, node, job_id, attempt, slurm_user, cause, outcome, blamed_s"
+_UNFINISHED = (ActionState.PLANNED.value, ActionState.STARTED.value)
+
+
+class Blames(StoreCore):
+    """Blames, and how many actions of a kind are unfinished; a base of the store."""
+
+    @locked
+    def record_blame(
+        self,
+        node: str,
+        *,
+        job_id: str,
+        attempt: int,
+        cause: Label,
+        outcome: BlameOutcome,
+        now_s: float,
+    ) -> None:
+        """Record that ``job_id``'s ``attempt`` blamed ``node`` (once per attempt and node)."""
+        with self._tx(durable=True), self._job_must_exist(job_id):
+            self._db.execute(
+                "INSERT INTO blames (node, job_id, attempt, slurm_user, cause, outcome,"
+                " blamed_s) VALUES (?, ?, ?, (SELECT slurm_user FROM jobs WHERE job_id = ?),"
+                " ?, ?, ?) ON CONFLICT (job_id, attempt, node) DO NOTHING",
+                (node, job_id, attempt, job_id, label(cause), outcome.value, now_s),
+            )
+
+    @locked
+    def blames_since(self, since_s: float) -> list[BlameRow]:
+        """Blames at or after ``since_s``, oldest first (the storm brake's window)."""
+        return self._blames("WHERE blamed_s >= ?", (since_s,))
+
+    @locked
+    def blames_for(self, node: str) -> list[BlameRow]:
+        """Every blame of ``node``, oldest first."""
+        return self._blames("WHERE node = ?", (node,))
+
+    @locked
+    def all_blames(self) -> list[BlameRow]:
+        """Every blame, oldest first."""
+        return self._blames("", ())
+
+    @locked
+    def unfinished_count(self, kind: str) -> int:
+        """Actions of ``kind`` planned or started and not finished: the drains decided
+        and not done yet count against the hourly share as done ones do."""
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM actions WHERE state IN (?, ?) AND kind = ?",
+            (*_UNFINISHED, kind),
+        ).fetchone()
+        return int(row[0])
+
+    def _blames(self, where: str, params: tuple[Any, ...]) -> list[BlameRow]:
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM blames {where} ORDER BY blamed_s, blame_id", params
+        )
+        return [
+            BlameRow(
+                blame_id=row[0], node=row[1], job_id=row[2], attempt=row[3], slurm_user=row[4],
+                cause=row[5], outcome=BlameOutcome(row[6]), blamed_s=row[7],
+            )
+            for row in rows
+        ]  # fmt: skip
