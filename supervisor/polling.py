@@ -91,6 +91,7 @@ class SlurmWatch(Deciding):
                 unit=spec.unit,
                 procs_per_node=spec.procs_per_node,
                 spares=spec.spares,
+                slurm_user=slurm_job.user_name,
             )
             self.store.upsert_job(
                 job_id,

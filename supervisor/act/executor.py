@@ -538,6 +538,7 @@ def ticket_doc(intent: DrainTicket) -> dict[str, Any]:
         "node": intent.node,
         "cause": intent.cause.value,
         "job_id": intent.job_id,
+        "user": intent.user,
         "attempt": intent.attempt,
         "evidence": intent.evidence,
         "ticket": intent.action_id,
@@ -549,7 +550,8 @@ def ticket_message(intent: DrainTicket) -> str:
     """The alert that goes with a ticket, in words."""
     return (
         f"drain ticket for {intent.node} ({intent.cause.value}: {intent.evidence}): this "
-        f"supervisor has no Slurm operator rights, so job {intent.job_id} goes on without "
+        f"supervisor has no Slurm operator rights, so job {intent.job_id}"
+        f"{f' of {intent.user}' if intent.user else ''} goes on without "
         f"{intent.node} and your later jobs leave it out; an admin should drain and check it "
         f"(`resurgo nodes` lists the ticket; `resurgo nodes forgive {intent.node}` clears it)"
     )

@@ -82,7 +82,7 @@ def render(document: dict[str, Any], now_s: float) -> str:
         [
             one_line(t["node"]),
             f"{duration(now_s - t['raised_s'])} ago",
-            one_line(f"{t['cause']} (job {t['job_id']})"),
+            one_line(f"{t['cause']} (job {t['job_id']}{_of(t.get('user'))})"),
             one_line(t["slurm_state"] or "?"),
             one_line(t["evidence"])[:80],
             one_line(t["hook"] or "-")[:40],
@@ -105,8 +105,23 @@ def render(document: dict[str, Any], now_s: float) -> str:
                     back += f", verdict withdrawn {duration(now_s - row['withdrawn_s'])} ago"
                 lines.append(one_line(
                     f"  {node}: {duration(now_s - row['drained_s'])} ago, {row['cause']} "
-                    f"(job {row['job_id']}, by {row['by']}{back})"
+                    f"(job {row['job_id']}{_of(row.get('user'))}, by {row['by']}{back})"
                 ))  # fmt: skip
+    blames = [
+        [
+            one_line(b["node"]),
+            f"{duration(now_s - b['blamed_s'])} ago",
+            one_line(b["job_id"]),
+            one_line(b["user"] or "?"),
+            one_line(b["cause"]),
+            one_line(b["outcome"]),
+        ]
+        for b in document.get("blames", [])
+    ]
+    if blames:
+        lines.append("")
+        lines.append("blames (who blamed which node, and what was done about it):")
+        lines.append(table(("NODE", "WHEN", "JOB", "USER", "CAUSE", "OUTCOME"), blames))
     lemons = document["lemons"]
     lines.append("")
     lines.append(
@@ -114,6 +129,11 @@ def render(document: dict[str, Any], now_s: float) -> str:
         + (one_line(", ".join(f"{x['node']} ({x['drains']} drains)" for x in lemons)) or "none")
     )
     return "\n".join(lines)
+
+
+def _of(user: str | None) -> str:
+    """`` of USER`` after a job, when the store knows whose job it was."""
+    return f" of {user}" if user else ""
 
 
 def run(args: argparse.Namespace) -> int:

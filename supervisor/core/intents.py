@@ -69,7 +69,7 @@ class _Action:
 
 @dataclass(frozen=True)
 class DrainNode(_Action):
-    """Drain ``node`` in Slurm with reason ``resurgo: <cause> job=<id> <reason>``.
+    """Drain ``node`` in Slurm with reason ``resurgo: <cause> job=<id> user=<user> <reason>``.
 
     ``reason`` is the blame's evidence, which quotes what the job's agents
     reported (a culprit's reason, an error digest): in the Slurm reason it is
@@ -80,12 +80,14 @@ class DrainNode(_Action):
     node: str
     cause: Cause
     reason: str
+    user: str = ""  # the job's Slurm user (none in plans made before it was kept)
 
     @property
     def slurm_reason(self) -> str:
         """The reason string for ``scontrol update ... state=drain reason=...``."""
         detail = fragment(self.reason, MAX_DRAIN_DETAIL_CHARS)
-        return f"{DRAIN_REASON_PREFIX} {self.cause.value} job={self.job_id} {detail}".strip()
+        who = f" user={fragment(self.user, 32)}" if self.user else ""
+        return f"{DRAIN_REASON_PREFIX} {self.cause.value} job={self.job_id}{who} {detail}".strip()
 
     KIND: ClassVar[str] = "drain"
 
@@ -108,6 +110,7 @@ class DrainTicket(_Action):
     node: str
     cause: Cause
     evidence: str
+    user: str = ""  # the job's Slurm user
 
     KIND: ClassVar[str] = "ticket"
 

@@ -352,6 +352,8 @@ class JobRecord:
     # Ranks that exited 0, as (attempt, global rank, last step): a rank that dies in its
     # teardown after every peer finished the same last step ended a completed run.
     finished_ranks: tuple[tuple[int, int, int | None], ...] = ()
+    # Whose job it is, as Slurm said at registration: drains and tickets name them.
+    slurm_user: str = ""
 
     def with_anomaly(self, seen: AnomalySeen) -> JobRecord:
         """This record with ``seen`` as its newest anomaly (the oldest dropped past the cap)."""
@@ -430,6 +432,7 @@ def new_record(
     unit: int = 1,
     procs_per_node: int = 1,
     spares: int = 0,
+    slurm_user: str = "",
 ) -> JobRecord:
     """The record of a job sbatch just accepted."""
     return JobRecord(
@@ -443,6 +446,7 @@ def new_record(
         state_since_s=now_s,
         procs_per_node=procs_per_node,
         spares_wanted=spares,
+        slurm_user=slurm_user,
     )
 
 
@@ -526,6 +530,7 @@ def record_from_json(text: str) -> JobRecord:
         "skipped_samples": (),
         "rollbacks": 0,
         "finished_ranks": (),
+        "slurm_user": "",
     }
     values: dict[str, Any] = {
         f.name: doc.get(f.name, later[f.name]) if f.name in later else _get(doc, f.name)

@@ -267,7 +267,9 @@ def _drain(
             (f"{node} excluded, not drained: the storm brake holds ({what}): {evidence}"),
         )
     if not cluster.may_drain:
-        ticket = DrainTicket(record.job_id, record.attempt, node, blame.cause, evidence[:500])
+        ticket = DrainTicket(
+            record.job_id, record.attempt, node, blame.cause, evidence[:500], record.slurm_user
+        )
         return (
             excluded,
             (ticket,),
@@ -286,7 +288,9 @@ def _drain(
         )
         alert = Alert(record.job_id, record.attempt, Severity.CRITICAL, message)
         return excluded, (alert,), f"{node} excluded, not drained: hourly drain share reached"
-    drain = DrainNode(record.job_id, record.attempt, node, blame.cause, evidence[:200])
+    drain = DrainNode(
+        record.job_id, record.attempt, node, blame.cause, evidence[:200], record.slurm_user
+    )
     return excluded, (drain,), f"drain {node} ({blame.confidence:.2f}: {evidence})"
 
 

@@ -58,6 +58,12 @@ class Blames(StoreCore):
         return self._blames("", ())
 
     @locked
+    def job_users(self) -> dict[str, str]:
+        """Each job's Slurm user, for the jobs whose user is known."""
+        rows = self._db.execute("SELECT job_id, slurm_user FROM jobs WHERE slurm_user IS NOT NULL")
+        return {job_id: user for job_id, user in rows}
+
+    @locked
     def unfinished_count(self, kind: str) -> int:
         """Actions of ``kind`` planned or started and not finished: the drains decided
         and not done yet count against the hourly share as done ones do."""

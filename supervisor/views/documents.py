@@ -20,6 +20,8 @@ from supervisor.views.timeline import goodput_of
 
 STATUS_VERSION = 1
 STACK_PREVIEW_LINES = 3
+# `resurgo nodes` lists the newest blames of the lemon window, at most this many.
+MAX_BLAMES_SHOWN = 200
 
 
 def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None:
@@ -252,11 +254,13 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
           lemon_blames: int, lemon_window_s: float) -> dict[str, Any]:  # fmt: skip
     """``resurgo nodes``: drained nodes with reasons, open drain tickets (with Slurm's
     state of their node, which shows whether an admin acted), blame history, the
-    lemon list.
+    blames of the lemon window (each with the job's user and what was done about
+    it, drained or not), the lemon list.
 
     ``slurm_nodes`` None means Slurm did not answer: the store's view alone.
     """
     history: dict[str, list[dict[str, Any]]] = {}
+    users = store.job_users()
     open_drains = {d.node: d for d in store.open_drains()}
     names = set(open_drains) | set(slurm_nodes or {})
     for name in sorted(names):
@@ -265,6 +269,7 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
                 "drained_s": d.drained_s,
                 "cause": d.cause,
                 "job_id": d.job_id,
+                "user": users.get(d.job_id or ""),
                 "reason": d.reason,
                 "by": d.drained_by.value,
                 "undrained_s": d.undrained_s,
@@ -298,6 +303,7 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
         "tickets": [
             {
                 **ticket.document(),
+                "user": users.get(ticket.job_id or ""),
                 "slurm_state": None if node is None else node.state_text,
                 "drained_in_slurm": None if node is None else node.drained,
             }
@@ -306,6 +312,9 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
             for node in [(slurm_nodes or {}).get(ticket.node)]
         ],
         "history": {name: rows for name, rows in history.items() if rows},
+        "blames": [blame.document() for blame in store.blames_since(now_s - lemon_window_s)][
+            -MAX_BLAMES_SHOWN:
+        ],
         "lemons": [
             {"node": lemon.node, "drains": lemon.drains, "last_drained_s": lemon.last_drained_s}
             for lemon in lemons

@@ -17,6 +17,7 @@ from typing import Any
 
 from agent.wire import protocol
 from agent.wire.protocol import EventKind
+from supervisor.cli.nodes import render
 from supervisor.config import SupervisorConfig
 from supervisor.core.policy import Policy
 from supervisor.daemon import Supervisor
@@ -24,6 +25,7 @@ from supervisor.jobs import write_job_dir
 from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.slurm.parse import SlurmJob
 from supervisor.store import BlameOutcome
+from supervisor.views import documents as views
 from tests.unit.test_daemon import NOW, me, spec
 from tests.unit.test_executor import FakeSlurm, job, node
 
@@ -140,6 +142,17 @@ def test_simultaneous_faults_of_three_jobs_drain_no_more_than_the_hourly_share(
             ("node6", "103", BlameOutcome.STORM),  # 3 nodes from 3 jobs within the window
         ]
         assert {b.slurm_user for b in blames} == {me()}
+        (reason,) = [str(call[2]) for call in cluster.calls if call[0] == "drain"]
+        assert reason.startswith(f"resurgo: rank_signal job=101 user={me()} ")
+        # `resurgo nodes` names who blamed each node and what was done about it.
+        document = views.nodes(supervisor.store, await cluster.nodes(), NOW, 2, 7 * 86400.0)
+        text = render(document, NOW)
+        blamed = [line.split() for line in text.splitlines() if line.startswith("node")]
+        assert [(row[0], row[3], row[4], row[5], row[-1]) for row in blamed[-3:]] == [
+            ("node2", "101", me(), "rank_signal", "drained"),
+            ("node4", "102", me(), "rank_signal", "excluded"),
+            ("node6", "103", me(), "rank_signal", "storm"),
+        ]
         (alert,) = storm_alerts(supervisor)
         assert "3 nodes blamed by 3 jobs" in alert and "node2, node4, node6" in alert
         for job_id, name in KILLED.items():  # each job goes on without the node it blamed

@@ -27,7 +27,9 @@ from tests.unit.test_executor import FakeSlurm
 
 NOW = 1_700_000_000.0
 JOB = "4242"
-TICKET = DrainTicket(JOB, 2, "node3", Cause.RANK_SIGNAL, "rank 2 ended by SIGKILL at step 15")
+TICKET = DrainTicket(
+    JOB, 2, "node3", Cause.RANK_SIGNAL, "rank 2 ended by SIGKILL at step 15", "alice"
+)
 CONFIG = "Configuration data as of 2026-12-03T07:00:00\nSlurmUser               = slurm(64030)\n"
 DBD = CONFIG + "AccountingStorageType   = accounting_storage/slurmdbd\n"
 
@@ -202,6 +204,7 @@ def test_a_ticket_reaches_the_hook_as_json_and_the_store_and_an_alert(
         "node": "node3",
         "cause": "rank_signal",
         "job_id": JOB,
+        "user": "alice",
         "attempt": 2,
         "evidence": TICKET.evidence,
         "ticket": TICKET.action_id,
@@ -212,6 +215,7 @@ def test_a_ticket_reaches_the_hook_as_json_and_the_store_and_an_alert(
     assert ticket.hook == "hook ok: ticket INC-7 opened"
     (alert,) = store.events_for(JOB, kinds=[ALERT_KIND])
     assert "drain ticket for node3" in alert.payload["message"]
+    assert f"job {JOB} of alice goes on without node3" in alert.payload["message"]
     assert slurm.calls == []  # nothing asked of Slurm: no drain
     # Executed again (a replayed decision), nothing runs twice.
     (tmp_path / "received.json").unlink()
