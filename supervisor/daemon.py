@@ -79,7 +79,7 @@ from supervisor.core.observations import (
 )
 from supervisor.core.policy import Policy
 from supervisor.core.probation import NodeHistory, release
-from supervisor.core.recovery import fast_path_started
+from supervisor.core.recovery import fast_path_started, storm_holds
 from supervisor.core.stragglers import find_stragglers
 from supervisor.errors import SlurmError
 from supervisor.intake import TrackedJob
@@ -175,6 +175,7 @@ class Supervisor(SlurmWatch):
             clock=self.clock,
             may_drain=lambda: self.cluster.may_drain,
             open_tickets=self._open_tickets,
+            drain_storm=lambda: storm_holds(self.policy, self._recent_blames(self.clock())),
         )
         registry = build_registry(collector)
         lag = LoopLag(registry)

@@ -89,9 +89,12 @@ class StoreCollector(Collector):
         ended_job_window_s: float = 86400.0,
         may_drain: Callable[[], bool] = lambda: True,
         open_tickets: Callable[[], list[TicketRow]] = list,
+        drain_storm: Callable[[], bool] = lambda: False,
     ) -> None:
         """``may_drain``: whether the supervisor has Slurm operator rights;
-        ``open_tickets``: the drain tickets that keep their node out now."""
+        ``open_tickets``: the drain tickets that keep their node out now;
+        ``drain_storm``: whether the storm brake holds now."""
+        self._drain_storm = drain_storm
         self._may_drain = may_drain
         self._open_tickets = open_tickets
         self._store = store
@@ -278,6 +281,21 @@ class StoreCollector(Collector):
         for cause, count in sorted(counts.items()):
             drains.add_metric([cause], float(count))
         yield drains
+        blames = CounterMetricFamily(
+            "resurgo_blames",
+            "Nodes blamed by a decision, by what was done (drained, ticketed, excluded, storm, "
+            "slurm).",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(self._store.blame_counts().items()):
+            blames.add_metric([outcome], float(count))
+        yield blames
+        yield GaugeMetricFamily(
+            "resurgo_drain_storm",
+            "1 while the storm brake holds (many nodes blamed by several jobs at once): no "
+            "node is drained or ticketed.",
+            value=1.0 if self._drain_storm() else 0.0,
+        )
         yield GaugeMetricFamily(
             "resurgo_drains_last_hour",
             "Nodes Resurgo drained in the last hour (the rate limit counts these).",

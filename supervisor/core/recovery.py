@@ -12,6 +12,7 @@ was just committed and idle nodes allow a larger size.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
@@ -178,15 +179,23 @@ def drain_storm(
     holds the window's blames before this one). It begins with the blame that
     makes the counts reach the bar, so a burst raises one alert.
     """
-    if policy.storm_nodes == 0:
+    if not storm_holds(policy, ((node, job_id), *cluster.recent_blames)):
         return None
-    nodes_before = frozenset(blamed for blamed, _ in cluster.recent_blames)
-    jobs_before = frozenset(job for _, job in cluster.recent_blames)
-    nodes, jobs = nodes_before | {node}, jobs_before | {job_id}
-    if len(nodes) < policy.storm_nodes or len(jobs) < policy.storm_jobs:
-        return None
-    held = len(nodes_before) >= policy.storm_nodes and len(jobs_before) >= policy.storm_jobs
-    return nodes, jobs, not held
+    nodes = frozenset(blamed for blamed, _ in cluster.recent_blames) | {node}
+    jobs = frozenset(job for _, job in cluster.recent_blames) | {job_id}
+    return nodes, jobs, not storm_holds(policy, cluster.recent_blames)
+
+
+def storm_holds(policy: Policy, blames: Iterable[tuple[str, str]]) -> bool:
+    """Whether (node, job) ``blames`` of one storm window meet the storm brake's bar."""
+    pairs = tuple(blames)
+    nodes = {node for node, _ in pairs}
+    jobs = {job for _, job in pairs}
+    return (
+        policy.storm_nodes > 0
+        and len(nodes) >= policy.storm_nodes
+        and len(jobs) >= policy.storm_jobs
+    )
 
 
 def fast_path_started(record: JobRecord) -> bool:

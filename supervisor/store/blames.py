@@ -58,6 +58,12 @@ class Blames(StoreCore):
         return self._blames("", ())
 
     @locked
+    def blame_counts(self) -> dict[str, int]:
+        """How many blames each outcome has, over the store's life."""
+        rows = self._db.execute("SELECT outcome, COUNT(*) FROM blames GROUP BY outcome")
+        return {outcome: int(count) for outcome, count in rows}
+
+    @locked
     def job_users(self) -> dict[str, str]:
         """Each job's Slurm user, for the jobs whose user is known."""
         rows = self._db.execute("SELECT job_id, slurm_user FROM jobs WHERE slurm_user IS NOT NULL")

@@ -26,6 +26,7 @@ def scrape(state: Path) -> tuple[bytes, dict[str, list[tuple[dict[str, str], flo
             cluster_nodes=lambda: 4,
             connected_agents=lambda: 2,
             drains_allowed_per_hour=lambda: 1,
+            drain_storm=lambda: True,
         )
         text = exposition(build_registry(collector))
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -63,6 +64,8 @@ def test_every_job_and_cluster_metric_is_exported_from_the_store(state_dir: Path
     assert value(samples, "resurgo_drains_total", cause="hang") == 1
     assert value(samples, "resurgo_drained_nodes") == 1
     assert value(samples, "resurgo_drains_allowed_per_hour") == 1
+    assert value(samples, "resurgo_blames_total", outcome="drained") == 1
+    assert value(samples, "resurgo_drain_storm") == 1
     assert value(samples, "resurgo_node_mtbf_seconds") > 0
     assert value(samples, "resurgo_connected_agents") == 2
     assert value(samples, "resurgo_up") == 1

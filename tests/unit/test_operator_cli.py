@@ -13,7 +13,7 @@ from agent.wire import protocol
 from agent.wire.protocol import EventKind
 from supervisor.cli.main import main
 from supervisor.core.model import Cause
-from supervisor.store import Store
+from supervisor.store import BlameOutcome, Store
 
 JOB = "4711"
 INCARNATION = "0123456789abcdef"
@@ -52,6 +52,8 @@ def state_dir(tmp_path: Path) -> Path:
         store.record_drain("node3", cause=Cause.HANG, job_id=JOB,
                            reason="resurgo: hang job=4711 rank 2 behind", now_s=now + 91,
                            action_id=f"{JOB}/2/drain/node3")  # fmt: skip
+        store.record_blame("node3", job_id=JOB, attempt=1, cause=Cause.HANG,
+                           outcome=BlameOutcome.DRAINED, now_s=now + 91)  # fmt: skip
         store.record_decision(JOB, None, "recovering", "relaunching", "hang",
                               {"explanation": "relaunch on 2 node(s)"}, now + 100)  # fmt: skip
         store.start_attempt(JOB, 2, nodes=["node1", "node2"], resumed_from="/ckpt/step-10",
