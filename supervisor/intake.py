@@ -93,6 +93,8 @@ class TrackedJob:
     step_ended: tuple[int | None, float, int | None] | None = None
     # attempts whose resume verification has a result (checked once each)
     verified: set[int] = field(default_factory=set)
+    # the most ranks one agent of the job listed in a heartbeat (bounds its ranks)
+    local_ranks_seen: int = 0
     # (step, stall_s, write_s) of the newest checkpoint's save
     save_cost: tuple[int, float, float] | None = None
     interval_s: float | None = None  # the interval last pushed to the agents
@@ -152,6 +154,21 @@ class Intake:
         """The job's nodes: the record's and Slurm's newest view (a relaunch moves both)."""
         job = self.jobs.get(job_id)
         return None if job is None else job.allocation()
+
+    def ranks(self, job_id: str) -> tuple[int, int] | None:
+        """(nodes x ranks per node, ranks per node) of the job; None when it is unknown.
+
+        The nodes: the job's original size or its allocation, whichever is
+        larger. Ranks per node: the spec's, or the most ranks one of the job's
+        agents has listed in a heartbeat, whichever is larger (a wrapper script
+        hides torchrun's ``--nproc-per-node`` from ``resurgo submit``).
+        """
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        record = job.record
+        per_node = max(record.procs_per_node, job.local_ranks_seen)
+        return max(record.original_nodes, len(job.allocation())) * per_node, per_node
 
     def _current(self, job: TrackedJob, incarnation: str) -> bool:
         """Whether an agent incarnation belongs to the job's current attempt (or is unknown)."""
@@ -423,6 +440,8 @@ class Intake:
         now = self.clock()
         job.last_report_s = now
         self.store.touch_lease(job_id, report.node, incarnation, now)
+        local = max((len(report.ranks), *(rank.local_rank + 1 for rank in report.ranks)))
+        job.local_ranks_seen = max(job.local_ranks_seen, local)
         for rank in report.ranks:
             if rank.compute_p50_s is None or rank.compute_observed <= 0:
                 continue

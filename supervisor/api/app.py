@@ -78,7 +78,15 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from agent.wire import protocol
-from agent.wire.protocol import AuthError, Command, ProtocolError, Refusal, Reply, StaleTimestamp
+from agent.wire.protocol import (
+    AuthError,
+    Command,
+    EventKind,
+    ProtocolError,
+    Refusal,
+    Reply,
+    StaleTimestamp,
+)
 from supervisor.api.bodies import BodyReader, ClientGone
 from supervisor.api.directory import JobDirectory
 from supervisor.api.refusals import Cause, RefusalLog
@@ -371,6 +379,15 @@ class _Api:
                     f"request is signed for job {job_id!r}: a job reports only about itself"
                 )
         self._check_nodes(job_id, [event.node for event in events])
+        self._check_ranks(
+            job_id,
+            [
+                (e.payload.get("global_rank"), e.payload.get("local_rank"))
+                for e in events
+                # Its rank may lie outside the job's world: that is what it reports.
+                if e.kind is not EventKind.WORLD_MISMATCH
+            ],
+        )
         why = await self._directory.refuse_events(job_id, events)
         if why is not None:
             raise Cause.OUTSIDE_ROOT.refuse(why)
@@ -571,6 +588,27 @@ class _Api:
                 f"{protocol.PROTOCOL_VERSION}: run one Resurgo version on agents and supervisor"
             )
         return job_id, data
+
+    def _check_ranks(self, job_id: str, ranks: Sequence[tuple[object, object]]) -> None:
+        """Refuse (400) events about a rank the job's world cannot have: each rank's
+        history is kept, so made-up ranks would grow the supervisor's memory. An
+        agent retries a refused batch: one that came before the heartbeat that
+        showed how many ranks a node runs is taken after it."""
+        bounds = self._directory.ranks(job_id)
+        if bounds is None:
+            return
+        world, per_node = bounds
+        for global_rank, local_rank in ranks:
+            if isinstance(global_rank, int) and not 0 <= global_rank < world:
+                raise Cause.UNKNOWN_RANK.refuse(
+                    f"global rank {global_rank} is not a rank of job {job_id!r}, whose world "
+                    f"has at most {world} ranks: report the ranks the launcher started"
+                )
+            if isinstance(local_rank, int) and not 0 <= local_rank < per_node:
+                raise Cause.UNKNOWN_RANK.refuse(
+                    f"local rank {local_rank} is not a rank of job {job_id!r}, which runs "
+                    f"{per_node} rank(s) per node: report the ranks the launcher started"
+                )
 
     def _check_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
         """Refuse (403) reports about a node outside the job's current allocation."""

@@ -40,6 +40,11 @@ class JobDirectory(Protocol):
         """The job's current node set; None when the job is unknown."""
         ...
 
+    def ranks(self, job_id: str) -> tuple[int, int] | None:
+        """(the most ranks the job's world has ever had, its ranks per node): a report
+        about a rank at or beyond them is about no rank of the job; None: unknown."""
+        ...
+
     def accept_events(self, job_id: str, events: Sequence[Event]) -> Sequence[str]:
         """Record ``events`` (in order) durably, once per ``event_id``; return the accepted ids.
 
@@ -93,6 +98,7 @@ class _Job:
     commands: dict[str, list[Command]] = field(default_factory=dict)
     driver_answers: list[DriverAnswer] = field(default_factory=list)
     driver_requests: list[DriverRequest] = field(default_factory=list)
+    ranks: tuple[int, int] | None = None
 
 
 class MemoryDirectory:
@@ -106,10 +112,23 @@ class MemoryDirectory:
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
 
-    def add_job(self, job_id: str, secret: bytes, nodes: Iterable[str]) -> None:
-        """Register (or replace) a job with its secret and current nodes."""
+    def add_job(
+        self,
+        job_id: str,
+        secret: bytes,
+        nodes: Iterable[str],
+        ranks: tuple[int, int] | None = None,
+    ) -> None:
+        """Register (or replace) a job with its secret and current nodes (and the bounds
+        of its ranks, see :meth:`JobDirectory.ranks`; None: any rank)."""
         with self._lock:
-            self._jobs[job_id] = _Job(secret=secret, nodes=frozenset(nodes))
+            self._jobs[job_id] = _Job(secret=secret, nodes=frozenset(nodes), ranks=ranks)
+
+    def ranks(self, job_id: str) -> tuple[int, int] | None:
+        """See :meth:`JobDirectory.ranks` (as given to :meth:`add_job`)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return None if job is None else job.ranks
 
     def set_allocation(self, job_id: str, nodes: Iterable[str]) -> None:
         """Change a known job's current node set (a shrink or a relaunch elsewhere)."""

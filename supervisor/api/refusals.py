@@ -29,6 +29,7 @@ class Cause(enum.Enum):
     STALE_TIMESTAMP = "stale_timestamp"  # outside the replay window
     CROSS_JOB = "cross_job"  # one job's credentials acting on another job
     FOREIGN_NODE = "foreign_node"  # about a node outside the job's current allocation
+    UNKNOWN_RANK = "unknown_rank"  # about a rank the job's world never had
     TOO_LARGE = "too_large"
     MALFORMED = "malformed"  # not JSON, or not the protocol's schema
     UNSUPPORTED_PROTOCOL = "unsupported_protocol"
@@ -60,6 +61,7 @@ _STATUS = {
     Cause.STALE_TIMESTAMP: 401,
     Cause.CROSS_JOB: 403,
     Cause.FOREIGN_NODE: 403,
+    Cause.UNKNOWN_RANK: 400,
     Cause.TOO_LARGE: 413,
     Cause.MALFORMED: 400,
     Cause.UNSUPPORTED_PROTOCOL: 400,

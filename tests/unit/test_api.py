@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from agent.wire import protocol
-from agent.wire.protocol import Command, CommandKind
+from agent.wire.protocol import Command, CommandKind, EventKind, HeartbeatReport, RankStatus
 from tests.unit.api_world import (
+    INCARNATION,
     JOB,
     NODES,
     NOW,
@@ -245,6 +246,37 @@ def test_event_about_a_node_outside_the_allocation_is_refused_403() -> None:
         body = protocol.encode_events([event(1), event(1, node="node7")])
         assert_refused(await api.send(protocol.EVENTS_PATH, body), 403, "foreign_node")
         assert api.directory.events(JOB) == []
+
+    run(scenario(test))
+
+
+def test_reports_about_ranks_the_jobs_world_never_had_are_refused_400() -> None:
+    def losses(rank: int) -> bytes:
+        payload = {"global_rank": rank, "steps": [{"step": 1, "loss": 2.5, "cursor": 0}]}
+        return protocol.encode_events(
+            [
+                protocol.make_event(
+                    EventKind.STEP_LOSSES, JOB, "node1", INCARNATION, rank + 1, NOW, payload
+                )
+            ]
+        )
+
+    def beat(rank: int, local: int) -> bytes:
+        status = RankStatus(rank, local, 4242, 10, "train", NOW - 1.0, 0.5, 0.9, 0.55, 10)
+        report = HeartbeatReport(JOB, "node1", NOW, (status,), INCARNATION)
+        return protocol.encode_heartbeat(report)
+
+    async def test(api: Api) -> None:
+        api.directory.add_job(JOB, SECRET, NODES, ranks=(4, 2))  # 2 nodes x 2 ranks
+        assert (await api.send(protocol.EVENTS_PATH, losses(3))).status == 200
+        refused = assert_refused(await api.send(protocol.EVENTS_PATH, losses(4)), 400,
+                                 "unknown_rank")  # fmt: skip
+        assert "at most 4 ranks" in refused["reason"]
+        assert_refused(await api.send(protocol.EVENTS_PATH, losses(10**6)), 400, "unknown_rank")
+        assert len(api.directory.events(JOB)) == 1  # the refused ones stored nothing
+        # A heartbeat is never refused for its ranks: a refused one would let the
+        # node's lease lapse. The daemon learns the ranks per node from them.
+        assert (await api.send(protocol.HEARTBEAT_PATH, beat(9, 3))).status == 200
 
     run(scenario(test))
 

@@ -801,3 +801,22 @@ def test_a_relaunch_names_the_rejected_newer_checkpoints_and_their_quarantine_be
         }  # fmt: skip
 
     run(body, tmp_path)
+
+
+def test_the_ranks_a_job_may_report_about_grow_with_what_its_heartbeats_list(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        assert supervisor.ranks(JOB) == (4, 1)  # 4 nodes, 1 rank each as submitted
+        # A wrapper script hid torchrun's --nproc-per-node 2 from `resurgo submit`.
+        ranks = tuple(
+            protocol.RankStatus(rank, rank % 2, 100 + rank, 5, "train", NOW, 1.0, 1.1, 1.0, 5)
+            for rank in (2, 3)
+        )
+        report = protocol.HeartbeatReport(JOB, "node2", NOW, ranks, "00000000000000e1", 1)
+        supervisor.accept_heartbeat(JOB, report)
+        assert supervisor.ranks(JOB) == (8, 2)
+        assert supervisor.ranks("999") is None
+
+    run(body, tmp_path)
