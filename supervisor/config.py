@@ -121,6 +121,11 @@ class SupervisorConfig:
     - ``ticket_hook``: a command that receives each drain ticket as one JSON
       object on its standard input (e.g. a script that mails the admins);
       empty: none.
+    - ``validation_memory_mib`` / ``validation_cpu_s`` / ``validation_timeout_s``: what
+      validating one checkpoint may take (memory beyond the validator's
+      imports, CPU time, wall clock). Validation runs in a process of its own
+      (a checkpoint is its owner's data); a checkpoint past a limit is
+      invalid, and the next older one is tried (``supervisor/act/validation.py``).
     """
 
     state_dir: str = DEFAULT_STATE_DIR
@@ -143,11 +148,14 @@ class SupervisorConfig:
     metrics_listen: str = ""
     slurm_rights: str = "auto"
     ticket_hook: str = ""
+    validation_memory_mib: int = 4096
+    validation_cpu_s: float = 600.0
+    validation_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         for name in (
             "poll_s", "tick_s", "lease_s", "reconcile_s", "interval_check_s", "slurm_timeout_s",
-            "straggler_check_s", "body_timeout_s",
+            "straggler_check_s", "body_timeout_s", "validation_cpu_s", "validation_timeout_s",
         ):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
@@ -165,6 +173,11 @@ class SupervisorConfig:
             raise ConfigError(
                 "supervisor setting unauthenticated_buffer_bytes must be at least 8388608 "
                 "(one largest body)"
+            )
+        if self.validation_memory_mib < 256:
+            raise ConfigError(
+                "supervisor setting validation_memory_mib must be at least 256: a checkpoint's "
+                "metadata needs room to load"
             )
         if self.metrics_listen:
             self.metrics_address()

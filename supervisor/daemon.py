@@ -58,8 +58,9 @@ from agent.wire.errors import ConfigError, ResurgoError
 from agent.wire.periodic import every
 from agent.wire.protocol import RETRY_MAX_S, EventKind
 from supervisor import jobs as jobfiles
-from supervisor.act.executor import Executor, Validator, warm_validator
+from supervisor.act.executor import Executor, Validator
 from supervisor.act.ticket_hook import ticket_hook
+from supervisor.act.validation import Limits, ValidationProcess
 from supervisor.api import bound_port, build_app, build_metrics_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
 from supervisor.core import silence
@@ -133,6 +134,13 @@ class Supervisor(SlurmWatch):
             self.slurm,
             checkpoint_root_of=self._checkpoint_root,
             validate_fn=validate_fn,
+            validation=ValidationProcess(
+                Limits(
+                    memory_mib=config.validation_memory_mib,
+                    cpu_s=config.validation_cpu_s,
+                    timeout_s=config.validation_timeout_s,
+                )
+            ),
             clock=clock,
             ticket_hook=ticket_hook(config.ticket_hook),
         )
@@ -219,7 +227,7 @@ class Supervisor(SlurmWatch):
             ),
             asyncio.create_task(self._every(WAL_CHECKPOINT_S, self.checkpoint_wal), name="wal"),
         ]
-        warm = asyncio.create_task(warm_validator(), name="warm-validator")
+        warm = asyncio.create_task(self._warm_validation(), name="warm-validation")
         try:
             await self._until_stopped(tasks)
         finally:
@@ -230,7 +238,21 @@ class Supervisor(SlurmWatch):
                 task.cancel()
             await self.manifest_reader.aclose()
             await asyncio.gather(*tasks, warm, return_exceptions=True)
+            await self.executor.validation.aclose()
             self.store.close()  # writes every lease's last renewal
+
+    async def _warm_validation(self) -> None:
+        """Start the checkpoint validation process now: the first recovery's choice of
+        checkpoint would otherwise wait for its import of torch (seconds on a busy
+        head node, between a fault and the relaunch)."""
+        started = time.monotonic()
+        try:
+            await self.executor.validation.start()
+        except Exception:
+            log.exception("starting the checkpoint validation process failed; the first "
+                          "validation starts it again")  # fmt: skip
+            return
+        log.info("checkpoint validation ready (started in %.1f s)", time.monotonic() - started)
 
     async def _until_stopped(self, tasks: Sequence[asyncio.Task[None]]) -> None:
         """Wait for a stop request, or for one of the tasks that must run forever to end.

@@ -213,6 +213,8 @@ class _Ladder:
         where = self.directory / fmt.DCP_METADATA_NAME
         try:
             metadata = _MetadataUnpickler(io.BytesIO(self.metadata_bytes)).load()
+        except MemoryError:
+            raise  # a limit on the validating process, not the file's verdict alone
         # Garbage can make the unpickler raise almost anything (EOFError,
         # ValueError, UnpicklingError, RecursionError...): all mean "corrupt".
         except Exception as error:

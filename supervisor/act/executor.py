@@ -58,6 +58,7 @@ from supervisor.act.reconcile import (
     validated_doc,
 )
 from supervisor.act.ticket_hook import TicketHook
+from supervisor.act.validation import Limits, ValidationProcess
 from supervisor.core.intents import (
     Alert,
     DrainNode,
@@ -93,7 +94,8 @@ from supervisor.store import ActionRow, ActionState, Store
 log = logging.getLogger(__name__)
 
 Validator = Callable[[str, ValidationLevel], tuple[bool, str]]
-"""Validates one checkpoint directory at a level: ``(valid, reason)``; runs in a thread."""
+"""Validates one checkpoint directory at a level: ``(valid, reason)``; runs in a thread.
+The daemon validates in a process of its own instead (:mod:`supervisor.act.validation`)."""
 
 # Later intents of a decision depend on these having happened.
 _PREREQUISITES = (StopRanks, ValidateCheckpoints, ShrinkAllocation, RequeueSmaller)
@@ -119,38 +121,19 @@ _VALIDATOR_IMPORT = threading.Lock()
 
 
 def load_validator() -> None:
-    """Import the checkpoint validator (and torch with it), one thread at a time.
-
-    The start-up warm-up and a recovery's validation may both ask at once
-    (a supervisor restarted in the middle of a recovery). Torch's nested
-    package imports are not safe from two threads at once (pytorch#182560);
-    a failure here would cost the validation it came with.
-    """
+    """Import the checkpoint validator (and torch with it), one thread at a time:
+    torch's nested package imports are not safe from two threads at once
+    (pytorch#182560)."""
     with _VALIDATOR_IMPORT:
         importlib.import_module("agent.checkpoint.validate")
 
 
 def validate_checkpoint(path: str, level: ValidationLevel) -> tuple[bool, str]:
-    """The default :data:`Validator`: the ladder of the checkpoint's layout
+    """A :data:`Validator` in this process: the ladder of the checkpoint's layout
     (:mod:`agent.checkpoint.layouts`; a DCP check or a load test imports torch)."""
     load_validator()
     report = layouts.check(path, Level(level.value))
     return report.valid, report.reason or ""
-
-
-async def warm_validator() -> None:
-    """Import the validator (and torch) in a worker thread now, at the supervisor's start.
-
-    The first recovery's checkpoint choice would otherwise pay for the import:
-    seconds on a busy head node, between a fault and the relaunch.
-    """
-    started = time.monotonic()
-    try:
-        await asyncio.to_thread(load_validator)
-    except Exception:
-        log.exception("importing the checkpoint validator failed; validations will try again")
-        return
-    log.info("checkpoint validator ready (imported in %.1f s)", time.monotonic() - started)
 
 
 @dataclass
@@ -169,15 +152,19 @@ class Executor:
         *,
         checkpoint_root_of: Callable[[str], Path | None],
         validate_fn: Validator | None = None,
+        validation: ValidationProcess | None = None,
         clock: Callable[[], float] = time.time,
         ticket_hook: TicketHook | None = None,
     ) -> None:
         """``checkpoint_root_of(job_id)`` is where the job saves (None: unknown);
+        checkpoints are validated by ``validate_fn`` in a thread when given, else
+        in ``validation``'s process (by default one with the default limits);
         ``ticket_hook`` gets each drain ticket (:mod:`supervisor.act.ticket_hook`)."""
         self._store = store
         self._slurm = slurm
         self._checkpoint_root_of = checkpoint_root_of
-        self._validate = validate_fn or validate_checkpoint
+        self._validate_fn = validate_fn
+        self.validation = validation or ValidationProcess(Limits())
         self._clock = clock
         self._ticket_hook = ticket_hook
 
@@ -485,7 +472,7 @@ class Executor:
                 entry.step is None or entry.step > intent.before_step
             ):
                 continue  # a rollback: after the anomaly's onset (less the margin), or unknown
-            valid, reason = await asyncio.to_thread(self._validate, entry.path, intent.level)
+            valid, reason = await self._validate(entry.path, intent.level)
             checked.append(CheckpointValidated(entry.step, entry.path, valid, reason))
             log.info(
                 "job %s: checkpoint %s %s at %s%s",
@@ -499,6 +486,11 @@ class Executor:
             CheckpointValidated(None, None, False, f"no valid checkpoint{before} left under {root}")
         )
         return checked
+
+    async def _validate(self, path: str, level: ValidationLevel) -> tuple[bool, str]:
+        if self._validate_fn is not None:
+            return await asyncio.to_thread(self._validate_fn, path, level)
+        return await self.validation.validate(path, level.value)
 
     async def _record_requeue_baseline(self, intent: RequeueSmaller, now_s: float) -> None:
         # Reconciliation needs the restart count from before the requeue to tell

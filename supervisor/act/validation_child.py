@@ -1,0 +1,76 @@
+"""The checkpoint validation process: the supervisor's validator, run apart from it.
+
+``python -m supervisor.act.validation_child MEMORY_MIB CPU_S`` imports the
+validator (and torch), caps its own address space at what that took plus
+``MEMORY_MIB``, says ``{"ready": true}`` on one line, then answers one JSON
+request per line (``{"path": ..., "level": ...}``) with one JSON line
+(``{"valid": ..., "reason": ...}``). Before each request its CPU-time limit
+is set ``CPU_S`` past what it has used: a checkpoint whose content takes
+longer is ended by SIGXCPU. A checkpoint is the job owner's data: what it
+does to this process (memory, time, a crash in a C extension) cannot reach
+the supervisor, which reads the verdict or the process's death
+(:mod:`supervisor.act.validation`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import resource
+import sys
+from typing import Any
+
+READY = {"ready": True}
+
+
+def _address_space_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cpu_used_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _answer(request: dict[str, Any], memory_mib: int) -> dict[str, Any]:
+    from agent.checkpoint import layouts
+    from agent.checkpoint.report import Level
+
+    try:
+        report = layouts.check(str(request["path"]), Level(str(request["level"])))
+    except MemoryError:
+        return {
+            "valid": False,
+            "reason": f"validating it needed more than {memory_mib} MiB (the supervisor's "
+            "validation_memory_mib): its content expands beyond any checkpoint's",
+        }
+    except Exception as error:  # the owner's data made the validator fail: not valid
+        return {"valid": False, "reason": f"validation failed: {type(error).__name__}: {error}"}
+    return {"valid": report.valid, "reason": report.reason or ""}
+
+
+def main(argv: list[str]) -> int:
+    memory_mib, cpu_s = int(argv[0]), float(argv[1])
+    # The warm-up: the validator and torch imported once, before any checkpoint is read.
+    importlib.import_module("agent.checkpoint.validate")
+
+    limit = _address_space_bytes() + (memory_mib << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    print(json.dumps(READY), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        soft = int(_cpu_used_s() + cpu_s) + 1
+        if hard != resource.RLIM_INFINITY:
+            soft = min(soft, hard)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+        print(json.dumps(_answer(request, memory_mib)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
