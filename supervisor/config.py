@@ -109,6 +109,9 @@ class SupervisorConfig:
       is not a terminal).
     - ``body_timeout_s``: how long a request's body may take to arrive; a
       slower one is answered 408 and its connection closed.
+    - ``header_timeout_s``: how long a connection may take to send a request's
+      head (also how long an idle keep-alive connection is kept); a slower
+      one is closed.
     - ``unauthenticated_buffer_bytes``: the most bytes the bodies of requests
       not yet authenticated may hold together (more: 503, retried later).
     - ``metrics_listen``: ``host:port`` of a listener of its own for
@@ -144,6 +147,7 @@ class SupervisorConfig:
     slurm_timeout_s: float = 15.0
     log_json: str = "auto"
     body_timeout_s: float = 30.0
+    header_timeout_s: float = 30.0
     unauthenticated_buffer_bytes: int = 128 << 20
     metrics_listen: str = ""
     slurm_rights: str = "auto"
@@ -156,6 +160,7 @@ class SupervisorConfig:
         for name in (
             "poll_s", "tick_s", "lease_s", "reconcile_s", "interval_check_s", "slurm_timeout_s",
             "straggler_check_s", "body_timeout_s", "validation_cpu_s", "validation_timeout_s",
+            "header_timeout_s",
         ):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:

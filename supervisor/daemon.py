@@ -198,11 +198,22 @@ class Supervisor(SlurmWatch):
             body_timeout_s=self.config.body_timeout_s,
             unauthenticated_buffer_bytes=self.config.unauthenticated_buffer_bytes,
         )
-        runner = await serve(app, self.config.listen_host, self.config.listen_port)
+        runner = await serve(
+            app,
+            self.config.listen_host,
+            self.config.listen_port,
+            header_timeout_s=self.config.header_timeout_s,
+        )
         self.port = bound_port(runner)
         runners = [runner]
         if metrics_at is not None:
-            runners.append(await serve(build_metrics_app(scrape), *metrics_at))
+            runners.append(
+                await serve(
+                    build_metrics_app(scrape),
+                    *metrics_at,
+                    header_timeout_s=self.config.header_timeout_s,
+                )
+            )
         log.info(
             "supervisor started: %s",
             json.dumps({**describe(self.config, self.policy), "url": self.url}),

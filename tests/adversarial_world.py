@@ -34,6 +34,7 @@ from tests.integration.crash_world import Api, Daemon, fakeslurm
 
 NODES = ("node1", "node2")
 BODY_TIMEOUT_S = 3
+HEADER_TIMEOUT_S = 3
 MIB = 1 << 20
 # CPU seconds per half second under which the daemon counts as idle (it ticks every 0.2 s).
 IDLE_CPU_S = 0.05
@@ -51,6 +52,7 @@ class _Daemon(Daemon):
         return {
             **super().env,
             "RESURGO_SUPERVISOR_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+            "RESURGO_SUPERVISOR_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
             **self._extra_env,
         }
 

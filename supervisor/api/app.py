@@ -114,6 +114,8 @@ STREAM_CLOSE_S = 2.0
 _EMPTY_REPLY = protocol.encode_reply(Reply())
 # How long a request's body may take to arrive, from when the handler wants it.
 BODY_TIMEOUT_S = 30.0
+# A request head not whole this long after the connection opened (or its last answer).
+HEADER_TIMEOUT_S = 30.0
 # The most bytes all requests not yet authenticated may hold together.
 UNAUTHENTICATED_BUFFER_BYTES = 128 << 20
 # How many authenticated event batches are decoded and taken at once (the intake gate).
@@ -198,13 +200,25 @@ def add_metrics_route(app: web.Application, metrics: Callable[[], bytes]) -> Non
 
 
 async def serve(
-    app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 10.0
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout_s: float = 10.0,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
 ) -> web.AppRunner:
     """Listen on ``host:port`` (port 0: any free one, see :func:`bound_port`) and return the runner.
 
     Stop with :func:`shutdown`. Signals are left to the daemon (its handlers
     only enqueue), and there is no access log: one line per heartbeat of
     thousands of agents would drown everything else.
+
+    A connection that has not sent a whole request head ``header_timeout_s``
+    after it opened, or after its previous answer, is closed: aiohttp's
+    keep-alive timer, which partial headers do not reset, is that timeout
+    (aiohttp's own default is an hour, and 300 connections trickling their
+    headers were held as long). An idle keep-alive connection is closed as
+    late: clients close theirs sooner (aiohttp's client after 15 s).
     """
     refusals = app.get(_REFUSALS) or RefusalLog(logger, time.time)
     runner = web.AppRunner(
@@ -213,6 +227,7 @@ async def serve(
         access_log=None,
         shutdown_timeout=shutdown_timeout_s,
         logger=_ServerLog(refusals),
+        keepalive_timeout=header_timeout_s,
     )
     await runner.setup()
     try:

@@ -21,7 +21,15 @@ import pytest
 
 from agent.wire import protocol
 from agent.wire.protocol import EventKind
-from tests.adversarial_world import BODY_TIMEOUT_S, MIB, World, read_all, stranger_head, waves
+from tests.adversarial_world import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    MIB,
+    World,
+    read_all,
+    stranger_head,
+    waves,
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +60,46 @@ def test_an_upload_that_stalls_is_answered_408_and_closed_within_the_body_timeou
     assert answer.startswith(b"HTTP/1.1 408"), (what, answer[:200])
     assert b"body_timeout" in answer
     assert BODY_TIMEOUT_S - 0.5 <= took <= BODY_TIMEOUT_S + 2, (what, took)
+
+
+def test_300_connections_trickling_their_headers_are_closed_within_the_header_timeout(
+    world: World,
+) -> None:
+    sockets = []
+    try:
+        started = time.monotonic()
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", world.daemon.port), timeout=5)
+            sock.sendall(b"POST /v1/events HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            sockets.append(sock)
+        open_ones = list(sockets)
+        closed_after: list[float] = []
+        deadline = started + HEADER_TIMEOUT_S + 20
+        while open_ones and time.monotonic() < deadline:
+            for sock in list(open_ones):
+                try:
+                    sock.sendall(b"a")  # one byte of the header, never its end
+                    sock.setblocking(False)
+                    try:
+                        gone = sock.recv(4096) == b""
+                    except BlockingIOError:
+                        gone = False
+                    finally:
+                        sock.setblocking(True)
+                except OSError:  # reset: closed by the server
+                    gone = True
+                if gone:
+                    open_ones.remove(sock)
+                    closed_after.append(time.monotonic() - started)
+            time.sleep(0.5)
+        assert not open_ones, f"{len(open_ones)} of 300 still open"
+        # Each closed within the header timeout of its opening; the slack is for
+        # opening 300 connections and for a loaded machine.
+        assert max(closed_after) < HEADER_TIMEOUT_S + 10, max(closed_after)
+        assert world.healthz()["status"] == "ok"
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def test_a_trickling_chunked_body_is_closed_within_the_body_timeout(world: World) -> None:
