@@ -112,6 +112,9 @@ class SupervisorConfig:
     - ``header_timeout_s``: how long a connection may take to send a request's
       head (also how long an idle keep-alive connection is kept); a slower
       one is closed.
+    - ``events_per_minute``: the events one job may send a minute (at least;
+      120 per rank of its world when that is more); beyond it a batch is
+      refused 429 and its agent sends it again later (0: no budget).
     - ``unauthenticated_buffer_bytes``: the most bytes the bodies of requests
       not yet authenticated may hold together (more: 503, retried later).
     - ``metrics_listen``: ``host:port`` of a listener of its own for
@@ -148,6 +151,7 @@ class SupervisorConfig:
     log_json: str = "auto"
     body_timeout_s: float = 30.0
     header_timeout_s: float = 30.0
+    events_per_minute: int = 6000
     unauthenticated_buffer_bytes: int = 128 << 20
     metrics_listen: str = ""
     slurm_rights: str = "auto"
@@ -179,6 +183,8 @@ class SupervisorConfig:
                 "supervisor setting unauthenticated_buffer_bytes must be at least 8388608 "
                 "(one largest body)"
             )
+        if self.events_per_minute < 0:
+            raise ConfigError("supervisor setting events_per_minute must be >= 0 (0: no budget)")
         if self.validation_memory_mib < 256:
             raise ConfigError(
                 "supervisor setting validation_memory_mib must be at least 256: a checkpoint's "

@@ -197,6 +197,7 @@ class Supervisor(SlurmWatch):
             facts=self.public_facts,
             body_timeout_s=self.config.body_timeout_s,
             unauthenticated_buffer_bytes=self.config.unauthenticated_buffer_bytes,
+            events_per_minute=self.config.events_per_minute,
         )
         runner = await serve(
             app,

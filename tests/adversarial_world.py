@@ -15,6 +15,7 @@ import contextlib
 import json
 import secrets
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -35,6 +36,7 @@ from tests.integration.crash_world import Api, Daemon, fakeslurm
 NODES = ("node1", "node2")
 BODY_TIMEOUT_S = 3
 HEADER_TIMEOUT_S = 3
+EVENTS_PER_MINUTE = 2000
 MIB = 1 << 20
 # CPU seconds per half second under which the daemon counts as idle (it ticks every 0.2 s).
 IDLE_CPU_S = 0.05
@@ -53,6 +55,7 @@ class _Daemon(Daemon):
             **super().env,
             "RESURGO_SUPERVISOR_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
             "RESURGO_SUPERVISOR_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+            "RESURGO_SUPERVISOR_EVENTS_PER_MINUTE": str(EVENTS_PER_MINUTE),
             **self._extra_env,
         }
 
@@ -124,6 +127,17 @@ class World:
         if status != 200:
             raise RuntimeError(f"/healthz answered {status}: {body[:200]!r}")
         return dict(json.loads(body))
+
+    def stored_events(self) -> int:
+        """How many events of the job the store holds now."""
+        with contextlib.closing(
+            sqlite3.connect(f"file:{self.daemon.state_dir / 'resurgo.db'}?mode=ro", uri=True)
+        ) as db:
+            return int(
+                db.execute(
+                    "SELECT COUNT(*) FROM events WHERE job_id = ?", (self.job_id,)
+                ).fetchone()[0]
+            )
 
     def rss(self) -> int:
         """The daemon's resident memory now, in bytes."""

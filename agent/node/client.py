@@ -78,6 +78,8 @@ class Reporter:
       misconfiguration (wrong secret, clock outside the replay window, node
       not in the job) that an operator can fix while the agent keeps
       retrying; the events stay spooled meanwhile;
+    - 429: the job sent more events than its budget a minute: a warning, and
+      the batch is sent again after the backoff;
     - 400: the supervisor found a batch malformed, which is a bug in one of
       the two sides; logged as an error with the reason and retried (a fixed
       supervisor accepts it), never dropped.
@@ -392,6 +394,12 @@ class Reporter:
                 "agent has the job's secret and the node clock is right (NTP); the events "
                 "are kept and delivered once this is fixed",
                 error.status,
+                error.reason,
+                where,
+            )
+        elif isinstance(error, Rejected) and error.status == 429:
+            logger.warning(
+                "supervisor asked this job to slow down (429): %s; %s",
                 error.reason,
                 where,
             )

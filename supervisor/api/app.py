@@ -89,6 +89,7 @@ from agent.wire.protocol import (
 )
 from supervisor.api.bodies import BodyReader, ClientGone
 from supervisor.api.directory import JobDirectory
+from supervisor.api.ratelimit import PER_RANK_PER_MINUTE, RETRY_AFTER_S, EventBudget
 from supervisor.api.refusals import Cause, RefusalLog
 from supervisor.errors import RequestRefused
 
@@ -114,6 +115,8 @@ STREAM_CLOSE_S = 2.0
 _EMPTY_REPLY = protocol.encode_reply(Reply())
 # How long a request's body may take to arrive, from when the handler wants it.
 BODY_TIMEOUT_S = 30.0
+# Events one job may send a minute, at least (supervisor.api.ratelimit).
+EVENTS_PER_MINUTE = 6000
 # A request head not whole this long after the connection opened (or its last answer).
 HEADER_TIMEOUT_S = 30.0
 # The most bytes all requests not yet authenticated may hold together.
@@ -134,6 +137,7 @@ def build_app(
     facts: Callable[[], dict[str, Any]] | None = None,
     body_timeout_s: float = BODY_TIMEOUT_S,
     unauthenticated_buffer_bytes: int = UNAUTHENTICATED_BUFFER_BYTES,
+    events_per_minute: int = EVENTS_PER_MINUTE,
 ) -> web.Application:
     """The supervisor's HTTP API over ``directory``.
 
@@ -151,7 +155,8 @@ def build_app(
     anyone, and the blame's cause and job id). ``clock`` gives Unix
     seconds for the replay window and the refusal log's rate limit.
     ``body_timeout_s`` and ``unauthenticated_buffer_bytes``: see the module's
-    docstring, check 2.
+    docstring, check 2. ``events_per_minute``: each job's event budget
+    (:mod:`supervisor.api.ratelimit`; 0: none).
     """
     api = _Api(
         directory,
@@ -161,6 +166,7 @@ def build_app(
         RefusalLog(logger, clock, per_window=refusal_log_per_minute),
         jobs_dir,
         facts,
+        EventBudget(events_per_minute),
     )
     app = web.Application(client_max_size=max_body_bytes, middlewares=[api.guard])
     app[_REFUSALS] = api.refusals
@@ -305,8 +311,10 @@ class _Api:
         refusals: RefusalLog,
         jobs_dir: str | None = None,
         facts: Callable[[], dict[str, Any]] | None = None,
+        budget: EventBudget | None = None,
     ) -> None:
         self._directory = directory
+        self._budget = budget or EventBudget(0)
         self._jobs_dir = jobs_dir
         self._facts = facts
         self._clock = clock
@@ -332,6 +340,8 @@ class _Api:
             answer = _error(refused.status, refused.cause, refused.reason)
             if refused.status == Cause.BUSY.status:
                 answer.headers["Retry-After"] = "5"
+            if refused.status == Cause.RATE_LIMITED.status:
+                answer.headers["Retry-After"] = str(RETRY_AFTER_S)
             # Unread body bytes would be taken for the next request (or make aiohttp
             # wait for them): the connection ends with this answer.
             return answer if request.content.at_eof() else await _send_and_close(request, answer)
@@ -403,6 +413,14 @@ class _Api:
                 if e.kind is not EventKind.WORLD_MISMATCH
             ],
         )
+        bounds = self._directory.ranks(job_id)
+        if not self._budget.admit(job_id, len(events), bounds[0] if bounds else None):
+            limit = self._budget.limit_for(bounds[0] if bounds else None)
+            raise Cause.RATE_LIMITED.refuse(
+                f"job {job_id!r} sent more than {limit} events in a minute (the supervisor's "
+                f"events_per_minute, or {PER_RANK_PER_MINUTE} per rank): this batch of "
+                f"{len(events)} was not stored; send it again after {RETRY_AFTER_S} s"
+            )
         why = await self._directory.refuse_events(job_id, events)
         if why is not None:
             raise Cause.OUTSIDE_ROOT.refuse(why)

@@ -30,6 +30,7 @@ class Cause(enum.Enum):
     CROSS_JOB = "cross_job"  # one job's credentials acting on another job
     FOREIGN_NODE = "foreign_node"  # about a node outside the job's current allocation
     UNKNOWN_RANK = "unknown_rank"  # about a rank the job's world never had
+    RATE_LIMITED = "rate_limited"  # the job sent more events than its budget a minute
     TOO_LARGE = "too_large"
     MALFORMED = "malformed"  # not JSON, or not the protocol's schema
     UNSUPPORTED_PROTOCOL = "unsupported_protocol"
@@ -62,6 +63,7 @@ _STATUS = {
     Cause.CROSS_JOB: 403,
     Cause.FOREIGN_NODE: 403,
     Cause.UNKNOWN_RANK: 400,
+    Cause.RATE_LIMITED: 429,
     Cause.TOO_LARGE: 413,
     Cause.MALFORMED: 400,
     Cause.UNSUPPORTED_PROTOCOL: 400,

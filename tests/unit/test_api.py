@@ -281,6 +281,24 @@ def test_reports_about_ranks_the_jobs_world_never_had_are_refused_400() -> None:
     run(scenario(test))
 
 
+def test_events_beyond_a_jobs_budget_a_minute_are_refused_429_and_stored_nowhere() -> None:
+    async def test(api: Api) -> None:
+        first = protocol.encode_events([event(seq) for seq in range(1, 31)])
+        assert (await api.send(protocol.EVENTS_PATH, first)).status == 200
+        second = protocol.encode_events([event(seq) for seq in range(31, 61)])
+        answer = await api.send(protocol.EVENTS_PATH, second)
+        refused = assert_refused(answer, 429, "rate_limited")
+        assert "more than 50 events in a minute" in refused["reason"]
+        assert answer.headers["Retry-After"] == "10"
+        assert len(api.directory.events(JOB)) == 30
+        # Another job's budget is its own.
+        other = protocol.encode_events([event(1, job=OTHER_JOB, node="node7")])
+        assert (await api.send(protocol.EVENTS_PATH, other, secret=OTHER_SECRET,
+                               job=OTHER_JOB)).status == 200  # fmt: skip
+
+    run(scenario(test, events_per_minute=50))
+
+
 def test_a_node_shrunk_out_of_the_job_is_refused_403() -> None:
     async def test(api: Api) -> None:
         assert (await api.send(protocol.HEARTBEAT_PATH, heartbeat(node="node2"))).status == 200
