@@ -502,12 +502,13 @@ class Supervisor(SlurmWatch):
             if node is None or not node.drained or not node.reason.startswith(DRAIN_REASON_PREFIX):
                 continue
             attempt = int(drain.action_id.split("/")[1]) if drain.action_id else 0
+            blames = [row for row in self.store.blame_history(drain.node) if row.counts_as_blame]
+            users = self.store.job_users()
             history = NodeHistory(
                 drain.node,
-                tuple(
-                    row.drained_s
-                    for row in self.store.blame_history(drain.node)
-                    if row.counts_as_blame
+                tuple(row.drained_s for row in blames),
+                blame_users=tuple(
+                    users.get(row.job_id or "") or f"job {row.job_id}" for row in blames
                 ),
                 drained_at_s=drain.drained_s,
                 drain_job_id=drain.job_id or "",

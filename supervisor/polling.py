@@ -217,7 +217,10 @@ class SlurmWatch(Deciding):
     def _cluster_view(self, nodes: dict[str, SlurmNode], now: float) -> ClusterView:
         drained = frozenset(n for n, node in nodes.items() if node.drained)
         down = frozenset(n for n, node in nodes.items() if node.down or node.not_responding)
-        lemons = self.store.lemons(self.policy.lemon_blames, self.policy.lemon_window_s, now)
+        policy = self.policy
+        lemons = self.store.lemons(
+            policy.lemon_blames, policy.lemon_window_s, now, policy.lemon_users
+        )
         idle = frozenset(n for n, node in nodes.items() if node.state is NodeState.IDLE)
         may_drain = self.rights is None or self.rights.operator
         tickets = [] if may_drain else self._open_tickets()

@@ -169,7 +169,10 @@ def run(args: argparse.Namespace) -> int:
             slurm_nodes = None
         policy = Policy()
         now = time.time()
-        document = views.nodes(store, slurm_nodes, now, policy.lemon_blames, policy.lemon_window_s)
+        document = views.nodes(
+            store, slurm_nodes, now, policy.lemon_blames, policy.lemon_window_s,
+            policy.lemon_users,
+        )  # fmt: skip
     if args.json:
         print_json(document)
     else:

@@ -60,6 +60,9 @@ class Policy:
       service this long after its drain, once its health check passes.
     - ``lemon_blames`` / ``lemon_window_s``: a node blamed that often within
       the window (across jobs) is a lemon: it stays out and no job uses it.
+    - ``lemon_users``: ... and only when the blames came from jobs of at
+      least this many Slurm users: one user's jobs, buggy or hostile, cannot
+      keep a node from everyone.
     - ``storm_nodes`` / ``storm_jobs`` / ``storm_window_s``: the storm brake.
       Blames of at least ``storm_nodes`` distinct nodes from at least
       ``storm_jobs`` jobs within the window point at a shared cause (storage,
@@ -128,6 +131,7 @@ class Policy:
     probation_s: float = 1800.0
     lemon_blames: int = 2
     lemon_window_s: float = 7 * 86400.0
+    lemon_users: int = 2
     storm_nodes: int = 3
     storm_jobs: int = 2
     storm_window_s: float = 600.0
@@ -175,7 +179,7 @@ class Policy:
         if self.drain_confidence > 1:
             raise ConfigError("policy: drain_confidence is at most 1")
         for name in ("straggler_reports_to_drain", "lemon_blames", "straggler_min_steps",
-                     "storm_jobs"):  # fmt: skip
+                     "storm_jobs", "lemon_users"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"policy: {name} must be >= 1")
         if self.storm_nodes == 1:
@@ -190,7 +194,7 @@ class Policy:
         for name in ("anomaly_margin_steps", "anomaly_skip_batches", "anomaly_skip_lead_batches",
                      "anomaly_max_rollbacks", "anomaly_recurrence_steps", "anomaly_window_steps",
                      "anomaly_warmup_steps", "anomaly_spike_steps", "storm_nodes",
-                     "storm_jobs"):  # fmt: skip
+                     "storm_jobs", "lemon_users"):  # fmt: skip
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(f"policy: {name} must be a whole number")
         try:

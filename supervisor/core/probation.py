@@ -24,7 +24,9 @@ from supervisor.store.rows import Lemon, TicketRow
 class NodeHistory:
     """What the store knows about one node's blames (all jobs) and its current drain.
 
-    ``blames`` are the times Resurgo blamed the node; ``drained_at_s`` is when
+    ``blames_s`` are the times Resurgo blamed the node and ``blame_users`` whose
+    jobs blamed it, in the same order (empty: not known, each blame counts as
+    another user's); ``drained_at_s`` is when
     Resurgo drained it (None: not drained by Resurgo, never ours to resume);
     ``drain_job_id``/``drain_attempt`` name the drain's job and attempt.
     """
@@ -34,12 +36,18 @@ class NodeHistory:
     drained_at_s: float | None = None
     drain_job_id: str = ""
     drain_attempt: int = 0
+    blame_users: tuple[str, ...] = ()
 
 
 def is_lemon(history: NodeHistory, now_s: float, policy: Policy) -> bool:
-    """True when the node was blamed ``lemon_blames`` times within the window."""
-    recent = [t for t in history.blames_s if now_s - t <= policy.lemon_window_s]
-    return len(recent) >= policy.lemon_blames
+    """True when the node was blamed ``lemon_blames`` times within the window, by jobs
+    of at least ``lemon_users`` users."""
+    recent = [i for i, t in enumerate(history.blames_s) if now_s - t <= policy.lemon_window_s]
+    if len(recent) < policy.lemon_blames:
+        return False
+    if len(history.blame_users) != len(history.blames_s):
+        return len(recent) >= policy.lemon_users  # users unknown: each blame another's
+    return len({history.blame_users[i] for i in recent}) >= policy.lemon_users
 
 
 def lemons(histories: tuple[NodeHistory, ...], now_s: float, policy: Policy) -> frozenset[str]:

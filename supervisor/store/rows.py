@@ -279,6 +279,7 @@ class Lemon:
     node: str
     drains: int
     last_drained_s: float
+    users: int = 1  # distinct users whose jobs blamed it (a job of unknown user: one)
 
 
 @dataclass(frozen=True)

@@ -325,21 +325,28 @@ class Store(History, StepReports, Tickets, Blames):
         return self._drains("WHERE node = ?", (node,))
 
     @locked
-    def lemons(self, threshold: int, window_s: float, now_s: float) -> list[Lemon]:
-        """Nodes the supervisor blamed at least ``threshold`` times in the last ``window_s``.
+    def lemons(self, threshold: int, window_s: float, now_s: float, users: int = 1) -> list[Lemon]:
+        """Nodes the supervisor blamed at least ``threshold`` times in the last ``window_s``,
+        on the word of jobs of at least ``users`` distinct Slurm users.
 
         A blame is a drain, or a drain ticket where the supervisor may not
         drain. Operator drains (maintenance) are not blame and do not count,
-        nor do withdrawn verdicts (lifted outside Resurgo, or forgiven).
+        nor do withdrawn verdicts (lifted outside Resurgo, or forgiven). A job
+        whose user is not known (registered before users were kept) counts as
+        a user of its own.
         """
         rows = self._db.execute(
-            "SELECT node, COUNT(*), MAX(blamed_s) FROM ("
-            " SELECT node, drained_s AS blamed_s FROM drains"
+            "SELECT b.node, COUNT(*), MAX(b.blamed_s),"
+            " COUNT(DISTINCT COALESCE(j.slurm_user, 'job ' || b.job_id, 'unknown')) FROM ("
+            " SELECT node, job_id, drained_s AS blamed_s FROM drains"
             " WHERE drained_by = ? AND drained_s > ? AND withdrawn_s IS NULL"
-            " UNION ALL SELECT node, raised_s FROM tickets WHERE raised_s > ? AND closed_s IS NULL"
-            ") GROUP BY node HAVING COUNT(*) >= ?"
-            " ORDER BY COUNT(*) DESC, node",
-            (Actor.SUPERVISOR.value, now_s - window_s, now_s - window_s, threshold),
+            " UNION ALL SELECT node, job_id, raised_s FROM tickets"
+            " WHERE raised_s > ? AND closed_s IS NULL"
+            ") AS b LEFT JOIN jobs AS j ON j.job_id = b.job_id"
+            " GROUP BY b.node HAVING COUNT(*) >= ?"
+            " AND COUNT(DISTINCT COALESCE(j.slurm_user, 'job ' || b.job_id, 'unknown')) >= ?"
+            " ORDER BY COUNT(*) DESC, b.node",
+            (Actor.SUPERVISOR.value, now_s - window_s, now_s - window_s, threshold, users),
         )
         return [Lemon(*row) for row in rows]
 

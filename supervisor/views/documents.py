@@ -250,8 +250,14 @@ def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[st
     return {"version": STATUS_VERSION, "job_id": job_id, "entries": entries}
 
 
-def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
-          lemon_blames: int, lemon_window_s: float) -> dict[str, Any]:  # fmt: skip
+def nodes(
+    store: Store,
+    slurm_nodes: dict[str, SlurmNode] | None,
+    now_s: float,
+    lemon_blames: int,
+    lemon_window_s: float,
+    lemon_users: int = 1,
+) -> dict[str, Any]:
     """``resurgo nodes``: drained nodes with reasons, open drain tickets (with Slurm's
     state of their node, which shows whether an admin acted), blame history, the
     blames of the lemon window (each with the job's user and what was done about
@@ -295,7 +301,7 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
                 "by_resurgo": name in open_drains,
             }
         )
-    lemons = store.lemons(lemon_blames, lemon_window_s, now_s)
+    lemons = store.lemons(lemon_blames, lemon_window_s, now_s, lemon_users)
     return {
         "version": STATUS_VERSION,
         "slurm_answered": slurm_nodes is not None,
@@ -316,7 +322,12 @@ def nodes(store: Store, slurm_nodes: dict[str, SlurmNode] | None, now_s: float,
             -MAX_BLAMES_SHOWN:
         ],
         "lemons": [
-            {"node": lemon.node, "drains": lemon.drains, "last_drained_s": lemon.last_drained_s}
+            {
+                "node": lemon.node,
+                "drains": lemon.drains,
+                "users": lemon.users,
+                "last_drained_s": lemon.last_drained_s,
+            }
             for lemon in lemons
         ],
     }

@@ -33,6 +33,7 @@ from tests.conftest import LiveCluster
 pytestmark = pytest.mark.slurm
 
 JOB = "990016"  # no such Slurm job: a drain needs none
+EARLIER = "990015"  # an earlier job of another user
 NODE = "node4"
 
 
@@ -69,11 +70,13 @@ def test_a_drain_an_admin_lifts_with_scontrol_shows_as_undone_and_stops_counting
     store, state_dir = supervisor.store, supervisor.config.state_dir
     now = time.time()
     store.upsert_job(JOB, state="running", record={}, now_s=now, name="t",
-                     original_nodes=4, min_nodes=1)  # fmt: skip
-    # An earlier blame, served out on probation: with today's drain the node
-    # reaches the default lemon threshold (2 within the window).
-    store.record_drain(NODE, cause=Cause.HANG, job_id=JOB, reason="resurgo: hang job=990016",
-                       now_s=now - 3600, action_id=f"{JOB}/0/drain/{NODE}")  # fmt: skip
+                     original_nodes=4, min_nodes=1, slurm_user="alice")  # fmt: skip
+    store.upsert_job(EARLIER, state="completed", record={}, now_s=now - 7200, name="e",
+                     original_nodes=4, min_nodes=1, slurm_user="bob")  # fmt: skip
+    # An earlier blame by another user's job, served out on probation: with today's
+    # drain the node reaches the default lemon threshold (2 within the window, 2 users).
+    store.record_drain(NODE, cause=Cause.HANG, job_id=EARLIER, reason="resurgo: hang job=990015",
+                       now_s=now - 3600, action_id=f"{EARLIER}/1/drain/{NODE}")  # fmt: skip
     store.record_undrain(NODE, now_s=now - 3000)
     drain = DrainNode(JOB, 1, NODE, Cause.RANK_SIGNAL, "rank 3 SIGKILL")
     executor = Executor(store, supervisor.slurm, checkpoint_root_of=lambda job_id: None)

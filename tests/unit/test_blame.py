@@ -282,3 +282,16 @@ def test_the_one_node_that_reports_no_hang_while_all_others_wait_in_a_collective
     # A reported rank outside the collective is evidence enough: the usual comparison.
     mixed = (*waiting[:2], s("n4", 3, None, False, 5.0))
     assert blame_hang(mixed, job_nodes=("n1", "n2", "n3", "n4")).node == "n4"
+
+
+def test_one_users_two_blames_are_no_lemon_and_the_node_returns_after_probation():
+    from supervisor.core.probation import NodeHistory, is_lemon, release
+
+    blames = (NOW - 2 * NODE_DAY, NOW - 4000)
+    alone = NodeHistory("n7", blames, NOW - 4000, "42", 2, blame_users=("alice", "alice"))
+    assert not is_lemon(alone, NOW, Policy())
+    assert release(alone, True, NOW, Policy()) is not None
+    two = NodeHistory("n7", blames, NOW - 4000, "42", 2, blame_users=("alice", "bob"))
+    assert is_lemon(two, NOW, Policy())
+    assert release(two, True, NOW, Policy()) is None
+    assert is_lemon(alone, NOW, Policy(lemon_users=1))  # the setting keeps the old rule

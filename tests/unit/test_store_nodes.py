@@ -204,3 +204,16 @@ def test_leases_are_counted_by_job_and_renewal(store: Store) -> None:
 def test_a_lease_of_an_unknown_job_is_refused(store: Store) -> None:
     with pytest.raises(UnknownJob):
         store.touch_lease("404", "node1", INCARNATION, NOW)
+
+
+def test_a_lemon_needs_the_blames_of_jobs_of_enough_users(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s.db") as store:
+        for job_id, user in (("1", "alice"), ("2", "alice"), ("3", "bob")):
+            store.upsert_job(job_id, state="running", record={}, now_s=NOW, name="j",
+                             original_nodes=2, min_nodes=1, slurm_user=user)  # fmt: skip
+        for job_id, node in (("1", "n1"), ("2", "n1"), ("1", "n2"), ("3", "n2")):
+            store.record_drain(node, cause="hang", job_id=job_id, reason="r", now_s=NOW,
+                               action_id=f"{job_id}/1/drain/{node}")  # fmt: skip
+        # n1: two blames, both alice's jobs; n2: alice's and bob's.
+        assert [(x.node, x.users) for x in store.lemons(2, 86_400, NOW, users=2)] == [("n2", 2)]
+        assert [x.node for x in store.lemons(2, 86_400, NOW, users=1)] == ["n1", "n2"]

@@ -78,11 +78,13 @@ def test_every_excluded_node_is_named_with_its_reason(
 
 
 def drained_twice(store: Store, node: str, now_s: float = NOW) -> None:
-    store.upsert_job("7", state="running", record={}, now_s=now_s, name="t", original_nodes=4,
-                     min_nodes=1)  # fmt: skip
-    for i, at in enumerate((now_s - 7200, now_s - 3600)):
-        store.record_drain(node, cause=Cause.RANK_SIGNAL, job_id="7", reason=OURS, now_s=at,
-                           action_id=f"7/{i}/drain/{node}")  # fmt: skip
+    """``node`` drained twice, by jobs of two users (a lemon by the default policy)."""
+    for job_id, user in (("7", "alice"), ("8", "bob")):
+        store.upsert_job(job_id, state="running", record={}, now_s=now_s, name="t",
+                         original_nodes=4, min_nodes=1, slurm_user=user)  # fmt: skip
+    for i, (job_id, at) in enumerate((("7", now_s - 7200), ("8", now_s - 3600))):
+        store.record_drain(node, cause=Cause.RANK_SIGNAL, job_id=job_id, reason=OURS, now_s=at,
+                           action_id=f"{job_id}/{i}/drain/{node}")  # fmt: skip
         if i == 0:
             store.record_undrain(node, now_s=at + 60)
 
@@ -141,7 +143,7 @@ def test_the_poll_records_a_drain_an_admin_lifted_and_the_cluster_view_forgets_t
         clock = [NOW]
         slurm = Slurm()
         supervisor = Supervisor(SupervisorConfig(state_dir=str(tmp_path / "state")),
-                                Policy(lemon_blames=2), slurm=slurm,  # type: ignore[arg-type]
+                                Policy(lemon_blames=2, lemon_users=1), slurm=slurm,  # type: ignore[arg-type]
                                 clock=lambda: clock[0])  # fmt: skip
         try:
             drained_twice(supervisor.store, "node3")
