@@ -32,7 +32,7 @@ from supervisor.core.intents import DrainNode, DrainTicket, Intent, RequeueSmall
 from supervisor.core.model import ClusterView, JobRecord, JobState, record_to_json
 from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
 from supervisor.core.policy import decide
-from supervisor.core.recovery import drain_storm
+from supervisor.core.recovery import drain_storm, user_flagged
 from supervisor.intake import Intake
 from supervisor.store import ActionState, Actor, BlameOutcome, EventSource
 
@@ -197,6 +197,15 @@ class Deciding(Intake):
         since = now - self.policy.storm_window_s
         return tuple((blame.node, blame.job_id) for blame in self.store.blames_since(since))
 
+    def _user_blames(self, now: float) -> tuple[tuple[str, str], ...]:
+        """(user, node) of the blames within the lemon window whose user is known."""
+        since = now - self.policy.lemon_window_s
+        return tuple(
+            (blame.slurm_user, blame.node)
+            for blame in self.store.blames_since(since)
+            if blame.slurm_user
+        )
+
     def fresh_cluster(self, now: float) -> ClusterView:
         """The cluster view with the store's drain count and blames as of now.
 
@@ -209,6 +218,7 @@ class Deciding(Intake):
             self.cluster,
             drains_last_hour=self._drains_counted(now),
             recent_blames=self._recent_blames(now),
+            user_blames=self._user_blames(now),
         )
         return self.cluster
 
@@ -284,6 +294,7 @@ class Deciding(Intake):
         drained = {i.node for i in decision.intents if isinstance(i, DrainNode)}
         ticketed = {i.node for i in decision.intents if isinstance(i, DrainTicket)}
         took_out = self.cluster.drained | self.cluster.down
+        user = decision.record.slurm_user
         for node in sorted(blamed):
             if node in drained:
                 outcome = BlameOutcome.DRAINED
@@ -291,6 +302,8 @@ class Deciding(Intake):
                 outcome = BlameOutcome.TICKETED
             elif node in took_out:
                 outcome = BlameOutcome.SLURM
+            elif user_flagged(self.policy, self.cluster, user, node) is not None:
+                outcome = BlameOutcome.FLAGGED
             elif drain_storm(self.policy, self.cluster, job_id, node) is not None:
                 outcome = BlameOutcome.STORM
             else:

@@ -232,6 +232,7 @@ class SlurmWatch(Deciding):
             down=down,
             drains_last_hour=self._drains_counted(now),
             recent_blames=self._recent_blames(now),
+            user_blames=self._user_blames(now),
             lemons=frozenset(lemon.node for lemon in lemons) | {t.node for t in tickets},
             lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
             lemon_window_s=self.policy.lemon_window_s,

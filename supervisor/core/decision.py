@@ -63,6 +63,11 @@ class Policy:
     - ``lemon_users``: ... and only when the blames came from jobs of at
       least this many Slurm users: one user's jobs, buggy or hostile, cannot
       keep a node from everyone.
+    - ``user_flag_share`` / ``user_flag_min_nodes``: a user whose jobs blamed
+      that share of the cluster's nodes (at least that many) within the
+      lemon window is flagged: the jobs, not the nodes, are the likelier
+      cause, and their blames drain and ticket nothing more (one critical
+      alert; ``user_flag_min_nodes`` 0: never flag).
     - ``storm_nodes`` / ``storm_jobs`` / ``storm_window_s``: the storm brake.
       Blames of at least ``storm_nodes`` distinct nodes from at least
       ``storm_jobs`` jobs within the window point at a shared cause (storage,
@@ -132,6 +137,8 @@ class Policy:
     lemon_blames: int = 2
     lemon_window_s: float = 7 * 86400.0
     lemon_users: int = 2
+    user_flag_share: float = 0.05
+    user_flag_min_nodes: int = 5
     storm_nodes: int = 3
     storm_jobs: int = 2
     storm_window_s: float = 600.0
@@ -174,6 +181,8 @@ class Policy:
                 raise ConfigError(f"policy: {f.name} must be finite and >= 0, got {value!r}")
         if self.max_drain_share_per_hour > 1:
             raise ConfigError("policy: max_drain_share_per_hour is a share, at most 1")
+        if self.user_flag_share > 1:
+            raise ConfigError("policy: user_flag_share is a share, at most 1")
         if self.silence_share > 1:
             raise ConfigError("policy: silence_share is a share, at most 1")
         if self.drain_confidence > 1:
@@ -194,7 +203,7 @@ class Policy:
         for name in ("anomaly_margin_steps", "anomaly_skip_batches", "anomaly_skip_lead_batches",
                      "anomaly_max_rollbacks", "anomaly_recurrence_steps", "anomaly_window_steps",
                      "anomaly_warmup_steps", "anomaly_spike_steps", "storm_nodes",
-                     "storm_jobs", "lemon_users"):  # fmt: skip
+                     "storm_jobs", "lemon_users", "user_flag_min_nodes"):  # fmt: skip
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(f"policy: {name} must be a whole number")
         try:

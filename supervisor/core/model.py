@@ -394,7 +394,9 @@ class ClusterView:
     says; ``drains_last_hour``: Resurgo's drains in the last hour across all
     jobs (from the store's audit), and those decided and not done yet, for the
     rate limit; ``recent_blames``: (node, job) of every blame within the
-    policy's storm window, for the storm brake; ``lemons``: repeat
+    policy's storm window, for the storm brake; ``user_blames``: (user, node)
+    of every blame within the lemon window, for flagging a user whose jobs
+    blame too many nodes; ``lemons``: repeat
     offenders that no relaunch uses; ``idle``: usable nodes allocated to no
     job (sinfo's IDLE), where a job asking for them starts at once. A job
     below its original size grows back onto idle nodes, so ``idle`` holds
@@ -411,6 +413,7 @@ class ClusterView:
     down: frozenset[str] = frozenset()
     drains_last_hour: int = 0
     recent_blames: tuple[tuple[str, str], ...] = ()
+    user_blames: tuple[tuple[str, str], ...] = ()
     lemons: frozenset[str] = frozenset()
     idle: frozenset[str] = frozenset()
     lemon_blames: tuple[tuple[str, int], ...] = ()

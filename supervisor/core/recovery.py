@@ -186,6 +186,29 @@ def drain_storm(
     return nodes, jobs, not storm_holds(policy, cluster.recent_blames)
 
 
+def user_flag_limit(policy: Policy, cluster_size: int) -> int:
+    """Distinct nodes one user's jobs may blame within the lemon window before the user
+    is flagged: the share of the cluster (rounded down), at least the minimum."""
+    share = math.floor(policy.user_flag_share * cluster_size + 1e-9)
+    return max(share, policy.user_flag_min_nodes)
+
+
+def user_flagged(
+    policy: Policy, cluster: ClusterView, user: str, node: str
+) -> tuple[frozenset[str], bool] | None:
+    """Whether ``user``'s blame of ``node`` comes from a flagged user: (the nodes their
+    jobs blamed, whether this blame flags them), or None. A user is flagged while
+    their jobs' blames within the lemon window (``cluster.user_blames``) name at
+    least :func:`user_flag_limit` distinct nodes; ``user_flag_min_nodes`` 0: never."""
+    if not user or policy.user_flag_min_nodes == 0:
+        return None
+    before = frozenset(blamed for who, blamed in cluster.user_blames if who == user)
+    limit = user_flag_limit(policy, cluster.size)
+    if len(before | {node}) < limit:
+        return None
+    return before | {node}, len(before) < limit
+
+
 def storm_holds(policy: Policy, blames: Iterable[tuple[str, str]]) -> bool:
     """Whether (node, job) ``blames`` of one storm window meet the storm brake's bar."""
     pairs = tuple(blames)
@@ -254,6 +277,27 @@ def _drain(
     evidence = "; ".join(blame.evidence)
     if slurm_took_it or node in cluster.drained or node in cluster.down:
         return excluded, (), f"{node} excluded; Slurm already took it out of service"
+    flagged = user_flagged(policy, cluster, record.slurm_user, node)
+    if flagged is not None:
+        blamed, begins = flagged
+        user = record.slurm_user
+        what = (
+            f"jobs of {user} blamed {len(blamed)} nodes within {policy.lemon_window_s / 86400:g} d"
+        )
+        alerts: tuple[Intent, ...] = ()
+        if begins:
+            message = (
+                f"user flagged: {what} ({', '.join(sorted(blamed))}), at least "
+                f"{user_flag_limit(policy, cluster.size)} on {cluster.size} nodes. That many "
+                f"faulty nodes under one user's jobs points at the jobs (a bug in the "
+                f"script, or reports made up), not at the nodes: their blames drain and "
+                f"ticket nothing now, and each job goes on without the node it blamed. "
+                f"Look at {user}'s jobs; `resurgo nodes` lists the blames (the policy's "
+                f"user_flag_share {policy.user_flag_share:g}, user_flag_min_nodes "
+                f"{policy.user_flag_min_nodes})."
+            )
+            alerts = (Alert(record.job_id, record.attempt, Severity.CRITICAL, message),)
+        return excluded, alerts, f"{node} excluded, not drained: {what} (flagged): {evidence}"
     storm = drain_storm(policy, cluster, record.job_id, node)
     if storm is not None:
         nodes, jobs, begins = storm

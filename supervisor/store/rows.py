@@ -243,6 +243,7 @@ class BlameOutcome(enum.Enum):
     TICKETED = "ticketed"  # a drain ticket for the admins (no operator rights)
     EXCLUDED = "excluded"  # only kept out of the job (the hourly share was used)
     STORM = "storm"  # only kept out of the job: the storm brake held
+    FLAGGED = "flagged"  # only kept out of the job: its user's jobs blamed too many nodes
     SLURM = "slurm"  # Slurm had already taken the node out of service
 
 

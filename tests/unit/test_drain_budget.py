@@ -180,3 +180,21 @@ def test_without_the_storm_brake_a_large_share_drains_every_blamed_node(tmp_path
         assert storm_alerts(supervisor) == []
 
     run(body, tmp_path, max_drain_share_per_hour=1.0, storm_nodes=0)
+
+
+def test_a_user_whose_jobs_blame_too_many_nodes_is_flagged_and_the_nodes_are_not_drained(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, cluster: Cluster) -> None:
+        await three_jobs_each_lose_a_rank_at_once(supervisor)
+        assert drains(cluster) == ["node2"]
+        outcomes = [b.outcome for b in supervisor.store.blames_since(0)]
+        assert outcomes == [BlameOutcome.DRAINED, BlameOutcome.FLAGGED, BlameOutcome.FLAGGED]
+        flagged = [
+            row.args["message"]
+            for row in supervisor.store.list_actions()
+            if row.kind == "alert" and "user flagged" in row.args["message"]
+        ]
+        assert len(flagged) == 1 and f"jobs of {me()} blamed 2 nodes" in flagged[0]
+
+    run(body, tmp_path, max_drain_share_per_hour=1.0, storm_nodes=0, user_flag_min_nodes=2)

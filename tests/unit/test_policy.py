@@ -247,6 +247,28 @@ def test_storm_nodes_zero_turns_the_brake_off_and_one_is_refused():
         Policy(storm_nodes=1)
 
 
+def test_a_user_whose_jobs_blamed_five_nodes_in_the_window_is_flagged_and_drains_no_more():
+    alices = replace(running(), slurm_user="alice")
+    earlier = (*(("alice", f"node{i}") for i in (1, 2, 4, 5)), ("bob", "node6"))
+    cluster = replace(CLUSTER, user_blames=earlier)
+    (crash,) = run(alices, rank_exit(sig=9), cluster=cluster)
+    assert DrainNode not in kinds(crash) and DrainTicket not in kinds(crash)
+    alert = crash.intents[0]
+    assert isinstance(alert, Alert) and alert.severity is Severity.CRITICAL
+    assert alert.message.startswith("user flagged: jobs of alice blamed 5 nodes within 7 d")
+    assert "excluded, not drained" in crash.explanation
+    assert crash.record.recovery is not None and "node3" in crash.record.recovery.exclude
+    # Once flagged, a further blame is only excluded, with no new alert.
+    more = replace(cluster, user_blames=(*earlier, ("alice", "node3")))
+    (again,) = run(replace(alices, job_id="43"), rank_exit(sig=9), cluster=more)
+    assert not any(isinstance(i, Alert | DrainNode) for i in again.intents)
+    # Bob's blame, and alice's below the bar, drain as before.
+    (bobs,) = run(replace(running(), slurm_user="bob"), rank_exit(sig=9), cluster=cluster)
+    assert kinds(bobs)[0] is DrainNode
+    fewer = replace(CLUSTER, user_blames=earlier[:3])
+    assert kinds(run(alices, rank_exit(sig=9), cluster=fewer)[0])[0] is DrainNode
+
+
 def test_the_share_still_limits_a_large_cluster():
     forty = ClusterView(usable=frozenset(f"node{i}" for i in range(1, 41)))
     (fourth,) = run(running(), rank_exit(sig=9), cluster=replace(forty, drains_last_hour=3))
