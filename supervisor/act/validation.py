@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -95,7 +96,7 @@ class ValidationProcess:
         self._child = None
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "supervisor.act.validation_child",
-            str(self.limits.memory_mib), str(self.limits.cpu_s),
+            str(self.limits.memory_mib), str(self.limits.cpu_s), str(os.getpid()),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             limit=MAX_ANSWER_BYTES,
         )  # fmt: skip

@@ -1,8 +1,9 @@
 """The checkpoint validation process: the supervisor's validator, run apart from it.
 
-``python -m supervisor.act.validation_child MEMORY_MIB CPU_S`` imports the
+``python -m supervisor.act.validation_child MEMORY_MIB CPU_S PARENT`` imports the
 validator (and torch), caps its own address space at what that took plus
-``MEMORY_MIB``, says ``{"ready": true}`` on one line, then answers one JSON
+``MEMORY_MIB``, dies with the process PARENT (the supervisor), says
+``{"ready": true}`` on one line, then answers one JSON
 request per line (``{"path": ..., "level": ...}``) with one JSON line
 (``{"valid": ..., "reason": ...}``). Before each request its CPU-time limit
 is set ``CPU_S`` past what it has used: a checkpoint whose content takes
@@ -14,13 +15,27 @@ the supervisor, which reads the verdict or the process's death
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import json
+import os
 import resource
+import signal
 import sys
 from typing import Any
 
 READY = {"ready": True}
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """Be killed when the supervisor dies (a SIGKILL, a crash): a validation nobody
+    waits for must not go on reading someone's checkpoint."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(0)
 
 
 def _address_space_bytes() -> int:
@@ -54,7 +69,8 @@ def _answer(request: dict[str, Any], memory_mib: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    memory_mib, cpu_s = int(argv[0]), float(argv[1])
+    memory_mib, cpu_s, parent = int(argv[0]), float(argv[1]), int(argv[2])
+    _die_with_parent(parent)
     # The warm-up: the validator and torch imported once, before any checkpoint is read.
     importlib.import_module("agent.checkpoint.validate")
 
@@ -73,4 +89,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except BrokenPipeError:  # the supervisor is gone: nobody reads the answer
+        os._exit(0)
