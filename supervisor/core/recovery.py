@@ -186,6 +186,46 @@ def drain_storm(
     return nodes, jobs, not storm_holds(policy, cluster.recent_blames)
 
 
+def _held_back(
+    policy: Policy, cluster: ClusterView, record: JobRecord, node: str
+) -> tuple[str, str | None] | None:
+    """Why a blame of ``node`` drains and tickets nothing, and the alert to raise when
+    this blame is the one that starts it; None when nothing holds it back."""
+    flagged = user_flagged(policy, cluster, record.slurm_user, node)
+    if flagged is not None:
+        blamed, begins = flagged
+        user = record.slurm_user
+        what = (
+            f"jobs of {user} blamed {len(blamed)} nodes within {policy.lemon_window_s / 86400:g} d"
+        )
+        message = (
+            f"user flagged: {what} ({', '.join(sorted(blamed))}), at least "
+            f"{user_flag_limit(policy, cluster.size)} on {cluster.size} nodes. That many "
+            f"faulty nodes under one user's jobs points at the jobs (a bug in the "
+            f"script, or reports made up), not at the nodes: their blames drain and "
+            f"ticket nothing now, and each job goes on without the node it blamed. "
+            f"Look at {user}'s jobs; `resurgo nodes` lists the blames (the policy's "
+            f"user_flag_share {policy.user_flag_share:g}, user_flag_min_nodes "
+            f"{policy.user_flag_min_nodes})."
+        )
+        return f"{what} (flagged)", message if begins else None
+    storm = drain_storm(policy, cluster, record.job_id, node)
+    if storm is not None:
+        nodes, jobs, begins = storm
+        what = f"{len(nodes)} nodes blamed by {len(jobs)} jobs within {policy.storm_window_s:g} s"
+        message = (
+            f"drain storm: {what} ({', '.join(sorted(nodes))}; jobs "
+            f"{', '.join(sorted(jobs))}). A shared cause (storage, the network, the "
+            f"scheduler) is likelier than that many bad nodes: Resurgo drains no node "
+            f"while blames keep coming this fast, and each job goes on without the node "
+            f"it blamed. Look for the shared cause; `resurgo nodes` lists the blames. "
+            f"The brake is the policy's storm_nodes {policy.storm_nodes} / storm_jobs "
+            f"{policy.storm_jobs} / storm_window_s {policy.storm_window_s:g}."
+        )
+        return f"the storm brake holds ({what})", message if begins else None
+    return None
+
+
 def user_flag_limit(policy: Policy, cluster_size: int) -> int:
     """Distinct nodes one user's jobs may blame within the lemon window before the user
     is flagged: the share of the cluster (rounded down), at least the minimum."""
@@ -277,48 +317,13 @@ def _drain(
     evidence = "; ".join(blame.evidence)
     if slurm_took_it or node in cluster.drained or node in cluster.down:
         return excluded, (), f"{node} excluded; Slurm already took it out of service"
-    flagged = user_flagged(policy, cluster, record.slurm_user, node)
-    if flagged is not None:
-        blamed, begins = flagged
-        user = record.slurm_user
-        what = (
-            f"jobs of {user} blamed {len(blamed)} nodes within {policy.lemon_window_s / 86400:g} d"
-        )
+    held = _held_back(policy, cluster, record, node)
+    if held is not None:
+        why, message = held
         alerts: tuple[Intent, ...] = ()
-        if begins:
-            message = (
-                f"user flagged: {what} ({', '.join(sorted(blamed))}), at least "
-                f"{user_flag_limit(policy, cluster.size)} on {cluster.size} nodes. That many "
-                f"faulty nodes under one user's jobs points at the jobs (a bug in the "
-                f"script, or reports made up), not at the nodes: their blames drain and "
-                f"ticket nothing now, and each job goes on without the node it blamed. "
-                f"Look at {user}'s jobs; `resurgo nodes` lists the blames (the policy's "
-                f"user_flag_share {policy.user_flag_share:g}, user_flag_min_nodes "
-                f"{policy.user_flag_min_nodes})."
-            )
+        if message is not None:
             alerts = (Alert(record.job_id, record.attempt, Severity.CRITICAL, message),)
-        return excluded, alerts, f"{node} excluded, not drained: {what} (flagged): {evidence}"
-    storm = drain_storm(policy, cluster, record.job_id, node)
-    if storm is not None:
-        nodes, jobs, begins = storm
-        what = f"{len(nodes)} nodes blamed by {len(jobs)} jobs within {policy.storm_window_s:g} s"
-        intents: tuple[Intent, ...] = ()
-        if begins:
-            message = (
-                f"drain storm: {what} ({', '.join(sorted(nodes))}; jobs "
-                f"{', '.join(sorted(jobs))}). A shared cause (storage, the network, the "
-                f"scheduler) is likelier than that many bad nodes: Resurgo drains no node "
-                f"while blames keep coming this fast, and each job goes on without the node "
-                f"it blamed. Look for the shared cause; `resurgo nodes` lists the blames. "
-                f"The brake is the policy's storm_nodes {policy.storm_nodes} / storm_jobs "
-                f"{policy.storm_jobs} / storm_window_s {policy.storm_window_s:g}."
-            )
-            intents = (Alert(record.job_id, record.attempt, Severity.CRITICAL, message),)
-        return (
-            excluded,
-            intents,
-            (f"{node} excluded, not drained: the storm brake holds ({what}): {evidence}"),
-        )
+        return excluded, alerts, f"{node} excluded, not drained: {why}: {evidence}"
     if not cluster.may_drain:
         ticket = DrainTicket(
             record.job_id, record.attempt, node, blame.cause, evidence[:500], record.slurm_user
