@@ -106,8 +106,8 @@ class SlurmWatch(Deciding):
             )
             self.jobs[job_id] = TrackedJob(record=record, secret=secret, spec=spec)
             log.info(
-                "job %s of %s registered: %s, %d node(s) (min %d, unit %d), checkpoints in %s",
-                job_id, slurm_job.user_name, spec.name, spec.nodes, spec.floor, spec.unit,
+                "job %s registered: %s of %s, %d node(s) (min %d, unit %d), checkpoints in %s",
+                job_id, spec.name, slurm_job.user_name, spec.nodes, spec.floor, spec.unit,
                 spec.ckpt_root,
             )  # fmt: skip
 
