@@ -183,7 +183,7 @@ class Supervisor(SlurmWatch):
             clock=self.clock,
             may_drain=lambda: self.cluster.may_drain,
             open_tickets=self._open_tickets,
-            drain_storm=lambda: storm_holds(self.policy, self._recent_blames(self.clock())),
+            drain_storm=lambda: storm_holds(self.policy, self._blames(self.clock())[0]),
         )
         registry = build_registry(collector)
         lag = LoopLag(registry)

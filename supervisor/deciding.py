@@ -192,19 +192,19 @@ class Deciding(Intake):
         done = len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR))
         return done + self.store.unfinished_count(KIND_OF[DrainNode])
 
-    def _recent_blames(self, now: float) -> tuple[tuple[str, str], ...]:
-        """(node, job) of the blames within the storm brake's window."""
-        since = now - self.policy.storm_window_s
-        return tuple((blame.node, blame.job_id) for blame in self.store.blames_since(since))
-
-    def _user_blames(self, now: float) -> tuple[tuple[str, str], ...]:
-        """(user, node) of the blames within the lemon window whose user is known."""
-        since = now - self.policy.lemon_window_s
-        return tuple(
-            (blame.slurm_user, blame.node)
-            for blame in self.store.blames_since(since)
-            if blame.slurm_user
+    def _blames(
+        self, now: float
+    ) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+        """(node, job) of the blames within the storm brake's window, and (user, node) of
+        those within the lemon window whose user is known: one read of the store."""
+        storm_since = now - self.policy.storm_window_s
+        lemon_since = now - self.policy.lemon_window_s
+        rows = self.store.blames_since(min(storm_since, lemon_since))
+        recent = tuple((b.node, b.job_id) for b in rows if b.blamed_s >= storm_since)
+        users = tuple(
+            (b.slurm_user, b.node) for b in rows if b.slurm_user and b.blamed_s >= lemon_since
         )
+        return recent, users
 
     def fresh_cluster(self, now: float) -> ClusterView:
         """The cluster view with the store's drain count and blames as of now.
@@ -214,11 +214,12 @@ class Deciding(Intake):
         faults of several jobs decided between two polls would each take the
         hourly share's last drain, or miss a storm.
         """
+        recent, users = self._blames(now)
         self.cluster = replace(
             self.cluster,
             drains_last_hour=self._drains_counted(now),
-            recent_blames=self._recent_blames(now),
-            user_blames=self._user_blames(now),
+            recent_blames=recent,
+            user_blames=users,
         )
         return self.cluster
 

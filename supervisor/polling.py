@@ -225,14 +225,15 @@ class SlurmWatch(Deciding):
         may_drain = self.rights is None or self.rights.operator
         tickets = [] if may_drain else self._open_tickets()
         self.avoid = avoid_list(lemons, tickets, self.policy)
+        recent, users = self._blames(now)
         return ClusterView(
             usable=frozenset(nodes) - drained - down,
             idle=idle - drained - down,
             drained=drained,
             down=down,
             drains_last_hour=self._drains_counted(now),
-            recent_blames=self._recent_blames(now),
-            user_blames=self._user_blames(now),
+            recent_blames=recent,
+            user_blames=users,
             lemons=frozenset(lemon.node for lemon in lemons) | {t.node for t in tickets},
             lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
             lemon_window_s=self.policy.lemon_window_s,
