@@ -357,6 +357,7 @@ class Supervisor(SlurmWatch):
                 log.warning("job %s: %s", job_id, reason)
                 self._enqueue(job_id, RelaunchFinished(job.record.attempt, False, reason))
         self.settle_anomalies()
+        self.settle_hangs()
         held_up_s = self._stalled_s(time.monotonic())
         if now - self._started_s > self.config.lease_s + RETRY_MAX_S:
             self._expire_leases(now, self.config.lease_s + held_up_s)

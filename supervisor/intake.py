@@ -107,6 +107,12 @@ class TrackedJob:
     busy: dict[str, tuple[int, float, int, str]] = field(default_factory=dict)
     held_hangs: list[tuple[int, int, Event]] = field(default_factory=list)
     idle_since_s: float | None = None
+    # node -> (attempt, when, gap since the one before) of its newest heartbeat
+    # report; hang reports not held that wait for a heartbeat from each of ``nodes``
+    # sent after them, until a deadline ((deadline, nodes, event)):
+    # :meth:`Intake._await_heartbeats`.
+    heard: dict[str, tuple[int, float, float | None]] = field(default_factory=dict)
+    unconfirmed: list[tuple[float, set[str], Event]] = field(default_factory=list)
     # when the driver was last asked to health-check the idle spares (None: not yet)
     spares_checked_s: float | None = None
     # the training-health watch over the step reports (None: anomaly_action off)
@@ -209,7 +215,9 @@ class Intake:
                     job.record.attempt,
                 )  # fmt: skip
                 continue
-            if event.kind is EventKind.HANG and self._hold_hang(job_id, job, event):
+            if event.kind is EventKind.HANG and (
+                self._hold_hang(job_id, job, event) or self._await_heartbeats(job, event, now)
+            ):
                 continue
             if event.kind is EventKind.HANG:
                 self._release_held(job_id, job)
@@ -271,6 +279,56 @@ class Intake:
             job_id, event.node, rank, node, phase,
         )  # fmt: skip
         return True
+
+    def _await_heartbeats(self, job: TrackedJob, event: Event, now: float) -> bool:
+        """Wait with a hang report nobody is known busy for until each other node that
+        calls in has sent a heartbeat after it.
+
+        A rank-0-only save makes its peers' agents report a hang, and the saving
+        rank's own heartbeat says why; on a loaded machine that heartbeat may come
+        after the reports it explains. Deciding on the reports at once would start a
+        recovery (and blame a waiting node) that the next heartbeat would have
+        prevented. A node is waited for until twice its last gap between
+        heartbeats after its newest one (a silent node is not waited for long: its
+        silence may be the hang), a lease at most.
+        """
+        lease = self.config.lease_s
+        nodes, deadline = set(), now
+        for node, (attempt, when, gap) in job.heard.items():
+            if (
+                node != event.node
+                and node in job.record.nodes
+                and attempt == job.record.attempt
+                and now - when <= lease
+            ):
+                nodes.add(node)
+                deadline = max(deadline, when + (lease if gap is None else 2 * gap + 1.0))
+        if not nodes or deadline <= now:
+            return False
+        job.unconfirmed.append((min(deadline, now + lease), nodes, event))
+        return True
+
+    def _confirm_hangs(self, job_id: str, job: TrackedJob, node: str | None, now: float) -> None:
+        """Note ``node``'s heartbeat against the waiting hang reports; decide on those
+        heard from every node (or past their deadline): held when a node is busy now."""
+        waiting: list[tuple[float, set[str], Event]] = []
+        for deadline, nodes, event in job.unconfirmed:
+            nodes.discard(node or "")
+            if nodes and now < deadline:
+                waiting.append((deadline, nodes, event))
+            elif not self._current(job, event.incarnation):
+                continue  # a report of an attempt that has ended meanwhile
+            elif not self._hold_hang(job_id, job, event):
+                self._release_held(job_id, job)
+                self._enqueue(job_id, from_event(event), event.event_id)
+        job.unconfirmed = waiting
+
+    def settle_hangs(self) -> None:
+        """Decide on the hang reports that waited a lease for heartbeats (a tick)."""
+        now = self.clock()
+        for job_id, job in self.jobs.items():
+            if job.unconfirmed:
+                self._confirm_hangs(job_id, job, None, now)
 
     def _busy_now(
         self, job: TrackedJob, exclude: str | None = None
@@ -455,13 +513,18 @@ class Intake:
                 job.compute[rank.global_rank] = ComputeSample(
                     report.node, rank.global_rank, rank.compute_p50_s, rank.compute_observed
                 )
+        attempt = job.incarnations.get(incarnation, job.record.attempt)
         busy = [(r.global_rank, r.phase) for r in report.ranks if r.phase in _BUSY_PHASES]
         if busy:
             busy_rank, phase = min(busy)
-            attempt = job.incarnations.get(incarnation, job.record.attempt)
             job.busy[report.node] = (attempt, now, busy_rank, str(phase))
         else:
             job.busy.pop(report.node, None)
+        before = job.heard.get(report.node)
+        gap = now - before[1] if before is not None and before[0] == attempt else None
+        job.heard[report.node] = (attempt, now, gap)
+        if job.unconfirmed:
+            self._confirm_hangs(job_id, job, report.node, now)
         # A rank still loading (phase init) reports step 0: not the job's progress.
         steps = [r.step for r in report.ranks if r.step is not None and r.phase != "init"]
         if not steps:

@@ -611,6 +611,98 @@ def test_held_hang_reports_wait_as_long_as_the_agents_hang_timeout_once_the_save
     run(body, tmp_path)
 
 
+async def _training(supervisor: Supervisor) -> dict[str, str]:
+    """Four agents (one rank each) training at step 10, each heard from once."""
+    await registered_and_running(supervisor)
+    agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
+    for rank, node in enumerate(NODES):
+        supervisor.accept_events(JOB, [started(node, agents[node], 1)])
+        supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+    await supervisor.settle()
+    return agents
+
+
+def test_hang_reports_that_come_before_the_savers_heartbeat_are_held_once_it_comes(
+    tmp_path: Path,
+) -> None:
+    """On a loaded machine rank 0's heartbeat saying it saves may come after its peers'
+    hang reports: they wait for a heartbeat from every other node, and are held."""
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        agents = await _training(supervisor)
+        clock[0] += 9.0
+        for rank, node in enumerate(NODES[1:], start=1):
+            supervisor.accept_events(JOB, [_waiting(node, agents[node], rank, 10)])
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"
+        saver = NODES[0]
+        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
+        for rank, node in enumerate(NODES[1:], start=1):
+            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"
+        assert len(supervisor.jobs[JOB].held_hangs) == 3
+        assert supervisor.jobs[JOB].unconfirmed == []
+
+    run(body, tmp_path)
+
+
+def test_hang_reports_are_decided_once_every_other_node_beat_and_nobody_is_busy(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        agents = await _training(supervisor)
+        clock[0] += 9.0
+        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"
+        for rank, node in enumerate(NODES):
+            if node != NODES[1]:
+                supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].unconfirmed == []
+        assert supervisor.jobs[JOB].record.state.value == "recovering"
+
+    run(body, tmp_path)
+
+
+def test_a_hang_report_waits_a_lease_at_most_for_heartbeats(tmp_path: Path) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        agents = await _training(supervisor)
+        clock[0] += 9.0
+        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
+        await supervisor.tick()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].record.state.value == "running"
+        clock[0] += supervisor.config.lease_s + 1
+        await supervisor.tick()
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].unconfirmed == []
+        assert supervisor.jobs[JOB].record.state.value == "recovering"
+
+    run(body, tmp_path)
+
+
+def test_a_hang_report_does_not_wait_for_nodes_silent_past_their_heartbeat_period(
+    tmp_path: Path,
+) -> None:
+    """Nodes that beat every second and were last heard 9 s ago are not waited for:
+    their silence may be the hang itself."""
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        agents = await _training(supervisor)
+        clock[0] += 1.0
+        for rank, node in enumerate(NODES):
+            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+        clock[0] += 9.0
+        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
+        await supervisor.settle()
+        assert supervisor.jobs[JOB].unconfirmed == []
+        assert supervisor.jobs[JOB].record.state.value == "recovering"
+
+    run(body, tmp_path)
+
+
 async def _with_a_spare(supervisor: Supervisor) -> TrackedJob:
     """Job JOB registered as a 3+1 job: three nodes of world, one spare."""
     write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), nodes=3, spares=1))
