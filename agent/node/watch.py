@@ -135,6 +135,8 @@ class RankMonitor:
                     frozen_outside.append(rank.global_rank)
         if not any(rank not in self._hang_reported for rank in hung):
             return
+        if self._freezing_outside(silent, hung, frozen_outside, now_s):
+            return
         # A rank frozen outside any collective while others wait in one is the
         # likely culprit (stopped or deadlocked): it belongs in the report.
         for key in frozen_outside:
@@ -142,6 +144,22 @@ class RankMonitor:
         await self._report_hang(hung, live)
         for key in hung:
             self._hang_reported[key] = now_s
+
+    def _freezing_outside(
+        self, silent: list[RankProcess], hung: Hung, frozen_outside: list[int], now_s: float
+    ) -> bool:
+        """Whether a rank's stack stands still outside any collective, short of the
+        timeout: the likely culprit, whose freeze counts from later than its waiting
+        peers' when its first samples failed (a loaded machine). The report waits
+        for it (the timeout at most), or it would name a waiter alone."""
+        for rank in silent:
+            key = rank.global_rank
+            samples = self._samples.get(key)
+            if key in hung or key in frozen_outside or not samples:
+                continue
+            if not samples[-1].in_collective and _frozen_for(samples, now_s) > 0:
+                return True
+        return False
 
     def _needs_confirming(self, progress: RankProgress, verdict: HangVerdict) -> bool:
         """An automatic rank's stop, short of the longest grace: a hang only if confirmed."""

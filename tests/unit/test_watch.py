@@ -147,3 +147,29 @@ def test_a_stopped_rank_whose_evidence_dump_fails_is_still_the_first_suspect(
     assert reports, "no hang found"
     assert [c["global_rank"] for c in reports[0]["culprits"]] == [1, 0]
     assert reports[0]["culprits"][0]["in_collective"] is False
+
+
+def test_a_waiter_is_not_reported_alone_while_a_rank_frozen_outside_is_short_of_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under load the stopped rank's first samples failed: its freeze counts from later
+    than its waiting peer's, which crosses the timeout first. The report waits for the
+    stopped rank, and names it first."""
+    frame = Frame("all_reduce", "torch/distributed/distributed_c10d.py", 1, False)
+    waiting = StackDump(100, True, "", (ThreadStack(100, "MainThread", True, (frame,)),), None)
+    failed = StackDump(101, False, "", (), "py-spy timed out after 5 s")
+
+    def samples(pids: list[int], timeout_s: float, clock: list[float]) -> dict[int, StackDump]:
+        stopped = dump(101, "kill") if clock[0] >= 3 else failed
+        return {p: waiting if p == 100 else stopped for p in pids}
+
+    clock = [0.0]
+    rankmon, reports = monitor({100: waiting, 101: dump(101, "kill")}, monkeypatch)
+    monkeypatch.setattr(watch, "dump_all", lambda pids, timeout_s: samples(pids, timeout_s, clock))
+    for now in range(0, 30):
+        clock[0] = float(now)
+        check(rankmon, float(now))
+        if reports:
+            break
+    assert reports, "no hang found"
+    assert [c["global_rank"] for c in reports[0]["culprits"]] == [1, 0], reports[0]["culprits"]
