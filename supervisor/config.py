@@ -115,6 +115,10 @@ class SupervisorConfig:
     - ``events_per_minute``: the events one job may send a minute (at least;
       120 per rank of its world when that is more); beyond it a batch is
       refused 429 and its agent sends it again later (0: no budget).
+    - ``event_quota`` / ``event_quota_mib``: the most agent events (and bytes of
+      their payloads) the store keeps of one job; past either, the job's oldest
+      reports are deleted down to 90% of both, in one go with one log line
+      (events a decision names and the supervisor's own records stay).
     - ``unauthenticated_buffer_bytes``: the most bytes the bodies of requests
       not yet authenticated may hold together (more: 503, retried later).
     - ``metrics_listen``: ``host:port`` of a listener of its own for
@@ -152,6 +156,8 @@ class SupervisorConfig:
     body_timeout_s: float = 30.0
     header_timeout_s: float = 30.0
     events_per_minute: int = 6000
+    event_quota: int = 200_000
+    event_quota_mib: int = 256
     unauthenticated_buffer_bytes: int = 128 << 20
     metrics_listen: str = ""
     slurm_rights: str = "auto"
@@ -185,6 +191,11 @@ class SupervisorConfig:
             )
         if self.events_per_minute < 0:
             raise ConfigError("supervisor setting events_per_minute must be >= 0 (0: no budget)")
+        if self.event_quota < 1000 or self.event_quota_mib < 1:
+            raise ConfigError(
+                "supervisor settings event_quota must be at least 1000 and event_quota_mib "
+                "at least 1: a job's recent reports must fit"
+            )
         if self.validation_memory_mib < 256:
             raise ConfigError(
                 "supervisor setting validation_memory_mib must be at least 256: a checkpoint's "

@@ -184,6 +184,7 @@ class Intake:
         """Store the batch; decide on the events of current agents."""
         now = self.clock()
         accepted = self.store.record_events(job_id, events, now_s=now)
+        self._keep_within_quota(job_id, len(events), now)
         job = self.jobs[job_id]
         for event in events:
             incarnation = event.incarnation
@@ -227,6 +228,27 @@ class Intake:
             if event.kind in _DECIDED_KINDS:
                 self._enqueue(job_id, from_event(event), event.event_id)
         return accepted
+
+    def _keep_within_quota(self, job_id: str, batch: int, now: float) -> None:
+        """Delete the job's oldest reports once it has more stored than its quota: twice
+        the batch at most, so a flood's excess goes within a few batches and no one
+        batch waits long for its deletion."""
+        config = self.config
+        pruned, freed = self.store.prune_events(
+            job_id, config.event_quota, config.event_quota_mib << 20, 2 * batch + 100
+        )
+        if not pruned:
+            return
+        kept, size = self.store.event_usage(job_id)
+        log.warning(
+            "job %s: over its store quota (event_quota %d, event_quota_mib %d): deleted its "
+            "%d oldest reports (%.1f MiB); %d kept (%.1f MiB)",
+            job_id, config.event_quota, config.event_quota_mib, pruned, freed / (1 << 20),
+            kept, size / (1 << 20),
+        )  # fmt: skip
+        self.store.record_observation(
+            job_id, "events_pruned", {"pruned": pruned, "bytes": freed, "kept": kept}, now
+        )
 
     def _watch_steps(self, job_id: str, job: TrackedJob, event: Event, now: float) -> None:
         """Run the current attempt's step reports through the job's training-health watch."""

@@ -128,11 +128,13 @@ class World:
             raise RuntimeError(f"/healthz answered {status}: {body[:200]!r}")
         return dict(json.loads(body))
 
+    def store(self) -> sqlite3.Connection:
+        """A read-only connection to the daemon's store (close it)."""
+        return sqlite3.connect(f"file:{self.daemon.state_dir / 'resurgo.db'}?mode=ro", uri=True)
+
     def stored_events(self) -> int:
         """How many events of the job the store holds now."""
-        with contextlib.closing(
-            sqlite3.connect(f"file:{self.daemon.state_dir / 'resurgo.db'}?mode=ro", uri=True)
-        ) as db:
+        with contextlib.closing(self.store()) as db:
             return int(
                 db.execute(
                     "SELECT COUNT(*) FROM events WHERE job_id = ?", (self.job_id,)

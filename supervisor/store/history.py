@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from agent.wire.protocol import Event
@@ -21,9 +23,21 @@ from supervisor.store.rows import (
     loads,
 )
 
+# What a pruning leaves of a job's quota: the next one comes a tenth of it later.
+PRUNED_TO = 0.9
+
 
 class History(StoreCore):
     """Jobs, attempts, events and decisions; the base of :class:`supervisor.store.Store`."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
+        super().__init__(db, path)
+        # job -> [agent events stored, their payload bytes]: counted once, then kept
+        self._usage: dict[str, list[int]] = {}
+
+    def _forget_caches(self) -> None:
+        super()._forget_caches()
+        self._usage.clear()
 
     # ------------------------------------------------------------------
     # Jobs and attempts.
@@ -184,13 +198,72 @@ class History(StoreCore):
             )  # fmt: skip
         if rows:
             with self._tx(durable=False), self._job_must_exist(job_id):
-                self._db.executemany(
+                stored = self._db.executemany(
                     "INSERT INTO events (event_id, job_id, node, kind, source, agent_seq,"
                     " time_s, received_s, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT (event_id) DO NOTHING",
                     rows,
-                )
+                ).rowcount
+            usage = self._usage.get(job_id)
+            if usage is not None and stored == len(rows):
+                usage[0] += stored
+                usage[1] += sum(len(row[-1].encode()) for row in rows)
+            else:  # duplicates in the batch: counted again when next asked
+                self._usage.pop(job_id, None)
         return [row[0] for row in rows]
+
+    @locked
+    def event_usage(self, job_id: str) -> tuple[int, int]:
+        """(agent events stored for the job, the bytes of their payloads)."""
+        usage = self._usage.get(job_id)
+        if usage is None:
+            count, size = self._db.execute(
+                "SELECT count(*), coalesce(sum(length(CAST(payload AS BLOB))), 0) FROM events"
+                " WHERE job_id = ? AND source = ?",
+                (job_id, EventSource.AGENT.value),
+            ).fetchone()
+            usage = self._usage[job_id] = [int(count), int(size)]
+        return usage[0], usage[1]
+
+    @locked
+    def prune_events(
+        self, job_id: str, max_events: int, max_bytes: int, at_most: int
+    ) -> tuple[int, int]:
+        """Keep a job's agent events within a quota: past ``max_events`` or ``max_bytes``,
+        delete its oldest down to :data:`PRUNED_TO` of both, ``at_most`` of them a call
+        (the caller waits: a deletion costs about what storing the rows cost). Returns
+        (events, bytes) deleted.
+
+        Events a decision names stay (the decision's reference, and the replay cursor
+        after a restart), and so does everything the supervisor recorded itself: a
+        job that floods its own history loses only its own oldest reports.
+        """
+        count, size = self.event_usage(job_id)
+        if count <= max_events and size <= max_bytes:
+            return 0, 0
+        keep_count, keep_size = int(max_events * PRUNED_TO), int(max_bytes * PRUNED_TO)
+        named = "SELECT event_id FROM decisions WHERE job_id = ? AND event_id IS NOT NULL"
+        oldest = self._db.execute(
+            "SELECT seq, length(CAST(payload AS BLOB)) FROM events"
+            f" WHERE job_id = ? AND source = ? AND event_id NOT IN ({named}) ORDER BY seq",
+            (job_id, EventSource.AGENT.value, job_id),
+        )
+        last, dropped, freed = None, 0, 0
+        for seq, length in oldest:
+            if dropped >= at_most or (count - dropped <= keep_count and size - freed <= keep_size):
+                break
+            last, dropped, freed = seq, dropped + 1, freed + length
+        oldest.close()
+        if last is None:
+            return 0, 0
+        with self._tx(durable=False):
+            deleted = self._db.execute(
+                "DELETE FROM events WHERE job_id = ? AND source = ? AND seq <= ?"
+                f" AND event_id NOT IN ({named})",
+                (job_id, EventSource.AGENT.value, last, job_id),
+            ).rowcount
+        self._usage[job_id] = [count - deleted, size - freed]
+        return deleted, freed
 
     @locked
     def record_observation(

@@ -331,3 +331,41 @@ def test_a_backup_onto_the_store_itself_or_inside_a_transaction_is_refused(
         store.backup(path)
     with pytest.raises(StoreError, match="inside a transaction"), store.transaction():
         store.backup(tmp_path / "b.db")
+
+
+def test_a_job_over_its_event_quota_loses_its_oldest_reports_down_to_nine_tenths(
+    store: Store,
+) -> None:
+    store.record_events(JOB, [event(seq) for seq in range(1, 121)], now_s=NOW)
+    named = store.events_for(JOB)[2].event_id
+    store.record_decision(JOB, named, "running", "recovering", "hang", {}, NOW)
+    store.record_observation(JOB, "slurm_state", {"state": "RUNNING"}, NOW)
+    assert store.event_usage(JOB)[0] == 120
+    assert store.prune_events(JOB, 200, 1 << 20, 1000) == (0, 0)
+    pruned, freed = store.prune_events(JOB, 100, 1 << 20, 1000)
+    assert pruned == 30 and freed > 0
+    kept = store.events_for(JOB)
+    agents = [row for row in kept if row.source.value == "agent"]
+    # 90 stay: the event a decision names, and the newest; the supervisor's own stay too.
+    assert len(agents) == 90 and agents[0].event_id == named
+    assert [row.agent_seq for row in agents[1:]] == list(range(32, 121))
+    assert any(row.source.value == "supervisor" for row in kept)
+    cached = store.event_usage(JOB)
+    store._forget_caches()
+    assert cached == store.event_usage(JOB) and cached[0] == 90  # counted as SQL counts
+
+
+def test_the_event_quota_counts_bytes_too_and_duplicates_once(store: Store) -> None:
+    store.record_events(JOB, [event(seq) for seq in range(1, 11)], now_s=NOW)
+    store.record_events(JOB, [event(seq) for seq in range(5, 21)], now_s=NOW)  # 5-10 again
+    count, size = store.event_usage(JOB)
+    store._forget_caches()
+    assert (count, size) == store.event_usage(JOB) and count == 20
+    pruned, _ = store.prune_events(JOB, 1000, size // 2, 1000)
+    assert pruned > 0 and store.event_usage(JOB)[1] <= (size // 2) * 0.9
+
+
+def test_one_pruning_deletes_at_most_what_it_is_allowed(store: Store) -> None:
+    store.record_events(JOB, [event(seq) for seq in range(1, 101)], now_s=NOW)
+    assert store.prune_events(JOB, 10, 1 << 20, 25)[0] == 25
+    assert store.event_usage(JOB)[0] == 75
