@@ -131,6 +131,12 @@ class SupervisorConfig:
     - ``ticket_hook``: a command that receives each drain ticket as one JSON
       object on its standard input (e.g. a script that mails the admins);
       empty: none.
+    - ``observe_only``: decide and record everything as usual, and do nothing: each
+      drain, ticket, requeue, relaunch, stop and agent command is recorded as
+      what it would have done (``would_act`` in the job's events), and a job
+      whose step fails ends as it would without Resurgo. Checkpoints are still
+      validated and alerts still raised. For a trial beside a production
+      cluster before the supervisor may act.
     - ``validation_memory_mib`` / ``validation_cpu_s`` / ``validation_timeout_s``: what
       validating one checkpoint may take (memory beyond the validator's
       imports, CPU time, wall clock). Validation runs in a process of its own
@@ -162,6 +168,7 @@ class SupervisorConfig:
     metrics_listen: str = ""
     slurm_rights: str = "auto"
     ticket_hook: str = ""
+    observe_only: bool = False
     validation_memory_mib: int = 4096
     validation_cpu_s: float = 600.0
     validation_timeout_s: float = 900.0

@@ -143,6 +143,7 @@ class Supervisor(SlurmWatch):
             ),
             clock=clock,
             ticket_hook=ticket_hook(config.ticket_hook),
+            observe_only=config.observe_only,
         )
         self.rights = None
         self.avoid = []

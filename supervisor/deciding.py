@@ -188,8 +188,11 @@ class Deciding(Intake):
             await self.apply(job_id, seen)
 
     def _drains_counted(self, now: float) -> int:
-        """Resurgo's drains of the last hour, done or decided and not done yet."""
+        """Resurgo's drains of the last hour, done or decided and not done yet (in
+        observe-only mode, those it would have done count as done)."""
         done = len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR))
+        if self.executor.observe_only:
+            done += self.store.observed_count(KIND_OF[DrainNode], now - 3600)
         return done + self.store.unfinished_count(KIND_OF[DrainNode])
 
     def _blames(
@@ -296,11 +299,12 @@ class Deciding(Intake):
         ticketed = {i.node for i in decision.intents if isinstance(i, DrainTicket)}
         took_out = self.cluster.drained | self.cluster.down
         user = decision.record.slurm_user
+        observing = self.executor.observe_only
         for node in sorted(blamed):
             if node in drained:
-                outcome = BlameOutcome.DRAINED
+                outcome = BlameOutcome.WOULD_DRAIN if observing else BlameOutcome.DRAINED
             elif node in ticketed:
-                outcome = BlameOutcome.TICKETED
+                outcome = BlameOutcome.WOULD_TICKET if observing else BlameOutcome.TICKETED
             elif node in took_out:
                 outcome = BlameOutcome.SLURM
             elif user_flagged(self.policy, self.cluster, user, node) is not None:

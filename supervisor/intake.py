@@ -655,6 +655,8 @@ class Intake:
             )  # fmt: skip
         if request.phase is DriverPhase.ENDED:
             self._note_step_ended(job_id, job, request)
+            if self.config.observe_only:
+                return _unsupervised_end(job_id, record, request.exit_code)
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
             return replace(
@@ -807,6 +809,17 @@ class Intake:
             job_id, attempt, code, now - first_s,
         )  # fmt: skip
         self._enqueue(job_id, StepEnded(attempt, code))
+
+
+def _unsupervised_end(job_id: str, record: JobRecord, exit_code: int | None) -> DriverAnswer:
+    """Observe-only: the step's end is the job's, as it would be without Resurgo."""
+    if exit_code == 0:
+        return DriverAnswer(DriverAction.DONE, record.attempt, reason="the step completed")
+    why = (
+        f"observe-only: the step ended with exit code {exit_code}, and the job ends as it "
+        f"would without Resurgo (`resurgo events {job_id}` shows what it would have done)"
+    )
+    return DriverAnswer(DriverAction.STOP, record.attempt, reason=why)
 
 
 def _relaunch_answer(pending: RelaunchStep, record: JobRecord) -> DriverAnswer:

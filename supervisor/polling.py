@@ -154,7 +154,12 @@ class SlurmWatch(Deciding):
         log.info("slurm rights: %s", found.describe())
         self.store.set_fact(
             "rights",
-            {"mode": found.mode, "operator": found.operator, "why": found.describe()},
+            {
+                "mode": found.mode,
+                "operator": found.operator,
+                "why": found.describe(),
+                "observe_only": self.config.observe_only,
+            },
             self.clock(),
         )
         return found
@@ -167,9 +172,14 @@ class SlurmWatch(Deciding):
         return self.store.open_tickets(self.clock() - self.policy.probation_s)
 
     def public_facts(self) -> dict[str, Any]:
-        """What ``/healthz`` adds for ``resurgo submit``: the mode and the nodes to avoid."""
+        """What ``/healthz`` adds for ``resurgo submit``: the mode, whether the supervisor
+        only observes, and the nodes to avoid."""
         mode = None if self.rights is None else self.rights.mode
-        return {"mode": mode, "avoid_nodes": self.avoid}
+        return {
+            "mode": mode,
+            "observe_only": self.config.observe_only,
+            "avoid_nodes": self.avoid,
+        }
 
     def _say_policy(self) -> None:
         """Log what the policy permits on the cluster as it is now: at the first

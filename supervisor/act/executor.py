@@ -115,6 +115,14 @@ REQUEUE_ATTEMPTS = 5
 DRIVER_STOP_GRACE_S = 30.0
 ALERT_KIND = "alert"
 REQUEUE_BASELINE_KIND = "requeue_baseline"
+# In observe-only mode: what the supervisor would have done, recorded in the job's events.
+WOULD_KIND = "would_act"
+# What changes a job or the cluster: in observe-only mode recorded as "would", not done.
+# Validation (it reads) and alerts (they say) still happen.
+_EFFECTS = (
+    DrainNode, ResumeNode, DrainTicket, StopRanks, PushInterval, ShrinkAllocation,
+    RequeueSmaller, RelaunchStep, StopJob,
+)  # fmt: skip
 
 
 _VALIDATOR_IMPORT = threading.Lock()
@@ -155,11 +163,14 @@ class Executor:
         validation: ValidationProcess | None = None,
         clock: Callable[[], float] = time.time,
         ticket_hook: TicketHook | None = None,
+        observe_only: bool = False,
     ) -> None:
         """``checkpoint_root_of(job_id)`` is where the job saves (None: unknown);
         checkpoints are validated by ``validate_fn`` in a thread when given, else
         in ``validation``'s process (by default one with the default limits);
-        ``ticket_hook`` gets each drain ticket (:mod:`supervisor.act.ticket_hook`)."""
+        ``ticket_hook`` gets each drain ticket (:mod:`supervisor.act.ticket_hook`).
+        ``observe_only``: every action that would change a job or the cluster is
+        recorded as done with what it would have done, and not carried out."""
         self._store = store
         self._slurm = slurm
         self._checkpoint_root_of = checkpoint_root_of
@@ -167,6 +178,7 @@ class Executor:
         self.validation = validation or ValidationProcess(Limits())
         self._clock = clock
         self._ticket_hook = ticket_hook
+        self.observe_only = observe_only
 
     # ------------------------------------------------------------------
     # Plan and execute.
@@ -275,6 +287,9 @@ class Executor:
     async def _advance(self, intent: Intent, row: ActionRow, now_s: float) -> _Outcome:
         if row.state is ActionState.DONE:
             return _Outcome(replay(intent, row))
+        if self.observe_only and isinstance(intent, _EFFECTS):
+            self._would(intent, row, now_s)
+            return _Outcome()
         if row.state is ActionState.FAILED and not row.retryable:
             return _Outcome(replay(intent, row), settled=False)
         if row.state is ActionState.STARTED:
@@ -427,6 +442,23 @@ class Executor:
                 self._record_alert(intent, intent.action_id, now_s)
             self._store.mark_done(intent.action_id, result, now_s)
 
+    def _would(self, intent: Intent, row: ActionRow, now_s: float) -> None:
+        """Observe-only: the action done in the log and the store, with what it would
+        have done; nothing reaches Slurm, the agents or the ticket hook."""
+        would = would_do(intent)
+        with self._store.transaction():
+            if row.state is ActionState.PLANNED:
+                self._store.mark_started(intent.action_id, now_s)
+            self._store.record_observation(
+                intent.job_id, WOULD_KIND, {"action": kind_of(intent), "would": would}, now_s,
+                observation_id=intent.action_id,
+            )  # fmt: skip
+            self._store.mark_done(intent.action_id, {"observe_only": True, "would": would}, now_s)
+        log.info(
+            "action %s job=%s kind=%s: would %s (observe-only: not done)",
+            intent.action_id, intent.job_id, kind_of(intent), would,
+        )  # fmt: skip
+
     def _record_alert(self, alert: Alert, observation_id: str, now_s: float) -> None:
         """The alert in the job's events (``resurgo events``, the report)."""
         self._store.record_observation(
@@ -521,6 +553,32 @@ class Executor:
             attempts = [int(row.args.get("attempt", 0)) for row in self._store.list_actions(job_id)]
             cache[job_id] = max(attempts, default=0)
         return cache[job_id]
+
+
+def would_do(intent: Intent) -> str:
+    """What carrying ``intent`` out does, in words (``would ...`` in observe-only mode)."""
+    match intent:
+        case DrainNode():
+            return f"drain {intent.node} ({intent.cause.value}): {intent.slurm_reason}"
+        case ResumeNode():
+            return f"resume {intent.node}"
+        case DrainTicket():
+            return f"raise a drain ticket for {intent.node} ({intent.cause.value})"
+        case StopRanks():
+            return f"stop the ranks of attempt {intent.attempt}"
+        case PushInterval():
+            return f"set the checkpoint interval to {intent.interval_s:.0f} s"
+        case ShrinkAllocation():
+            return f"shrink the allocation to {','.join(intent.keep_nodes)}"
+        case RequeueSmaller():
+            without = f" without {','.join(intent.exclude)}" if intent.exclude else ""
+            return f"requeue the job on {intent.n_nodes} node(s){without}"
+        case RelaunchStep():
+            source = intent.resume_from or "no checkpoint"
+            return f"relaunch on {','.join(intent.nodes)} from {source}"
+        case StopJob():
+            return f"stop the job ({intent.status.value}): {intent.reason}"
+    return kind_of(intent)
 
 
 def ticket_doc(intent: DrainTicket) -> dict[str, Any]:

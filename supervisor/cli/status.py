@@ -65,6 +65,11 @@ def render(document: dict[str, Any]) -> str:
         lines = ["no supervised jobs"]
     lines.extend(f"job {job_id}: not known to the supervisor" for job_id in document["unknown"])
     supervisor = document.get("supervisor")
+    if supervisor is not None and supervisor.get("observe_only"):
+        lines.append(
+            "supervisor in observe-only mode: decisions are recorded, nothing is done "
+            "(`resurgo events JOB` shows what it would have done)"
+        )
     if supervisor is not None and supervisor["mode"] == "exclude":
         lines.append(one_line(f"supervisor in exclude mode: {supervisor['why']}"))
     return "\n".join(lines)

@@ -79,6 +79,17 @@ class Blames(StoreCore):
         ).fetchone()
         return int(row[0])
 
+    @locked
+    def observed_count(self, kind: str, since_s: float) -> int:
+        """Actions of ``kind`` that observe-only mode recorded as done, not doing them,
+        since ``since_s``."""
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM actions WHERE kind = ? AND state = 'done' AND finished_s >= ?"
+            " AND json_extract(result, '$.observe_only') = 1",
+            (kind, since_s),
+        ).fetchone()
+        return int(row[0])
+
     def _blames(self, where: str, params: tuple[Any, ...]) -> list[BlameRow]:
         rows = self._db.execute(
             f"SELECT {_COLUMNS} FROM blames {where} ORDER BY blamed_s, blame_id", params

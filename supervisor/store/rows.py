@@ -245,6 +245,9 @@ class BlameOutcome(enum.Enum):
     STORM = "storm"  # only kept out of the job: the storm brake held
     FLAGGED = "flagged"  # only kept out of the job: its user's jobs blamed too many nodes
     SLURM = "slurm"  # Slurm had already taken the node out of service
+    # Observe-only mode: what would have been done, and was not.
+    WOULD_DRAIN = "would_drain"
+    WOULD_TICKET = "would_ticket"
 
 
 @dataclass(frozen=True)

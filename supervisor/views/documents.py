@@ -118,7 +118,13 @@ def status(store: Store, job_ids: Sequence[str], now_s: float) -> dict[str, Any]
     rights = store.fact("rights")
     return {
         "version": STATUS_VERSION,
-        "supervisor": None if rights is None else {"mode": rights["mode"], "why": rights["why"]},
+        "supervisor": None
+        if rights is None
+        else {
+            "mode": rights["mode"],
+            "why": rights["why"],
+            "observe_only": bool(rights.get("observe_only", False)),
+        },
         "jobs": [row for row in rows if row is not None],
         "unknown": [job_id for job_id, row in zip(ids, rows, strict=True) if row is None],
     }

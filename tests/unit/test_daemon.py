@@ -63,14 +63,15 @@ def me() -> str:
 
 
 def run(body: Callable[[Supervisor, Slurm, list[float]], Awaitable[None]], tmp_path: Path,
-        user: str | None = None, start_s: float = NOW, **policy: Any) -> None:  # fmt: skip
+        user: str | None = None, start_s: float = NOW, observe_only: bool = False,
+        **policy: Any) -> None:  # fmt: skip
     """One life of a supervisor on ``tmp_path``'s state, its clock starting at ``start_s``;
     the store is closed at the end as a SIGKILL leaves it (nothing flushed beyond it)."""
 
     async def scenario() -> None:
         clock = [start_s]
         slurm = Slurm(user or me())
-        config = SupervisorConfig(state_dir=str(tmp_path / "state"))
+        config = SupervisorConfig(state_dir=str(tmp_path / "state"), observe_only=observe_only)
         supervisor = Supervisor(
             config,
             Policy(**{"max_drain_share_per_hour": 0.5, "exit_evidence_window_s": 0, **policy}),
@@ -912,3 +913,41 @@ def test_the_ranks_a_job_may_report_about_grow_with_what_its_heartbeats_list(
         assert supervisor.ranks("999") is None
 
     run(body, tmp_path)
+
+
+def test_observe_only_decides_and_records_what_it_would_do_and_does_nothing(
+    tmp_path: Path,
+) -> None:
+    """A SIGKILLed rank in observe-only mode: the same decisions as when acting, each
+    action recorded as what it would have done; Slurm, the agents and the driver see
+    nothing of it, and the job ends when its step does, as it would without Resurgo."""
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        _node3_killed(supervisor, "f")
+        await supervisor.settle()
+        clock[0] += 30.0
+        await supervisor.tick()
+        await supervisor.settle()
+        store = supervisor.store
+        assert slurm.calls == []  # no drain, no requeue, no cancel
+        done = store.list_actions(JOB)
+        kinds = {row.kind for row in done}
+        assert {"drain", "stop_ranks"} <= kinds, kinds
+        acted = [row for row in done if row.kind != "validate"]
+        assert all(row.result and row.result["observe_only"] for row in acted), acted
+        drain = next(row for row in done if row.kind == "drain")
+        assert drain.result["would"].startswith("drain node3 (rank_signal)")  # type: ignore[index]
+        assert store.pending_commands(JOB, "node1") == []  # the agents were told nothing
+        assert store.open_drains() == []
+        (blame,) = store.blames_since(0)
+        assert (blame.node, blame.outcome.value) == ("node3", "would_drain")
+        would = store.events_for(JOB, kinds=["would_act"])
+        assert any("drain node3" in row.payload["would"] for row in would), would
+        # The step failed: the job ends, as without Resurgo (the driver exits 93).
+        answer = await _step_ended(supervisor, 137)
+        assert answer.action is protocol.DriverAction.STOP
+        assert "observe-only" in answer.reason and "exit code 137" in answer.reason
+        assert supervisor.public_facts()["observe_only"] is True
+
+    run(body, tmp_path, observe_only=True)

@@ -1,0 +1,104 @@
+"""Observe-only mode on the live cluster: every decision recorded, nothing done in Slurm.
+
+An admin trying Resurgo beside a production cluster runs the supervisor with
+``observe_only``. A SIGKILLed rank and a hung rank are decided on as when
+acting (the drain, the requeue or relaunch, the stop of the ranks), each
+recorded as what it would have done; Slurm shows no drain and no requeue, and
+the job ends as it would without Resurgo.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ENDED, LiveCluster
+from tests.e2e.test_faults import AGENTS, DAEMON, POLICY, Run, story, submit
+from tests.supervisor_harness import SupervisorProcess
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture
+def observer(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[SupervisorProcess]:
+    """A supervisor in observe-only mode."""
+    env = AGENTS | DAEMON | {"RESURGO_SUPERVISOR_OBSERVE_ONLY": "yes"}
+    process = SupervisorProcess(slurm_cluster, tmp_path / "state", POLICY, env)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+        slurm_cluster.restore()
+
+
+def would(supervisor: SupervisorProcess, run: Run) -> list[str]:
+    """What the supervisor recorded it would have done for the job, oldest first."""
+    with supervisor.store() as store:
+        return [e.payload["would"] for e in store.events_for(str(run.job_id), kinds=["would_act"])]
+
+
+def assert_slurm_untouched(cluster: LiveCluster, run: Run) -> None:
+    """No node drained, and the job never requeued."""
+    drained = {
+        name: node.get("reason", "")
+        for name, node in cluster.nodes().items()
+        if "DRAIN" in node.get("state_flags", [])
+    }
+    assert drained == {}, drained
+    job = cluster.job(run.job_id)
+    assert job is not None and job["restart_cnt"] == 0, job
+
+
+def test_a_sigkilled_rank_is_decided_on_and_nothing_is_done(
+    slurm_cluster: LiveCluster, observer: SupervisorProcess, tmp_path: Path
+) -> None:
+    run = submit(observer, tmp_path, "--fault", "sigkill@6:2")
+    job = slurm_cluster.wait_job_state(run.job_id, ENDED, timeout_s=300)
+    told = story(observer, run) + "\n--- would ---\n" + "\n".join(would(observer, run))
+    # The step failed and the job ended with it, as without Resurgo.
+    assert job["job_state"] == "FAILED", told
+    assert "observe-only: the step ended with exit code" in run.text(), told
+    (victim,) = run.faulted_nodes()
+    slurm_cluster.wait_for(
+        "the would-be drain recorded", lambda: any(w.startswith(f"drain {victim}") for w in
+                                                  would(observer, run)), 30,
+    )  # fmt: skip
+    assert_slurm_untouched(slurm_cluster, run)
+    with observer.store() as store:
+        outcomes = [(b.node, b.outcome.value) for b in store.blames_since(0)]
+        assert store.open_drains() == []
+    assert outcomes == [(victim, "would_drain")], told
+    health = json.loads(urllib.request.urlopen(f"{observer.url}/healthz", timeout=10).read())
+    assert health["observe_only"] is True
+    shown = observer.resurgo("status", str(run.job_id))
+    assert "supervisor in observe-only mode" in shown.stdout, shown.stdout
+
+
+def test_a_hung_rank_is_decided_on_and_its_ranks_are_left_alone(
+    slurm_cluster: LiveCluster, observer: SupervisorProcess, tmp_path: Path
+) -> None:
+    """Without Resurgo a hang sits until the time limit: so it does here; the test ends it."""
+    run = submit(observer, tmp_path, "--fault", "hang@6:2")
+    slurm_cluster.wait_for(
+        "the would-be drain after the hang",
+        lambda: any(w.startswith("drain ") for w in would(observer, run)),
+        timeout_s=180,
+    )
+    (victim,) = run.faulted_nodes()
+    acts = would(observer, run)
+    told = story(observer, run) + "\n--- would ---\n" + "\n".join(acts)
+    assert any(w.startswith("stop the ranks of attempt 1") for w in acts), told
+    assert any(w.startswith(f"drain {victim} (hang)") for w in acts), told
+    job = slurm_cluster.job(run.job_id)
+    assert job is not None and job["job_state"] == "RUNNING", told
+    assert_slurm_untouched(slurm_cluster, run)
+    with observer.store() as store:
+        # Every action (the agents' stop command among them) was recorded, not done.
+        acted = [a for a in store.list_actions(str(run.job_id)) if a.kind != "validate"]
+        assert acted and all(a.result and a.result["observe_only"] for a in acted), acted
+        assert len(store.attempts_for(str(run.job_id))) == 1
