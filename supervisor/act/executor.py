@@ -565,7 +565,7 @@ def would_do(intent: Intent) -> str:
         case DrainTicket():
             return f"raise a drain ticket for {intent.node} ({intent.cause.value})"
         case StopRanks():
-            return f"stop the ranks of attempt {intent.attempt}"
+            return f"stop every rank of the job (SIGTERM, SIGKILL after {intent.grace_s:g} s)"
         case PushInterval():
             return f"set the checkpoint interval to {intent.interval_s:.0f} s"
         case ShrinkAllocation():

@@ -92,7 +92,7 @@ def test_a_hung_rank_is_decided_on_and_its_ranks_are_left_alone(
     (victim,) = run.faulted_nodes()
     acts = would(observer, run)
     told = story(observer, run) + "\n--- would ---\n" + "\n".join(acts)
-    assert any(w.startswith("stop the ranks of attempt 1") for w in acts), told
+    assert any(w.startswith("stop every rank of the job") for w in acts), told
     assert any(w.startswith(f"drain {victim} (hang)") for w in acts), told
     job = slurm_cluster.job(run.job_id)
     assert job is not None and job["job_state"] == "RUNNING", told
