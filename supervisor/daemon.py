@@ -184,7 +184,9 @@ class Supervisor(SlurmWatch):
             clock=self.clock,
             may_drain=lambda: self.cluster.may_drain,
             open_tickets=self._open_tickets,
-            drain_storm=lambda: storm_holds(self.policy, self._blames(self.clock())[0]),
+            drain_storm=lambda: storm_holds(
+                self.policy, self.blamed(self.cluster, self.clock()).recent_blames
+            ),
         )
         registry = build_registry(collector)
         lag = LoopLag(registry)

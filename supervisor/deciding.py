@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +33,12 @@ from supervisor.core.intents import DrainNode, DrainTicket, Intent, RequeueSmall
 from supervisor.core.model import ClusterView, JobRecord, JobState, record_to_json
 from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
 from supervisor.core.policy import decide
-from supervisor.core.recovery import drain_storm, user_flagged
+from supervisor.core.recovery import (
+    drain_storm,
+    drains_allowed,
+    user_flagged,
+    user_over_share,
+)
 from supervisor.intake import Intake
 from supervisor.store import ActionState, Actor, BlameOutcome, EventSource
 
@@ -195,19 +201,27 @@ class Deciding(Intake):
             done += self.store.observed_count(KIND_OF[DrainNode], now - 3600)
         return done + self.store.unfinished_count(KIND_OF[DrainNode])
 
-    def _blames(
-        self, now: float
-    ) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
-        """(node, job) of the blames within the storm brake's window, and (user, node) of
-        those within the lemon window whose user is known: one read of the store."""
+    def blamed(self, view: ClusterView, now: float) -> ClusterView:
+        """``view`` with the store's blames, in one read: (node, job) of those within the
+        storm brake's window, (user, node) of those within the lemon window, and per
+        user the nodes drained or ticketed for their jobs within the hour."""
         storm_since = now - self.policy.storm_window_s
         lemon_since = now - self.policy.lemon_window_s
-        rows = self.store.blames_since(min(storm_since, lemon_since))
-        recent = tuple((b.node, b.job_id) for b in rows if b.blamed_s >= storm_since)
-        users = tuple(
-            (b.slurm_user, b.node) for b in rows if b.slurm_user and b.blamed_s >= lemon_since
+        hour_since = now - 3600
+        rows = self.store.blames_since(min(storm_since, lemon_since, hour_since))
+        acts = Counter(
+            b.slurm_user
+            for b in rows
+            if b.slurm_user and b.blamed_s >= hour_since and b.outcome in _ACTED
         )
-        return recent, users
+        return replace(
+            view,
+            recent_blames=tuple((b.node, b.job_id) for b in rows if b.blamed_s >= storm_since),
+            user_blames=tuple(
+                (b.slurm_user, b.node) for b in rows if b.slurm_user and b.blamed_s >= lemon_since
+            ),
+            user_acts=tuple(sorted(acts.items())),
+        )
 
     def fresh_cluster(self, now: float) -> ClusterView:
         """The cluster view with the store's drain count and blames as of now.
@@ -217,13 +231,8 @@ class Deciding(Intake):
         faults of several jobs decided between two polls would each take the
         hourly share's last drain, or miss a storm.
         """
-        recent, users = self._blames(now)
-        self.cluster = replace(
-            self.cluster,
-            drains_last_hour=self._drains_counted(now),
-            recent_blames=recent,
-            user_blames=users,
-        )
+        counted = replace(self.cluster, drains_last_hour=self._drains_counted(now))
+        self.cluster = self.blamed(counted, now)
         return self.cluster
 
     def _wake_at_deadline(self, job_id: str, record: JobRecord, now: float) -> None:
@@ -311,6 +320,10 @@ class Deciding(Intake):
                 outcome = BlameOutcome.FLAGGED
             elif drain_storm(self.policy, self.cluster, job_id, node) is not None:
                 outcome = BlameOutcome.STORM
+            elif self.cluster.may_drain and drains_allowed(self.policy, self.cluster) < 1:
+                outcome = BlameOutcome.EXCLUDED  # the hourly share was used
+            elif user_over_share(self.policy, self.cluster, user) is not None:
+                outcome = BlameOutcome.USER_SHARE
             else:
                 outcome = BlameOutcome.EXCLUDED
             self.store.record_blame(
@@ -365,6 +378,11 @@ class _Sighting:
 
 
 _RECONCILE = _Reconcile()
+# Blames whose node was drained or ticketed (or would have been): a user's share.
+_ACTED = frozenset(
+    {BlameOutcome.DRAINED, BlameOutcome.TICKETED, BlameOutcome.WOULD_DRAIN,
+     BlameOutcome.WOULD_TICKET}
+)  # fmt: skip
 # A requeue touched the job once it started: started, done or failed.
 _REQUEUE_TOUCHED = (ActionState.STARTED, ActionState.DONE, ActionState.FAILED)
 _Item = tuple[str, Observation, str | None] | _Reconcile | _Act | _Sighting

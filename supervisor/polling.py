@@ -235,20 +235,18 @@ class SlurmWatch(Deciding):
         may_drain = self.rights is None or self.rights.operator
         tickets = [] if may_drain else self._open_tickets()
         self.avoid = avoid_list(lemons, tickets, self.policy)
-        recent, users = self._blames(now)
-        return ClusterView(
+        view = ClusterView(
             usable=frozenset(nodes) - drained - down,
             idle=idle - drained - down,
             drained=drained,
             down=down,
             drains_last_hour=self._drains_counted(now),
-            recent_blames=recent,
-            user_blames=users,
             lemons=frozenset(lemon.node for lemon in lemons) | {t.node for t in tickets},
             lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
             lemon_window_s=self.policy.lemon_window_s,
             may_drain=may_drain,
         )
+        return self.blamed(view, now)
 
     def _observe_slurm_job(
         self, job_id: str, job: TrackedJob, seen: SlurmJob, read_s: float

@@ -68,6 +68,10 @@ class Policy:
       lemon window is flagged: the jobs, not the nodes, are the likelier
       cause, and their blames drain and ticket nothing more (one critical
       alert; ``user_flag_min_nodes`` 0: never flag).
+    - ``max_user_drain_share``: the share of the hourly drain limit (rounded
+      down, at least one) that one Slurm user's jobs may take, drains and
+      drain tickets alike: past it their blames exclude the node from the job
+      and warn, as when the hourly share is used up.
     - ``storm_nodes`` / ``storm_jobs`` / ``storm_window_s``: the storm brake.
       Blames of at least ``storm_nodes`` distinct nodes from at least
       ``storm_jobs`` jobs within the window point at a shared cause (storage,
@@ -139,6 +143,7 @@ class Policy:
     lemon_users: int = 2
     user_flag_share: float = 0.05
     user_flag_min_nodes: int = 5
+    max_user_drain_share: float = 0.5
     storm_nodes: int = 3
     storm_jobs: int = 2
     storm_window_s: float = 600.0
@@ -183,6 +188,8 @@ class Policy:
             raise ConfigError("policy: max_drain_share_per_hour is a share, at most 1")
         if self.user_flag_share > 1:
             raise ConfigError("policy: user_flag_share is a share, at most 1")
+        if self.max_user_drain_share > 1:
+            raise ConfigError("policy: max_user_drain_share is a share, at most 1")
         if self.silence_share > 1:
             raise ConfigError("policy: silence_share is a share, at most 1")
         if self.drain_confidence > 1:

@@ -396,7 +396,9 @@ class ClusterView:
     rate limit; ``recent_blames``: (node, job) of every blame within the
     policy's storm window, for the storm brake; ``user_blames``: (user, node)
     of every blame within the lemon window, for flagging a user whose jobs
-    blame too many nodes; ``lemons``: repeat
+    blame too many nodes; ``user_acts``: (user, nodes drained or ticketed
+    for their jobs within the last hour), for each user's share of the
+    drains; ``lemons``: repeat
     offenders that no relaunch uses; ``idle``: usable nodes allocated to no
     job (sinfo's IDLE), where a job asking for them starts at once. A job
     below its original size grows back onto idle nodes, so ``idle`` holds
@@ -414,6 +416,7 @@ class ClusterView:
     drains_last_hour: int = 0
     recent_blames: tuple[tuple[str, str], ...] = ()
     user_blames: tuple[tuple[str, str], ...] = ()
+    user_acts: tuple[tuple[str, int], ...] = ()
     lemons: frozenset[str] = frozenset()
     idle: frozenset[str] = frozenset()
     lemon_blames: tuple[tuple[str, int], ...] = ()

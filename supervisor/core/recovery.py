@@ -226,6 +226,22 @@ def _held_back(
     return None
 
 
+def user_drain_limit(policy: Policy, cluster_size: int) -> int:
+    """Drains and drain tickets one user's jobs may take an hour: their share of the
+    hourly drain limit (rounded down), at least one."""
+    share = math.floor(policy.max_user_drain_share * drain_limit(policy, cluster_size) + 1e-9)
+    return max(share, 1)
+
+
+def user_over_share(policy: Policy, cluster: ClusterView, user: str) -> int | None:
+    """How many nodes ``user``'s jobs had drained or ticketed within the hour when that
+    uses their share of the drains up; None while it does not (or the user is unknown)."""
+    if not user:
+        return None
+    used = dict(cluster.user_acts).get(user, 0)
+    return used if used >= user_drain_limit(policy, cluster.size) else None
+
+
 def user_flag_limit(policy: Policy, cluster_size: int) -> int:
     """Distinct nodes one user's jobs may blame within the lemon window before the user
     is flagged: the share of the cluster (rounded down), at least the minimum."""
@@ -324,17 +340,7 @@ def _drain(
         if message is not None:
             alerts = (Alert(record.job_id, record.attempt, Severity.CRITICAL, message),)
         return excluded, alerts, f"{node} excluded, not drained: {why}: {evidence}"
-    if not cluster.may_drain:
-        ticket = DrainTicket(
-            record.job_id, record.attempt, node, blame.cause, evidence[:500], record.slurm_user
-        )
-        return (
-            excluded,
-            (ticket,),
-            f"{node} excluded and a drain ticket raised (no Slurm operator rights to drain): "
-            f"{blame.confidence:.2f}: {evidence}",
-        )
-    if drains_allowed(policy, cluster) < 1:
+    if cluster.may_drain and drains_allowed(policy, cluster) < 1:
         limit = drain_limit(policy, cluster.size)
         message = (
             f"job {record.job_id}: {node} was not drained ({blame.cause.value}: {evidence}): "
@@ -346,6 +352,30 @@ def _drain(
         )
         alert = Alert(record.job_id, record.attempt, Severity.CRITICAL, message)
         return excluded, (alert,), f"{node} excluded, not drained: hourly drain share reached"
+    used = user_over_share(policy, cluster, record.slurm_user)
+    if used is not None:
+        verb = "drained" if cluster.may_drain else "ticketed"
+        message = (
+            f"job {record.job_id}: {node} was not {verb} ({blame.cause.value}: {evidence}): "
+            f"jobs of {record.slurm_user} had {used} node(s) drained or ticketed in the last "
+            f"hour, the most one user's jobs may take (max_user_drain_share "
+            f"{policy.max_user_drain_share:g} of the {drain_limit(policy, cluster.size)} "
+            f"drain(s) an hour on {cluster.size} nodes). The job goes on without {node}; "
+            f"one user's jobs cannot take the whole share."
+        )
+        alert = Alert(record.job_id, record.attempt, Severity.WARNING, message)
+        why = f"{record.slurm_user}'s share of the drains is used"
+        return excluded, (alert,), f"{node} excluded, not {verb}: {why}"
+    if not cluster.may_drain:
+        ticket = DrainTicket(
+            record.job_id, record.attempt, node, blame.cause, evidence[:500], record.slurm_user
+        )
+        return (
+            excluded,
+            (ticket,),
+            f"{node} excluded and a drain ticket raised (no Slurm operator rights to drain): "
+            f"{blame.confidence:.2f}: {evidence}",
+        )
     drain = DrainNode(
         record.job_id, record.attempt, node, blame.cause, evidence[:200], record.slurm_user
     )

@@ -245,6 +245,7 @@ class BlameOutcome(enum.Enum):
     STORM = "storm"  # only kept out of the job: the storm brake held
     FLAGGED = "flagged"  # only kept out of the job: its user's jobs blamed too many nodes
     SLURM = "slurm"  # Slurm had already taken the node out of service
+    USER_SHARE = "user_share"  # only kept out of the job: its user's share of drains was used
     # Observe-only mode: what would have been done, and was not.
     WOULD_DRAIN = "would_drain"
     WOULD_TICKET = "would_ticket"

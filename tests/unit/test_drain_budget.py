@@ -198,3 +198,29 @@ def test_a_user_whose_jobs_blame_too_many_nodes_is_flagged_and_the_nodes_are_not
         assert len(flagged) == 1 and f"jobs of {me()} blamed 2 nodes" in flagged[0]
 
     run(body, tmp_path, max_drain_share_per_hour=1.0, storm_nodes=0, user_flag_min_nodes=2)
+
+
+def test_one_users_jobs_take_no_more_than_their_share_of_the_hourly_drains(
+    tmp_path: Path,
+) -> None:
+    """Six drains an hour on six nodes, a user's share 0.2 of them (one): the user's
+    second and third blames exclude their nodes and warn; nothing else holds them."""
+
+    async def body(supervisor: Supervisor, cluster: Cluster) -> None:
+        await three_jobs_each_lose_a_rank_at_once(supervisor)
+        assert drains(cluster) == ["node2"]
+        outcomes = [b.outcome for b in supervisor.store.blames_since(0)]
+        assert outcomes == [
+            BlameOutcome.DRAINED, BlameOutcome.USER_SHARE, BlameOutcome.USER_SHARE
+        ]  # fmt: skip
+        warned = [
+            row.args["message"]
+            for row in supervisor.store.list_actions()
+            if row.kind == "alert" and "the most one user's jobs may take" in row.args["message"]
+        ]
+        assert len(warned) == 2 and f"jobs of {me()} had 1 node(s)" in warned[0], warned
+        for job_id, name in KILLED.items():
+            record = supervisor.jobs[job_id].record
+            assert record.recovery is not None and name in record.recovery.exclude
+
+    run(body, tmp_path, max_drain_share_per_hour=1.0, storm_nodes=0, max_user_drain_share=0.2)
