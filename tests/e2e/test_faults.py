@@ -33,6 +33,7 @@ pytestmark = pytest.mark.slurm
 
 POLICY = {
     "max_drain_share_per_hour": "0.5",  # two drains per hour on 4 nodes
+    "max_user_drain_share": "1",  # ... both for one user (every test job is root's)
     "backoff_base_s": "2",
     # Under CI load a killed rank's own report can trail its peers' by seconds;
     # the window closes as soon as every node's launcher has ended.

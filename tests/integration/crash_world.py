@@ -65,6 +65,7 @@ POLICY = {
     "BACKOFF_BASE_S": "0.1",
     "BACKOFF_MAX_S": "1",
     "MAX_DRAIN_SHARE_PER_HOUR": "1",
+    "MAX_USER_DRAIN_SHARE": "1",  # the three drains are one user's
     "VALIDATION_LEVEL": "quick",
     "STOP_GRACE_S": "1",
 }
