@@ -1,15 +1,17 @@
 """Observe-only mode on the live cluster: every decision recorded, nothing done in Slurm.
 
 An admin trying Resurgo beside a production cluster runs the supervisor with
-``observe_only``. A SIGKILLed rank and a hung rank are decided on as when
-acting (the drain, the requeue or relaunch, the stop of the ranks), each
-recorded as what it would have done; Slurm shows no drain and no requeue, and
-the job ends as it would without Resurgo.
+``observe_only``. A hung rank, and then that rank SIGKILLed, are decided on as
+when acting (the stop of the ranks, the drain), each recorded as what it would
+have done; Slurm shows no drain and no requeue, and the job hangs, then ends,
+as it would without Resurgo.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,35 +56,12 @@ def assert_slurm_untouched(cluster: LiveCluster, run: Run) -> None:
     assert job is not None and job["restart_cnt"] == 0, job
 
 
-def test_a_sigkilled_rank_is_decided_on_and_nothing_is_done(
+def test_a_hang_then_its_rank_killed_are_decided_on_and_nothing_is_done(
     slurm_cluster: LiveCluster, observer: SupervisorProcess, tmp_path: Path
 ) -> None:
-    run = submit(observer, tmp_path, "--fault", "sigkill@6:2")
-    job = slurm_cluster.wait_job_state(run.job_id, ENDED, timeout_s=300)
-    told = story(observer, run) + "\n--- would ---\n" + "\n".join(would(observer, run))
-    # The step failed and the job ended with it, as without Resurgo.
-    assert job["job_state"] == "FAILED", told
-    assert "observe-only: the step ended with exit code" in run.text(), told
-    (victim,) = run.faulted_nodes()
-    slurm_cluster.wait_for(
-        "the would-be drain recorded", lambda: any(w.startswith(f"drain {victim}") for w in
-                                                  would(observer, run)), 30,
-    )  # fmt: skip
-    assert_slurm_untouched(slurm_cluster, run)
-    with observer.store() as store:
-        outcomes = [(b.node, b.outcome.value) for b in store.blames_since(0)]
-        assert store.open_drains() == []
-    assert outcomes == [(victim, "would_drain")], told
-    health = json.loads(urllib.request.urlopen(f"{observer.url}/healthz", timeout=10).read())
-    assert health["observe_only"] is True
-    shown = observer.resurgo("status", str(run.job_id))
-    assert "supervisor in observe-only mode" in shown.stdout, shown.stdout
-
-
-def test_a_hung_rank_is_decided_on_and_its_ranks_are_left_alone(
-    slurm_cluster: LiveCluster, observer: SupervisorProcess, tmp_path: Path
-) -> None:
-    """Without Resurgo a hang sits until the time limit: so it does here; the test ends it."""
+    """A rank hangs: the stop of the ranks and the drain are recorded, not done; the job
+    keeps hanging, as it would without Resurgo. Then the hung rank is SIGKILLed (as an
+    operator would): the step fails and the job ends with it, never requeued."""
     run = submit(observer, tmp_path, "--fault", "hang@6:2")
     slurm_cluster.wait_for(
         "the would-be drain after the hang",
@@ -101,4 +80,21 @@ def test_a_hung_rank_is_decided_on_and_its_ranks_are_left_alone(
         # Every action (the agents' stop command among them) was recorded, not done.
         acted = [a for a in store.list_actions(str(run.job_id)) if a.kind != "validate"]
         assert acted and all(a.result and a.result["observe_only"] for a in acted), acted
-        assert len(store.attempts_for(str(run.job_id))) == 1
+        hangs = store.events_for(str(run.job_id), kinds=["hang"])
+    (hung_pid,) = {
+        h["pid"] for e in hangs if e.node == victim for h in e.payload["hung"]
+    }  # the ranks run on this machine: the local cluster's nodes share it
+    os.kill(hung_pid, signal.SIGKILL)
+    job = slurm_cluster.wait_job_state(run.job_id, ENDED, timeout_s=180)
+    told = story(observer, run) + "\n--- would ---\n" + "\n".join(would(observer, run))
+    assert job["job_state"] == "FAILED", told
+    assert "observe-only: the step ended with exit code" in run.text(), told
+    assert_slurm_untouched(slurm_cluster, run)
+    with observer.store() as store:
+        outcomes = [(b.node, b.outcome.value) for b in store.blames_since(0)]
+        assert store.open_drains() == []
+    assert outcomes == [(victim, "would_drain")], told
+    health = json.loads(urllib.request.urlopen(f"{observer.url}/healthz", timeout=10).read())
+    assert health["observe_only"] is True
+    shown = observer.resurgo("status", str(run.job_id))
+    assert "supervisor in observe-only mode" in shown.stdout, shown.stdout
