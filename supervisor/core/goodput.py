@@ -10,6 +10,8 @@ the run's continuation. Everything else is badput, by cause:
   validation, backoff, srun, checkpoint load) less any queue wait inside it;
 - ``CHECKPOINT_STALL``: training blocked on a save (outside lost work);
 - ``STARTUP``: the allocation starting -> the first step of the first run;
+- ``SHUTDOWN``: the last step -> the job's end (a final save, an evaluation
+  after training, the processes' exit);
 - ``QUEUE_WAIT``: pending in Slurm's queue (first submission and requeues).
 
 The daemon builds the timeline from its store; nothing here reads a clock.
@@ -37,7 +39,11 @@ class FactKind(enum.Enum):
     FAULT = "fault"  # a fault happened (best estimate: last progress); ``cause``
     DETECTED = "detected"  # the supervisor saw the fault; ``cause``
     RESUMED = "resumed"  # relaunched from ``value`` = the checkpoint's step
-    ENDED = "ended"  # the job ended
+    ENDED = "ended"  # the job ended (cause STILL_RUNNING: accounted up to then, running on)
+
+
+# The cause of an ENDED fact that only says up to when a running job is accounted.
+STILL_RUNNING = "still running"
 
 
 class Badput(enum.Enum):
@@ -48,6 +54,7 @@ class Badput(enum.Enum):
     RECOVERY = "recovery"
     CHECKPOINT_STALL = "checkpoint_stall"
     STARTUP = "startup"
+    SHUTDOWN = "shutdown"
     QUEUE_WAIT = "queue_wait"
 
 
@@ -109,8 +116,11 @@ def _lost_work(walk: _Walk, resume_step: float) -> float:
     return max(0.0, fault_s - start - stalled)
 
 
-def _end_charges(walk: _Walk, t: float) -> list[tuple[Badput, float, bool]]:
-    """What an ENDED fact at ``t`` charges: (kind, seconds, counted for the fault's cause)."""
+def _end_charges(walk: _Walk, t: float, ended: bool) -> list[tuple[Badput, float, bool]]:
+    """What an ENDED fact at ``t`` charges: (kind, seconds, counted for the fault's cause).
+    ``ended`` False: a job still running, accounted up to ``t``; its steps go on."""
+    if walk.phase == "running" and ended and walk.steps:
+        return [(Badput.SHUTDOWN, t - walk.steps[-1][0], False)]
     if walk.phase in ("queue", "recovering-queue"):
         return [(Badput.QUEUE_WAIT, t - walk.since, False)]
     if walk.phase == "startup":
@@ -177,7 +187,8 @@ class Accountant:
             walk.charge(Badput.LOST_WORK, _lost_work(walk, fact.value or 0.0), fault=True)
             walk.stalls, walk.steps, walk.fault_s = [], [], None
         elif fact.kind is FactKind.ENDED:
-            for kind, seconds, fault in _end_charges(walk, t):
+            ended = fact.cause != STILL_RUNNING
+            for kind, seconds, fault in _end_charges(walk, t, ended=ended):
                 walk.charge(kind, seconds, fault)
             walk.phase = "idle"
 
@@ -190,7 +201,7 @@ class Accountant:
         last_s = self._last_s
         if end_s is not None:
             last_s = max(last_s, end_s)
-            for kind, seconds, fault in _end_charges(walk, last_s):
+            for kind, seconds, fault in _end_charges(walk, last_s, ended=False):
                 badput[kind] += max(0.0, seconds)
                 if fault:
                     by_cause[walk.cause] = by_cause.get(walk.cause, 0.0) + max(0.0, seconds)

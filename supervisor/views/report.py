@@ -45,6 +45,7 @@ BADPUT_COLORS = {
     Badput.RECOVERY.value: "#6a1b9a",
     Badput.CHECKPOINT_STALL.value: "#f9a825",
     Badput.STARTUP.value: "#546e7a",
+    Badput.SHUTDOWN.value: "#78909c",
     Badput.QUEUE_WAIT.value: "#90a4ae",
 }
 

@@ -31,7 +31,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from agent.checkpoint.layouts import step_in_path
-from supervisor.core.goodput import Accountant, Fact, FactKind, Goodput, RecoveryDurations, account
+from supervisor.core.goodput import (
+    STILL_RUNNING,
+    Accountant,
+    Fact,
+    FactKind,
+    Goodput,
+    RecoveryDurations,
+    account,
+)
 from supervisor.core.model import NODE_FAULT_CAUSES
 from supervisor.store import DecisionRow, JobRow, ProgressRow, Store
 
@@ -49,7 +57,7 @@ def timeline_of(store: Store, job_id: str, now_s: float) -> list[Fact]:
     window = _Window(-math.inf, math.inf, None, False)
     facts, _, _ = _facts_in(store, row.job_id, row.created_s, window)
     if not any(fact.kind is FactKind.ENDED for fact in facts):
-        facts.append(Fact(max(now_s, facts[-1].time_s), FactKind.ENDED))
+        facts.append(Fact(max(now_s, facts[-1].time_s), FactKind.ENDED, cause=STILL_RUNNING))
     return sorted(facts, key=lambda fact: fact.time_s)
 
 

@@ -62,6 +62,44 @@ def resumed_at(text: str) -> int | None:
     return next((after for before, after in itertools.pairwise(steps) if after <= before), None)
 
 
+def goodput_from_log(text: str, started_s: float, ended_s: float) -> float:
+    """The run's goodput as its own log tells it: the time of every step that survives
+    into the final run (each the last time its number was printed, less the print of
+    the step before it in the same launch), over the job's wall time in Slurm
+    (``started_s`` to ``ended_s``). A launch's first step has no print before it: its
+    time is the run's median step time."""
+    printed = [(int(n), float(t)) for n, t in re.findall(r"step (\d+) loss \S+ t ([\d.]+)", text)]
+    durations: dict[int, float] = {}
+    spans: list[float] = []
+    for index, (step, at) in enumerate(printed):
+        before = printed[index - 1] if index else None
+        if before is not None and before[0] == step - 1:
+            durations[step] = at - before[1]
+            spans.append(at - before[1])
+        else:
+            durations.pop(step, None)
+    typical = sorted(spans)[len(spans) // 2]
+    productive = sum(durations.get(step, typical) for step in {s for s, _ in printed})
+    return productive / (ended_s - started_s)
+
+
+def assert_goodput_is_the_logs(
+    cluster: LiveCluster,
+    job_id: int,
+    text: str,
+    shown: dict,
+    told: str,  # type: ignore[type-arg]
+) -> None:
+    """``resurgo status``'s goodput is within 5 points of the script's own log's, from
+    Slurm's submission of the job to its end."""
+    job = cluster.job(job_id)
+    assert job is not None
+    truth = goodput_from_log(text, job["submit_time"], job["end_time"])
+    print(f"goodput of job {job_id}: resurgo {shown['goodput']:.3f}, the log {truth:.3f}")
+    told += f"\n--- goodput ---\nthe log's {truth:.3f}; {shown}"
+    assert abs(shown["goodput"] - truth) <= 0.05, told
+
+
 def test_a_trainer_with_its_newest_checkpoint_cut_short_and_a_rank_killed_completes(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
@@ -91,9 +129,11 @@ def test_a_trainer_with_its_newest_checkpoint_cut_short_and_a_rank_killed_comple
     ), events.stdout
     listed = supervisor.resurgo("ckpt", "quarantined", str(out))
     assert "model.safetensors" in listed.stdout and "truncated" in listed.stdout, listed.stdout
-    newest = status(supervisor, job_id)["last_checkpoint"]
+    shown = status(supervisor, job_id)
+    newest = shown["last_checkpoint"]
     assert newest["kind"] == "huggingface" and newest["step"] == STEPS, newest
     assert newest["path"] == str(out / f"checkpoint-{STEPS}"), newest
+    assert_goodput_is_the_logs(slurm_cluster, job_id, text, shown, told)
 
 
 def test_lightning_with_its_last_ckpt_cut_short_and_a_rank_killed_completes(
@@ -117,8 +157,10 @@ def test_lightning_with_its_last_ckpt_cut_short_and_a_rank_killed_completes(
     assert drained(supervisor, job_id) == [("node3", "rank_signal")], told
     held = list((out / ".resurgo-quarantine").glob("last.ckpt.*"))
     assert len(held) == 1, told
-    newest = status(supervisor, job_id)["last_checkpoint"]
+    shown = status(supervisor, job_id)
+    newest = shown["last_checkpoint"]
     assert newest["kind"] == "lightning" and newest["step"] == STEPS, newest
+    assert_goodput_is_the_logs(slurm_cluster, job_id, text, shown, told)
 
 
 def _holds_step(path: Path, step: int) -> bool:

@@ -8,6 +8,7 @@ import pytest
 
 from agent.checkpoint.interval import recommended_interval_s
 from supervisor.core.goodput import (
+    STILL_RUNNING,
     Badput,
     Fact,
     FactKind,
@@ -60,7 +61,8 @@ def test_a_fault_charges_lost_work_detection_and_recovery_to_its_cause():
     assert result.badput_s[Badput.DETECTION] == 30
     assert result.badput_s[Badput.RECOVERY] == 50  # detection at 120 -> first step at 170
     assert result.by_fault_cause_s == {"hang": 120}
-    assert result.productive_s == 200 - 10 - 40 - 30 - 50
+    assert result.badput_s[Badput.SHUTDOWN] == 30  # the last step (t=170) -> the end
+    assert result.productive_s == 200 - 10 - 40 - 30 - 50 - 30
 
 
 def test_queue_wait_inside_a_requeue_is_queue_wait_not_recovery():
@@ -150,3 +152,15 @@ def test_a_resume_past_the_last_reported_step_loses_none_of_the_run():
         )
         lost[resumed_at] = result.badput_s[Badput.LOST_WORK]
     assert lost == {80: 10, 85: 0}  # from step 80 (t=80) to the fault; nothing
+
+
+def test_the_time_after_the_last_step_of_an_ended_job_is_shutdown_not_productive():
+    """A final save and the processes' exit are no training step; a job still running is
+    accounted up to now without that charge (its next step may come at any moment)."""
+    steps = [Fact(0, K.ALLOCATED), Fact(10, K.STEP, 1), Fact(90, K.STEP, 80)]
+    ended = account([*steps, Fact(100, K.ENDED)])
+    assert ended.badput_s[Badput.SHUTDOWN] == 10
+    assert ended.productive_s == 100 - 10 - 10
+    running = account([*steps, Fact(100, K.ENDED, cause=STILL_RUNNING)])
+    assert running.badput_s[Badput.SHUTDOWN] == 0
+    assert running.productive_s == 100 - 10
