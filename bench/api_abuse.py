@@ -31,15 +31,21 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 import threading
-from pathlib import Path
 
 if not __package__:
     sys.exit("run the benchmarks from the repository root: python -m bench.api_abuse")
 
 from agent.wire.protocol import EventKind
-from tests.adversarial_world import MIB, World, healthz_under, manifest, settled_rss, waves
+from tests.adversarial_world import (
+    MIB,
+    World,
+    a_world,
+    healthz_under,
+    manifest,
+    settled_rss,
+    waves,
+)
 
 RSS_TARGET_MIB = 64
 HEALTHZ_TARGET_S = 0.100
@@ -159,20 +165,16 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=100)
     parser.add_argument("--manifest-mib", type=int, default=64)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as where:
-        world = World(Path(where))
-        try:
-            result: dict[str, object] = {
-                "targets": {
-                    "rss_kept_mib_at_most": RSS_TARGET_MIB,
-                    "healthz_delay_ms_at_most": _ms(HEALTHZ_TARGET_S),
-                },
-                **memory(world, args.waves, args.uploads, args.size_mib * MIB),
-                **latency(world, args.commits, args.manifest_mib * MIB),
-                "load_average_1m": round(os.getloadavg()[0], 2),
-            }
-        finally:
-            world.close()
+    with a_world() as world:
+        result: dict[str, object] = {
+            "targets": {
+                "rss_kept_mib_at_most": RSS_TARGET_MIB,
+                "healthz_delay_ms_at_most": _ms(HEALTHZ_TARGET_S),
+            },
+            **memory(world, args.waves, args.uploads, args.size_mib * MIB),
+            **latency(world, args.commits, args.manifest_mib * MIB),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+        }
     print(json.dumps(result))
 
 

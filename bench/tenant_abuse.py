@@ -27,15 +27,14 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 if not __package__:
     sys.exit("run the benchmarks from the repository root: python -m bench.tenant_abuse")
 
 from agent.wire.protocol import EventKind
-from tests.adversarial_world import MIB, World, healthz_under, post_all, settled_rss
+from bench.load_stats import percentile
+from tests.adversarial_world import MIB, World, a_world, healthz_under, post_all, settled_rss
 
 RSS_TARGET_MIB = 16
 HEALTHZ_P99_TARGET_S = 0.100
@@ -43,11 +42,6 @@ HEALTHZ_P99_TARGET_S = 0.100
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
-
-
-def _p99(lags: list[float]) -> float:
-    ordered = sorted(lags)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
 def _status(line: bytes) -> int:
@@ -100,7 +94,7 @@ def flood(world: World, requests: int, batch: int, quota: int) -> dict[str, obje
         kept = db.execute(
             "SELECT count(*) FROM events WHERE job_id = ? AND source = 'agent'", (world.job_id,)
         ).fetchone()[0]
-    p99 = _p99(probes.burst)
+    p99 = percentile(probes.burst, 0.99) or 0.0
     return {
         "flood_events": requests * batch,
         "flood_statuses": {str(code): n for code, n in sorted(statuses.items())},
@@ -128,20 +122,16 @@ def main() -> None:
         "RESURGO_SUPERVISOR_EVENTS_PER_MINUTE": "6000",
         "RESURGO_SUPERVISOR_EVENT_QUOTA": str(args.quota),
     }
-    with tempfile.TemporaryDirectory() as where:
-        world = World(Path(where), extra_env=budget)
-        try:
-            result: dict[str, object] = {
-                "targets": {
-                    "ranks_rss_grown_mib_at_most": RSS_TARGET_MIB,
-                    "flood_healthz_p99_ms_under": _ms(HEALTHZ_P99_TARGET_S),
-                },
-                **made_up_ranks(world, args.rank_requests, args.ranks),
-                **flood(world, args.flood_requests, args.flood_batch, args.quota),
-                "load_average_1m": round(os.getloadavg()[0], 2),
-            }
-        finally:
-            world.close()
+    with a_world(budget) as world:
+        result: dict[str, object] = {
+            "targets": {
+                "ranks_rss_grown_mib_at_most": RSS_TARGET_MIB,
+                "flood_healthz_p99_ms_under": _ms(HEALTHZ_P99_TARGET_S),
+            },
+            **made_up_ranks(world, args.rank_requests, args.ranks),
+            **flood(world, args.flood_requests, args.flood_batch, args.quota),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+        }
     print(json.dumps(result))
 
 

@@ -18,8 +18,10 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,6 +298,17 @@ async def post_all(port: int, requests: list[bytes]) -> list[bytes]:
             writer.close()
 
     return await asyncio.gather(*(one(request) for request in requests))
+
+
+@contextlib.contextmanager
+def a_world(extra_env: dict[str, str] | None = None) -> Iterator[World]:
+    """A :class:`World` in a temporary directory (a benchmark's), closed and removed after."""
+    with tempfile.TemporaryDirectory() as where:
+        world = World(Path(where), extra_env=extra_env)
+        try:
+            yield world
+        finally:
+            world.close()
 
 
 @dataclass(frozen=True)

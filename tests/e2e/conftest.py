@@ -16,10 +16,13 @@ from tests.supervisor_harness import SupervisorProcess
 def supervisor(
     slurm_cluster: LiveCluster, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[SupervisorProcess]:
-    """The supervisor under test; ``@pytest.mark.policy(name=value)`` changes its policy."""
+    """The supervisor under test; ``@pytest.mark.policy(name=value)`` changes its policy,
+    ``@pytest.mark.daemon_env(NAME=value)`` its settings."""
     marker = request.node.get_closest_marker("policy")
     policy = POLICY | (marker.kwargs if marker else {})
-    process = SupervisorProcess(slurm_cluster, tmp_path / "state", policy, AGENTS | DAEMON)
+    settings = request.node.get_closest_marker("daemon_env")
+    env = AGENTS | DAEMON | (settings.kwargs if settings else {})
+    process = SupervisorProcess(slurm_cluster, tmp_path / "state", policy, env)
     process.start()
     try:
         yield process

@@ -13,29 +13,15 @@ import json
 import os
 import signal
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ENDED, LiveCluster
-from tests.e2e.test_faults import AGENTS, DAEMON, POLICY, Run, story, submit
+from tests.e2e.test_faults import Run, story, submit
 from tests.supervisor_harness import SupervisorProcess
 
-pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture
-def observer(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[SupervisorProcess]:
-    """A supervisor in observe-only mode."""
-    env = AGENTS | DAEMON | {"RESURGO_SUPERVISOR_OBSERVE_ONLY": "yes"}
-    process = SupervisorProcess(slurm_cluster, tmp_path / "state", POLICY, env)
-    process.start()
-    try:
-        yield process
-    finally:
-        process.stop()
-        slurm_cluster.restore()
+pytestmark = [pytest.mark.slurm, pytest.mark.daemon_env(RESURGO_SUPERVISOR_OBSERVE_ONLY="yes")]
 
 
 def would(supervisor: SupervisorProcess, run: Run) -> list[str]:
@@ -57,26 +43,26 @@ def assert_slurm_untouched(cluster: LiveCluster, run: Run) -> None:
 
 
 def test_a_hang_then_its_rank_killed_are_decided_on_and_nothing_is_done(
-    slurm_cluster: LiveCluster, observer: SupervisorProcess, tmp_path: Path
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
     """A rank hangs: the stop of the ranks and the drain are recorded, not done; the job
     keeps hanging, as it would without Resurgo. Then the hung rank is SIGKILLed (as an
     operator would): the step fails and the job ends with it, never requeued."""
-    run = submit(observer, tmp_path, "--fault", "hang@6:2")
+    run = submit(supervisor, tmp_path, "--fault", "hang@6:2")
     slurm_cluster.wait_for(
         "the would-be drain after the hang",
-        lambda: any(w.startswith("drain ") for w in would(observer, run)),
+        lambda: any(w.startswith("drain ") for w in would(supervisor, run)),
         timeout_s=180,
     )
     (victim,) = run.faulted_nodes()
-    acts = would(observer, run)
-    told = story(observer, run) + "\n--- would ---\n" + "\n".join(acts)
+    acts = would(supervisor, run)
+    told = story(supervisor, run) + "\n--- would ---\n" + "\n".join(acts)
     assert any(w.startswith("stop every rank of the job") for w in acts), told
     assert any(w.startswith(f"drain {victim} (hang)") for w in acts), told
     job = slurm_cluster.job(run.job_id)
     assert job is not None and job["job_state"] == "RUNNING", told
     assert_slurm_untouched(slurm_cluster, run)
-    with observer.store() as store:
+    with supervisor.store() as store:
         # Every action (the agents' stop command among them) was recorded, not done.
         acted = [a for a in store.list_actions(str(run.job_id)) if a.kind != "validate"]
         assert acted and all(a.result and a.result["observe_only"] for a in acted), acted
@@ -86,15 +72,15 @@ def test_a_hang_then_its_rank_killed_are_decided_on_and_nothing_is_done(
     }  # the ranks run on this machine: the local cluster's nodes share it
     os.kill(hung_pid, signal.SIGKILL)
     job = slurm_cluster.wait_job_state(run.job_id, ENDED, timeout_s=180)
-    told = story(observer, run) + "\n--- would ---\n" + "\n".join(would(observer, run))
+    told = story(supervisor, run) + "\n--- would ---\n" + "\n".join(would(supervisor, run))
     assert job["job_state"] == "FAILED", told
     assert "observe-only: the step ended with exit code" in run.text(), told
     assert_slurm_untouched(slurm_cluster, run)
-    with observer.store() as store:
+    with supervisor.store() as store:
         outcomes = [(b.node, b.outcome.value) for b in store.blames_since(0)]
         assert store.open_drains() == []
     assert outcomes == [(victim, "would_drain")], told
-    health = json.loads(urllib.request.urlopen(f"{observer.url}/healthz", timeout=10).read())
+    health = json.loads(urllib.request.urlopen(f"{supervisor.url}/healthz", timeout=10).read())
     assert health["observe_only"] is True
-    shown = observer.resurgo("status", str(run.job_id))
+    shown = supervisor.resurgo("status", str(run.job_id))
     assert "supervisor in observe-only mode" in shown.stdout, shown.stdout
