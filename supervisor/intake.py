@@ -68,6 +68,8 @@ DRIVER_RETRY_S = 2.0
 DRIVER_RECOVERY_RETRY_S = 0.2
 # Phases in which a rank may keep its peers waiting in a collective for long.
 _BUSY_PHASES = frozenset({"checkpoint", "eval"})
+# What the driver asks that observe-only mode answers as if no supervisor decided.
+_OBSERVED_PHASES = frozenset({DriverPhase.START, DriverPhase.RUNNING, DriverPhase.ENDED})
 
 
 @dataclass
@@ -629,6 +631,8 @@ class Intake:
             return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason="confirmed",
                                 retry_after_s=0.0)  # fmt: skip
         record = job.record
+        if self.config.observe_only and request.phase in _OBSERVED_PHASES:
+            return self._observing(job_id, job, request)
         if record.state.terminal:
             action = DriverAction.DONE if record.state is JobState.COMPLETED else DriverAction.STOP
             return DriverAnswer(
@@ -655,8 +659,6 @@ class Intake:
             )  # fmt: skip
         if request.phase is DriverPhase.ENDED:
             self._note_step_ended(job_id, job, request)
-            if self.config.observe_only:
-                return _unsupervised_end(job_id, record, request.exit_code)
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
             return replace(
@@ -754,6 +756,35 @@ class Intake:
                 job_id, source, target, job.spec.ckpt_root, job.spec.ckpt_root, source,
             )  # fmt: skip
 
+    def _observing(self, job_id: str, job: TrackedJob, request: DriverRequest) -> DriverAnswer:
+        """Observe-only: the driver runs the job as it would run without Resurgo. It
+        launches at once, as the job was submitted (no checkpoint chosen for it, none
+        moved aside), its step runs on whatever was decided (no stop, no relaunch, no
+        spare check), and the step's end is the job's."""
+        record = job.record
+        if request.phase is DriverPhase.START and record.spares_wanted and not record.nodes:
+            return DriverAnswer(
+                DriverAction.WAIT, record.attempt, reason="waiting for Slurm's allocation",
+                retry_after_s=DRIVER_RETRY_S,
+            )  # fmt: skip
+        if request.phase is DriverPhase.START:
+            return DriverAnswer(
+                DriverAction.LAUNCH, record.attempt,
+                nodes=record.nodes if record.spare_nodes else None,
+                reason="launch on the current allocation (observe-only)",
+            )  # fmt: skip
+        if request.phase is DriverPhase.RUNNING:
+            return DriverAnswer(DriverAction.WAIT, record.attempt, reason="carry on (observe-only)")
+        self._note_step_ended(job_id, job, request)
+        if request.exit_code == 0:
+            return DriverAnswer(DriverAction.DONE, record.attempt, reason="the step completed")
+        why = (
+            f"observe-only: the step ended with exit code {request.exit_code}, and the job "
+            f"ends as it would without Resurgo (`resurgo events {job_id}` shows what it "
+            "would have done)"
+        )
+        return DriverAnswer(DriverAction.STOP, record.attempt, reason=why)
+
     def _spares_checked(self, job_id: str, request: DriverRequest) -> DriverAnswer:
         """The driver's spare check: a spare that failed is decided on (released)."""
         record = self.jobs[job_id].record
@@ -809,17 +840,6 @@ class Intake:
             job_id, attempt, code, now - first_s,
         )  # fmt: skip
         self._enqueue(job_id, StepEnded(attempt, code))
-
-
-def _unsupervised_end(job_id: str, record: JobRecord, exit_code: int | None) -> DriverAnswer:
-    """Observe-only: the step's end is the job's, as it would be without Resurgo."""
-    if exit_code == 0:
-        return DriverAnswer(DriverAction.DONE, record.attempt, reason="the step completed")
-    why = (
-        f"observe-only: the step ended with exit code {exit_code}, and the job ends as it "
-        f"would without Resurgo (`resurgo events {job_id}` shows what it would have done)"
-    )
-    return DriverAnswer(DriverAction.STOP, record.attempt, reason=why)
 
 
 def _relaunch_answer(pending: RelaunchStep, record: JobRecord) -> DriverAnswer:

@@ -944,6 +944,22 @@ def test_observe_only_decides_and_records_what_it_would_do_and_does_nothing(
         assert (blame.node, blame.outcome.value) == ("node3", "would_drain")
         would = store.events_for(JOB, kinds=["would_act"])
         assert any("drain node3" in row.payload["would"] for row in would), would
+        # Whatever the core decided, the running step goes on: no stop, no relaunch, no
+        # spare check; even a job the core stopped for good (a crash loop, say).
+        running = protocol.DriverRequest(JOB, protocol.DriverPhase.RUNNING, attempt=1)
+        job = supervisor.jobs[JOB]
+        decided = job.record
+        job.record = replace(decided, state=JobState.FAILED)
+        for record in (decided, job.record):
+            job.record = record
+            answer = await supervisor.driver(JOB, running)
+            assert answer.action is protocol.DriverAction.WAIT and not answer.check_spares
+        start = await supervisor.driver(
+            JOB, protocol.DriverRequest(JOB, protocol.DriverPhase.START)
+        )
+        assert start.action is protocol.DriverAction.LAUNCH
+        assert start.resume_from is None and start.quarantine == ()
+        job.record = decided
         # The step failed: the job ends, as without Resurgo (the driver exits 93).
         answer = await _step_ended(supervisor, 137)
         assert answer.action is protocol.DriverAction.STOP
