@@ -94,6 +94,9 @@ class _Walk:
     fault_s: float | None = None
     cause: str = "unknown"
     steps: list[tuple[float, float]] = field(default_factory=list)  # (time, step) this run
+    # False from a detection until the relaunch: a step then is the failed run's
+    # (a rank that finished one more before its peers stopped), not the recovery's end.
+    relaunched: bool = True
     stalls: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds) this run
 
     def charge(self, kind: Badput, seconds: float, fault: bool = False) -> None:
@@ -166,6 +169,9 @@ class Accountant:
             walk.phase = "recovering" if walk.phase == "recovering-queue" else "startup"
             walk.since = t
         elif fact.kind is FactKind.STEP:
+            if walk.phase == "recovering" and not walk.relaunched:
+                walk.steps.append((t, fact.value or 0.0))
+                return
             if walk.phase == "startup":
                 walk.charge(Badput.STARTUP, t - walk.since)
             elif walk.phase == "recovering":
@@ -182,10 +188,10 @@ class Accountant:
             if walk.phase == "running":  # no separate fault time: detected at once
                 walk.fault_s, walk.cause = t, fact.cause or "unknown"
             walk.charge(Badput.DETECTION, t - (walk.fault_s or t), fault=True)
-            walk.phase, walk.since = "recovering", t
+            walk.phase, walk.since, walk.relaunched = "recovering", t, False
         elif fact.kind is FactKind.RESUMED:
             walk.charge(Badput.LOST_WORK, _lost_work(walk, fact.value or 0.0), fault=True)
-            walk.stalls, walk.steps, walk.fault_s = [], [], None
+            walk.stalls, walk.steps, walk.fault_s, walk.relaunched = [], [], None, True
         elif fact.kind is FactKind.ENDED:
             ended = fact.cause != STILL_RUNNING
             for kind, seconds, fault in _end_charges(walk, t, ended=ended):

@@ -164,3 +164,24 @@ def test_the_time_after_the_last_step_of_an_ended_job_is_shutdown_not_productive
     running = account([*steps, Fact(100, K.ENDED, cause=STILL_RUNNING)])
     assert running.badput_s[Badput.SHUTDOWN] == 0
     assert running.productive_s == 100 - 10
+
+
+def test_a_step_the_failed_run_reports_after_the_detection_does_not_end_the_recovery():
+    """Rank 0 finished one more step before its peers stopped: its report after the
+    detection is the failed run's. The recovery ends at the relaunched run's first step."""
+    result = account(
+        [
+            Fact(0, K.ALLOCATED),
+            Fact(10, K.STEP, 1),
+            Fact(50, K.STEP, 40),
+            Fact(50, K.FAULT, cause="rank_signal"),
+            Fact(51, K.DETECTED, cause="rank_signal"),
+            Fact(52, K.STEP, 41),  # the failed run's last report
+            Fact(70, K.RESUMED, 40),
+            Fact(80, K.STEP, 41),
+            Fact(120, K.STEP, 80),
+            Fact(120, K.ENDED),
+        ]
+    )
+    assert result.badput_s[Badput.RECOVERY] == 80 - 51
+    assert result.productive_s == 120 - 10 - 1 - 29
