@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -119,6 +120,9 @@ class TrackedJob:
     spares_checked_s: float | None = None
     # the training-health watch over the step reports (None: anomaly_action off)
     watch: JobWatch | None = None
+    # checkpoint path -> (why the driver was last told to move it aside, whether it
+    # is valid and only past a rollback's point)
+    aside: dict[str, tuple[str, bool]] = field(default_factory=dict)
     # (record nodes, Slurm's nodes, their union) as of the last allocation() call
     _allocation: tuple[tuple[str, ...], tuple[str, ...], frozenset[str]] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -662,7 +666,7 @@ class Intake:
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
             return replace(
-                _relaunch_answer(pending, record), quarantine=self._to_quarantine(job_id, record)
+                _relaunch_answer(pending, record), quarantine=self._to_quarantine(job, record)
             )
         if request.phase is DriverPhase.START:
             recovery = record.recovery
@@ -687,7 +691,7 @@ class Intake:
                 resume_from=recovery.resume_from if recovery is not None else None,
                 skip_samples=record.skipped_samples,
                 reason=f"launch on the current allocation{spares}",
-                quarantine=self._to_quarantine(job_id, record),
+                quarantine=self._to_quarantine(job, record),
             )
         return DriverAnswer(
             DriverAction.WAIT,
@@ -721,39 +725,53 @@ class Intake:
         job.spares_checked_s = now
         return record.spare_nodes
 
-    def _to_quarantine(self, job_id: str, record: JobRecord) -> tuple[tuple[str, str], ...]:
-        """The checkpoints this recovery rejected, newer than the one it resumes from, and why.
+    def _to_quarantine(self, job: TrackedJob, record: JobRecord) -> tuple[tuple[str, str], ...]:
+        """The checkpoints newer than the one this recovery resumes from, and why: those it
+        rejected, and, for a rollback past a training anomaly, those past its point.
 
         The driver moves them aside (:mod:`agent.checkpoint.quarantine`), so a
-        script that resumes by its framework's own "latest" finds the valid one.
+        script that resumes by its framework's own "latest" finds the chosen one.
         """
         recovery = record.recovery
-        if recovery is None or not recovery.validated or not recovery.rejected:
+        if recovery is None or not recovery.validated:
+            return ()
+        rollback = recovery.resume_before is not None
+        if not recovery.rejected and not rollback:
             return ()
         reasons: dict[str, str] = {}
-        for row in self.store.list_actions(job_id):
+        for row in self.store.list_actions(record.job_id):
             if (
-                row.kind == KIND_OF[ValidateCheckpoints]
-                and row.args.get("attempt") == record.attempt
+                row.kind != KIND_OF[ValidateCheckpoints]
+                or row.args.get("attempt") != record.attempt
             ):
-                for checked in (row.result or {}).get("checked", []):
-                    if checked.get("path") and not checked.get("valid"):
-                        reasons[checked["path"]] = checked.get("reason") or "failed validation"
-        return tuple((path, reasons.get(path, "failed validation")) for path in recovery.rejected)
+                continue
+            for checked in (row.result or {}).get("checked", []):
+                if checked.get("path") and not checked.get("valid"):
+                    reasons[checked["path"]] = checked.get("reason") or "failed validation"
+            for past in (row.result or {}).get("past_rollback", []) if rollback else ():
+                reasons[past["path"]] = _past_the_rollback(past["step"], record)
+        moved = dict.fromkeys(recovery.rejected)
+        moved.update(dict.fromkeys(path for path in reasons if path not in recovery.rejected))
+        aside = tuple((path, reasons.get(path, "failed validation")) for path in moved)
+        job.aside = {path: (why, path not in recovery.rejected) for path, why in aside}
+        return aside
 
     def _note_quarantined(self, job_id: str, job: TrackedJob, request: DriverRequest) -> None:
         """Record each checkpoint the driver moved into quarantine as an event of the job."""
         now = self.clock()
+        root = job.spec.ckpt_root
         for source, target in request.quarantined:
+            why, past = job.aside.get(os.path.join(root, source), ("failed validation", False))
+            payload = {"checkpoint": source, "moved_to": target, "attempt": request.attempt,
+                       "reason": why, "past_rollback": past}  # fmt: skip
             self.store.record_observation(
-                job_id, "checkpoint_quarantined",
-                {"checkpoint": source, "moved_to": target, "attempt": request.attempt},
+                job_id, "checkpoint_quarantined", payload,
                 now, observation_id=f"{job_id}/quarantine/{target}",
             )  # fmt: skip
             log.warning(
-                "job %s: checkpoint %s failed validation and was moved to %s under %s "
-                "(`resurgo ckpt release %s %s` moves it back)",
-                job_id, source, target, job.spec.ckpt_root, job.spec.ckpt_root, source,
+                "job %s: checkpoint %s was moved to %s under %s (%s; `resurgo ckpt release "
+                "%s %s` moves it back)",
+                job_id, source, target, root, why, root, source,
             )  # fmt: skip
 
     def _observing(self, job_id: str, job: TrackedJob, request: DriverRequest) -> DriverAnswer:
@@ -840,6 +858,18 @@ class Intake:
             job_id, attempt, code, now - first_s,
         )  # fmt: skip
         self._enqueue(job_id, StepEnded(attempt, code))
+
+
+def _past_the_rollback(step: int, record: JobRecord) -> str:
+    """Why a checkpoint of ``step`` is moved aside by a rollback."""
+    acted = [a for a in record.anomalies if a.action in ("rollback", "drain")]
+    anomaly = acted[-1] if acted else None
+    onset = "" if anomaly is None else f" at step {anomaly.onset_step} ({anomaly.kind})"
+    resumed = record.recovery.resume_step if record.recovery is not None else None
+    return (
+        f"step {step} lies past the rollback to step {resumed} after the training "
+        f"anomaly{onset}: the run resumes before it"
+    )
 
 
 def _relaunch_answer(pending: RelaunchStep, record: JobRecord) -> DriverAnswer:

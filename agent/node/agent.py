@@ -404,9 +404,12 @@ class NodeAgent:
                 self._saves.on_beat(message)
                 self.monitor.on_beat(message, self._clocks.monotonic())
             elif isinstance(message, StepReport):
-                self._library_beats = True  # step reports come from the library only
-                # A finished step is progress too: the report doubles as a beat.
-                self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
+                self._library_beats |= not message.automatic
+                # A finished step is progress too: the report doubles as a beat. The
+                # bootstrap may send a step's loss a step late (read off a GPU without a
+                # sync): that one only carries the loss.
+                if not message.automatic or not self.monitor.is_behind(message):
+                    self.monitor.on_beat(message.as_beat(), self._clocks.monotonic())
                 self._steps.add(message)
             elif isinstance(message, CheckpointNote):
                 event = self._saves.event(message)

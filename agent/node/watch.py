@@ -32,7 +32,7 @@ from agent.node.hang import (
 )
 from agent.node.procs import RankProcess
 from agent.node.stacks import StackDump, dump_all, dump_all_placed, fingerprint, in_collective
-from agent.train.heartbeat import RankBeat
+from agent.train.heartbeat import RankBeat, StepReport
 from agent.wire import protocol
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,11 @@ class RankMonitor:
         reported = self._hang_reported.get(beat.rank)
         if reported is not None and progress.progress_s > reported:
             del self._hang_reported[beat.rank]
+
+    def is_behind(self, beat: RankBeat | StepReport) -> bool:
+        """Whether ``beat``'s process already told of a later step (a late loss report)."""
+        known = self.progress.get(beat.rank)
+        return known is not None and known.pid == beat.pid and beat.step < known.step
 
     def forget(self, global_rank: int) -> RankProgress | None:
         """Drop an exited rank; return what was known of it."""

@@ -10,6 +10,10 @@ for ``import torch`` to finish, and then
 - registers a global optimizer-step post hook
   (``torch.optim.optimizer.register_optimizer_step_post_hook``): each step of
   the first optimizer that steps is a beat of the next step, in phase train;
+- wraps ``torch.Tensor.backward`` (and ``GradScaler.scale``): the scalar a
+  backward pass starts from is the step's loss (:mod:`agent.train.losstap`,
+  read without a device synchronization), sent as a step report that feeds
+  the supervisor's training-health watch (a NaN, a spike);
 - wraps ``torch.save``: the write is phase checkpoint (its grace covers a long
   write), and a file written under the job's checkpoint root
   (``RESURGO_CKPT_ROOT``) is noted to the agent (``checkpoint_written``:
@@ -54,6 +58,7 @@ from agent.checkpoint.layouts.torchfile import step_named
 from agent.node.launch import ENV_CKPT_ROOT
 from agent.train import heartbeat as heartbeat_module
 from agent.train.heartbeat import ENV_AGENT_SOCKET, ENV_RANK, Heartbeat, Phase
+from agent.train.losstap import LossTap, mark_scaled
 
 ENV_AUTO_PROGRESS = "RESURGO_AUTO_PROGRESS"
 OFF = frozenset({"0", "no", "off", "false"})
@@ -78,6 +83,7 @@ class AutoProgress:
     def __init__(self, beats: Heartbeat) -> None:
         self.beats = beats
         self.step = 0
+        self.losses = LossTap()
         self._optimizer: int | None = None
         self._handle: Any = None
         # The thread that trains (of the first counted step) and whether it is in a save.
@@ -104,7 +110,12 @@ class AutoProgress:
             elif id(optimizer) != self._optimizer:
                 return
             self.step += 1
-            self.beats.beat(self.step)
+            told = False
+            for step, loss in self.losses.step_ended(self.step):
+                self.beats.report_step(step, loss=loss)  # a beat of ``step`` too
+                told = step == self.step
+            if not told:
+                self.beats.beat(self.step)
         except Exception:  # never into the user's training loop
             pass
 
@@ -123,6 +134,7 @@ class AutoProgress:
                 step = self._checkpoint_of(os.path.abspath(os.fspath(source)))[1]
             if step is not None:
                 self.step = step
+                self.losses.forget()
                 self.beats.beat(step)
         except Exception:
             pass
@@ -292,6 +304,23 @@ class AutoProgress:
 
         return loading
 
+    def wrap_backward(self, backward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(backward)
+        def backwarding(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.standing_down:
+                self.losses.started_backward(tensor)
+            return backward(tensor, *args, **kwargs)
+
+        return backwarding
+
+    @staticmethod
+    def wrap_scale(scale: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(scale)
+        def scaling(scaler: Any, outputs: Any) -> Any:
+            return mark_scaled(scale(scaler, outputs), getattr(scaler, "_scale", None))
+
+        return scaling
+
     def wrap_train(self, train: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(train)
         def training(module: Any, mode: bool = True) -> Any:
@@ -318,9 +347,13 @@ class AutoProgress:
             (torch, "save", self.wrap_save),
             (torch, "load", self.wrap_load),
             (torch.nn.Module, "train", self.wrap_train),
+            (torch.Tensor, "backward", self.wrap_backward),
         ):
             with contextlib.suppress(Exception):
                 setattr(owner, name, wrap(getattr(owner, name)))
+        with contextlib.suppress(Exception):
+            scaler = torch.amp.grad_scaler.GradScaler
+            scaler.scale = self.wrap_scale(scaler.scale)
         _after_import(DCP_MODULE, self.attach_dcp)
 
 

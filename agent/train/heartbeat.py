@@ -47,8 +47,8 @@ offset type  field
 2      u8    version, 1
 3      u8    kind: 1 = beat, 2 = checkpoint committed, 3 = step report
 4      u8    phase: 0 init, 1 train, 2 checkpoint, 3 eval
-5      u8    flags: bit 0 set for a beat of the automatic bootstrap
-             (:mod:`agent.train.autohooks`); bit 1 set on a step report
+5      u8    flags: bit 0 set for a beat or step report of the automatic
+             bootstrap (:mod:`agent.train.autohooks`); bit 1 set on a step report
              whose loss was not finite (the loss field holds the NaN or
              infinity; without the bit a NaN there means "no loss");
              bit 2 likewise for the grad norm of a step report;
@@ -217,6 +217,8 @@ class StepReport:
     wall_time_s: float
     compute_s: float | None = None
     grad_norm: float | None = None
+    # Sent by the automatic bootstrap (a loss it read off ``backward()``), not the library.
+    automatic: bool = False
 
     def as_beat(self) -> RankBeat:
         """The beat this report stands for: ``rank`` reached ``step`` in phase train."""
@@ -228,6 +230,7 @@ class StepReport:
             Phase.TRAIN,
             self.wall_time_s,
             self.compute_s,
+            self.automatic,
         )
 
 
@@ -322,12 +325,14 @@ def encode_step_report(
     wall_time_s: float,
     compute_s: float | None = None,
     grad_norm: float | None = None,
+    automatic: bool = False,
 ) -> bytes:
     """The datagram for a step report; ValueError for a negative rank, step or cursor.
 
     ``compute_s`` None: not measured; negative or not finite: ValueError.
     ``grad_norm`` None: the 58-byte form, as before grad norms travelled;
     otherwise the 66-byte form, NaN and infinity flagged; negative: ValueError.
+    ``automatic``: flag bit 0 (the bootstrap's loss of a script that imports nothing).
     """
     if min(rank, local_rank, step) < 0 or (cursor is not None and cursor < 0):
         raise ValueError(
@@ -336,7 +341,9 @@ def encode_step_report(
         )
     if grad_norm is not None and not _is_grad_norm(grad_norm):
         raise ValueError(f"grad norm must be >= 0, NaN or infinity, got {grad_norm!r}")
-    flags = FLAG_NON_FINITE_LOSS if loss is not None and not math.isfinite(loss) else 0
+    flags = FLAG_AUTOMATIC if automatic else 0
+    if loss is not None and not math.isfinite(loss):
+        flags |= FLAG_NON_FINITE_LOSS
     if grad_norm is not None and not math.isfinite(grad_norm):
         flags |= FLAG_NON_FINITE_GRAD_NORM
     header = _HEADER.pack(
@@ -426,6 +433,7 @@ def _step_report(
         wall,
         _read_compute(data, _UNTIMED_STEP_REPORT_SIZE) if timed else None,
         grad_norm,
+        bool(flags & FLAG_AUTOMATIC),
     )
 
 
@@ -609,6 +617,7 @@ class Heartbeat:
                 wall_time_s=self._clock(),
                 compute_s=compute_s,
                 grad_norm=grad_norm,
+                automatic=bool(self._flags),
             )
         )
 

@@ -379,8 +379,11 @@ class Executor:
             new = self._store.queue_command(intent.job_id, None, command, now_s)
             return {"command_id": command.command_id, "new": new}, []
         if isinstance(intent, ValidateCheckpoints):
-            checked = await self._validate_checkpoints(intent)
-            return {"checked": [validated_doc(seen) for seen in checked]}, list(checked)
+            checked, past = await self._validate_checkpoints(intent)
+            result: dict[str, Any] = {"checked": [validated_doc(seen) for seen in checked]}
+            if past:
+                result["past_rollback"] = past
+            return result, list(checked)
         if isinstance(intent, ShrinkAllocation):
             await self._slurm.shrink(slurm_job_id(intent.job_id), intent.keep_nodes)
             return {"nodes": list(intent.keep_nodes)}, []
@@ -492,18 +495,27 @@ class Executor:
         )  # fmt: skip
         return True
 
-    async def _validate_checkpoints(self, intent: ValidateCheckpoints) -> list[CheckpointValidated]:
+    async def _validate_checkpoints(
+        self, intent: ValidateCheckpoints
+    ) -> tuple[list[CheckpointValidated], list[dict[str, Any]]]:
+        """The checkpoints validated, newest first up to the first valid one; and, for a
+        rollback, those passed over as past its point (path and step: the relaunch moves
+        them aside, so that a framework's own "latest" does not resume past the anomaly)."""
         root = self._checkpoint_root_of(intent.job_id)
         if root is None:
-            return [CheckpointValidated(None, None, False, "no checkpoint directory is known")]
+            return [CheckpointValidated(None, None, False, "no checkpoint directory is known")], []
         checked: list[CheckpointValidated] = []
+        past: list[dict[str, Any]] = []
         for entry in await asyncio.to_thread(layouts.find_all, root):
             if entry.path in intent.skip:
                 continue
             if intent.before_step is not None and (
                 entry.step is None or entry.step > intent.before_step
             ):
-                continue  # a rollback: after the anomaly's onset (less the margin), or unknown
+                # A rollback: after the anomaly's onset (less the margin), or unknown.
+                if entry.step is not None:
+                    past.append({"path": entry.path, "step": entry.step})
+                continue
             valid, reason = await self._validate(entry.path, intent.level)
             checked.append(CheckpointValidated(entry.step, entry.path, valid, reason))
             log.info(
@@ -512,12 +524,12 @@ class Executor:
                 intent.level.value, f": {reason}" if reason else "",
             )  # fmt: skip
             if valid:
-                return checked
+                return checked, past
         before = "" if intent.before_step is None else f" at or before step {intent.before_step}"
         checked.append(
             CheckpointValidated(None, None, False, f"no valid checkpoint{before} left under {root}")
         )
-        return checked
+        return checked, past
 
     async def _validate(self, path: str, level: ValidationLevel) -> tuple[bool, str]:
         if self._validate_fn is not None:

@@ -148,8 +148,10 @@ def _recurrence(
     if entry.cursor is None or previous.cursor is None:
         reason = (
             f"crash loop: {again}, on the same data (the script reports no global sample "
-            "cursor, so the data could not be skipped); not a node fault, no drain. Report a "
-            "cursor (GlobalBatchSampler with TrainingSession) or fix the data"
+            "cursor, so the data could not be skipped: a script that imports nothing from "
+            "Resurgo cannot be); not a node fault, no drain. Fix or leave out the data of "
+            f"step {entry.onset_step}, or report a cursor (GlobalBatchSampler with "
+            "TrainingSession), then resubmit: it resumes from the newest valid checkpoint"
         )
         return _stop(record, entry, now_s, reason)
     if entry.cursor == previous.cursor:

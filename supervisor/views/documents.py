@@ -155,8 +155,11 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
     if kind == "alert":
         return f"ALERT ({payload.get('severity')}): {payload.get('message')}"
     if kind == "checkpoint_quarantined":
+        # A valid checkpoint a rollback moved aside says why; a rejected one's reason is
+        # in `resurgo ckpt quarantined`.
+        said = payload.get("reason") if payload.get("past_rollback") else "failed validation"
         return (
-            f"checkpoint {payload.get('checkpoint')} failed validation: moved to "
+            f"checkpoint {payload.get('checkpoint')} {said}: moved to "
             f"{payload.get('moved_to')} (resurgo ckpt release moves it back)"
         )
     if kind == "training_anomaly":

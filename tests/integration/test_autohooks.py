@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agent.node.launch import BOOTSTRAP_DIR, with_bootstrap
-from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, parse_datagram
+from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, StepReport, parse_datagram
 
 REPO = Path(__file__).resolve().parents[2]
 FSDP2_PLAIN = REPO / "tests" / "workers" / "fsdp2_plain.py"
@@ -72,17 +72,25 @@ class Listener:
             with contextlib.suppress(TimeoutError):
                 self.received.append(self.sock.recv(65536))
 
-    def messages(self) -> list[RankBeat | CheckpointNote]:
+    def messages(self) -> list[RankBeat | CheckpointNote | StepReport]:
         time.sleep(0.3)
         found = []
         for data in list(self.received):
             message = parse_datagram(data)
-            assert isinstance(message, RankBeat | CheckpointNote), message
+            assert isinstance(message, RankBeat | CheckpointNote | StepReport), message
             found.append(message)
         return found
 
     def beats(self) -> list[RankBeat]:
-        return [m for m in self.messages() if isinstance(m, RankBeat)]
+        """Every beat, a step report as the beat it stands for."""
+        return [
+            m.as_beat() if isinstance(m, StepReport) else m
+            for m in self.messages()
+            if isinstance(m, RankBeat | StepReport)
+        ]
+
+    def reports(self) -> list[StepReport]:
+        return [m for m in self.messages() if isinstance(m, StepReport)]
 
     def notes(self) -> list[CheckpointNote]:
         return [m for m in self.messages() if isinstance(m, CheckpointNote)]
@@ -181,11 +189,75 @@ def test_the_users_own_sitecustomize_still_runs(tmp_path: Path, agent: Listener)
     )  # fmt: skip
     assert done.stdout.strip() == "ran"
     assert len(agent.beats()) == 14
+    assert [r.step for r in agent.reports()] == [1, 2, 3, 4, 5]  # their losses
 
 
 def test_a_dead_agent_costs_the_script_nothing(tmp_path: Path) -> None:
     done = run_rank(tmp_path, PLAIN + "print('trained')\n", str(tmp_path / "nobody.sock"))
     assert done.stdout.strip() == "trained" and done.stderr == ""
+
+
+# The losses a script computes, printed; the bootstrap reads them off backward().
+# Steps 1-2: one backward each; 3: two micro batches of half the loss (gradient
+# accumulation, as the Trainer and Lightning scale them); 4: through a GradScaler;
+# 5: a NaN; after a torch.load that names step 40, step 41's loss.
+LOSSES = """
+import time
+import torch
+pause = lambda: time.sleep(0.1)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+def loss_of(rows):
+    return (model(rows) ** 2).mean()
+for step in range(1, 6):
+    optimizer.zero_grad()
+    if step == 3:
+        halves = [loss_of(x[:4]) / 2, loss_of(x[4:]) / 2]
+        for half in halves:
+            half.backward()
+        print(step, float(sum(halves)))
+    elif step == 4:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        loss = loss_of(x)
+        scaler.scale(loss).backward()
+        print(step, float(loss))
+    else:
+        loss = loss_of(x) * (float("nan") if step == 5 else 1.0)
+        loss.backward()
+        print(step, float(loss))
+    torch.autograd.grad(loss_of(x), list(model.parameters()))  # not a training step's
+    model(x).sum(dim=1)  # not a scalar
+    optimizer.step()
+    pause()
+    if step == 4:
+        before_the_nan = {k: v.clone() for k, v in model.state_dict().items()}
+model.load_state_dict(before_the_nan)
+torch.save({"step": 40}, "ckpt.pt")
+torch.load("ckpt.pt")
+pause()
+loss = loss_of(x)
+loss.backward()
+optimizer.step()
+print(41, float(loss))
+"""
+
+
+def test_the_loss_each_step_starts_its_backward_from_is_reported_with_the_step(
+    tmp_path: Path, agent: Listener
+) -> None:
+    done = run_rank(tmp_path, LOSSES, agent.path)
+    printed = {int(step): float(loss) for step, loss in (line.split() for line in
+                                                          done.stdout.splitlines())}  # fmt: skip
+    reports = agent.reports()
+    assert all(r.automatic and r.rank == 3 and r.cursor is None for r in reports)
+    assert [r.step for r in reports] == [1, 2, 3, 4, 5, 41]
+    for report in reports:
+        expected = printed[report.step]
+        if report.step == 5:
+            assert report.loss is not None and report.loss != report.loss  # NaN, flagged
+        else:
+            assert report.loss == pytest.approx(expected, rel=1e-5), report
 
 
 # A script's own DCP checkpoints, imported after torch as scripts do. ELSEWHERE is

@@ -891,7 +891,62 @@ def test_a_relaunch_names_the_rejected_newer_checkpoints_and_their_quarantine_be
         [event] = supervisor.store.events_for(JOB, kinds=["checkpoint_quarantined"])
         assert event.payload == {
             "checkpoint": "checkpoint-40", "moved_to": moved[0][1], "attempt": 2,
+            "reason": why, "past_rollback": False,
         }  # fmt: skip
+
+    run(body, tmp_path)
+
+
+def test_a_rollback_moves_aside_the_valid_checkpoints_past_its_point(tmp_path: Path) -> None:
+    """A NaN at step 45 in a script that imports nothing: the rollback resumes from
+    checkpoint-20 (onset 45 less the margin of 20: at or before step 24), and the
+    driver is told to move checkpoint-40 and checkpoint-60 aside, valid as they are;
+    else the framework's own "latest" would resume past the anomaly."""
+    from tests.unit.test_layouts import hf_checkpoint
+
+    root = tmp_path / "out"
+    for step in (20, 40, 60):
+        hf_checkpoint(root, step)
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), ckpt_root=str(root)))
+        await supervisor.poll()
+        await supervisor.settle()
+        agents = {node: f"00000000000000d{i}" for i, node in enumerate(NODES)}
+        for rank, (node, incarnation) in enumerate(agents.items()):
+            steps = [
+                {"step": step, "loss": None if step >= 45 else 2.0, "cursor": None,
+                 **({"non_finite": "nan"} if step >= 45 else {})}
+                for step in range(30, 50)
+            ]  # fmt: skip
+            supervisor.accept_events(JOB, [
+                started(node, incarnation, 1),
+                event(EventKind.STEP_LOSSES, node, incarnation, 2,
+                      {"global_rank": rank, "steps": steps}),
+            ])  # fmt: skip
+        await supervisor.settle()
+        clock[0] += 30.0
+        await supervisor.tick()
+        await supervisor.settle()
+        record = supervisor.jobs[JOB].record
+        assert record.rollbacks == 1 and record.state is JobState.RELAUNCHING, record
+        ended = protocol.DriverRequest(JOB, protocol.DriverPhase.ENDED, attempt=1, exit_code=1)
+        answer = await supervisor.driver(JOB, ended)
+        assert answer.action is protocol.DriverAction.RELAUNCH
+        assert answer.resume_from == str(root / "checkpoint-20")
+        aside = dict(answer.quarantine)
+        assert sorted(aside) == [str(root / "checkpoint-40"), str(root / "checkpoint-60")]
+        assert "step 60 lies past the rollback to step 20" in aside[str(root / "checkpoint-60")]
+        assert "anomaly at step 45 (non_finite)" in aside[str(root / "checkpoint-60")], aside
+        moved = (("checkpoint-60", ".resurgo-quarantine/checkpoint-60.1760000030"),)
+        confirm = protocol.DriverRequest(
+            JOB, protocol.DriverPhase.RELAUNCHED, attempt=2, action_id=answer.action_id, ok=True,
+            quarantined=moved,
+        )  # fmt: skip
+        await supervisor.driver(JOB, confirm)
+        [seen] = supervisor.store.events_for(JOB, kinds=["checkpoint_quarantined"])
+        assert seen.payload["past_rollback"] is True
+        assert seen.payload["reason"] == aside[str(root / "checkpoint-60")]
 
     run(body, tmp_path)
 
