@@ -63,7 +63,7 @@ import aiohttp
 import tenacity
 
 from agent.checkpoint.catalog import list_checkpoints
-from agent.checkpoint.quarantine import quarantine
+from agent.checkpoint.quarantine import newer_than, quarantine
 from agent.node.sparecheck import parse_verdicts
 from agent.ports import rendezvous_port
 from agent.skips import ENV_SKIP_SAMPLES, SampleRange, format_skip_samples
@@ -541,7 +541,7 @@ class Driver:
             answer.attempt, len(nodes), ",".join(nodes), answer.resume_from or "(newest valid)",
             format_skip_samples(answer.skip_samples) or "(none)",
         )  # fmt: skip
-        if answer.quarantine:
+        if answer.quarantine or answer.aside_after_step is not None:
             await asyncio.to_thread(self._quarantine, answer)
         env = {**self._environ, "RESURGO_CKPT_ROOT": self.settings.ckpt_root}
         # Only the answer says what to resume from and skip: never an earlier launch's.
@@ -567,12 +567,15 @@ class Driver:
         return None
 
     def _quarantine(self, answer: DriverAnswer) -> None:
-        """Move the checkpoints the supervisor rejected aside, so that the script's own
-        "latest" logic finds the one it chose (:mod:`agent.checkpoint.quarantine`)."""
+        """Move the checkpoints the supervisor rejected aside (after a rollback, also every
+        one newer than the one it resumes from), so that the script's own "latest" logic
+        finds the one it chose (:mod:`agent.checkpoint.quarantine`)."""
+        root = self.settings.ckpt_root
         try:
-            moves, steered = quarantine(
-                self.settings.ckpt_root, dict(answer.quarantine), answer.resume_from
-            )
+            aside = dict(answer.quarantine)
+            if answer.aside_after_step is not None:
+                aside = newer_than(root, answer.aside_after_step) | aside
+            moves, steered = quarantine(root, aside, answer.resume_from)
         except OSError as error:
             # The launch goes on: a script that loads the broken one fails again, and the
             # supervisor sees a crash loop rather than a job that never restarts.

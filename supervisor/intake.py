@@ -656,7 +656,7 @@ class Intake:
         if request.phase is DriverPhase.RUNNING:
             pending = self.executor.pending_relaunch(job_id)
             if pending is not None and pending.attempt > (request.attempt or 0):
-                return _relaunch_answer(pending, record)
+                return self._steered(job, record, _relaunch_answer(pending, record))
             return DriverAnswer(
                 DriverAction.WAIT, record.attempt, reason="carry on",
                 check_spares=self._spares_due(job, request.attempt),
@@ -665,9 +665,7 @@ class Intake:
             self._note_step_ended(job_id, job, request)
         pending = self.executor.pending_relaunch(job_id)
         if pending is not None:
-            return replace(
-                _relaunch_answer(pending, record), quarantine=self._to_quarantine(job, record)
-            )
+            return self._steered(job, record, _relaunch_answer(pending, record))
         if request.phase is DriverPhase.START:
             recovery = record.recovery
             if recovery is not None and not recovery.validated:
@@ -684,15 +682,15 @@ class Intake:
                 )  # fmt: skip
             spare = record.spare_nodes
             spares = f", {len(spare)} spare(s) kept ready" if spare else ""
-            return DriverAnswer(
+            launch = DriverAnswer(
                 DriverAction.LAUNCH,
                 record.attempt,
                 nodes=record.nodes if record.spare_nodes else None,
                 resume_from=recovery.resume_from if recovery is not None else None,
                 skip_samples=record.skipped_samples,
                 reason=f"launch on the current allocation{spares}",
-                quarantine=self._to_quarantine(job, record),
             )
+            return self._steered(job, record, launch)
         return DriverAnswer(
             DriverAction.WAIT,
             record.attempt,
@@ -724,6 +722,16 @@ class Intake:
             return ()
         job.spares_checked_s = now
         return record.spare_nodes
+
+    def _steered(self, job: TrackedJob, record: JobRecord, launch: DriverAnswer) -> DriverAnswer:
+        """``launch`` with what the driver moves aside first (see :meth:`_to_quarantine`);
+        after a rollback, also every checkpoint newer than the one it resumes from that the
+        driver finds then (a save the stopped run made after the validation)."""
+        recovery = record.recovery
+        after = None
+        if recovery is not None and recovery.validated and recovery.resume_before is not None:
+            after = recovery.resume_step
+        return replace(launch, quarantine=self._to_quarantine(job, record), aside_after_step=after)
 
     def _to_quarantine(self, job: TrackedJob, record: JobRecord) -> tuple[tuple[str, str], ...]:
         """The checkpoints newer than the one this recovery resumes from, and why: those it

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agent.checkpoint import files
-from agent.checkpoint.layouts import QUARANTINE_DIR, all_layouts
+from agent.checkpoint.layouts import QUARANTINE_DIR, all_layouts, find_all
 from agent.wire.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,18 @@ def quarantine(
     for change in steered:
         log.warning("checkpoint root %s: %s", base, change)
     return moves, steered
+
+
+def newer_than(root: str | os.PathLike[str], step: int) -> dict[str, str]:
+    """Every checkpoint under ``root`` of a step after ``step`` (path -> why): a rollback
+    resumes from ``step``, and a framework's own "latest" must not find these."""
+    return {
+        found.path: (
+            f"step {found.step} lies past the rollback to step {step}: the run resumes before it"
+        )
+        for found in find_all(root)
+        if found.step is not None and found.step > step
+    }
 
 
 def quarantined(root: str | os.PathLike[str]) -> list[Move]:

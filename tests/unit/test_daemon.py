@@ -934,6 +934,7 @@ def test_a_rollback_moves_aside_the_valid_checkpoints_past_its_point(tmp_path: P
         answer = await supervisor.driver(JOB, ended)
         assert answer.action is protocol.DriverAction.RELAUNCH
         assert answer.resume_from == str(root / "checkpoint-20")
+        assert answer.aside_after_step == 20  # and what the stopped run saves meanwhile
         aside = dict(answer.quarantine)
         assert sorted(aside) == [str(root / "checkpoint-40"), str(root / "checkpoint-60")]
         assert "step 60 lies past the rollback to step 20" in aside[str(root / "checkpoint-60")]

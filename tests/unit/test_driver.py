@@ -252,6 +252,36 @@ def test_before_a_relaunch_the_rejected_checkpoints_are_quarantined_and_reported
     assert all(not r.quarantined for r in later)
 
 
+def test_after_a_rollback_every_checkpoint_newer_than_the_chosen_one_is_moved_aside(
+    tmp_path: Path,
+) -> None:
+    """The supervisor named checkpoint-40 (past the rollback's point when it validated);
+    the stopped run saved checkpoint-60 after that. Both go aside at the relaunch, so
+    get_last_checkpoint resumes from checkpoint-20, before the anomaly."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from tests.unit.test_layouts import hf_checkpoint
+
+    root = tmp_path / "out"
+    chosen, named, later = (hf_checkpoint(root, step) for step in (20, 40, 60))
+    relaunch = DriverAnswer(
+        DriverAction.RELAUNCH, 2, ("node1", "node3"), str(chosen), "4711/2/relaunch/2",
+        quarantine=((str(named), "step 40 lies past the rollback to step 20"),),
+        aside_after_step=20,
+    )  # fmt: skip
+    launch = DriverAnswer(DriverAction.LAUNCH, 1)
+    status, directory = drive(
+        tmp_path, [1, 0], [launch, relaunch], start_check_s=0.0, ckpt_root=str(root)
+    )
+    assert status == 0
+    assert get_last_checkpoint(str(root)) == str(chosen)
+    [confirmed] = [r for r in directory.driver_requests(JOB) if r.phase is DriverPhase.RELAUNCHED]
+    assert sorted(source for source, _ in confirmed.quarantined) == [
+        "checkpoint-40", "checkpoint-60",
+    ]  # fmt: skip
+    assert not named.exists() and not later.exists()
+
+
 def test_the_samples_to_skip_reach_the_agents_flags_and_no_stale_value_their_environment(
     tmp_path: Path,
 ) -> None:

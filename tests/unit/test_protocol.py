@@ -646,6 +646,23 @@ def test_a_driver_answer_names_the_samples_to_skip_only_when_there_are_some() ->
     assert protocol.decode_driver_answer(plain).skip_samples == ()
 
 
+def test_a_rollbacks_step_travels_only_with_a_rollback_and_is_a_step() -> None:
+    answer = protocol.DriverAnswer(
+        protocol.DriverAction.LAUNCH, 3, resume_from="/c/checkpoint-20", aside_after_step=20
+    )
+    data = protocol.encode_driver_answer(answer)
+    assert json.loads(data)["aside_after_step"] == 20
+    assert protocol.decode_driver_answer(data) == answer
+    plain = protocol.encode_driver_answer(protocol.DriverAnswer(protocol.DriverAction.LAUNCH, 3))
+    assert b"aside_after_step" not in plain
+    assert protocol.decode_driver_answer(plain).aside_after_step is None
+    document = json.loads(data)
+    for bad in (-1, "20", 2.5, True):
+        document["aside_after_step"] = bad
+        with pytest.raises(ProtocolError, match="aside_after_step"):
+            protocol.decode_driver_answer(json.dumps(document).encode())
+
+
 def test_a_spare_check_travels_as_the_spares_to_check_and_the_verdicts_that_failed() -> None:
     asked = protocol.DriverAnswer(protocol.DriverAction.WAIT, 2, check_spares=("node5", "node6"))
     data = protocol.encode_driver_answer(asked)

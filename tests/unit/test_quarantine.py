@@ -52,6 +52,23 @@ def test_a_quarantined_last_ckpt_is_replaced_by_a_copy_of_the_chosen_checkpoint(
     assert torch.load(last, weights_only=True)["global_step"] == 40
 
 
+def test_a_rollback_finds_every_checkpoint_newer_than_the_one_it_resumes_from(
+    tmp_path: Path,
+) -> None:
+    from agent.checkpoint.quarantine import newer_than
+
+    for step in (20, 40, 60):
+        lightning_file(tmp_path / f"step={step}.ckpt", step, 1_700_000_000 + step)
+    last = lightning_file(tmp_path / "last.ckpt", 60, 1_700_000_100)
+    aside = newer_than(tmp_path, 20)
+    assert sorted(Path(p).name for p in aside) == ["last.ckpt", "step=40.ckpt", "step=60.ckpt"]
+    assert aside[str(last)].startswith("step 60 lies past the rollback to step 20")
+    _, steered = quarantine(tmp_path, aside, str(tmp_path / "step=20.ckpt"), NOW)
+    assert steered == ["last.ckpt is now a copy of step=20.ckpt"]
+    assert torch.load(last, weights_only=True)["global_step"] == 20
+    assert newer_than(tmp_path, 20) == {}
+
+
 def test_deepspeeds_latest_is_pointed_at_the_chosen_tag(tmp_path: Path) -> None:
     for step in (30, 60):
         tag = tmp_path / f"global_step{step}"

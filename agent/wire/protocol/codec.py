@@ -280,6 +280,8 @@ def encode_driver_answer(answer: DriverAnswer) -> bytes:
         document["check_spares"] = list(answer.check_spares)
     if answer.quarantine:
         document["quarantine"] = [list(pair) for pair in answer.quarantine]
+    if answer.aside_after_step is not None:
+        document["aside_after_step"] = answer.aside_after_step
     data = _dump(document)
     decode_driver_answer(data)
     return data
@@ -303,6 +305,11 @@ def decode_driver_answer(data: bytes) -> DriverAnswer:
             _node_names(document, "check_spares", where) if "check_spares" in document else ()
         ),
         quarantine=_text_pairs(document, "quarantine", where),
+        aside_after_step=(
+            _int(document, "aside_after_step", where, minimum=0)
+            if document.get("aside_after_step") is not None
+            else None
+        ),
     )
     if answer.action is DriverAction.RELAUNCH and (not answer.nodes or answer.action_id is None):
         _fail(f"{where}: a relaunch names its nodes and action_id")

@@ -237,3 +237,7 @@ class DriverAnswer:
     # With LAUNCH/RELAUNCH: checkpoints newer than ``resume_from`` that failed validation
     # (path, why); the driver moves them into quarantine before the launch.
     quarantine: tuple[tuple[str, str], ...] = ()
+    # With LAUNCH/RELAUNCH after a rollback past a training anomaly: the step of
+    # ``resume_from``. Every checkpoint of a later step is moved aside too, as the
+    # driver finds them at the launch (a save the stopped run made after the validation).
+    aside_after_step: int | None = None
