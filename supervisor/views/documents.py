@@ -55,6 +55,10 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
         "step_age_s": None if progress is None else round(now_s - progress.time_s, 1),
         "goodput": round(goodput.ratio, 4),
         "badput_s": {kind.value: round(s, 3) for kind, s in goodput.badput_s.items()},
+        # The same lost time by what caused each restart (a fault's cause, time_limit, ...).
+        "badput_by_cause_s": {
+            cause: round(s, 3) for cause, s in sorted(goodput.by_fault_cause_s.items())
+        },
         "last_checkpoint": own
         if newest is None
         else {
