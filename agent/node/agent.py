@@ -499,6 +499,7 @@ class NodeAgent:
                     if rank_exit.raised is not None
                     else {}
                 ),
+                **({"script_ended": True} if rank_exit.script_ended else {}),
             },
         )
         self._exits[rank_exit.rank.global_rank] = rank_exit

@@ -60,6 +60,8 @@ class RankExit:
     time_unix_s: float
     # The rank's uncaught exception (type, when) if it raised one (agent.node.raised).
     raised: tuple[str, float] | None = None
+    # Whether its script ran to its end before it exited (agent.node.raised).
+    script_ended: bool = False
 
     @property
     def signal_name(self) -> str | None:
@@ -181,6 +183,7 @@ class RankWatcher:
                         record.get("signal"),
                         float(ended) if ended is not None else now_unix_s,
                         raised.read(self._exit_dir, key),
+                        raised.ended(self._exit_dir, key),
                     )
                 )
             self._reported.add(key)

@@ -1,4 +1,5 @@
-"""A rank's uncaught exception, noted the moment it reaches the top of the rank.
+"""A rank's uncaught exception, noted the moment it reaches the top of the rank; and
+the end of its script.
 
 The rank that raises is not always the first to die. Its peers see its
 connections close and abort while its own interpreter still unwinds, and
@@ -11,15 +12,24 @@ exit directory before Python prints the traceback, and the agent attaches it
 to the rank's exit (:mod:`agent.node.procs`).
 
 Launchers' own errors (torchrun's ``ChildFailedError``, raised because a rank
-failed) are not a rank's exception and are not noted. Never raises.
+failed) are not a rank's exception and are not noted.
+
+A rank whose script ran to its end without an uncaught exception writes
+``ended-rank-<RANK>`` there too, as Python begins its normal shutdown (first
+thing, before the ``atexit`` handlers, any of which may crash). What comes
+after (gloo's or CUDA's destructors) can still kill it by a signal: the
+supervisor then knows its training had ended (:mod:`supervisor.core.clean_end`).
+A rank killed, or ended by ``os._exit``, writes nothing. Never raises.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -33,16 +43,29 @@ def path_of(exit_dir: Path, global_rank: int) -> Path:
     return exit_dir / f"raised-rank-{global_rank}.json"
 
 
+def ended_path(exit_dir: Path, global_rank: int) -> Path:
+    """Where rank ``global_rank`` notes that its script ran to its end."""
+    return exit_dir / f"ended-rank-{global_rank}"
+
+
+def ended(exit_dir: Path, global_rank: int) -> bool:
+    """Whether rank ``global_rank``'s script ran to its end."""
+    return ended_path(exit_dir, global_rank).exists()
+
+
 def install() -> None:
     """Note this rank's uncaught exception (when it is a rank of a Resurgo launch)."""
     exit_dir, rank = os.environ.get(ENV_EXIT_DIR), os.environ.get("RANK", "")
     if not exit_dir or not rank.isdigit():
         return
     previous = sys.excepthook
+    failed = False
 
     def hook(
         kind: type[BaseException], value: BaseException, traceback: TracebackType | None
     ) -> None:
+        nonlocal failed
+        failed = True
         if issubclass(kind, Exception) and not kind.__module__.startswith(
             "torch.distributed.elastic"
         ):
@@ -51,6 +74,16 @@ def install() -> None:
         previous(kind, value, traceback)
 
     sys.excepthook = hook
+
+    def script_ended() -> None:
+        if not failed:
+            with contextlib.suppress(Exception):
+                ended_path(Path(exit_dir), int(rank)).touch()
+
+    # Called as the interpreter shuts down, before the atexit handlers (CPython 3.9+;
+    # else as the last of those).
+    register = getattr(threading, "_register_atexit", None) or atexit.register
+    register(script_ended)
 
 
 def note(exit_dir: Path, global_rank: int, type_name: str) -> None:

@@ -106,6 +106,7 @@ def exit_seen(event: AgentEvent) -> ExitSeen:
         error_digest=event.error_digest,
         raised=event.raised,
         raised_at_s=event.raised_time_s if event.raised is not None else None,
+        script_ended=event.script_ended,
     )
 
 

@@ -1,15 +1,18 @@
-"""A run that completed, though one rank died in its teardown: not a fault to recover from.
+"""A run that completed, though ranks died in their teardown: not a fault to recover from.
 
 After the last step, ranks tear down: gloo's destructor, a CUDA context, an
-atexit hook. A rank that dies there by a signal (SIGABRT, SIGSEGV) while every
-other rank exits 0 fails the srun step, and a restart would train past the
-end. The run completed when, of the current attempt,
+atexit hook. A rank that dies there by a signal (SIGABRT, SIGSEGV) fails the
+srun step, and a restart would train past the end. The run completed when, of
+the current attempt, every rank of the world either exited 0 or failed, every
+failed one died by a signal without an exception of its own (an uncaught
+exception after the loop, in a final save say, is the script's failure), and
 
-- every rank of the world either exited 0 or failed,
-- at least one exited 0, and every failed one died by a signal without an
-  exception of its own (an uncaught exception after the loop, in a final save
-  say, is the script's failure),
-- every failed rank had reached the last step the finished ranks reported.
+- every failed rank's script had run to its end (Python's normal shutdown had
+  begun: :mod:`agent.node.raised`); a peer stopped by a signal after its
+  script's end counts as finished (torchrun stops them all when the dying
+  rank's node hosted the rendezvous); or
+- at least one rank exited 0, and every failed rank had reached the last step
+  the finished ranks reported (a script whose end the bootstrap could not see).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ MAX_FINISHED = 100_000
 
 
 def finished(record: JobRecord, seen: ExitSeen) -> JobRecord:
-    """``record`` noting that rank ``seen`` of the current attempt exited 0."""
+    """``record`` noting that rank ``seen`` of the current attempt exited 0 (or was
+    stopped after its script ran to its end)."""
     if seen.global_rank is None:
         return record
     kept = [entry for entry in record.finished_ranks if entry[0] == record.attempt]
@@ -43,17 +47,25 @@ def why(record: JobRecord) -> str | None:
             if attempt == record.attempt}  # fmt: skip
     failed = pending.exits
     world = len(record.nodes) * record.procs_per_node
-    if not done or any(e.global_rank is None or e.global_rank in done for e in failed):
+    if any(e.global_rank is None or e.global_rank in done for e in failed):
         return None
     if len(done) + len({e.global_rank for e in failed}) < world:
         return None
     if any(e.signal is None or e.raised is not None for e in failed):
         return None
+    dead = ", ".join(f"rank {e.global_rank} on {e.node} (signal {e.signal})" for e in failed)
+    exited = f"{len(done)} finished and " if done else ""
+    if all(e.script_ended for e in failed):
+        steps = [step for step in (*done.values(), *(e.step for e in failed)) if step is not None]
+        at = f" at step {max(steps)}" if steps else ""
+        return (
+            f"completed: every rank's script ran to its end{at}; {exited}{dead} died in "
+            "its teardown after that, which is no fault to restart for"
+        )
     last = max((step for step in done.values() if step is not None), default=None)
     if last is None or any(e.step is None or e.step < last for e in failed):
         return None
-    dead = ", ".join(f"rank {e.global_rank} on {e.node} (signal {e.signal})" for e in failed)
     return (
-        f"completed: every rank reached step {last}; {len(done)} exited 0 and {dead} "
-        "died in its teardown after the last step, which is no fault to restart for"
+        f"completed: every rank reached step {last}; {exited}{dead} died in its teardown "
+        "after the last step, which is no fault to restart for"
     )

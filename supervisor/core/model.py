@@ -230,7 +230,8 @@ class ExitSeen:
     is the root cause, the others its consequences. ``error_digest`` as in
     :class:`CrashSignature`. ``raised`` / ``raised_at_s``: the rank's uncaught
     exception type and when it reached the top, when it raised one (a rank
-    stopped while it unwound its exception failed when it raised).
+    stopped while it unwound its exception failed when it raised). ``script_ended``:
+    the rank's script had run to its end (a signal came in its teardown).
     """
 
     node: str
@@ -242,6 +243,7 @@ class ExitSeen:
     error_digest: str | None = None
     raised: str | None = None
     raised_at_s: float | None = None
+    script_ended: bool = False
 
 
 # Requeues made again after Slurm reported the job ended before it ran again.
@@ -486,7 +488,9 @@ def _suspect(doc: Mapping[str, Any]) -> Suspect:
 
 
 def _exit_seen(doc: Mapping[str, Any]) -> ExitSeen:
-    return ExitSeen(**{f.name: _get(doc, f.name) for f in fields(ExitSeen)})
+    later = ("script_ended",)  # not in records stored before it existed
+    values = {f.name: _get(doc, f.name) for f in fields(ExitSeen) if f.name not in later}
+    return ExitSeen(**values, script_ended=bool(doc.get("script_ended", False)))
 
 
 def _anomaly(doc: Mapping[str, Any]) -> AnomalySeen:

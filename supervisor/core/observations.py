@@ -58,6 +58,9 @@ class AgentEvent:
     # (payload ``raised``/``raised_time_unix_s``, agent.node.raised), if it raised one.
     raised: str | None = None
     raised_time_s: float | None = None
+    # RANK_EXITED: the rank's script ran to its end before it exited (a signal after
+    # that came in its teardown).
+    script_ended: bool = False
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,7 @@ def from_event(event: Event) -> AgentEvent:
         failed_checks=_failed_checks(event),
         raised=payload.get("raised") if isinstance(payload.get("raised"), str) else None,
         raised_time_s=_opt_float(payload, "raised_time_unix_s"),
+        script_ended=payload.get("script_ended") is True,
     )
 
 

@@ -252,6 +252,9 @@ def _on_rank_exit(
     if not is_failure(seen):
         if seen.signal is None:
             return _nothing(clean_end.finished(record, seen), f"rank {seen.global_rank} finished")
+        if seen.script_ended:  # stopped in its teardown: its training had ended
+            finished = clean_end.finished(record, seen)
+            return _nothing(finished, f"{rank} was stopped after its script ran to its end")
         return _nothing(record, "; ".join(blame(event, record, cluster).evidence))
     if record.state in LIVE:
         return _open_exit_window(record, seen, now_s, policy, cluster)

@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import LiveCluster
 from tests.e2e.test_faults import ENDED, attempts, drained, story_of
 from tests.e2e.test_plain_scripts import status, submit_job
+from tests.e2e.test_training_health import anomaly_events
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess, rank_pids
 
 # Minutes each: started first, so that they are not the tier's tail.
@@ -161,6 +162,64 @@ def test_lightning_with_its_last_ckpt_cut_short_and_a_rank_killed_completes(
     newest = shown["last_checkpoint"]
     assert newest["kind"] == "lightning" and newest["step"] == STEPS, newest
     assert_goodput_is_the_logs(slurm_cluster, job_id, text, shown, told)
+
+
+NAN_AT = 45  # the rollback point: step 45 - 1 - anomaly_margin_steps (20) = 24
+
+
+def finished_after_a_rollback(
+    cluster: LiveCluster, supervisor: SupervisorProcess, job_id: int, output: Path
+) -> tuple[str, str]:
+    """Wait for the job's end: COMPLETED after one rollback, with nothing drained, the
+    anomaly found at its step; (the output, the story told on failure)."""
+    job = cluster.wait_job_state(job_id, ENDED, timeout_s=420)
+    text = output.read_text(errors="replace")
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    seen = [(e["kind"], e["onset_step"]) for e in anomaly_events(supervisor, job_id)]
+    assert seen == [("non_finite", NAN_AT)], told
+    assert len(attempts(supervisor, job_id)) == 2 and drained(supervisor, job_id) == [], told
+    last_loss = re.findall(rf"step {STEPS} loss (\S+) t", text)
+    assert last_loss and float(last_loss[-1]) == float(last_loss[-1]), told  # not NaN
+    return text, told
+
+
+def test_a_nan_in_a_trainers_loss_is_rolled_back_past_its_newer_valid_checkpoints(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """The loss goes NaN at step 45 (once: the data's fault). The bootstrap reads it off
+    backward(); the rollback resumes from checkpoint-20 (at or before step 24) and moves
+    the valid checkpoint-40 (and any later one) aside, so that get_last_checkpoint
+    does not resume past the anomaly."""
+    job_id, output = submit_framework(
+        supervisor, tmp_path, "hf_trainer.py", "--step-s", "0.5", "--nan-at-step", str(NAN_AT)
+    )
+    text, told = finished_after_a_rollback(slurm_cluster, supervisor, job_id, output)
+    out = tmp_path / "out"
+    assert f"resume from {out / 'checkpoint-20'}" in text, told
+    assert resumed_at(text) == 21 and steps_of(text)[-1] == STEPS, told
+    held = sorted(p.name.split(".")[0] for p in (out / ".resurgo-quarantine").glob("checkpoint-*"))
+    assert held[0] == "checkpoint-40" and set(held) <= {"checkpoint-40", "checkpoint-60"}, told
+    events = supervisor.resurgo("events", str(job_id)).stdout
+    assert "checkpoint checkpoint-40 step 40 lies past the rollback to step 20" in events, events
+    shown = status(supervisor, job_id)
+    assert shown["last_checkpoint"]["path"] == str(out / f"checkpoint-{STEPS}"), shown
+
+
+def test_a_nan_in_lightnings_loss_is_rolled_back_and_last_ckpt_points_before_it(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """The same NaN in a Lightning script: step=40.ckpt and the last.ckpt past it go
+    aside, last.ckpt becomes a copy of step=20.ckpt, and fit(ckpt_path="last") resumes
+    there."""
+    job_id, output = submit_framework(
+        supervisor, tmp_path, "lightning_fit.py", "--step-s", "0.5", "--nan-at-step", str(NAN_AT)
+    )
+    text, told = finished_after_a_rollback(slurm_cluster, supervisor, job_id, output)
+    out = tmp_path / "out"
+    assert resumed_at(text) == 21 and steps_of(text)[-1] == STEPS, told
+    held = {p.name.split(".ckpt")[0] for p in (out / ".resurgo-quarantine").iterdir()}
+    assert {"step=40", "last"} <= held, told
 
 
 def _holds_step(path: Path, step: int) -> bool:

@@ -54,6 +54,7 @@ def rank_exit(
     at: float = NOW - 1,
     exit_time: float | None = None,
     raised: tuple[str, float] | None = None,
+    ended: bool = False,
 ) -> AgentEvent:
     return AgentEvent(
         EventKind.RANK_EXITED,
@@ -68,6 +69,7 @@ def rank_exit(
         exit_time_s=exit_time,
         raised=None if raised is None else raised[0],
         raised_time_s=None if raised is None else raised[1],
+        script_ended=ended,
     )
 
 

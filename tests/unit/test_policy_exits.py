@@ -331,6 +331,24 @@ def test_a_failure_that_is_no_clean_teardown_is_recovered_from(aborted: AgentEve
     assert closed.intents and StopJob not in kinds(closed), why
 
 
+def test_ranks_whose_scripts_all_ran_to_their_end_complete_the_job_however_torchrun_ended_them():
+    """Rank 0's node hosted the rendezvous: its rank aborted in gloo's teardown, and the
+    other nodes' torchruns, their store gone, sent SIGTERM to ranks that had finished."""
+    aborted = rank_exit("node1", sig=ABRT, step=80, at=NOW - 2.0, ended=True)
+    stopped = [rank_exit(n, sig=signal.SIGTERM.value, step=80, at=NOW - 1.5, ended=True)
+               for n in ("node2", "node3", "node4")]  # fmt: skip
+    *_, opened = run(running(), aborted, *stopped, policy=WINDOW, cluster=FOUR)
+    (closed,) = run(opened.record, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + 3)
+    assert closed.record.state is JobState.COMPLETED, closed.explanation
+    assert "every rank's script ran to its end at step 80" in closed.explanation
+    assert closed.record.restarts == ()
+    # One of them still training when it was stopped: a fault to recover from.
+    mid_run = rank_exit("node4", sig=signal.SIGTERM.value, step=80, at=NOW - 1.5)
+    *_, opened = run(running(), aborted, *stopped[:2], mid_run, policy=WINDOW, cluster=FOUR)
+    (closed,) = run(opened.record, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + 3)
+    assert closed.record.state is JobState.RECOVERING
+
+
 def test_a_teardown_death_while_a_peer_is_unaccounted_for_is_recovered_from():
     finished = [rank_exit(n, code=0, step=120, at=NOW - 2.0) for n in ("node1", "node2")]
     aborted = rank_exit("node3", sig=ABRT, step=120)

@@ -55,7 +55,26 @@ def test_what_is_no_ranks_own_exception_is_not_noted(
 ) -> None:
     rank_that_runs(code, tmp_path, **env)
     assert raised.read(tmp_path, 3) is None
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("raised")] == []
+
+
+@pytest.mark.parametrize(
+    ("code", "ended"),
+    [
+        ("print('trained')", True),
+        # Its atexit handlers run after the note: one that crashes cannot hide the end.
+        ("import atexit, os; atexit.register(os.abort)", True),
+        ("raise RuntimeError('x')", False),
+        ("raise KeyboardInterrupt", False),
+        ("import os; os._exit(0)", False),
+        ("import os; os.abort()", False),
+    ],
+)
+def test_a_script_that_ran_to_its_end_is_noted_before_its_teardown(
+    tmp_path: Path, code: str, ended: bool
+) -> None:
+    rank_that_runs(code, tmp_path)
+    assert raised.ended(tmp_path, 3) is ended
 
 
 @pytest.mark.parametrize(

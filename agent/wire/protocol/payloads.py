@@ -85,6 +85,8 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         # a rank stopped while it still unwound one raised first, whatever its exit says.
         _Spec("raised", _nullable(_str), required=False),
         _Spec("raised_time_unix_s", _nullable(_float), required=False),
+        # The rank's script ran to its end before the rank exited (agent.node.raised).
+        _Spec("script_ended", _bool, required=False),
     ),
     EventKind.LAUNCHER_EXITED: (
         *_EXIT_STATUS,
