@@ -40,8 +40,21 @@ REQUEUE_MARGIN_S = 30.0
 # 3-minute job is warned 45 s before its end, never 4 s into its run.
 MAX_LEAD_SHARE = 0.25
 MIN_LEAD_S = 10.0
+# The ranks' stop at a time limit ends this long before it at the latest: the
+# supervisor's requeue takes about two seconds, and the driver requeues the job
+# itself 5 s before the end if the supervisor has not.
+STOPPED_BEFORE_END_S = 10.0
 # Slurm's --signal takes at most 0xffff seconds.
 MAX_LEAD_S = 65535.0
+
+
+def stop_grace_s(notice: Notice, now_unix_s: float, configured_s: float) -> float:
+    """The SIGTERM-to-SIGKILL grace of the ranks' stop at a time limit: the configured
+    one, cut so that the ranks are gone :data:`STOPPED_BEFORE_END_S` before the end (a
+    framework that handles SIGTERM itself, as Lightning does, would otherwise outlive
+    a short lead), and at least a second."""
+    left_s = notice.end_unix_s - now_unix_s - STOPPED_BEFORE_END_S
+    return max(1.0, min(configured_s, left_s))
 
 
 def warning_lead_s(

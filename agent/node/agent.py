@@ -68,7 +68,7 @@ from agent.node.steps import StepBuffer
 from agent.node.torchrun_options import torchrun_parser
 from agent.node.watch import RankMonitor
 from agent.stopfiles import clear_save_request, read_notice, write_save_request
-from agent.timelimit import Notice
+from agent.timelimit import Notice, stop_grace_s
 from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
 from agent.wire import protocol
 from agent.wire.errors import ResurgoError
@@ -558,7 +558,8 @@ class NodeAgent:
                 self._clocks.wall,
             )
         log.info("time limit near: %s; stopping the ranks", outcome)
-        self._start_stop(f"time limit: {outcome}", None)
+        grace_s = stop_grace_s(notice, self._clocks.wall(), self.config.stop_grace_s)
+        self._start_stop(f"time limit: {outcome}", None, grace_s)
 
     # -- hangs and stragglers --------------------------------------------------
 

@@ -18,7 +18,14 @@ from agent.stopfiles import (
     write_notice,
     write_save_request,
 )
-from agent.timelimit import MIN_LEAD_S, Notice, parse_slurm_duration, warning_lead_s
+from agent.timelimit import (
+    MIN_LEAD_S,
+    STOPPED_BEFORE_END_S,
+    Notice,
+    parse_slurm_duration,
+    stop_grace_s,
+    warning_lead_s,
+)
 from agent.train.schedule import CheckpointInterval, CheckpointSchedule, due_on_all_ranks
 from supervisor.sbatch import parse_request, supervision_options
 
@@ -133,3 +140,13 @@ def test_ranks_holding_after_the_final_save_are_seen_and_cleared_with_the_reques
     assert held_ranks(path) == {0, 3}
     clear_save_request(path)
     assert held_ranks(path) == set() and not path.exists()
+
+
+def test_the_stop_at_a_time_limit_ends_well_before_it_whatever_the_configured_grace() -> None:
+    """A one-minute job is warned 15 s before its end; Lightning handles SIGTERM and keeps
+    going, so a 30 s grace would outlive the allocation (the driver then requeues the job
+    itself and the stop reads as Slurm's). The grace ends 10 s before the end."""
+    notice = Notice(attempt=1, warned_unix_s=100.0, save_by_unix_s=107.5, end_unix_s=115.0)
+    assert stop_grace_s(notice, 100.0, 30.0) == 15.0 - STOPPED_BEFORE_END_S
+    assert stop_grace_s(notice, 100.0, 3.0) == 3.0  # a shorter one stands
+    assert stop_grace_s(notice, 114.0, 30.0) == 1.0  # late: a second, then SIGKILL
