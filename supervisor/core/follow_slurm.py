@@ -181,11 +181,11 @@ def _adopt(
             recovery=replace(pending, requeue=True, requeue_seen=True),
         )
         return decision(
-            adopted, (), cause, f"Slurm requeued the job during recovery: {seen.reason}"
+            adopted, (), cause, f"Slurm requeued the job during recovery{_because(seen)}"
         )
     # While hang or exit evidence is collected no restart was counted yet: Slurm's
     # requeue is the restart, and the ranks it ended are no longer evidence.
-    verdict = Blame(None, cause, 0.0, (f"Slurm requeued the job ({seen.reason})",))
+    verdict = Blame(None, cause, 0.0, (f"Slurm requeued the job{_because(seen)}",))
     started = recovery.start(
         record, now_s, policy, cluster, verdict, requeue=True, stop_ranks=False
     )
@@ -200,7 +200,13 @@ def _adopt(
         # Slurm relaunches it; we only choose where it resumes from.
         recovery=replace(started.record.recovery, requeue=True, requeue_seen=True),
     )
-    return decision(adopted, started.intents, cause, f"adopted Slurm's requeue: {seen.reason}")
+    why = (
+        "the job's driver requeued it before its time limit (its ranks had not stopped in "
+        "time for the supervisor's requeue): the planned stop"
+        if cause is Cause.TIME_LIMIT
+        else f"adopted Slurm's requeue{_because(seen)}"
+    )
+    return decision(adopted, started.intents, cause, why)
 
 
 def _because(seen: SlurmJobSeen) -> str:

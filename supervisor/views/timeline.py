@@ -8,7 +8,8 @@ the :class:`~supervisor.core.goodput.Fact` list that the pure
 - the job's registration is QUEUED; a decision out of ``submitted`` or
   ``requeued`` into ``starting``/``running`` is ALLOCATED; a decision into
   ``requeued`` is QUEUED again;
-- a decision from a live state into ``recovering`` is the fault's
+- a decision from a live state into ``recovering`` (or straight into
+  ``requeued``: a requeue Slurm made that the supervisor adopted) is the fault's
   DETECTED, with the cause of that decision or of the next one that names a
   cause (an exit evidence window names it when it closes); the FAULT itself
   is dated at the last progress sample before it;
@@ -93,15 +94,17 @@ def _facts_in(
             continue
         if source in ("submitted", "requeued") and target in ("starting", "running"):
             facts.append(Fact(t, FactKind.ALLOCATED))
-        elif target == "requeued" and source != "requeued":
-            facts.append(Fact(t, FactKind.QUEUED))
-        elif source in _LIVE and target == "recovering":
+        elif source in _LIVE and target in ("recovering", "requeued"):
+            # A recovery, or a requeue Slurm made itself that the supervisor adopted
+            # (preemption, the driver's own requeue at a time limit): a restart either way.
             cause = _cause_from(decisions[index:])
             before = [p.time_s for p in progress if p.time_s <= t]
             fault_s = before[-1] if before else window.last_progress_s
             if fault_s is not None:
                 facts.append(Fact(fault_s, FactKind.FAULT, cause=cause))
             facts.append(Fact(t, FactKind.DETECTED, cause=cause))
+        if target == "requeued" and source != "requeued":
+            facts.append(Fact(t, FactKind.QUEUED))
         if target in _TERMINAL and not ended:
             facts.append(Fact(t, FactKind.ENDED))
             ended = True

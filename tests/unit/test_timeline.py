@@ -80,6 +80,27 @@ def test_a_script_with_its_own_checkpoint_loses_the_work_since_the_step_it_resum
     assert goodput.badput_s[Badput.LOST_WORK] == lost_s
 
 
+def test_a_requeue_slurm_made_itself_charges_its_lost_work_to_the_requeues_cause(
+    store: Store,
+) -> None:
+    """The driver requeued its own job at the time limit (its ranks were slow to stop):
+    the supervisor adopted the requeue, straight from running. The steps since the
+    checkpoint the next allocation resumed from are lost to the time limit."""
+    _decide(store, 10, "submitted", "starting")
+    store.start_attempt(JOB, 1, nodes=["n1", "n2"], resumed_from=None, now_s=10)
+    for at, step in ((20, 1), (30, 20), (40, 30)):
+        store.record_progress(JOB, step, at)
+    _decide(store, 45, "running", "requeued", "time_limit")
+    _decide(store, 60, "requeued", "starting")
+    store.start_attempt(JOB, 2, nodes=["n1", "n2"], resumed_from="/out/checkpoint-20", now_s=60)
+    store.record_progress(JOB, 21, 70)
+    _decide(store, 100, "running", "completed", "slurm_ended")
+    goodput = goodput_of(store, JOB, now_s=500)
+    assert goodput.badput_s[Badput.LOST_WORK] == 10  # step 20 (t=30) to the last step
+    assert goodput.badput_s[Badput.QUEUE_WAIT] == 10 + 15  # submitted, and requeued
+    assert set(goodput.by_fault_cause_s) == {"time_limit"}
+
+
 def test_a_running_job_is_accounted_up_to_now_and_a_user_error_is_no_node_fault(
     store: Store,
 ) -> None:
