@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from tests.conftest import LiveCluster
 from tests.e2e.test_faults import ENDED, attempts, drained, story_of
 from tests.e2e.test_plain_scripts import status, submit_job
+from tests.e2e.test_time_limit import finish, raise_limit_after_crossings
 from tests.e2e.test_training_health import anomaly_events
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess, rank_pids
 
@@ -28,12 +30,16 @@ STEPS = 80
 
 
 def submit_framework(
-    supervisor: SupervisorProcess, where: Path, script: str, *args: str
+    supervisor: SupervisorProcess,
+    where: Path,
+    script: str,
+    *args: str,
+    sizes: tuple[str, ...] = ("-N", "4", "--min-nodes", "2"),
 ) -> tuple[int, Path]:
     out = where / "out"
     command = [*TORCHRUN, str(FRAMEWORKS / script), "--out", str(out), "--steps", str(STEPS),
                "--save-steps", "20", *args]  # fmt: skip
-    return submit_job(supervisor, where, command)
+    return submit_job(supervisor, where, command, sizes)
 
 
 def kill_node3_rank_and_finish(
@@ -55,6 +61,16 @@ def steps_of(text: str) -> list[int]:
     """The steps rank 0 printed, in order (both attempts)."""
     # Not anchored at a line's start: other ranks' and launchers' output shares the file.
     return [int(n) for n in re.findall(r"step (\d+) loss \S+ t \d", text)]
+
+
+def launches_of(steps: list[int]) -> list[list[int]]:
+    """The printed steps split where the count went back (a relaunch)."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if not runs or step <= runs[-1][-1]:
+            runs.append([])
+        runs[-1].append(step)
+    return runs
 
 
 def resumed_at(text: str) -> int | None:
@@ -164,6 +180,37 @@ def test_lightning_with_its_last_ckpt_cut_short_and_a_rank_killed_completes(
     assert_goodput_is_the_logs(slurm_cluster, job_id, text, shown, told)
 
 
+FIRST_SAVE = {
+    "hf_trainer.py": "checkpoint-20/trainer_state.json",
+    "lightning_fit.py": "step=20.ckpt",
+}
+
+
+@pytest.mark.parametrize("script", ["hf_trainer.py", "lightning_fit.py"])
+def test_a_hung_rank_of_a_framework_is_blamed_on_its_node_and_the_script_resumes_on_three(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path, script: str
+) -> None:
+    """SIGSTOP of the script's rank on node3 once its first checkpoint is saved: its peers
+    wait in DDP's all-reduce, no rank exits, and nothing but the ranks' stacks tells the
+    hang (the script imports nothing). node3 is drained; the script resumes from its
+    checkpoint of step 20 on three nodes and runs to the end."""
+    job_id, output = submit_framework(supervisor, tmp_path, script, "--step-s", "0.5")
+    saved = tmp_path / "out" / FIRST_SAVE[script]
+    slurm_cluster.wait_for(f"{saved.name} saved", saved.is_file, timeout_s=300)
+    pids = rank_pids("node3", marker=script)
+    assert pids, output.read_text(errors="replace")[-3000:]
+    os.kill(pids[0], signal.SIGSTOP)
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
+    text = output.read_text(errors="replace")
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED", told
+    assert drained(supervisor, job_id) == [("node3", "hang")], told
+    launches = launches_of(steps_of(text))
+    assert len(launches) == 2 and launches[1][0] == 21 and launches[1][-1] == STEPS, told
+    shown = status(supervisor, job_id)
+    assert shown["world_size"] == 3 and "node3" not in shown["nodes"], shown
+
+
 NAN_AT = 45  # the rollback point: step 45 - 1 - anomaly_margin_steps (20) = 24
 
 
@@ -220,6 +267,46 @@ def test_a_nan_in_lightnings_loss_is_rolled_back_and_last_ckpt_points_before_it(
     assert resumed_at(text) == 21 and steps_of(text)[-1] == STEPS, told
     held = {p.name.split(".ckpt")[0] for p in (out / ".resurgo-quarantine").iterdir()}
     assert {"step=40", "last"} <= held, told
+
+
+# Lightning starts in half the Trainer's time: slower steps keep it from finishing
+# its 80 steps within the first minute.
+@pytest.mark.parametrize(("script", "step_s"), [("hf_trainer.py", "0.2"),
+                                                ("lightning_fit.py", "0.7")])  # fmt: skip
+def test_a_framework_crossing_its_time_limit_is_requeued_and_resumes_from_its_own_checkpoint(
+    slurm_cluster: LiveCluster,
+    supervisor: SupervisorProcess,
+    tmp_path: Path,
+    script: str,
+    step_s: str,
+) -> None:
+    """A one-minute limit: the first allocation trains part of the run. The script saves
+    only when it saves (no request reaches it), so at the warning its ranks are stopped
+    at once and the job requeued; after the first crossing the limit is raised, as an
+    operator would, and the next allocation resumes from the script's own newest
+    checkpoint. Nothing drained, every restart and all its lost time ``time_limit``."""
+    job_id, output = submit_framework(
+        supervisor, tmp_path, script, "--step-s", step_s, sizes=("-N", "4", "--time=1")
+    )
+    raise_limit_after_crossings(slurm_cluster, job_id, 1)
+    job = finish(slurm_cluster, supervisor, job_id, output)  # Slurm's end and the supervisor's
+    text = output.read_text(errors="replace")
+    told = story_of(supervisor, job_id, text)
+    assert job["job_state"] == "COMPLETED" and job["restart_cnt"] >= 1, told
+    assert drained(supervisor, job_id) == [], told
+    launches = launches_of(steps_of(text))
+    assert launches and launches[-1][-1] == STEPS, told
+    if len(launches) > 1:
+        # From the newest checkpoint the first allocation saved (every 20 steps), or
+        # from the start when it saved none: the steps after it are what the limit cost.
+        reached, resumed = launches[0][-1], launches[1][0]
+        assert (resumed - 1) % 20 == 0 and reached - 20 < resumed - 1 <= reached, told
+    # else the first allocation's start-up took all its time (a loaded machine).
+    shown = status(supervisor, job_id)
+    assert shown["state"] == "completed" and set(shown["restarts"]) == {"time_limit"}, shown
+    lost = shown["badput_by_cause_s"]
+    assert set(lost) == {"time_limit"} and lost["time_limit"] > 0, shown
+    print(f"{script}: launches trained {[(run[0], run[-1]) for run in launches]}; lost {lost}")
 
 
 def _holds_step(path: Path, step: int) -> bool:
