@@ -205,8 +205,12 @@ def test_a_hung_rank_of_a_framework_is_blamed_on_its_node_and_the_script_resumes
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     assert drained(supervisor, job_id) == [("node3", "hang")], told
-    launches = launches_of(steps_of(text))
-    assert len(launches) == 2 and launches[1][0] == 21 and launches[1][-1] == STEPS, told
+    assert len(attempts(supervisor, job_id)) == 2, told
+    if script == "hf_trainer.py":  # prints a step once it is done: step 21 never was
+        assert f"resume from {tmp_path / 'out' / 'checkpoint-20'}" in text, told
+    else:  # prints a step as it begins: step 21 twice
+        assert resumed_at(text) == 21, told
+    assert steps_of(text)[-1] == STEPS, told
     shown = status(supervisor, job_id)
     assert shown["world_size"] == 3 and "node3" not in shown["nodes"], shown
 
@@ -307,6 +311,34 @@ def test_a_framework_crossing_its_time_limit_is_requeued_and_resumes_from_its_ow
     lost = shown["badput_by_cause_s"]
     assert set(lost) == {"time_limit"} and lost["time_limit"] > 0, shown
     print(f"{script}: launches trained {[(run[0], run[-1]) for run in launches]}; lost {lost}")
+
+
+def test_deepspeed_with_its_newest_checkpoint_cut_short_and_a_rank_killed_completes(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
+) -> None:
+    """engine.load_checkpoint(out) reads ``latest``: it would load global_step40, cut
+    short. Resurgo rejects it, moves it into quarantine, points ``latest`` at
+    global_step20, and the unchanged script resumes there on three nodes."""
+    job_id, output = submit_framework(supervisor, tmp_path, "deepspeed_train.py", "--step-s", "0.5")
+    out = tmp_path / "out"
+    latest = out / "latest"
+    slurm_cluster.wait_for(
+        "global_step40 saved",
+        lambda: latest.is_file() and latest.read_text().strip() == "global_step40",
+        timeout_s=300,
+    )
+    weights = out / "global_step40" / "mp_rank_00_model_states.pt"
+    os.truncate(weights, weights.stat().st_size // 2)
+    text, told = kill_node3_rank_and_finish(
+        slurm_cluster, supervisor, job_id, output, "deepspeed_train.py"
+    )
+    assert f"resume from {out / 'global_step20'}" in text, told
+    assert resumed_at(text) == 21 and steps_of(text)[-1] == STEPS, told
+    assert drained(supervisor, job_id) == [("node3", "rank_signal")], told
+    held = list((out / ".resurgo-quarantine").glob("global_step40.*"))
+    assert len(held) == 1, told
+    newest = status(supervisor, job_id)["last_checkpoint"]
+    assert newest["kind"] == "deepspeed" and newest["step"] == STEPS, newest
 
 
 def _holds_step(path: Path, step: int) -> bool:
