@@ -298,6 +298,9 @@ def test_a_framework_crossing_its_time_limit_is_requeued_and_resumes_from_its_ow
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED" and job["restart_cnt"] >= 1, told
     assert drained(supervisor, job_id) == [], told
+    # The ranks were gone in time for the supervisor's own requeue: not the driver's
+    # fallback 5 s before the end (Lightning catches SIGTERM and outlived a 30 s grace).
+    assert "recovering->requeued [time_limit]" in told, told
     launches = launches_of(steps_of(text))
     assert launches and launches[-1][-1] == STEPS, told
     if len(launches) > 1:
