@@ -25,7 +25,7 @@ from supervisor.core.intents import ResumeNode
 from supervisor.core.model import ClusterView, new_record
 from supervisor.core.observations import SlurmJobSeen, SlurmNodeSeen
 from supervisor.core.policy import permits
-from supervisor.core.probation import avoid_list, lifted_outside
+from supervisor.core.probation import avoid_list, lifted_outside, ticketed
 from supervisor.core.recovery import drain_limit
 from supervisor.deciding import Deciding, record_document
 from supervisor.errors import SlurmError
@@ -241,7 +241,8 @@ class SlurmWatch(Deciding):
             drained=drained,
             down=down,
             drains_last_hour=self._drains_counted(now),
-            lemons=frozenset(lemon.node for lemon in lemons) | {t.node for t in tickets},
+            lemons=frozenset(lemon.node for lemon in lemons),
+            ticketed=ticketed(tickets),
             lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
             lemon_window_s=self.policy.lemon_window_s,
             may_drain=may_drain,

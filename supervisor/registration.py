@@ -112,8 +112,9 @@ def refusal(
     )
 
 
-def health(url: str, timeout_s: float = 3.0) -> Health | None:
-    """``/healthz`` of the supervisor at ``url``; None when it does not answer 200."""
+def health(url: str, timeout_s: float = 3.0, user: str | None = None) -> Health | None:
+    """``/healthz`` of the supervisor at ``url``; None when it does not answer 200. With
+    ``user``, the nodes to avoid are those for everyone and those for ``user``."""
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/healthz", timeout=timeout_s) as answer:
             if answer.status != 200:
@@ -132,9 +133,16 @@ def health(url: str, timeout_s: float = 3.0) -> Health | None:
         tuple(
             (entry["node"], str(entry.get("why", "")))
             for entry in (avoid if isinstance(avoid, list) else [])
-            if isinstance(entry, dict) and isinstance(entry.get("node"), str)
+            if isinstance(entry, dict)
+            and isinstance(entry.get("node"), str)
+            and _avoided_by(entry.get("users"), user)
         ),
     )
+
+
+def _avoided_by(users: Any, user: str | None) -> bool:
+    """Whether an avoid-list entry for ``users`` (absent: everyone) applies to ``user``."""
+    return not isinstance(users, list) or user is None or user in users
 
 
 async def wait_registered(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pwd
 import shlex
 import shutil
 import sys
@@ -227,6 +228,14 @@ def leave_out(spec: JobSpec, found: Health) -> tuple[JobSpec, list[str]]:
     return replace(spec, sbatch_options=options), notes
 
 
+def _user() -> str | None:
+    """Who submits: the name Slurm records as the job's user (None: no passwd entry)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return None
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``resurgo submit``; ``argv`` follows the word ``submit``."""
     words = list(argv)
@@ -247,7 +256,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     if shutil.which("sbatch") is None:
         return _fail("sbatch is not on PATH: run resurgo submit where Slurm's commands are")
-    found = health(spec.supervisor_url)
+    found = health(spec.supervisor_url, user=_user())
     supervised = found is not None
     if found is not None:
         spec, notes = leave_out(spec, found)

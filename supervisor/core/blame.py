@@ -287,10 +287,11 @@ def blame(
     """Attribute ``observation`` to a node, or to none.
 
     For a HANG event the suspects already collected in ``record.recovery`` from
-    other nodes are compared with this event's. ``cluster.lemons`` (the
-    repeat offenders) raise the confidence against a node already on it.
+    other nodes are compared with this event's. The repeat offenders (and the
+    nodes this user's jobs ticketed: :meth:`ClusterView.avoided_by`) raise the
+    confidence against a node already among them.
     """
-    lemons = cluster.lemons if cluster is not None else frozenset()
+    lemons = cluster.avoided_by(record.slurm_user) if cluster is not None else frozenset()
     result = _blame(observation, record)
     if result.cause is not Cause.HANG:
         return _with_lemon(result, lemons)

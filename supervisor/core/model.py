@@ -409,7 +409,9 @@ class ClusterView:
     pairs, so a decision can say why a lemon is kept out. ``may_drain``:
     the supervisor has Slurm operator rights; without them a blamed node is
     excluded and ticketed (:class:`~supervisor.core.intents.DrainTicket`), never
-    drained, and ``lemons`` also holds the nodes with an open ticket.
+    drained. ``ticketed``: (node, the users whose jobs raised its open tickets;
+    empty: a job of unknown user did) pairs: each user's relaunches leave out
+    the nodes their own jobs ticketed (:meth:`avoided_by`).
     """
 
     usable: frozenset[str] = frozenset()
@@ -424,6 +426,16 @@ class ClusterView:
     lemon_blames: tuple[tuple[str, int], ...] = ()
     lemon_window_s: float = 0.0
     may_drain: bool = True
+    ticketed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def avoided_by(self, user: str) -> frozenset[str]:
+        """The nodes a relaunch of ``user``'s job leaves out: the lemons, and the nodes
+        with an open ticket that one of ``user``'s jobs raised (one user's word keeps a
+        node out of their own jobs only). A ticket of unknown user, or a job of unknown
+        user (``""``), keeps every ticketed node out."""
+        return self.lemons | frozenset(
+            node for node, users in self.ticketed if not users or not user or user in users
+        )
 
     @property
     def size(self) -> int:

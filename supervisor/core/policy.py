@@ -350,7 +350,9 @@ def _decide_exits(
     ended_clean = clean_end.why(record)
     if ended_clean is not None:
         return recovery.stop(record, now_s, JobState.COMPLETED, Cause.SLURM_ENDED, ended_clean)
-    root, verdict = blame_exits(record.recovery.exits, record, cluster.lemons)
+    root, verdict = blame_exits(
+        record.recovery.exits, record, cluster.avoided_by(record.slurm_user)
+    )
     if verdict.cause is Cause.USER_EXCEPTION:
         return _on_exception(record, root, now_s, policy, cluster, verdict)
     return recovery.start(record, now_s, policy, cluster, verdict)
@@ -432,7 +434,9 @@ def _every_node_reported(record: JobRecord) -> bool:
 
 def _blame_hang(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:
     assert record.recovery is not None
-    verdict = blame_hang(record.recovery.suspects, cluster.lemons, record.nodes)
+    verdict = blame_hang(
+        record.recovery.suspects, cluster.avoided_by(record.slurm_user), record.nodes
+    )
     return recovery.start(record, now_s, policy, cluster, verdict)
 
 

@@ -88,23 +88,43 @@ def lifted_outside(
     return tuple(sorted(lifted))
 
 
+def ticketed(open_tickets: Iterable[TicketRow]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(node, the users whose jobs raised its open tickets) pairs, sorted by node; the
+    users are empty when one ticket's job is of unknown user (then it is everyone's)."""
+    users: dict[str, set[str] | None] = {}
+    for ticket in open_tickets:
+        known = users.setdefault(ticket.node, set())
+        if ticket.slurm_user is None or known is None:
+            users[ticket.node] = None
+        else:
+            known.add(ticket.slurm_user)
+    return tuple((node, tuple(sorted(users[node] or ()))) for node in sorted(users))
+
+
 def avoid_list(
     lemon_rows: Iterable[Lemon], open_tickets: Iterable[TicketRow], policy: Policy
 ) -> list[dict[str, Any]]:
     """The nodes a user's next jobs leave out (``resurgo submit`` adds them to ``--exclude``).
 
-    Lemons, until their blames age out of ``lemon_window_s``; and, for a
-    supervisor that may not drain, each node with an open drain ticket, for
-    ``probation_s`` after it was raised (as long as a drained node would stay
-    out before its health check). Sorted by node; each entry says why.
+    Lemons, until their blames age out of ``lemon_window_s``, for everyone;
+    and, for a supervisor that may not drain, each node with an open drain
+    ticket, for ``probation_s`` after it was raised (as long as a drained node
+    would stay out before its health check), for the users whose jobs raised
+    its tickets only (``users``): one user's word keeps a node out of their own
+    next jobs, never out of everyone's. A ticket of a job whose user is not
+    known keeps it out for everyone. Sorted by node; each entry says why.
     """
     entries: dict[str, dict[str, Any]] = {}
-    for ticket in open_tickets:
+    tickets = list(open_tickets)
+    users_of = dict(ticketed(tickets))
+    for ticket in tickets:
         entries[ticket.node] = {
             "node": ticket.node,
             "why": f"drain ticket {ticket.ticket_id}: {ticket.cause} in job {ticket.job_id}",
             "until_s": ticket.raised_s + policy.probation_s,
         }
+        if users_of[ticket.node]:
+            entries[ticket.node]["users"] = list(users_of[ticket.node])
     for lemon in lemon_rows:
         entries[lemon.node] = {
             "node": lemon.node,

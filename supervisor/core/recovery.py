@@ -499,7 +499,8 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     # hourly share refused, or a spare that failed its health check, left it in
     # service and idle, where a larger size or a refill would take it again.
     blamed = {*recovery.exclude, *record.blamed_nodes}
-    exclude = {*blamed, *cluster.lemons, *cluster.down, *cluster.drained}
+    avoided = cluster.avoided_by(record.slurm_user)
+    exclude = {*blamed, *avoided, *cluster.down, *cluster.drained}
     healthy = tuple(n for n in record.nodes if n not in exclude)
     world, spares, swapped = swap_in(record, exclude)
     size = world_size(len(world), record)
@@ -540,7 +541,7 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
                 f"in multiples of {record.unit}"
             )
             return stop(record, now_s, JobState.FAILED, Cause.BELOW_MIN_NODES, reason)
-    blocked = tuple(sorted({*blamed, *cluster.lemons}))
+    blocked = tuple(sorted({*blamed, *avoided}))
     # Spares only as far as nodes free now allow: a spare never holds the restart in the queue.
     free_now = (cluster.idle - exclude) | set(world) | set(spares)
     asked = with_spares(record, size, len(free_now))
@@ -548,7 +549,7 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     queued = replace(to_state(ready, JobState.REQUEUED, now_s), nodes=(), spare_nodes=())
     # This fault's cause names its nodes; with earlier ones among them, the job alone.
     when = f"in this job ({cause.value})" if blamed == set(recovery.exclude) else "in this job"
-    excluded = exclusions(blamed, when, record.nodes, cluster)
+    excluded = exclusions(blamed, when, record.nodes, cluster, record.slurm_user)
     return decision(
         queued,
         (requeue,),
@@ -589,7 +590,8 @@ def grow(
     """
     if not record.nodes:
         return None
-    exclude = {*record.blamed_nodes, *cluster.lemons, *cluster.down, *cluster.drained}
+    avoided = cluster.avoided_by(record.slurm_user)
+    exclude = {*record.blamed_nodes, *avoided, *cluster.down, *cluster.drained}
     kept = tuple(n for n in record.nodes if n not in exclude)
     spares = tuple(n for n in record.spare_nodes if n not in exclude)
     idle = cluster.idle - exclude - set(kept) - set(spares)
@@ -602,7 +604,7 @@ def grow(
     if asked <= before or (size == len(record.nodes) and spares):
         return None  # spares are refilled only once the last is used: each refill is a restart
     attempt = record.attempt + 1
-    blocked = tuple(sorted({*record.blamed_nodes, *cluster.lemons}))
+    blocked = tuple(sorted({*record.blamed_nodes, *avoided}))
     grown = replace(
         to_state(record, JobState.REQUEUED, now_s).with_restart(Cause.GROW),
         attempt=attempt,
@@ -627,13 +629,14 @@ def grow(
         larger = f"{size} node(s) instead of {len(record.nodes)}"
     else:
         larger = f"{asked - size} spare(s) instead of {len(record.spare_nodes)}"
+    excluded = exclusions(
+        set(record.blamed_nodes), "in this job", record.nodes, cluster, record.slurm_user
+    )
     return decision(
         grown,
         intents,
         Cause.GROW,
-        f"idle nodes allow {larger}: requeue "
-        f"{exclusions(set(record.blamed_nodes), 'in this job', record.nodes, cluster)} "
-        f"from {checkpoint}",
+        f"idle nodes allow {larger}: requeue {excluded} from {checkpoint}",
     )
 
 
@@ -642,29 +645,33 @@ def exclusions(
     blamed_when: str,
     job_nodes: tuple[str, ...],
     cluster: ClusterView,
+    user: str = "",
 ) -> str:
     """Which nodes a requeue excludes and why, each by name, for the decision's explanation.
 
     The exclusion list is ``blamed_nodes`` (``blamed_when`` says when this job
-    blamed them) and the cluster's lemons. The job's nodes that Slurm took
-    out (drained by Slurm or an admin, or down) are named as left out: Slurm
-    places nothing there, so they need no exclusion.
+    blamed them), the cluster's lemons and the nodes ``user``'s jobs ticketed.
+    The job's nodes that Slurm took out (drained by Slurm or an admin, or down)
+    are named as left out: Slurm places nothing there, so they need no exclusion.
     """
     lemon_blames = dict(cluster.lemon_blames)
     window_s = cluster.lemon_window_s
     window = f"{window_s / 86400:g} d" if window_s >= 86400 else f"{window_s / 3600:g} h"
+    avoided = cluster.avoided_by(user)
     reasons = []
-    for node in sorted({*blamed_nodes, *cluster.lemons}):
+    for node in sorted({*blamed_nodes, *avoided}):
         why = [f"blamed {blamed_when}"] if node in blamed_nodes else []
         if node in cluster.lemons:
             count = lemon_blames.get(node)
             why.append(f"lemon: {count} blames in {window}" if count else "lemon")
+        elif node in avoided:
+            why.append("drain ticket open")
         reasons.append(f"{node} ({', '.join(why)})")
     left_out = [
         f"{node} ({'down' if node in cluster.down else 'drained by Slurm/admin'})"
         for node in job_nodes
         if node not in blamed_nodes
-        and node not in cluster.lemons
+        and node not in avoided
         and (node in cluster.down or node in cluster.drained)
     ]
     text = "excluding " + (", ".join(reasons) if reasons else "no node")

@@ -220,6 +220,8 @@ class TicketRow:
     closed_by: Actor | None
     hook: str
     action_id: str | None
+    # The user of the job whose blame raised it, as Slurm said (None: not known).
+    slurm_user: str | None = None
 
     def document(self) -> dict[str, Any]:
         """The ticket as the operator hook and ``resurgo nodes --json`` get it."""

@@ -17,7 +17,8 @@ from supervisor.store.core import StoreCore, locked, rowid
 from supervisor.store.rows import Actor, Label, TicketRow, dumps, label, loads
 
 _COLUMNS = (
-    "ticket_id, node, cause, job_id, evidence, raised_s, closed_s, closed_by, hook, action_id"
+    "t.ticket_id, t.node, t.cause, t.job_id, t.evidence, t.raised_s, t.closed_s, t.closed_by,"
+    " t.hook, t.action_id, j.slurm_user"
 )
 
 
@@ -45,20 +46,20 @@ class Tickets(StoreCore):
                 (node, label(cause), job_id, evidence, now_s, hook, action_id),
             )
             if cursor.rowcount == 1:
-                found = self._tickets("WHERE ticket_id = ?", (rowid(cursor),))
+                found = self._tickets("WHERE t.ticket_id = ?", (rowid(cursor),))
             else:
-                found = self._tickets("WHERE action_id = ?", (action_id,))
+                found = self._tickets("WHERE t.action_id = ?", (action_id,))
         return found[0]
 
     @locked
     def open_tickets(self, since_s: float) -> list[TicketRow]:
         """Tickets raised at or after ``since_s`` and not closed, oldest first."""
-        return self._tickets("WHERE closed_s IS NULL AND raised_s >= ?", (since_s,))
+        return self._tickets("WHERE t.closed_s IS NULL AND t.raised_s >= ?", (since_s,))
 
     @locked
     def tickets_for(self, node: str) -> list[TicketRow]:
         """Every ticket of ``node``, oldest first."""
-        return self._tickets("WHERE node = ?", (node,))
+        return self._tickets("WHERE t.node = ?", (node,))
 
     @locked
     def all_tickets(self) -> list[TicketRow]:
@@ -100,13 +101,16 @@ class Tickets(StoreCore):
 
     def _tickets(self, where: str, params: tuple[Any, ...]) -> list[TicketRow]:
         rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM tickets {where} ORDER BY raised_s, ticket_id", params
+            f"SELECT {_COLUMNS} FROM tickets t LEFT JOIN jobs j ON j.job_id = t.job_id"
+            f" {where} ORDER BY t.raised_s, t.ticket_id",
+            params,
         )
         return [_ticket(row) for row in rows]
 
 
 def _ticket(row: tuple[Any, ...]) -> TicketRow:
-    ticket_id, node, cause, job_id, evidence, raised_s, closed_s, closed_by, hook, action_id = row
+    (ticket_id, node, cause, job_id, evidence, raised_s, closed_s, closed_by, hook, action_id,
+     slurm_user) = row  # fmt: skip
     return TicketRow(
         ticket_id=ticket_id,
         node=node,
@@ -118,4 +122,5 @@ def _ticket(row: tuple[Any, ...]) -> TicketRow:
         closed_by=None if closed_by is None else Actor(closed_by),
         hook=hook,
         action_id=action_id,
+        slurm_user=slurm_user,
     )

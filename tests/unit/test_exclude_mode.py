@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from supervisor.act.executor import ALERT_KIND, Executor
 from supervisor.act.ticket_hook import ticket_hook
+from supervisor.api import bound_port
 from supervisor.cli.submit import leave_out
 from supervisor.core.intents import DrainTicket
 from supervisor.core.model import Cause
@@ -20,9 +22,10 @@ from supervisor.core.policy import Policy
 from supervisor.core.probation import avoid_list
 from supervisor.errors import SlurmCommandFailed, SlurmUnavailable
 from supervisor.jobs import JobSpec
-from supervisor.registration import Health
+from supervisor.registration import Health, health
 from supervisor.slurm import rights
 from supervisor.store import Actor, Store
+from supervisor.store.rows import TicketRow
 from tests.unit.test_executor import FakeSlurm
 
 NOW = 1_700_000_000.0
@@ -277,6 +280,66 @@ def test_the_avoid_list_names_ticketed_nodes_for_the_probation_and_lemons_for_th
         },
         {"node": "node3", "why": "drain ticket 1: hang in job 4242", "until_s": NOW + 600.0},
     ]
+
+
+def test_a_ticketed_node_is_left_out_of_its_blaming_users_next_jobs_only(store: Store) -> None:
+    """One user's word (a ticket from their job's blame) keeps a node out of their own
+    next jobs; a second user's ticket adds theirs; a job of unknown user, everyone's."""
+    for job_id, user in (("7", "alice"), ("8", "bob")):
+        store.upsert_job(job_id, state="running", record={}, now_s=NOW, name="t",
+                         original_nodes=4, min_nodes=2, slurm_user=user)  # fmt: skip
+    for node, job_id in (("node3", "7"), ("node3", "8"), ("node4", "7"), ("node5", JOB)):
+        store.record_ticket(node, cause="hang", job_id=job_id, evidence="e", now_s=NOW)
+    policy = Policy(probation_s=600.0)
+    listed = avoid_list([], store.open_tickets(NOW - policy.probation_s), policy)
+    assert [(entry["node"], entry.get("users")) for entry in listed] == [
+        ("node3", ["alice", "bob"]), ("node4", ["alice"]), ("node5", None),
+    ]  # fmt: skip
+
+    async def seen_by(users: list[str | None]) -> list[list[str]]:
+        async def healthz(request: web.Request) -> web.Response:
+            return web.json_response({"jobs_dir": None, "avoid_nodes": listed})
+
+        app = web.Application()
+        app.router.add_get("/healthz", healthz)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = bound_port(runner)
+        try:
+            found = [
+                await asyncio.to_thread(health, f"http://127.0.0.1:{port}", 3.0, user)
+                for user in users
+            ]
+        finally:
+            await runner.cleanup()
+        return [[node for node, _ in seen.avoid_nodes] for seen in found if seen is not None]
+
+    assert asyncio.run(seen_by(["alice", "bob", "carol", None])) == [
+        ["node3", "node4", "node5"], ["node3", "node5"], ["node5"], ["node3", "node4", "node5"],
+    ]  # fmt: skip
+
+
+def test_a_relaunch_leaves_out_the_nodes_its_own_users_jobs_ticketed_and_the_lemons() -> None:
+    from supervisor.core.model import ClusterView
+    from supervisor.core.probation import ticketed
+    from supervisor.core.recovery import exclusions
+
+    store_rows = [
+        TicketRow(1, "node3", "hang", "7", "e", NOW, None, None, "", None, "alice"),
+        TicketRow(2, "node4", "hang", "8", "e", NOW, None, None, "", None, "bob"),
+        TicketRow(3, "node4", "hang", "7", "e", NOW, None, None, "", None, "alice"),
+        TicketRow(4, "node5", "hang", "9", "e", NOW, None, None, "", None, None),
+    ]
+    view = ClusterView(lemons=frozenset({"node1"}), ticketed=ticketed(store_rows))
+    assert view.ticketed == (("node3", ("alice",)), ("node4", ("alice", "bob")), ("node5", ()))
+    assert view.avoided_by("alice") == {"node1", "node3", "node4", "node5"}
+    assert view.avoided_by("bob") == {"node1", "node4", "node5"}
+    assert view.avoided_by("carol") == {"node1", "node5"}
+    assert view.avoided_by("") == {"node1", "node3", "node4", "node5"}  # unknown: all
+    said = exclusions(set(), "in this job", (), view, "carol")
+    assert said == "excluding node1 (lemon), node5 (drain ticket open)"
 
 
 def spec(*options: str, directives: tuple[str, ...] = ()) -> JobSpec:
