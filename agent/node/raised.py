@@ -75,8 +75,11 @@ def install() -> None:
 
     sys.excepthook = hook
 
+    owner = os.getpid()
+
     def script_ended() -> None:
-        if not failed:
+        # A forked child (a DataLoader worker) runs this too as it exits: not the script.
+        if not failed and os.getpid() == owner:
             with contextlib.suppress(Exception):
                 ended_path(Path(exit_dir), int(rank)).touch()
 

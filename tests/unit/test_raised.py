@@ -67,6 +67,10 @@ def test_what_is_no_ranks_own_exception_is_not_noted(
         ("raise RuntimeError('x')", False),
         ("raise KeyboardInterrupt", False),
         ("import os; os._exit(0)", False),
+        # A DataLoader's workers are forked children that end long before the script.
+        ("import multiprocessing as mp, os\n"
+         "child = mp.get_context('fork').Process(target=print)\n"
+         "child.start(); child.join(); os._exit(0)", False),
         ("import os; os.abort()", False),
     ],
 )
