@@ -57,7 +57,7 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
         "badput_s": {kind.value: round(s, 3) for kind, s in goodput.badput_s.items()},
         # The same lost time by what caused each restart (a fault's cause, time_limit, ...).
         "badput_by_cause_s": {
-            cause: round(s, 3) for cause, s in sorted(goodput.by_fault_cause_s.items())
+            cause: round(s, 3) for cause, s in sorted(goodput.by_fault_cause_s.items()) if s > 0
         },
         "last_checkpoint": own
         if newest is None

@@ -9,7 +9,8 @@ the :class:`~supervisor.core.goodput.Fact` list that the pure
   ``requeued`` into ``starting``/``running`` is ALLOCATED; a decision into
   ``requeued`` is QUEUED again;
 - a decision from a live state into ``recovering`` (or straight into
-  ``requeued``: a requeue Slurm made that the supervisor adopted) is the fault's
+  ``requeued``: a requeue Slurm made that the supervisor adopted), unless that
+  recovery ends the job ``completed`` (a clean end), is the fault's
   DETECTED, with the cause of that decision or of the next one that names a
   cause (an exit evidence window names it when it closes); the FAULT itself
   is dated at the last progress sample before it;
@@ -94,7 +95,12 @@ def _facts_in(
             continue
         if source in ("submitted", "requeued") and target in ("starting", "running"):
             facts.append(Fact(t, FactKind.ALLOCATED))
-        elif source in _LIVE and target in ("recovering", "requeued"):
+        elif (
+            source in _LIVE
+            and target in ("recovering", "requeued")
+            # not a recovery whose exit window found a clean end (ranks dead in teardown)
+            and not (target == "recovering" and _ends_completed(decisions[index + 1 :]))
+        ):
             # A recovery, or a requeue Slurm made itself that the supervisor adopted
             # (preemption, the driver's own requeue at a time limit): a restart either way.
             cause = _cause_from(decisions[index:])
@@ -138,7 +144,8 @@ class JobTimeline:
     what is newer than the last call and feeds it to a
     :class:`~supervisor.core.goodput.Accountant`. Facts dated within ``settle_s``
     of now wait for the next call, so a row written a moment late is never
-    skipped; a fault's cause is the one known when its window is read.
+    skipped; a fault's cause is the one known when its window is read, and so is
+    whether its exit window ended the job completed (a clean end, no fault).
     """
 
     def __init__(self, job_id: str, *, settle_s: float = 5.0) -> None:
@@ -193,6 +200,15 @@ def node_faults(store: Store, jobs: Sequence[JobRow] | None = None) -> list[floa
             if opened and _cause_from(decisions[index:]) in _NODE_FAULTS:
                 times.append(decision.decided_s)
     return times
+
+
+def _ends_completed(later: list[DecisionRow]) -> bool:
+    """Whether the recovery that the decision before ``later`` began ends the job
+    completed (the exit window found every rank had finished): no fault, no restart."""
+    for decision in later:
+        if decision.from_state == "recovering" and decision.to_state != "recovering":
+            return decision.to_state == "completed"
+    return False
 
 
 def _cause_from(decisions: list[DecisionRow]) -> str:

@@ -194,7 +194,7 @@ def test_a_hung_rank_of_a_framework_is_blamed_on_its_node_and_the_script_resumes
     wait in DDP's all-reduce, no rank exits, and nothing but the ranks' stacks tells the
     hang (the script imports nothing). node3 is drained; the script resumes from its
     checkpoint of step 20 on three nodes and runs to the end."""
-    job_id, output = submit_framework(supervisor, tmp_path, script, "--step-s", "0.5")
+    job_id, output = submit_framework(supervisor, tmp_path, script, "--step-s", "0.3")
     saved = tmp_path / "out" / FIRST_SAVE[script]
     slurm_cluster.wait_for(f"{saved.name} saved", saved.is_file, timeout_s=300)
     pids = rank_pids("node3", marker=script)
@@ -274,23 +274,28 @@ def test_a_nan_in_lightnings_loss_is_rolled_back_and_last_ckpt_points_before_it(
 
 
 # Lightning starts in half the Trainer's time: slower steps keep it from finishing
-# its 80 steps within the first minute.
-@pytest.mark.parametrize(("script", "step_s"), [("hf_trainer.py", "0.2"),
-                                                ("lightning_fit.py", "0.7")])  # fmt: skip
+# its 80 steps within the first minute. The Trainer's rank 2 also aborts after its
+# last step, as a crash in gloo's or CUDA's teardown does.
+@pytest.mark.parametrize(("script", "args"), [
+    ("hf_trainer.py", ("--step-s", "0.2", "--abort-at-exit-rank", "2")),
+    ("lightning_fit.py", ("--step-s", "0.7")),
+])  # fmt: skip
 def test_a_framework_crossing_its_time_limit_is_requeued_and_resumes_from_its_own_checkpoint(
     slurm_cluster: LiveCluster,
     supervisor: SupervisorProcess,
     tmp_path: Path,
     script: str,
-    step_s: str,
+    args: tuple[str, ...],
 ) -> None:
     """A one-minute limit: the first allocation trains part of the run. The script saves
     only when it saves (no request reaches it), so at the warning its ranks are stopped
     at once and the job requeued; after the first crossing the limit is raised, as an
     operator would, and the next allocation resumes from the script's own newest
-    checkpoint. Nothing drained, every restart and all its lost time ``time_limit``."""
+    checkpoint. Nothing drained, every restart and all its lost time ``time_limit``.
+    A rank that dies in its teardown after the last step (the others exit 0) ends the
+    job completed: a restart would train past the end."""
     job_id, output = submit_framework(
-        supervisor, tmp_path, script, "--step-s", step_s, sizes=("-N", "4", "--time=1")
+        supervisor, tmp_path, script, *args, sizes=("-N", "4", "--time=1")
     )
     raise_limit_after_crossings(slurm_cluster, job_id, 1)
     job = finish(slurm_cluster, supervisor, job_id, output)  # Slurm's end and the supervisor's
@@ -312,7 +317,12 @@ def test_a_framework_crossing_its_time_limit_is_requeued_and_resumes_from_its_ow
     shown = status(supervisor, job_id)
     assert shown["state"] == "completed" and set(shown["restarts"]) == {"time_limit"}, shown
     lost = shown["badput_by_cause_s"]
-    assert set(lost) == {"time_limit"} and lost["time_limit"] > 0, shown
+    assert set(lost) <= {"time_limit"}, shown
+    if len(launches) > 1:  # steps were trained and lost, or at least waited for
+        assert lost.get("time_limit", 0) > 0, shown
+    if "--abort-at-exit-rank" in args:
+        assert "rank 2 finished training" in text, told
+        assert "died in its teardown" in shown["final_reason"], told
     print(f"{script}: launches trained {[(run[0], run[-1]) for run in launches]}; lost {lost}")
 
 
@@ -348,23 +358,3 @@ def _holds_step(path: Path, step: int) -> bool:
     from agent.checkpoint.layouts.torchfile import peek, step_named
 
     return path.is_file() and step_named(peek(path)) == step
-
-
-def test_a_rank_aborting_in_its_teardown_after_the_last_step_ends_the_job_completed(
-    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
-) -> None:
-    """Every rank trained to the end; rank 2 then dies by SIGABRT while the others exit
-    0. A restart would train past the end: the job completes instead."""
-    job_id, output = submit_framework(
-        supervisor, tmp_path, "hf_trainer.py", "--abort-at-exit-rank", "2"
-    )
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
-    text = output.read_text(errors="replace")
-    told = story_of(supervisor, job_id, text)
-    assert "rank 2 finished training" in text, told
-    assert job["job_state"] == "COMPLETED", told
-    assert len(attempts(supervisor, job_id)) == 1, told
-    assert steps_of(text)[-1] == STEPS and resumed_at(text) is None, told
-    assert drained(supervisor, job_id) == [], told
-    shown = status(supervisor, job_id)
-    assert shown["state"] == "completed" and "died in its teardown" in shown["final_reason"], told

@@ -68,9 +68,12 @@ def test_what_is_no_ranks_own_exception_is_not_noted(
         ("raise KeyboardInterrupt", False),
         ("import os; os._exit(0)", False),
         # A DataLoader's workers are forked children that end long before the script.
-        ("import multiprocessing as mp, os\n"
-         "child = mp.get_context('fork').Process(target=print)\n"
-         "child.start(); child.join(); os._exit(0)", False),
+        (
+            "import multiprocessing as mp, os\n"
+            "child = mp.get_context('fork').Process(target=print)\n"
+            "child.start(); child.join(); os._exit(0)",
+            False,
+        ),
         ("import os; os.abort()", False),
     ],
 )

@@ -101,6 +101,23 @@ def test_a_requeue_slurm_made_itself_charges_its_lost_work_to_the_requeues_cause
     assert set(goodput.by_fault_cause_s) == {"time_limit"}
 
 
+def test_a_rank_dead_in_its_teardown_after_the_last_step_costs_shutdown_not_a_fault(
+    store: Store,
+) -> None:
+    """The exit window a teardown abort opens ends the job completed: the time from the
+    last step to the end is the shutdown's, no restart cause is charged."""
+    _decide(store, 10, "submitted", "starting")
+    store.start_attempt(JOB, 1, nodes=["n1", "n2"], resumed_from=None, now_s=10)
+    for at, step in ((20, 1), (40, 80)):
+        store.record_progress(JOB, step, at)
+    _decide(store, 45, "running", "recovering", "rank_signal")  # the window opens
+    _decide(store, 65, "recovering", "completed", "none")  # every rank had finished
+    goodput = goodput_of(store, JOB, now_s=500)
+    assert goodput.by_fault_cause_s == {}
+    assert goodput.badput_s[Badput.SHUTDOWN] == 25  # the last step (t=40) to the end
+    assert goodput.badput_s[Badput.DETECTION] == goodput.badput_s[Badput.RECOVERY] == 0
+
+
 def test_a_running_job_is_accounted_up_to_now_and_a_user_error_is_no_node_fault(
     store: Store,
 ) -> None:
