@@ -121,6 +121,7 @@ POLICY = {
     "exit_evidence_window_s": "1",
     "hang_evidence_window_s": "3",
     "validation_level": "full",
+    "corroborate_drains": "false",  # the fault-to-drain time measured as before
 }
 AGENTS = {
     "RESURGO_AGENT_HANG_FLOOR_S": "8",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -137,6 +138,18 @@ class SupervisorConfig:
       whose step fails ends as it would without Resurgo. Checkpoints are still
       validated and alerts still raised. For a trial beside a production
       cluster before the supervisor may act.
+    - ``node_check``: the operator's health check (e.g. ``/usr/sbin/nhc``), run with the
+      built-in node checks when the supervisor checks a node one job blamed
+      before draining it (``policy.corroborate_drains``); empty: the built-in
+      checks only. The check is a Slurm job of the supervisor's user, pinned to
+      the node with ``--nodelist``, once the blaming job left it
+      (``supervisor/act/node_checks.py``).
+    - ``node_check_sbatch``: extra ``sbatch`` options for those checks (e.g.
+      ``--partition=admin --qos=high``), so they start ahead of queued work.
+    - ``node_check_wait_s``: how long a check may wait for the node and the
+      queue; one that has not started by then has no verdict (nothing drained).
+    - ``node_check_time_s``: how long each of the check's checks may run (the
+      Slurm job's time limit is a minute more).
     - ``validation_memory_mib`` / ``validation_cpu_s`` / ``validation_timeout_s``: what
       validating one checkpoint may take (memory beyond the validator's
       imports, CPU time, wall clock). Validation runs in a process of its own
@@ -169,6 +182,10 @@ class SupervisorConfig:
     slurm_rights: str = "auto"
     ticket_hook: str = ""
     observe_only: bool = False
+    node_check: str = ""
+    node_check_sbatch: str = ""
+    node_check_wait_s: float = 3600.0
+    node_check_time_s: float = 300.0
     validation_memory_mib: int = 4096
     validation_cpu_s: float = 600.0
     validation_timeout_s: float = 900.0
@@ -177,7 +194,7 @@ class SupervisorConfig:
         for name in (
             "poll_s", "tick_s", "lease_s", "reconcile_s", "interval_check_s", "slurm_timeout_s",
             "straggler_check_s", "body_timeout_s", "validation_cpu_s", "validation_timeout_s",
-            "header_timeout_s",
+            "header_timeout_s", "node_check_wait_s", "node_check_time_s",
         ):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
@@ -210,6 +227,14 @@ class SupervisorConfig:
             )
         if self.metrics_listen:
             self.metrics_address()
+        try:
+            shlex.split(self.node_check_sbatch)
+            shlex.split(self.node_check)
+        except ValueError as error:
+            raise ConfigError(
+                f"supervisor settings node_check / node_check_sbatch do not split like a shell "
+                f"line: {error}"
+            ) from error
 
     def metrics_address(self) -> tuple[str, int] | None:
         """``metrics_listen`` as (host, port); None when /metrics shares the API's listener."""

@@ -59,11 +59,13 @@ from agent.wire.periodic import every
 from agent.wire.protocol import RETRY_MAX_S, EventKind
 from supervisor import jobs as jobfiles
 from supervisor.act.executor import Executor, Validator
+from supervisor.act.node_checks import CheckSettings, NodeCheckRunner
 from supervisor.act.ticket_hook import ticket_hook
 from supervisor.act.validation import Limits, ValidationProcess
 from supervisor.api import bound_port, build_app, build_metrics_app, serve, shutdown
 from supervisor.config import SupervisorConfig, describe, load_config
 from supervisor.core import silence
+from supervisor.core.drains import storm_holds
 from supervisor.core.goodput import interval_push, mtbf_estimate
 from supervisor.core.intents import DRAIN_REASON_PREFIX
 from supervisor.core.model import (
@@ -80,7 +82,7 @@ from supervisor.core.observations import (
 )
 from supervisor.core.policy import Policy
 from supervisor.core.probation import NodeHistory, release
-from supervisor.core.recovery import fast_path_started, storm_holds
+from supervisor.core.recovery import fast_path_started
 from supervisor.core.stragglers import find_stragglers
 from supervisor.errors import SlurmError
 from supervisor.intake import TrackedJob
@@ -144,6 +146,17 @@ class Supervisor(SlurmWatch):
             clock=clock,
             ticket_hook=ticket_hook(config.ticket_hook),
             observe_only=config.observe_only,
+        )
+        self.node_checks = NodeCheckRunner(
+            self.store,
+            self.slurm,
+            CheckSettings(
+                command=config.node_check,
+                sbatch_options=tuple(shlex.split(config.node_check_sbatch)),
+                wait_s=config.node_check_wait_s,
+                time_s=config.node_check_time_s,
+            ),
+            clock,
         )
         self.rights = None
         self.avoid = []

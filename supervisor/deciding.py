@@ -29,16 +29,16 @@ from typing import Any
 from agent.wire.protocol import Event, EventKind
 from supervisor.act.reconcile import KIND_OF, intent_of
 from supervisor.core.decision import Decision
-from supervisor.core.intents import DrainNode, DrainTicket, Intent, RequeueSmaller
-from supervisor.core.model import ClusterView, JobRecord, JobState, record_to_json
-from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
-from supervisor.core.policy import decide
-from supervisor.core.recovery import (
+from supervisor.core.drains import (
     drain_storm,
     drains_allowed,
     user_flagged,
     user_over_share,
 )
+from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
+from supervisor.core.model import ClusterView, JobRecord, JobState, record_to_json
+from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
+from supervisor.core.policy import decide
 from supervisor.intake import Intake
 from supervisor.store import ActionState, Actor, BlameOutcome, EventSource
 
@@ -306,6 +306,7 @@ class Deciding(Intake):
             return
         drained = {i.node for i in decision.intents if isinstance(i, DrainNode)}
         ticketed = {i.node for i in decision.intents if isinstance(i, DrainTicket)}
+        checked = {i.node for i in decision.intents if isinstance(i, CheckNode)}
         took_out = self.cluster.drained | self.cluster.down
         user = decision.record.slurm_user
         observing = self.executor.observe_only
@@ -314,6 +315,8 @@ class Deciding(Intake):
                 outcome = BlameOutcome.WOULD_DRAIN if observing else BlameOutcome.DRAINED
             elif node in ticketed:
                 outcome = BlameOutcome.WOULD_TICKET if observing else BlameOutcome.TICKETED
+            elif node in checked:
+                outcome = BlameOutcome.WOULD_CHECK if observing else BlameOutcome.CHECKING
             elif node in took_out:
                 outcome = BlameOutcome.SLURM
             elif user_flagged(self.policy, self.cluster, user, node) is not None:

@@ -20,20 +20,21 @@ from typing import Any
 
 from agent.wire.errors import ConfigError
 from supervisor import jobs as jobfiles
+from supervisor.act.node_checks import Ended, NodeCheckRunner
 from supervisor.act.reconcile import KIND_OF
+from supervisor.core.drains import after_check, drain_limit
 from supervisor.core.intents import ResumeNode
 from supervisor.core.model import ClusterView, new_record
 from supervisor.core.observations import SlurmJobSeen, SlurmNodeSeen
 from supervisor.core.policy import permits
-from supervisor.core.probation import avoid_list, lifted_outside, ticketed
-from supervisor.core.recovery import drain_limit
+from supervisor.core.probation import avoid_list, held_by_checks, lifted_outside, ticketed
 from supervisor.deciding import Deciding, record_document
 from supervisor.errors import SlurmError
 from supervisor.intake import TrackedJob
 from supervisor.slurm import SlurmClient, rights
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.slurm.rights import Rights
-from supervisor.store import Actor, TicketRow
+from supervisor.store import Actor, CheckResult, TicketRow
 
 log = logging.getLogger("resurgo.supervisor")
 
@@ -42,6 +43,7 @@ class SlurmWatch(Deciding):
     """Job registration and Slurm polling; what they see goes to the decision task."""
 
     slurm: SlurmClient
+    node_checks: NodeCheckRunner
     # May this supervisor drain? Asked of Slurm at the first poll that reads the nodes.
     rights: Rights | None
     # The nodes the user's next jobs should leave out, and why (see avoid_list).
@@ -134,6 +136,9 @@ class SlurmWatch(Deciding):
             self.cluster = self._cluster_view(nodes, now)
             self._cluster_known.set()
             self._say_policy()
+        if slurm_jobs is not None and self.rights is not None:
+            for ended in await self.node_checks.sweep(slurm_jobs):
+                self._check_ended(ended)
         for job_id, job in self.jobs.items():
             if job.record.state.terminal:
                 continue
@@ -143,6 +148,33 @@ class SlurmWatch(Deciding):
                     self._observe_slurm_job(job_id, job, seen, read_s)
             if nodes is not None:
                 self._observe_nodes(job_id, job, nodes)
+
+    def _check_ended(self, ended: Ended) -> None:
+        """Record a node check's end in its job's events and act on its verdict: a pass
+        closes the node's drain tickets (its blame stands, its node stays in service),
+        a failure drains it (:func:`supervisor.core.drains.after_check`)."""
+        check, now = ended.check, self.clock()
+        log.log(
+            logging.WARNING if ended.result is CheckResult.FAILED else logging.INFO,
+            "node %s: the supervisor's check %s (blamed by job %s): %s",
+            check.node, ended.result.value, check.job_id, ended.detail,
+        )  # fmt: skip
+        self.store.record_observation(
+            check.job_id,
+            f"node_check_{ended.result.value}",
+            {"slurm_job_id": check.slurm_job_id, "detail": ended.detail,
+             "evidence": check.evidence, "check_id": check.check_id},
+            now,
+            node=check.node,
+            observation_id=f"{check.job_id}/supervisor/node-check-{check.check_id}",
+        )  # fmt: skip
+        if ended.result is CheckResult.PASSED:
+            self.store.close_tickets(check.node, now_s=now, by=Actor.SUPERVISOR)
+        intents = after_check(
+            check, ended.result, ended.detail, self.policy, self.fresh_cluster(now)
+        )
+        if intents:
+            self._act(check.job_id, intents)
 
     async def _detect_rights(self) -> Rights | None:
         """Whether this supervisor may drain (None: Slurm could not be asked; next poll)."""
@@ -234,7 +266,10 @@ class SlurmWatch(Deciding):
         idle = frozenset(n for n, node in nodes.items() if node.state is NodeState.IDLE)
         may_drain = self.rights is None or self.rights.operator
         tickets = [] if may_drain else self._open_tickets()
-        self.avoid = avoid_list(lemons, tickets, self.policy)
+        checks = held_by_checks(
+            self.store.node_checks_since(now - 2 * self.policy.probation_s), now, self.policy
+        )
+        self.avoid = avoid_list(lemons, tickets, self.policy, checks)
         view = ClusterView(
             usable=frozenset(nodes) - drained - down,
             idle=idle - drained - down,
@@ -242,7 +277,7 @@ class SlurmWatch(Deciding):
             down=down,
             drains_last_hour=self._drains_counted(now),
             lemons=frozenset(lemon.node for lemon in lemons),
-            ticketed=ticketed(tickets),
+            ticketed=ticketed([*tickets, *checks]),
             lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
             lemon_window_s=self.policy.lemon_window_s,
             may_drain=may_drain,

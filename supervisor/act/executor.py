@@ -61,6 +61,7 @@ from supervisor.act.ticket_hook import TicketHook
 from supervisor.act.validation import Limits, ValidationProcess
 from supervisor.core.intents import (
     Alert,
+    CheckNode,
     DrainNode,
     DrainTicket,
     Intent,
@@ -120,7 +121,7 @@ WOULD_KIND = "would_act"
 # What changes a job or the cluster: in observe-only mode recorded as "would", not done.
 # Validation (it reads) and alerts (they say) still happen.
 _EFFECTS = (
-    DrainNode, ResumeNode, DrainTicket, StopRanks, PushInterval, ShrinkAllocation,
+    DrainNode, ResumeNode, DrainTicket, CheckNode, StopRanks, PushInterval, ShrinkAllocation,
     RequeueSmaller, RelaunchStep, StopJob,
 )  # fmt: skip
 
@@ -374,6 +375,10 @@ class Executor:
         if isinstance(intent, DrainTicket):
             hook = "" if self._ticket_hook is None else await self._ticket_hook(ticket_doc(intent))
             return {"node": intent.node, "hook": hook}, []
+        if isinstance(intent, CheckNode):
+            # Recorded in _finish; supervisor.act.node_checks submits it once the job
+            # has left the node.
+            return {"node": intent.node}, []
         if isinstance(intent, StopRanks | PushInterval):
             command = command_for(intent)
             new = self._store.queue_command(intent.job_id, None, command, now_s)
@@ -441,6 +446,16 @@ class Executor:
                 )
                 log.warning("ALERT job=%s: %s", alert.job_id, alert.message)
                 self._record_alert(alert, intent.action_id, now_s)
+            elif isinstance(intent, CheckNode):
+                self._store.record_node_check(
+                    intent.node,
+                    job_id=intent.job_id,
+                    attempt=intent.attempt,
+                    cause=intent.cause,
+                    evidence=intent.evidence,
+                    now_s=now_s,
+                    action_id=intent.action_id,
+                )
             elif isinstance(intent, Alert):
                 self._record_alert(intent, intent.action_id, now_s)
             self._store.mark_done(intent.action_id, result, now_s)
@@ -576,6 +591,8 @@ def would_do(intent: Intent) -> str:
             return f"resume {intent.node}"
         case DrainTicket():
             return f"raise a drain ticket for {intent.node} ({intent.cause.value})"
+        case CheckNode():
+            return f"check {intent.node} with a Slurm job of its own before draining it"
         case StopRanks():
             return f"stop every rank of the job (SIGTERM, SIGKILL after {intent.grace_s:g} s)"
         case PushInterval():

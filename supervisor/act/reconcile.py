@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from agent.wire.protocol import Command, CommandKind
 from supervisor.core.intents import (
     Alert,
+    CheckNode,
     DrainNode,
     DrainTicket,
     Intent,
@@ -75,8 +76,8 @@ class SlurmActions(Protocol):
 KIND_OF: dict[type, str] = {
     cls: cls.KIND
     for cls in (
-        DrainNode, DrainTicket, ResumeNode, StopRanks, ValidateCheckpoints, ShrinkAllocation,
-        RelaunchStep, RequeueSmaller, Alert, StopJob, PushInterval,
+        DrainNode, DrainTicket, CheckNode, ResumeNode, StopRanks, ValidateCheckpoints,
+        ShrinkAllocation, RelaunchStep, RequeueSmaller, Alert, StopJob, PushInterval,
     )
 }  # fmt: skip
 _CLASS_OF = {kind: cls for cls, kind in KIND_OF.items()}

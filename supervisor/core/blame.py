@@ -70,12 +70,18 @@ EXIT_TIE_TOLERANCE_S = 0.05
 
 @dataclass(frozen=True)
 class Blame:
-    """The verdict: ``node`` (None: no node is at fault), why, how sure, and what shows it."""
+    """The verdict: ``node`` (None: no node is at fault), why, how sure, and what shows it.
+
+    ``hardware``: the evidence is the machine's own, which no job controls
+    (Slurm reports the node not responding); a drain then needs no check of
+    the supervisor's first (:mod:`supervisor.core.drains`).
+    """
 
     node: str | None
     cause: Cause
     confidence: float
     evidence: tuple[str, ...]
+    hardware: bool = False
 
 
 def suspects_of(event: AgentEvent) -> tuple[Suspect, ...]:
@@ -304,11 +310,10 @@ def blame(
 def _with_lemon(result: Blame, lemons: frozenset[str]) -> Blame:
     if result.node is None or result.node not in lemons:
         return result
-    return Blame(
-        result.node,
-        result.cause,
-        min(1.0, result.confidence + LEMON_BONUS),
-        (*result.evidence, f"{result.node} is on the lemon list"),
+    return replace(
+        result,
+        confidence=min(1.0, result.confidence + LEMON_BONUS),
+        evidence=(*result.evidence, f"{result.node} is on the lemon list"),
     )
 
 
@@ -339,6 +344,7 @@ def _blame(observation: Observation, record: JobRecord) -> Blame:
             Cause.NODE_LOST,
             CONFIDENCE_NODE_LOST,
             (f"Slurm reports {observation.node} {'+'.join(states)}",),
+            hardware=True,
         )
     if not isinstance(observation, AgentEvent):
         return Blame(None, Cause.OPERATOR, 0.0, ("not a fault observation",))

@@ -72,6 +72,12 @@ class Policy:
       down, at least one) that one Slurm user's jobs may take, drains and
       drain tickets alike: past it their blames exclude the node from the job
       and warn, as when the hourly share is used up.
+    - ``corroborate_drains``: one job's evidence (its owner controls the job)
+      removes the node from that job only; the node is drained once the
+      supervisor's own check of it (a Slurm job of the supervisor's user on
+      the node, after the job has left it) fails, or at once when jobs of
+      another user blamed it too or Slurm itself reports it not responding
+      (:mod:`supervisor.core.drains`). False: drain on one job's evidence.
     - ``storm_nodes`` / ``storm_jobs`` / ``storm_window_s``: the storm brake.
       Blames of at least ``storm_nodes`` distinct nodes from at least
       ``storm_jobs`` jobs within the window point at a shared cause (storage,
@@ -144,6 +150,7 @@ class Policy:
     user_flag_share: float = 0.05
     user_flag_min_nodes: int = 5
     max_user_drain_share: float = 0.5
+    corroborate_drains: bool = True
     storm_nodes: int = 3
     storm_jobs: int = 2
     storm_window_s: float = 600.0
@@ -170,6 +177,7 @@ class Policy:
         kinds = {
             "straggler_drain": bool,
             "grow_back": bool,
+            "corroborate_drains": bool,
             "validation_level": ValidationLevel,
             "anomaly_action": AnomalyAction,
         }

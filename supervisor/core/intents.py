@@ -120,6 +120,28 @@ class DrainTicket(_Action):
 
 
 @dataclass(frozen=True)
+class CheckNode(_Action):
+    """Check ``node`` with a Slurm job of the supervisor's own before any drain.
+
+    One job's evidence is its owner's word (a script can kill its own rank):
+    the node is already out of that job, and the supervisor's own check, once
+    the job has left the node, decides whether it is drained
+    (:mod:`supervisor.core.drains`). ``evidence`` is the blame's.
+    """
+
+    node: str
+    cause: Cause
+    evidence: str
+    user: str = ""  # the blaming job's Slurm user
+
+    KIND: ClassVar[str] = "check"
+
+    def target(self) -> str:
+        """One check of this node per job attempt."""
+        return self.node
+
+
+@dataclass(frozen=True)
 class ResumeNode(_Action):
     """Return ``node`` to service (``scontrol update state=resume``) after probation."""
 
@@ -260,6 +282,7 @@ class PushInterval(_Action):
 Intent = (
     DrainNode
     | DrainTicket
+    | CheckNode
     | ResumeNode
     | StopRanks
     | ValidateCheckpoints

@@ -45,7 +45,7 @@ import math
 from dataclasses import replace
 
 from agent.wire.protocol import EventKind
-from supervisor.core import clean_end, follow_slurm, planned_stop, recovery, rollback, skips
+from supervisor.core import clean_end, drains, follow_slurm, planned_stop, recovery, rollback, skips
 from supervisor.core.blame import (
     Blame,
     blame,
@@ -96,8 +96,8 @@ def permits(policy: Policy, cluster_size: int) -> str:
     sees before the first fault whether the policy can act here at all.
     """
     share = math.floor(policy.max_drain_share_per_hour * cluster_size + 1e-9)
-    drains = recovery.drain_limit(policy, cluster_size)
-    if drains == 0:
+    limit = drains.drain_limit(policy, cluster_size)
+    if limit == 0:
         allowed = (
             "no drain at all (min_drains_per_hour 0, and max_drain_share_per_hour "
             f"{policy.max_drain_share_per_hour:g} of {cluster_size} rounds down to 0): a blamed "
@@ -106,11 +106,11 @@ def permits(policy: Policy, cluster_size: int) -> str:
     else:
         source = (
             f"max_drain_share_per_hour {policy.max_drain_share_per_hour:g}"
-            if drains == share
+            if limit == share
             else f"min_drains_per_hour {policy.min_drains_per_hour}; the share "
             f"{policy.max_drain_share_per_hour:g} alone allows {share}"
         )
-        allowed = f"up to {drains} drain{'s' if drains != 1 else ''} per hour ({source})"
+        allowed = f"up to {limit} drain{'s' if limit != 1 else ''} per hour ({source})"
     stragglers = (
         f"drained after {policy.straggler_reports_to_drain} reports"
         if policy.straggler_drain

@@ -11,13 +11,13 @@ step 4; the store keeps the blame history and calls these on its schedule.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from supervisor.core.intents import ResumeNode
 from supervisor.core.policy import Policy
 from supervisor.slurm.parse import SlurmNode
-from supervisor.store.rows import Lemon, TicketRow
+from supervisor.store.rows import CheckResult, Lemon, NodeCheckRow, TicketRow
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,11 @@ def lifted_outside(
     return tuple(sorted(lifted))
 
 
-def ticketed(open_tickets: Iterable[TicketRow]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """(node, the users whose jobs raised its open tickets) pairs, sorted by node; the
-    users are empty when one ticket's job is of unknown user (then it is everyone's)."""
+def ticketed(
+    open_tickets: Iterable[TicketRow | NodeCheckRow],
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(node, the users whose jobs raised its open tickets or checks) pairs, sorted by node;
+    the users are empty when one's job is of unknown user (then it is everyone's)."""
     users: dict[str, set[str] | None] = {}
     for ticket in open_tickets:
         known = users.setdefault(ticket.node, set())
@@ -101,8 +103,28 @@ def ticketed(open_tickets: Iterable[TicketRow]) -> tuple[tuple[str, tuple[str, .
     return tuple((node, tuple(sorted(users[node] or ()))) for node in sorted(users))
 
 
+def held_by_checks(
+    checks: Iterable[NodeCheckRow], now_s: float, policy: Policy
+) -> list[NodeCheckRow]:
+    """The supervisor's node checks that keep their node out of jobs now: an open or
+    expired one (no verdict) out of its blaming user's, for ``probation_s`` after it was
+    raised, as a drain ticket; a failed one out of everyone's (``slurm_user`` None), for
+    ``probation_s`` after it ended, whether or not a drain could follow it."""
+    held = []
+    for check in checks:
+        if check.result is CheckResult.FAILED and check.ended_s is not None:
+            if now_s - check.ended_s < policy.probation_s:
+                held.append(replace(check, slurm_user=None))
+        elif check.result is not CheckResult.PASSED and now_s - check.raised_s < policy.probation_s:
+            held.append(check)
+    return held
+
+
 def avoid_list(
-    lemon_rows: Iterable[Lemon], open_tickets: Iterable[TicketRow], policy: Policy
+    lemon_rows: Iterable[Lemon],
+    open_tickets: Iterable[TicketRow],
+    policy: Policy,
+    checks: Iterable[NodeCheckRow] = (),
 ) -> list[dict[str, Any]]:
     """The nodes a user's next jobs leave out (``resurgo submit`` adds them to ``--exclude``).
 
@@ -112,19 +134,32 @@ def avoid_list(
     would stay out before its health check), for the users whose jobs raised
     its tickets only (``users``): one user's word keeps a node out of their own
     next jobs, never out of everyone's. A ticket of a job whose user is not
-    known keeps it out for everyone. Sorted by node; each entry says why.
+    known keeps it out for everyone. The supervisor's node checks
+    (:func:`held_by_checks`) count as tickets, a failed one for everyone.
+    Sorted by node; each entry says why.
     """
     entries: dict[str, dict[str, Any]] = {}
     tickets = list(open_tickets)
-    users_of = dict(ticketed(tickets))
+    held = list(checks)
     for ticket in tickets:
         entries[ticket.node] = {
             "node": ticket.node,
             "why": f"drain ticket {ticket.ticket_id}: {ticket.cause} in job {ticket.job_id}",
             "until_s": ticket.raised_s + policy.probation_s,
         }
-        if users_of[ticket.node]:
-            entries[ticket.node]["users"] = list(users_of[ticket.node])
+    for check in held:
+        if check.node in entries:
+            continue
+        if check.result is CheckResult.FAILED:
+            why = f"failed the supervisor's check: {check.detail}"
+            until = (check.ended_s or check.raised_s) + policy.probation_s
+        else:
+            why = f"the supervisor checks it: {check.cause} in job {check.job_id}"
+            until = check.raised_s + policy.probation_s
+        entries[check.node] = {"node": check.node, "why": why[:300], "until_s": until}
+    for node, users in ticketed([*tickets, *held]):
+        if users:
+            entries[node]["users"] = list(users)
     for lemon in lemon_rows:
         entries[lemon.node] = {
             "node": lemon.node,

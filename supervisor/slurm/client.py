@@ -179,6 +179,15 @@ class SlurmClient:
         log.info("slurm: %s", " ".join(argv))
         return parse.parse_sbatch_id(await self._run(argv))
 
+    async def run_command(self, options: Sequence[str], command: Sequence[str]) -> int:
+        """``sbatch --wrap`` ``command`` with ``options``; return the new job id.
+
+        Run once, never retried: a retry after a lost answer would submit twice.
+        """
+        argv = parse.run_argv(options, command)
+        log.info("slurm: %s", " ".join(argv))
+        return parse.parse_sbatch_id(await self._run(argv))
+
     async def test_only(self, options: Sequence[str], script: str) -> str | None:
         """None when ``sbatch --test-only`` accepts the request now, else Slurm's words.
 

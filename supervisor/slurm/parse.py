@@ -11,6 +11,7 @@ import enum
 import json
 import re
 import reprlib
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -636,6 +637,12 @@ def release_argv(job_id: int) -> list[str]:
 def sbatch_argv(options: Sequence[str], script: str) -> list[str]:
     """Submit batch script ``script`` held (released once Resurgo registered it); prints the id."""
     return ["sbatch", "--parsable", "--hold", *options, script]
+
+
+def run_argv(options: Sequence[str], command: Sequence[str]) -> list[str]:
+    """Submit ``command`` as a batch job of its own (``--wrap``), to run once released by
+    the scheduler as usual; prints the id."""
+    return ["sbatch", "--parsable", *options, f"--wrap={shlex.join(command)}"]
 
 
 def test_only_argv(options: Sequence[str], script: str) -> list[str]:

@@ -3,7 +3,7 @@
 A drain or a ticket is what was done about a blame; the blame itself is kept
 whatever was done, so that what the hourly share or the storm brake left
 undone still counts as evidence: the storm brake reads the blames of the
-last minutes (:func:`supervisor.core.recovery.drain_storm`), and ``resurgo
+last minutes (:func:`supervisor.core.drains.drain_storm`), and ``resurgo
 nodes`` shows who blamed a node. The user is the one Slurm named at the
 job's registration (``jobs.slurm_user``), never one a job's files say.
 """

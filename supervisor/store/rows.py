@@ -238,6 +238,56 @@ class TicketRow:
         }
 
 
+class CheckResult(enum.Enum):
+    """How the supervisor's own check of a blamed node ended."""
+
+    PASSED = "passed"  # the node is healthy: it stays in service
+    FAILED = "failed"  # the node is not: drained (or ticketed, or everyone avoids it)
+    EXPIRED = "expired"  # no verdict (never started in time, cancelled, forgotten)
+
+
+@dataclass(frozen=True)
+class NodeCheckRow:
+    """The supervisor's check of ``node``, raised by ``job_id``'s blame at ``attempt``.
+
+    Open (``ended_s`` None) until it ends with ``result``; ``slurm_job_id`` is
+    the check's own Slurm job once submitted. ``slurm_user`` is the blaming
+    job's user, as Slurm said (None: not known).
+    """
+
+    check_id: int
+    node: str
+    job_id: str
+    attempt: int
+    cause: str
+    evidence: str
+    raised_s: float
+    slurm_job_id: int | None
+    submitted_s: float | None
+    ended_s: float | None
+    result: CheckResult | None
+    detail: str
+    action_id: str | None
+    slurm_user: str | None = None
+
+    def document(self) -> dict[str, Any]:
+        """The check as ``resurgo nodes --json`` gives it."""
+        return {
+            "check_id": self.check_id,
+            "node": self.node,
+            "job_id": self.job_id,
+            "user": self.slurm_user,
+            "cause": self.cause,
+            "evidence": self.evidence,
+            "raised_s": self.raised_s,
+            "slurm_job_id": self.slurm_job_id,
+            "submitted_s": self.submitted_s,
+            "ended_s": self.ended_s,
+            "result": None if self.result is None else self.result.value,
+            "detail": self.detail,
+        }
+
+
 class BlameOutcome(enum.Enum):
     """What was done about a node a decision blamed."""
 
@@ -248,9 +298,11 @@ class BlameOutcome(enum.Enum):
     FLAGGED = "flagged"  # only kept out of the job: its user's jobs blamed too many nodes
     SLURM = "slurm"  # Slurm had already taken the node out of service
     USER_SHARE = "user_share"  # only kept out of the job: its user's share of drains was used
+    CHECKING = "checking"  # kept out of the job; the supervisor's own check decides a drain
     # Observe-only mode: what would have been done, and was not.
     WOULD_DRAIN = "would_drain"
     WOULD_TICKET = "would_ticket"
+    WOULD_CHECK = "would_check"
 
 
 @dataclass(frozen=True)

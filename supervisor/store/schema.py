@@ -237,7 +237,32 @@ CREATE INDEX blames_by_time ON blames (blamed_s);
 CREATE INDEX blames_by_node ON blames (node, blamed_s);
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5)
+# Node checks: a node one job blamed is checked by a Slurm job of the
+# supervisor's own before it is drained (supervisor.core.drains). A check
+# is raised by a decision (action_id), submitted once the blaming job has left
+# the node (slurm_job_id, submitted_s) and ends passed, failed or expired
+# (result, detail: the check's output or why it has none).
+_V6 = """
+CREATE TABLE node_checks (
+    check_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    node TEXT NOT NULL,
+    job_id TEXT NOT NULL REFERENCES jobs (job_id),
+    attempt INTEGER NOT NULL,
+    cause TEXT NOT NULL,
+    evidence TEXT NOT NULL,
+    raised_s REAL NOT NULL,
+    slurm_job_id INTEGER,
+    submitted_s REAL,
+    ended_s REAL,
+    result TEXT,
+    detail TEXT NOT NULL DEFAULT '',
+    action_id TEXT UNIQUE
+);
+CREATE INDEX node_checks_open ON node_checks (raised_s) WHERE ended_s IS NULL;
+CREATE INDEX node_checks_by_node ON node_checks (node, raised_s);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
 SCHEMA_VERSION = len(MIGRATIONS)
 # Tables every version has: a file holding them is a Resurgo store, damaged if
 # it lacks its schema_version.

@@ -68,6 +68,7 @@ from typing import Any
 from agent.wire.protocol import Command, CommandKind
 from supervisor.errors import ActionStateError, StoreError
 from supervisor.store.blames import Blames
+from supervisor.store.checks import NodeChecks
 from supervisor.store.core import locked, rowid
 from supervisor.store.history import History
 from supervisor.store.rows import (
@@ -95,7 +96,7 @@ _DONE, _FAILED = ActionState.DONE.value, ActionState.FAILED.value
 _QUIET_JOBS_REMEMBERED = 10_000
 
 
-class Store(History, StepReports, Tickets, Blames):
+class Store(History, StepReports, Tickets, Blames, NodeChecks):
     """The supervisor's store; open it with :meth:`Store.open`. See the module docstring."""
 
     def __init__(self, db: sqlite3.Connection, path: Path) -> None:

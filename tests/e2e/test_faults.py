@@ -42,6 +42,8 @@ POLICY = {
     "validation_level": "full",
     "straggler_min_steps": "4",  # a 16-step job: judge a straggler after 4 of its steps
     "relaunch_start_timeout_s": "60",
+    # Drain on one job's word, as these tests look for; test_corroboration.py checks first.
+    "corroborate_drains": "false",
 }
 DAEMON = {"RESURGO_SUPERVISOR_LEASE_S": "8", "RESURGO_SUPERVISOR_STRAGGLER_CHECK_S": "2"}
 # Agents: quick reports, short hang floors so a hang is declared within seconds.

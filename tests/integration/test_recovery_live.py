@@ -38,6 +38,9 @@ POLICY = {
     # and the floor (min_drains_per_hour 1) allows one drain per hour.
     "backoff_base_s": "2",
     "validation_level": "full",
+    # Drain on one job's word: these tests look at the drain (tests/e2e/test_corroboration.py
+    # at the check before it).
+    "corroborate_drains": "false",
 }
 ENDED = {"COMPLETED", "FAILED", "CANCELLED"}
 

@@ -74,7 +74,14 @@ def run(body: Callable[[Supervisor, Slurm, list[float]], Awaitable[None]], tmp_p
         config = SupervisorConfig(state_dir=str(tmp_path / "state"), observe_only=observe_only)
         supervisor = Supervisor(
             config,
-            Policy(**{"max_drain_share_per_hour": 0.5, "exit_evidence_window_s": 0, **policy}),
+            Policy(
+                **{
+                    "max_drain_share_per_hour": 0.5,
+                    "exit_evidence_window_s": 0,
+                    "corroborate_drains": False,
+                    **policy,
+                }
+            ),
             slurm=slurm,  # type: ignore[arg-type]
             clock=lambda: clock[0],
         )

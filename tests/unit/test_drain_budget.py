@@ -76,7 +76,7 @@ def run(body: Callable[[Supervisor, Cluster], Awaitable[None]], tmp_path: Path,
         cluster = Cluster(JOBS)
         supervisor = Supervisor(
             SupervisorConfig(state_dir=str(tmp_path / "state")),
-            Policy(**{"exit_evidence_window_s": 0, **policy}),
+            Policy(**{"exit_evidence_window_s": 0, "corroborate_drains": False, **policy}),
             slurm=cluster,  # type: ignore[arg-type]
             clock=lambda: NOW,
         )

@@ -15,6 +15,7 @@ import pytest
 
 from agent.wire.errors import ConfigError
 from agent.wire.protocol import EventKind
+from supervisor.core.drains import drain_limit
 from supervisor.core.intents import (
     Alert,
     DrainNode,
@@ -40,7 +41,6 @@ from supervisor.core.observations import (
     Tick,
 )
 from supervisor.core.policy import Policy, decide, permits
-from supervisor.core.recovery import drain_limit
 from tests.unit.policy_world import (
     CKPT,
     CLUSTER,
@@ -154,9 +154,9 @@ def test_drain_beyond_the_hourly_share_alerts_instead():
     assert crash.record.recovery is not None and "node3" in crash.record.recovery.exclude
 
 
-def test_on_four_nodes_the_default_policy_drains_a_sigkilled_ranks_node():
+def test_on_four_nodes_the_default_share_drains_a_sigkilled_ranks_node():
     # 0.1 of 4 nodes rounds down to no drain; the floor of one drain per hour acts.
-    defaults = replace(Policy(), exit_evidence_window_s=0.0)
+    defaults = replace(Policy(), exit_evidence_window_s=0.0, corroborate_drains=False)
     (crash,) = run(running(), rank_exit(sig=signal.SIGKILL.value), policy=defaults, cluster=FOUR)
     assert kinds(crash)[0] is DrainNode
     assert "drain node3" in crash.explanation
