@@ -93,7 +93,7 @@ from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.polling import SlurmWatch
 from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import SlurmNode
-from supervisor.store import Actor, LeaseRow, Store
+from supervisor.store import Actor, CheckResult, LeaseRow, Store
 from supervisor.store.modes import make_private
 from supervisor.views.timeline import node_faults
 
@@ -530,7 +530,12 @@ class Supervisor(SlurmWatch):
                 drained_at_s=drain.drained_s,
                 drain_job_id=drain.job_id or "",
                 drain_attempt=attempt,
-            )
+                failed_check_s=max(
+                    (c.ended_s or 0.0 for c in self.store.node_checks_for(drain.node)
+                     if c.result is CheckResult.FAILED),
+                    default=None,
+                ),
+            )  # fmt: skip
             healthy = await self._node_healthy(node)
             resume = release(history, healthy, now, self.policy)
             if resume is not None:

@@ -283,13 +283,22 @@ class StoreCollector(Collector):
         yield drains
         blames = CounterMetricFamily(
             "resurgo_blames",
-            "Nodes blamed by a decision, by what was done (drained, ticketed, excluded, storm, "
-            "slurm).",
+            "Nodes blamed by a decision, by what was done (drained, ticketed, checking, "
+            "excluded, storm, slurm).",
             labels=["outcome"],
         )
         for outcome, count in sorted(self._store.blame_counts().items()):
             blames.add_metric([outcome], float(count))
         yield blames
+        checks = CounterMetricFamily(
+            "resurgo_node_checks",
+            "The supervisor's own checks of nodes one job blamed, by result (passed, failed: "
+            "drained; expired: no verdict; open: waiting or running).",
+            labels=["result"],
+        )
+        for result, count in sorted(self._store.node_check_counts().items()):
+            checks.add_metric([result], float(count))
+        yield checks
         yield GaugeMetricFamily(
             "resurgo_drain_storm",
             "1 while the storm brake holds (many nodes blamed by several jobs at once): no "

@@ -2,7 +2,8 @@
 
 Lists the nodes drained in Slurm (Resurgo's drains and anyone else's) with
 the reason, the open drain tickets (what a supervisor without operator
-rights asked the admins to drain, with the evidence), every node's blame
+rights asked the admins to drain, with the evidence), the supervisor's own
+checks of nodes one job blamed (waiting, running, passed, failed), every node's blame
 history across jobs, and the lemon list (nodes blamed too often, kept
 out). ``undrain`` returns a node to service (``scontrol update
 state=resume``) and records it in the audit as the
@@ -93,6 +94,20 @@ def render(document: dict[str, Any], now_s: float) -> str:
         lines.append("")
         lines.append("drain tickets (open; an admin should drain and check these nodes):")
         lines.append(table(("NODE", "RAISED", "CAUSE", "STATE", "EVIDENCE", "HOOK"), tickets))
+    checks = [
+        [
+            one_line(c["node"]),
+            f"{duration(now_s - c['raised_s'])} ago",
+            one_line(f"{c['cause']} (job {c['job_id']}{_of(c.get('user'))})"),
+            one_line(c["result"] or ("running" if c["slurm_job_id"] else "waiting")),
+            one_line(c["detail"] or c["evidence"])[:80],
+        ]
+        for c in document.get("checks", [])
+    ]
+    if checks:
+        lines.append("")
+        lines.append("node checks (one job's blame; the supervisor's own check decides a drain):")
+        lines.append(table(("NODE", "RAISED", "BLAMED FOR", "RESULT", "DETAIL"), checks))
     if document["history"]:
         lines.append("")
         lines.append("blame history:")

@@ -28,7 +28,8 @@ class NodeHistory:
     jobs blamed it, in the same order (empty: not known, each blame counts as
     another user's); ``drained_at_s`` is when
     Resurgo drained it (None: not drained by Resurgo, never ours to resume);
-    ``drain_job_id``/``drain_attempt`` name the drain's job and attempt.
+    ``drain_job_id``/``drain_attempt`` name the drain's job and attempt;
+    ``failed_check_s`` is when the node last failed the supervisor's own check.
     """
 
     node: str
@@ -37,14 +38,19 @@ class NodeHistory:
     drain_job_id: str = ""
     drain_attempt: int = 0
     blame_users: tuple[str, ...] = ()
+    failed_check_s: float | None = None
 
 
 def is_lemon(history: NodeHistory, now_s: float, policy: Policy) -> bool:
     """True when the node was blamed ``lemon_blames`` times within the window, by jobs
-    of at least ``lemon_users`` users."""
+    of at least ``lemon_users`` users, or of fewer when it failed the supervisor's own
+    check within the window (the check is no user's word)."""
     recent = [i for i, t in enumerate(history.blames_s) if now_s - t <= policy.lemon_window_s]
     if len(recent) < policy.lemon_blames:
         return False
+    checked = history.failed_check_s
+    if checked is not None and now_s - checked <= policy.lemon_window_s:
+        return True
     if len(history.blame_users) != len(history.blames_s):
         return len(recent) >= policy.lemon_users  # users unknown: each blame another's
     return len({history.blame_users[i] for i in recent}) >= policy.lemon_users

@@ -84,6 +84,14 @@ class NodeChecks(StoreCore):
             )
         return cursor.rowcount == 1
 
+    @locked
+    def node_check_counts(self) -> dict[str, int]:
+        """How many checks ended with each result over the store's life (``open``: not yet)."""
+        rows = self._db.execute(
+            "SELECT COALESCE(result, 'open'), COUNT(*) FROM node_checks GROUP BY 1"
+        )
+        return {result: int(count) for result, count in rows}
+
     def _checks(self, where: str, params: tuple[Any, ...]) -> list[NodeCheckRow]:
         rows = self._db.execute(
             f"SELECT {_COLUMNS} FROM node_checks c LEFT JOIN jobs j ON j.job_id = c.job_id"

@@ -76,6 +76,7 @@ from supervisor.store.rows import (
     ActionState,
     Actor,
     CheckpointRow,
+    CheckResult,
     DrainRow,
     Label,
     Lemon,
@@ -328,7 +329,8 @@ class Store(History, StepReports, Tickets, Blames, NodeChecks):
     @locked
     def lemons(self, threshold: int, window_s: float, now_s: float, users: int = 1) -> list[Lemon]:
         """Nodes the supervisor blamed at least ``threshold`` times in the last ``window_s``,
-        on the word of jobs of at least ``users`` distinct Slurm users.
+        on the word of jobs of at least ``users`` distinct Slurm users, or of fewer when the
+        node failed the supervisor's own check within the window.
 
         A blame is a drain, or a drain ticket where the supervisor may not
         drain. Operator drains (maintenance) are not blame and do not count,
@@ -345,10 +347,12 @@ class Store(History, StepReports, Tickets, Blames, NodeChecks):
             " WHERE raised_s > ? AND closed_s IS NULL"
             ") AS b LEFT JOIN jobs AS j ON j.job_id = b.job_id"
             " GROUP BY b.node HAVING COUNT(*) >= ?"
-            " AND COUNT(DISTINCT COALESCE(j.slurm_user, 'job ' || b.job_id, 'unknown')) >= ?"
+            " AND (COUNT(DISTINCT COALESCE(j.slurm_user, 'job ' || b.job_id, 'unknown')) >= ?"
+            " OR b.node IN (SELECT node FROM node_checks WHERE result = ? AND ended_s > ?))"
             " ORDER BY COUNT(*) DESC, b.node",
-            (Actor.SUPERVISOR.value, now_s - window_s, now_s - window_s, threshold, users),
-        )
+            (Actor.SUPERVISOR.value, now_s - window_s, now_s - window_s, threshold, users,
+             CheckResult.FAILED.value, now_s - window_s),
+        )  # fmt: skip
         return [Lemon(*row) for row in rows]
 
     def _drains(self, where: str, params: tuple[Any, ...]) -> list[DrainRow]:

@@ -272,7 +272,8 @@ def nodes(
     lemon_users: int = 1,
 ) -> dict[str, Any]:
     """``resurgo nodes``: drained nodes with reasons, open drain tickets (with Slurm's
-    state of their node, which shows whether an admin acted), blame history, the
+    state of their node, which shows whether an admin acted), the supervisor's own
+    checks of blamed nodes (open, and those of the lemon window), blame history, the
     blames of the lemon window (each with the job's user and what was done about
     it, drained or not), the lemon list.
 
@@ -329,6 +330,10 @@ def nodes(
             for ticket in store.all_tickets()
             if ticket.closed_s is None
             for node in [(slurm_nodes or {}).get(ticket.node)]
+        ],
+        "checks": [
+            check.document()
+            for check in store.node_checks_since(now_s - lemon_window_s)[-MAX_BLAMES_SHOWN:]
         ],
         "history": {name: rows for name, rows in history.items() if rows},
         "blames": [blame.document() for blame in store.blames_since(now_s - lemon_window_s)][

@@ -171,3 +171,40 @@ def test_open_checks_keep_the_node_out_of_the_blaming_users_jobs_and_failed_ones
     assert [(e["node"], e.get("users")) for e in listed] == [("node3", ["alice"]), ("node4", None)]
     assert listed[1]["why"] == "failed the supervisor's check: FAIL nhc"
     assert held_by_checks(store.node_checks_since(0), NOW + 601, policy) == []
+
+
+def test_resurgo_nodes_and_the_metrics_show_the_checks(store: Store) -> None:
+    from supervisor.cli.nodes import render
+    from supervisor.views import documents as views
+
+    raise_check(store, "node3")
+    passed = raise_check(store, "node4")
+    store.end_node_check(passed, CheckResult.PASSED, "ok nhc", NOW)
+    document = views.nodes(store, None, NOW + 5, 2, 86400.0)
+    assert [(c["node"], c["user"], c["result"]) for c in document["checks"]] == [
+        ("node3", "alice", None),
+        ("node4", "alice", "passed"),
+    ]
+    text = render(document, NOW + 5)
+    assert "node checks (one job's blame" in text
+    assert "rank_signal (job 7 of alice)" in text and "waiting" in text and "passed" in text
+    assert store.node_check_counts() == {"open": 1, "passed": 1}
+
+
+def test_one_users_two_blames_make_a_lemon_once_the_node_failed_the_supervisors_check(
+    store: Store,
+) -> None:
+    from supervisor.core.probation import NodeHistory, is_lemon
+
+    for attempt in (2, 3):
+        store.record_drain("node3", cause=Cause.RANK_SIGNAL, job_id=BLAMING,
+                           reason="resurgo: rank_signal", now_s=NOW + attempt,
+                           action_id=f"{BLAMING}/{attempt}/drain/node3")  # fmt: skip
+    assert store.lemons(2, 86400.0, NOW + 10, 2) == []  # one user's word
+    failed = raise_check(store, "node3")
+    store.end_node_check(failed, CheckResult.FAILED, "FAIL nhc", NOW + 5)
+    assert [lemon.node for lemon in store.lemons(2, 86400.0, NOW + 10, 2)] == ["node3"]
+    history = NodeHistory("node3", (NOW + 2, NOW + 3), blame_users=("alice", "alice"))
+    policy = Policy(lemon_window_s=86400.0)
+    assert not is_lemon(history, NOW + 10, policy)
+    assert is_lemon(replace(history, failed_check_s=NOW + 5), NOW + 10, policy)
