@@ -239,26 +239,18 @@ def exclude_and_drain(
         why = f"{record.slurm_user}'s share of the drains is used"
         return excluded, (alert,), f"{node} excluded, not {verb}: {why}"
     at_once = drain_at_once(policy, cluster, blame, record.slurm_user)
-    if at_once is None:
-        check = CheckNode(
+    if at_once is None or not cluster.may_drain:
+        # One job's word: the supervisor checks the node first. No rights: the admins drain.
+        ask = CheckNode if at_once is None else DrainTicket
+        done = (
+            "drained only if the supervisor's own check of it fails (one job's word)"
+            if at_once is None
+            else "a drain ticket raised (no Slurm operator rights to drain)"
+        )
+        intent = ask(
             record.job_id, record.attempt, node, blame.cause, evidence[:500], record.slurm_user
         )
-        return (
-            excluded,
-            (check,),
-            f"{node} excluded; drained only if the supervisor's own check of it fails (one "
-            f"job's word): {blame.confidence:.2f}: {evidence}",
-        )
-    if not cluster.may_drain:
-        ticket = DrainTicket(
-            record.job_id, record.attempt, node, blame.cause, evidence[:500], record.slurm_user
-        )
-        return (
-            excluded,
-            (ticket,),
-            f"{node} excluded and a drain ticket raised (no Slurm operator rights to drain): "
-            f"{blame.confidence:.2f}: {evidence}",
-        )
+        return excluded, (intent,), f"{node} excluded; {done}: {blame.confidence:.2f}: {evidence}"
     drain = DrainNode(
         record.job_id, record.attempt, node, blame.cause, evidence[:200], record.slurm_user
     )
