@@ -16,6 +16,7 @@ from pathlib import Path
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
 from agent.checkpoint.report import Level, Report
+from agent.wire.diskio import fsync_dir
 from agent.wire.errors import CheckpointInvalid
 
 log = logging.getLogger(__name__)
@@ -145,5 +146,5 @@ def supersede_newer(root: str | os.PathLike[str], step: int, now_unix_s: float) 
         log.warning("resuming from step %d: %s moved aside to %s", step, source, target.name)
         moved.append(target)
     if moved:
-        files.fsync_dir(Path(root))
+        fsync_dir(Path(root))
     return moved

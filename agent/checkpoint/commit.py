@@ -18,6 +18,7 @@ from typing import Any
 
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
+from agent.wire.diskio import fsync_dir
 from agent.wire.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def write_commit(path: Path, manifest: fmt.Manifest) -> None:
     # The step directory's entry in root (prepare_step_dir leaves it
     # unsynced, so the training loop never waits on a journal commit)
     # must be durable before the marker can commit what is inside.
-    files.fsync_dir(path.parent)
+    fsync_dir(path.parent)
     # The manifest's durable write also fsyncs the directory, which makes
     # DCP's own .metadata rename durable: DCP renames without a dir fsync.
     files.write_durably(path / fmt.MANIFEST_NAME, data)

@@ -1,39 +1,19 @@
 """Disk primitives shared by the checkpoint writer and validator.
 
-Streaming checksums in bounded memory, durable small-file writes (temp file,
-fsync, rename, fsync of the directory) and directory fsync. Names and
+Streaming checksums in bounded memory and durable small-file writes (temp file,
+fsync, rename, fsync of the directory: :mod:`agent.wire.diskio`). Names and
 checksum spelling come from :mod:`agent.checkpoint.format`.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from agent.checkpoint import format as fmt
-
-
-def open_regular(path: Path) -> BinaryIO:
-    """Open ``path`` for reading, refusing (OSError) anything but a regular file.
-
-    Opened non-blocking, so a FIFO or a device put where a file belongs (by
-    whoever owns the directory) costs an error instead of a reader blocked
-    forever; the flag is cleared once the file is known to be regular.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
+from agent.wire.diskio import fsync_dir, open_regular
 
 
 def iter_chunks(path: Path, chunk_bytes: int = fmt.CHUNK_BYTES) -> Iterator[bytes]:
@@ -57,15 +37,6 @@ def describe_file(directory: Path, relative: str) -> fmt.FileEntry:
     """Manifest entry for ``directory / relative``."""
     size, checksum = checksum_file(directory / fmt.check_relative_path(relative))
     return fmt.FileEntry(path=relative, bytes=size, checksum=checksum)
-
-
-def fsync_dir(directory: Path) -> None:
-    """fsync a directory so that entries created or renamed in it are durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_durably(path: Path, data: bytes) -> None:

@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agent.checkpoint import files
 from agent.checkpoint.layouts import QUARANTINE_DIR, all_layouts, find_all
+from agent.wire.diskio import fsync_dir
 from agent.wire.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def quarantine(
         moves.append(move)
     steered: list[str] = []
     if moves:
-        files.fsync_dir(base)
+        fsync_dir(base)
         target_path = None if chosen is None else _inside(base, Path(chosen))
         for layout in all_layouts():
             steered.extend(layout.steer(base, target_path))
@@ -129,7 +129,7 @@ def release(root: str | os.PathLike[str], name: str) -> Move:
                     f"or copy {base / move.target} where you want it"
                 )
             (base / move.target).rename(back)
-            files.fsync_dir(back.parent)
+            fsync_dir(back.parent)
             log.warning("checkpoint %s released from quarantine", move.source)
             return move
     held = ", ".join(move.source for move in quarantined(base)) or "none"

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from agent.checkpoint.files import fsync_dir, write_durably
+from agent.checkpoint.files import write_durably
 from agent.wire import protocol
+from agent.wire.diskio import fsync_dir
 from agent.wire.errors import ConfigError, ResurgoError
 from agent.wire.protocol import Event
 

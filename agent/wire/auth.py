@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from agent.checkpoint.files import fsync_dir, open_regular
 from agent.wire import protocol
+from agent.wire.diskio import fsync_dir, open_regular
 from agent.wire.errors import ConfigError, ResurgoError
 
 SECRET_BYTES = 32
