@@ -91,7 +91,7 @@ from supervisor.looplag import LoopLag
 from supervisor.manifests import ManifestReader
 from supervisor.metrics import StoreCollector, build_registry, exposition
 from supervisor.polling import SlurmWatch
-from supervisor.slurm import SlurmClient
+from supervisor.slurm import Slurm, SlurmClient
 from supervisor.slurm.parse import SlurmNode
 from supervisor.store import Actor, CheckResult, LeaseRow, Store
 from supervisor.store.modes import make_private
@@ -114,7 +114,7 @@ class Supervisor(SlurmWatch):
         config: SupervisorConfig,
         policy: Policy,
         *,
-        slurm: SlurmClient | None = None,
+        slurm: Slurm | None = None,
         validate_fn: Validator | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:

@@ -40,7 +40,7 @@ from agent.wire.errors import ConfigError
 from agent.wire.protocol import check_name
 from supervisor.errors import SlurmError, SupervisorError
 from supervisor.sbatch import parse_request, supervision_options
-from supervisor.slurm import SlurmClient
+from supervisor.slurm import Slurm, SlurmActions
 
 SPEC_NAME = "spec.json"
 SECRET_NAME = "secret"
@@ -282,7 +282,7 @@ def sbatch_options(spec: JobSpec) -> list[str]:
 async def submit(
     spec: JobSpec,
     jobs_dir: Path | str,
-    slurm: SlurmClient,
+    slurm: Slurm,
     confirm: Callable[[str, bytes], Awaitable[str | None]] | None = None,
 ) -> str:
     """Submit ``spec`` held, write its directory, release it; return the Slurm job id.
@@ -341,7 +341,7 @@ async def submit(
 NEVER_RUNS_SETTLE_S = 15.0
 
 
-async def _refuse_if_never_runs(slurm: SlurmClient, job_id: int, doubt: str) -> None:
+async def _refuse_if_never_runs(slurm: Slurm, job_id: int, doubt: str) -> None:
     """Cancel a released job that no node can ever run, as plain sbatch would have refused it.
 
     A held submission is accepted whatever it asks for; ``sbatch --test-only``
@@ -363,7 +363,7 @@ async def _refuse_if_never_runs(slurm: SlurmClient, job_id: int, doubt: str) -> 
     )
 
 
-async def _cancel_quietly(slurm: SlurmClient, job_id: int) -> None:
+async def _cancel_quietly(slurm: SlurmActions, job_id: int) -> None:
     try:
         await slurm.cancel(job_id)
     except SlurmError as error:

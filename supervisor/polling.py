@@ -31,7 +31,7 @@ from supervisor.core.probation import avoid_list, held_by_checks, lifted_outside
 from supervisor.deciding import Deciding, record_document
 from supervisor.errors import SlurmError
 from supervisor.intake import TrackedJob
-from supervisor.slurm import SlurmClient, rights
+from supervisor.slurm import Slurm, rights
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.slurm.rights import Rights
 from supervisor.store import Actor, CheckResult, TicketRow
@@ -42,7 +42,7 @@ log = logging.getLogger("resurgo.supervisor")
 class SlurmWatch(Deciding):
     """Job registration and Slurm polling; what they see goes to the decision task."""
 
-    slurm: SlurmClient
+    slurm: Slurm
     node_checks: NodeCheckRunner
     # May this supervisor drain? Asked of Slurm at the first poll that reads the nodes.
     rights: Rights | None

@@ -45,7 +45,6 @@ from agent.checkpoint import layouts
 from agent.checkpoint.report import Level
 from supervisor.act.reconcile import (
     KIND_OF,
-    SlurmActions,
     Verdict,
     args_of,
     command_for,
@@ -90,6 +89,7 @@ from supervisor.errors import (
     SlurmUnavailable,
     StoreError,
 )
+from supervisor.slurm import Slurm
 from supervisor.store import ActionRow, ActionState, Store
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class Executor:
     def __init__(
         self,
         store: Store,
-        slurm: SlurmActions,
+        slurm: Slurm,
         *,
         checkpoint_root_of: Callable[[str], Path | None],
         validate_fn: Validator | None = None,

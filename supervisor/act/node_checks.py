@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from agent.node.nodecheck import MARK, parse_verdict
 from supervisor.errors import SlurmError
-from supervisor.slurm import SlurmClient
+from supervisor.slurm import SlurmActions
 from supervisor.slurm.parse import JobState, SlurmJob
 from supervisor.store import CheckResult, NodeCheckRow, Store
 
@@ -73,7 +73,7 @@ class NodeCheckRunner:
     def __init__(
         self,
         store: Store,
-        slurm: SlurmClient,
+        slurm: SlurmActions,
         settings: CheckSettings,
         clock: Callable[[], float],
     ) -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from agent.wire.protocol import Command, CommandKind
 from supervisor.core.intents import (
@@ -41,37 +41,10 @@ from supervisor.core.intents import (
 from supervisor.core.model import Cause, JobState
 from supervisor.core.observations import CheckpointValidated, Observation, RelaunchFinished
 from supervisor.errors import StoreError
+from supervisor.slurm.interface import SlurmQueries
 from supervisor.slurm.parse import JobState as SlurmState
-from supervisor.slurm.parse import SlurmJob, SlurmNode, parse_drain_reason
+from supervisor.slurm.parse import SlurmJob, parse_drain_reason
 from supervisor.store import ActionRow, ActionState
-
-
-class SlurmActions(Protocol):
-    """The part of :class:`supervisor.slurm.SlurmClient` the executor uses (tests pass fakes)."""
-
-    async def drain(self, node: str, reason: str) -> None:
-        """Drain ``node`` with ``reason``."""
-
-    async def resume(self, node: str) -> None:
-        """Return ``node`` to service."""
-
-    async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
-        """Shrink the running job to ``keep_nodes``."""
-
-    async def requeue_smaller(
-        self, job_id: int, n_nodes: int, n_tasks: int, exclude_nodes: Sequence[str] = ()
-    ) -> None:
-        """Requeue the job with ``n_nodes`` nodes avoiding ``exclude_nodes``."""
-
-    async def cancel(self, job_id: int, signal: str | None = None) -> None:
-        """Cancel the job."""
-
-    async def job(self, job_id: int) -> SlurmJob | None:
-        """The job, or None when Slurm answered and does not list it."""
-
-    async def nodes(self) -> dict[str, SlurmNode]:
-        """Every node, by name."""
-
 
 KIND_OF: dict[type, str] = {
     cls: cls.KIND
@@ -214,7 +187,7 @@ def is_our_drain(reason: str, intent: DrainNode) -> bool:
 
 
 async def effect_of(
-    intent: Intent, slurm: SlurmActions, baseline: Mapping[str, Any] | None = None
+    intent: Intent, slurm: SlurmQueries, baseline: Mapping[str, Any] | None = None
 ) -> Found:
     """Whether the started ``intent`` already took effect in Slurm.
 

@@ -25,7 +25,7 @@ from typing import Any
 from supervisor.cli.common import add_state_dir, duration, fail, open_store, print_json, table
 from supervisor.core.policy import Policy
 from supervisor.errors import SlurmCommandFailed, SlurmError, StoreError
-from supervisor.slurm import SlurmClient
+from supervisor.slurm import Slurm, SlurmClient
 from supervisor.store import Actor, Store
 from supervisor.text import one_line
 from supervisor.views import documents as views
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def undrain(store: Store, slurm: SlurmClient, node: str, *, wrong: bool) -> int:
+def undrain(store: Store, slurm: Slurm, node: str, *, wrong: bool) -> int:
     """Resume ``node`` in Slurm and audit it; plain words for a node not drained or a refusal."""
     try:
         known = asyncio.run(slurm.nodes())

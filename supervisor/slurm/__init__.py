@@ -1,6 +1,8 @@
-"""The Slurm adapter: pure parsing and command building (`parse`), one runner (`client`)."""
+"""The Slurm adapter: the interface (`interface`), pure parsing and command building
+(`parse`), one runner over the command-line tools (`client`)."""
 
 from supervisor.slurm.client import SlurmClient
+from supervisor.slurm.interface import Slurm, SlurmActions, SlurmQueries
 from supervisor.slurm.parse import (
     JobState,
     NodeFlag,
@@ -15,9 +17,12 @@ __all__ = [
     "JobState",
     "NodeFlag",
     "NodeState",
+    "Slurm",
+    "SlurmActions",
     "SlurmClient",
     "SlurmJob",
     "SlurmNode",
+    "SlurmQueries",
     "drain_reason",
     "parse_drain_reason",
 ]

@@ -50,7 +50,10 @@ _BUSY = ("try again in a bit", "resource temporarily unavailable")
 
 
 class SlurmClient:
-    """Async Slurm CLI adapter: queries (retried) and admin commands (logged, not retried)."""
+    """Async Slurm CLI adapter: queries (retried) and admin commands (logged, not retried).
+
+    Implements :class:`supervisor.slurm.interface.Slurm`; users depend on that.
+    """
 
     def __init__(
         self,

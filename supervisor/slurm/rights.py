@@ -27,9 +27,9 @@ from __future__ import annotations
 import getpass
 import os
 from dataclasses import dataclass
-from typing import Protocol
 
 from supervisor.errors import SlurmError
+from supervisor.slurm.interface import SlurmQueries
 
 SETTINGS = ("auto", "operator", "user")
 _DRAINING_LEVELS = {"administrator"}
@@ -107,17 +107,7 @@ def judge(
     )
 
 
-class _Asks(Protocol):
-    """The two reads :func:`detect` makes (a :class:`supervisor.slurm.SlurmClient`)."""
-
-    async def show_config(self) -> str:
-        """``scontrol show config``."""
-
-    async def admin_level(self, user: str) -> str:
-        """``sacctmgr -nP show user USER format=AdminLevel``."""
-
-
-async def detect(slurm: _Asks, setting: str) -> Rights:
+async def detect(slurm: SlurmQueries, setting: str) -> Rights:
     """The supervisor's rights.
 
     Raises :class:`~supervisor.errors.SlurmError` when slurmctld could not be

@@ -66,7 +66,7 @@ class _Nodes:
 
 
 class LoggedSlurm:
-    """The drains of :class:`~supervisor.act.reconcile.SlurmActions`, applied to the log."""
+    """The drains of :class:`~supervisor.slurm.SlurmActions`, applied to the log."""
 
     def __init__(self, path: Path, kill_after: int) -> None:
         self._path = path
