@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.checkpoint import files
-from agent.node.launch import ENV_SAVE_REQUEST_FILE
 from agent.timelimit import Notice
+from agent.wire.environ import ENV_SAVE_REQUEST_FILE
 
 NOTICE_NAME = "time-limit.json"
 

@@ -43,8 +43,8 @@ if not __package__:
     sys.exit("run the benchmarks from the repository root as modules: python -m bench.agent")
 
 from agent.node.hang import HangConfig, RankProgress, hang_verdicts, observe
-from agent.train.heartbeat import (
-    Heartbeat,
+from agent.train.heartbeat import Heartbeat
+from agent.wire.datagram import (
     Phase,
     RankBeat,
     encode_beat,

@@ -2,7 +2,7 @@
 directory comes first on the ranks' ``PYTHONPATH``): fits a torchrun started
 below a wrapper script to the job (:mod:`agent.node.torchrunshim`; the process is
 replaced), arms Resurgo's automatic progress (:mod:`agent.train.autohooks`)
-and the note of an uncaught exception (:mod:`agent.node.raised`), then runs
+and the note of an uncaught exception (:mod:`agent.wire.raised`), then runs
 the ``sitecustomize`` that this one shadows, if there is one, so that a
 distribution's or the user's still runs. Never raises: a rank must start
 whatever happens here.
@@ -33,7 +33,7 @@ def _arm() -> None:
     except Exception:  # never stop a rank from starting
         pass
     try:
-        from agent.node import raised
+        from agent.wire import raised
 
         raised.install()
     except Exception:  # never stop a rank from starting

@@ -8,7 +8,7 @@ One asyncio loop per node. It
 2. launches the node's share of the job (:mod:`agent.node.launch`) and finds every
    rank process (:mod:`agent.node.procs`);
 3. receives the ranks' heartbeats on a Unix datagram socket
-   (:mod:`agent.train.heartbeat`) and samples the stacks of ranks that send
+   (:mod:`agent.wire.datagram`) and samples the stacks of ranks that send
    none (:mod:`agent.node.stacks`);
 4. decides hangs and stragglers with the pure functions of :mod:`agent.node.hang`,
    collecting every local rank's stack before reporting a hang;
@@ -69,8 +69,8 @@ from agent.node.torchrun_options import torchrun_parser
 from agent.node.watch import RankMonitor
 from agent.stopfiles import clear_save_request, read_notice, write_save_request
 from agent.timelimit import Notice, stop_grace_s
-from agent.train.heartbeat import CheckpointNote, RankBeat, StepReport, parse_datagram
 from agent.wire import protocol
+from agent.wire.datagram import CheckpointNote, RankBeat, StepReport, parse_datagram
 from agent.wire.errors import ResurgoError
 from agent.wire.periodic import every
 

@@ -7,8 +7,8 @@ agent's own monotonic clock: a rank's wall time never decides anything.
 
 What the node agent calls, and when:
 
-1. On every datagram that :func:`agent.train.heartbeat.parse_datagram` decodes
-   to a :class:`~agent.train.heartbeat.RankBeat`:
+1. On every datagram that :func:`agent.wire.datagram.parse_datagram` decodes
+   to a :class:`~agent.wire.datagram.RankBeat`:
    ``ranks[b.rank] = observe(ranks.get(b.rank), b, now_s, window=config.window)``.
    A rank is watched from its first beat on; until then (and for scripts that
    never import Resurgo) only stack sampling watches it. Drop a rank from the
@@ -35,7 +35,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from agent.train.heartbeat import Phase, RankBeat
+from agent.wire.datagram import Phase, RankBeat
 from agent.wire.errors import ConfigError
 
 

@@ -46,18 +46,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePath
 
 from agent.skips import ENV_SKIP_SAMPLES, SampleRange, format_skip_samples
+from agent.wire.environ import (
+    ENV_AGENT_SOCKET,
+    ENV_CKPT_INTERVAL_FILE,
+    ENV_CKPT_INTERVAL_S,
+    ENV_CKPT_ROOT,
+    ENV_EXIT_DIR,
+    ENV_JOB_ID,
+    ENV_NODE,
+    ENV_RESTART_COUNT,
+    ENV_RESUME_FROM,
+    ENV_SAVE_REQUEST_FILE,
+)
 from agent.wire.errors import ConfigError
 
-ENV_JOB_ID = "RESURGO_JOB_ID"
-ENV_NODE = "RESURGO_NODE"
-ENV_AGENT_SOCKET = "RESURGO_AGENT_SOCKET"
-ENV_EXIT_DIR = "RESURGO_EXIT_DIR"
-ENV_RESTART_COUNT = "RESURGO_RESTART_COUNT"
-ENV_RESUME_FROM = "RESURGO_RESUME_FROM"
-ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
-ENV_CKPT_INTERVAL_S = "RESURGO_CKPT_INTERVAL_S"
-ENV_CKPT_INTERVAL_FILE = "RESURGO_CKPT_INTERVAL_FILE"
-ENV_SAVE_REQUEST_FILE = "RESURGO_SAVE_REQUEST_FILE"
 ENV_TORCHRUN_OPTIONS_DIR = "RESURGO_TORCHRUN_OPTIONS_DIR"
 # The allocation as JSON, for the torchrun that a wrapper script starts (agent.node.torchrunshim).
 ENV_ALLOCATION = "RESURGO_ALLOCATION"

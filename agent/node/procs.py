@@ -27,8 +27,8 @@ from typing import Any
 
 import psutil
 
-from agent.node import raised
 from agent.node.launch import Shape
+from agent.wire import raised
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,9 @@ class RankExit:
     exit_code: int | None
     signal: int | None
     time_unix_s: float
-    # The rank's uncaught exception (type, when) if it raised one (agent.node.raised).
+    # The rank's uncaught exception (type, when) if it raised one (agent.wire.raised).
     raised: tuple[str, float] | None = None
-    # Whether its script ran to its end before it exited (agent.node.raised).
+    # Whether its script ran to its end before it exited (agent.wire.raised).
     script_ended: bool = False
 
     @property

@@ -17,8 +17,8 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from agent.train.heartbeat import CheckpointNote, Phase, RankBeat
 from agent.wire import protocol
+from agent.wire.datagram import CheckpointNote, Phase, RankBeat
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Step reports on their way from the ranks to the supervisor: buffered per rank, sent in batches.
 
-The node agent adds every :class:`~agent.train.heartbeat.StepReport` it
+The node agent adds every :class:`~agent.wire.datagram.StepReport` it
 receives to a :class:`StepBuffer` and, at each heartbeat report and once more
 before its ``launcher_exited`` event, drains the buffer into ``step_losses``
 payloads: per rank, the steps received since the last drain in arrival order,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from agent.train.heartbeat import StepReport
+from agent.wire.datagram import StepReport
 from agent.wire.protocol import MAX_STEPS_PER_EVENT, NonFinite
 
 # Between two drains (5 s apart by default) no real training loop reports this

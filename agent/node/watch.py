@@ -32,8 +32,8 @@ from agent.node.hang import (
 )
 from agent.node.procs import RankProcess
 from agent.node.stacks import StackDump, dump_all, dump_all_placed, fingerprint, in_collective
-from agent.train.heartbeat import RankBeat, StepReport
 from agent.wire import protocol
+from agent.wire.datagram import RankBeat, StepReport
 
 log = logging.getLogger(__name__)
 

@@ -55,10 +55,11 @@ from typing import Any
 
 from agent.checkpoint.layouts import step_in_path
 from agent.checkpoint.layouts.torchfile import step_named
-from agent.node.launch import ENV_CKPT_ROOT
 from agent.train import heartbeat as heartbeat_module
-from agent.train.heartbeat import ENV_AGENT_SOCKET, ENV_RANK, Heartbeat, Phase
+from agent.train.heartbeat import Heartbeat
 from agent.train.losstap import LossTap, mark_scaled
+from agent.wire.datagram import Phase
+from agent.wire.environ import ENV_AGENT_SOCKET, ENV_CKPT_ROOT, ENV_RANK
 
 ENV_AUTO_PROGRESS = "RESURGO_AUTO_PROGRESS"
 OFF = frozenset({"0", "no", "off", "false"})

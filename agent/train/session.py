@@ -72,7 +72,7 @@ from agent.checkpoint.save import Checkpointer, SaveResult, WhenBusy
 from agent.checkpoint.validate import Level, validate
 from agent.skips import ENV_SKIP_SAMPLES, SampleRange, format_skip_samples, parse_skip_samples
 from agent.stopfiles import SaveRequest
-from agent.train.heartbeat import Heartbeat, Phase, default_heartbeat
+from agent.train.heartbeat import Heartbeat, default_heartbeat
 from agent.train.rng import capture_rng_state, restore_rng_state
 from agent.train.sampler import GlobalBatchSampler
 from agent.train.schedule import (
@@ -81,12 +81,12 @@ from agent.train.schedule import (
     broadcast_from_rank0,
     due_on_all_ranks,
 )
+from agent.wire.datagram import Phase
+from agent.wire.environ import ENV_CKPT_ROOT, ENV_RESUME_FROM
 from agent.wire.errors import CheckpointError, CheckpointInvalid, ConfigError
 
 log = logging.getLogger(__name__)
 
-ENV_RESUME_FROM = "RESURGO_RESUME_FROM"
-ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 # Keep the last 3 committed checkpoints (a bug can take two saves to show).
 DEFAULT_RETENTION = RetentionPolicy()
 # After a checkpoint the node agent asked for (the time limit is near), how long

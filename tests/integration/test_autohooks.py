@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agent.node.launch import BOOTSTRAP_DIR, with_bootstrap
-from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, StepReport, parse_datagram
+from agent.wire.datagram import CheckpointNote, Phase, RankBeat, StepReport, parse_datagram
 
 REPO = Path(__file__).resolve().parents[2]
 FSDP2_PLAIN = REPO / "tests" / "workers" / "fsdp2_plain.py"

@@ -15,7 +15,8 @@ from agent.checkpoint import format as fmt
 from agent.skips import ENV_SKIP_SAMPLES
 from agent.train.sampler import GlobalBatchSampler
 from agent.train.schedule import CheckpointInterval, IntervalSource
-from agent.train.session import ENV_RESUME_FROM, TrainingSession
+from agent.train.session import TrainingSession
+from agent.wire.environ import ENV_RESUME_FROM
 from agent.wire.errors import CheckpointError, CheckpointInvalid, ConfigError
 
 

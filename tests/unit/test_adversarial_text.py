@@ -24,8 +24,8 @@ import pytest
 
 from agent.checkpoint import format as fmt
 from agent.node.agent import NodeAgent
-from agent.train.heartbeat import Phase, encode_checkpoint
 from agent.wire import protocol
+from agent.wire.datagram import Phase, encode_checkpoint
 from agent.wire.errors import CheckpointInvalid, ConfigError
 from agent.wire.protocol import EventKind, ProtocolError
 from supervisor.core.intents import MAX_DRAIN_DETAIL_CHARS, DrainNode

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.train import heartbeat as hb
-from agent.train.heartbeat import CheckpointNote, Phase, RankBeat, StepReport
+from agent.wire import datagram as hb
 from agent.wire import protocol
+from agent.wire.datagram import CheckpointNote, Phase, RankBeat, StepReport
 from agent.wire.protocol import (
     AuthError,
     Command,

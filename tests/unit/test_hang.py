@@ -19,7 +19,7 @@ from agent.node.hang import (
     stack_hang_verdict,
     timeout_for,
 )
-from agent.train.heartbeat import Phase, RankBeat
+from agent.wire.datagram import Phase, RankBeat
 from agent.wire.errors import ConfigError
 
 NOW = 10_000.0

@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.train import heartbeat as hbmod
-from agent.train.heartbeat import (
+from agent.train.heartbeat import Heartbeat
+from agent.wire.datagram import (
     BEAT_SIZE,
     FLAG_NON_FINITE_GRAD_NORM,
     FLAG_NON_FINITE_LOSS,
@@ -25,7 +26,6 @@ from agent.train.heartbeat import (
     MAX_PATH_BYTES,
     STEP_REPORT_SIZE,
     CheckpointNote,
-    Heartbeat,
     Phase,
     RankBeat,
     StepReport,

@@ -11,8 +11,8 @@ import torch
 from agent.node.hang import HangConfig
 from agent.node.watch import RankMonitor
 from agent.train import losstap
-from agent.train.heartbeat import StepReport, encode_step_report, parse_datagram
 from agent.train.losstap import LossTap
+from agent.wire.datagram import StepReport, encode_step_report, parse_datagram
 
 
 def loss(value: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A rank's uncaught exception, noted when it reaches the top (agent.node.raised)."""
+"""A rank's uncaught exception, noted when it reaches the top (agent.wire.raised)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.node import raised
+from agent.wire import raised
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def rank_that_runs(code: str, exit_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """``code`` in a rank of a Resurgo launch (rank 3), the hook installed as the bootstrap
     installs it."""
-    program = f"from agent.node import raised\nraised.install()\n{code}\n"
+    program = f"from agent.wire import raised\nraised.install()\n{code}\n"
     return subprocess.run(
         [sys.executable, "-c", program],
         cwd=REPO,

@@ -22,14 +22,14 @@ from agent.node.agent import private_dir
 from agent.node.hang import HangConfig
 from agent.node.procs import RankProcess
 from agent.node.watch import RankMonitor
-from agent.train.heartbeat import (
+from agent.wire import protocol
+from agent.wire.datagram import (
     Phase,
     RankBeat,
     encode_beat,
     encode_step_report,
     parse_datagram,
 )
-from agent.wire import protocol
 
 
 async def _ignore(kind: protocol.EventKind, payload: dict[str, Any]) -> None:

@@ -20,8 +20,13 @@ from agent.node.agent import Clocks, NodeAgent, default_run_dir
 from agent.node.config import load_config
 from agent.node.procs import RankExit, RankProcess
 from agent.node.steps import StepBuffer
-from agent.train.heartbeat import (
-    Heartbeat,
+from agent.train.heartbeat import Heartbeat
+from agent.train.sampler import GlobalBatchSampler
+from agent.train.schedule import CheckpointInterval, IntervalSource
+from agent.train.session import TrainingSession
+from agent.wire import protocol
+from agent.wire.auth import new_secret, write_secret
+from agent.wire.datagram import (
     Phase,
     StepReport,
     encode_beat,
@@ -29,11 +34,6 @@ from agent.train.heartbeat import (
     encode_step_report,
     parse_datagram,
 )
-from agent.train.sampler import GlobalBatchSampler
-from agent.train.schedule import CheckpointInterval, IntervalSource
-from agent.train.session import TrainingSession
-from agent.wire import protocol
-from agent.wire.auth import new_secret, write_secret
 
 INCARNATION = "0123abcd"
 

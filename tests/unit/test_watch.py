@@ -15,8 +15,8 @@ from agent.node import watch
 from agent.node.hang import HangConfig
 from agent.node.procs import RankProcess
 from agent.node.stacks import Frame, StackDump, ThreadStack
-from agent.train.heartbeat import Phase, RankBeat
 from agent.wire import protocol
+from agent.wire.datagram import Phase, RankBeat
 
 CONFIG = HangConfig(floor_s=8.0, k=5.0, stack_timeout_s=8.0)
 LIVE = {0: RankProcess(0, 0, 100), 1: RankProcess(1, 1, 101)}

@@ -81,11 +81,11 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         # When the rank died by the shim's clock: the earliest death of a job is
         # its root cause, the others' exits follow from it.
         _Spec("exit_time_unix_s", _nullable(_float), required=False),
-        # The rank's uncaught exception and when it reached the top (agent.node.raised):
+        # The rank's uncaught exception and when it reached the top (agent.wire.raised):
         # a rank stopped while it still unwound one raised first, whatever its exit says.
         _Spec("raised", _nullable(_str), required=False),
         _Spec("raised_time_unix_s", _nullable(_float), required=False),
-        # The rank's script ran to its end before the rank exited (agent.node.raised).
+        # The rank's script ran to its end before the rank exited (agent.wire.raised).
         _Spec("script_ended", _bool, required=False),
     ),
     EventKind.LAUNCHER_EXITED: (

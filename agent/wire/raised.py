@@ -20,6 +20,9 @@ thing, before the ``atexit`` handlers, any of which may crash). What comes
 after (gloo's or CUDA's destructors) can still kill it by a signal: the
 supervisor then knows its training had ended (:mod:`supervisor.core.clean_end`).
 A rank killed, or ended by ``os._exit``, writes nothing. Never raises.
+
+Among what the ranks and their agent share (``agent/wire/``): the rank writes
+these notes, the agent reads them; nothing here imports either side.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-ENV_EXIT_DIR = "RESURGO_EXIT_DIR"
+from agent.wire.environ import ENV_EXIT_DIR, ENV_RANK
+
 TYPE_CHARS = 200
 
 
@@ -55,7 +59,7 @@ def ended(exit_dir: Path, global_rank: int) -> bool:
 
 def install() -> None:
     """Note this rank's uncaught exception (when it is a rank of a Resurgo launch)."""
-    exit_dir, rank = os.environ.get(ENV_EXIT_DIR), os.environ.get("RANK", "")
+    exit_dir, rank = os.environ.get(ENV_EXIT_DIR), os.environ.get(ENV_RANK, "")
     if not exit_dir or not rank.isdigit():
         return
     previous = sys.excepthook
