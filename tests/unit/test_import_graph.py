@@ -125,3 +125,87 @@ def test_the_check_finds_a_circle_however_it_is_imported(
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert circle(import_graph(tmp_path, ("pkg",))) == expected
+
+
+# The agent's layers, bottom up: what every side shares (``agent.wire``: the wire
+# protocol, the rank -> agent datagram, the environment the agent sets); the
+# in-rank library (``agent.checkpoint``, then ``agent.train`` above it, started by
+# ``agent.bootstrap``); the node agent (``agent.node``). A rule: (importer, what it
+# must not import); each a package and everything in it.
+LAYER_RULES = (
+    ("agent.wire", ("agent.node", "agent.train", "agent.checkpoint", "agent.bootstrap")),
+    ("agent.train", ("agent.node",)),
+    ("agent.checkpoint", ("agent.node", "agent.train")),
+    ("agent.bootstrap", ("agent.node",)),
+)
+# The one edge across: the bootstrap also starts in the torchrun that a wrapper
+# script runs (not a rank), and fits it to the job with the node's launch code
+# before that torchrun starts any rank.
+ALLOWED_ACROSS = {("agent.bootstrap.sitecustomize", "agent.node.torchrunshim")}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layer_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that crosses the agent's layers the wrong way, as ``importer -> imported``."""
+    return sorted(
+        f"{module} -> {target}"
+        for importer, forbidden in LAYER_RULES
+        for module, targets in graph.items()
+        if _within(module, importer)
+        for target in targets
+        if any(_within(target, package) for package in forbidden)
+        and (module, target) not in ALLOWED_ACROSS
+    )
+
+
+def test_the_agent_layers_import_only_downward() -> None:
+    found = layer_breaches(import_graph(REPO, ("agent",)))
+    assert found == [], (
+        f"imports across the agent's layers: {', '.join(found)}: move what both sides "
+        "need into agent/wire (or agent/checkpoint, for agent/train)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("importer", "text", "expected"),
+    [
+        ("agent/wire/codec.py", "from agent.node.launch import X\n", "agent.node.launch"),
+        (
+            "agent/wire/codec.py",
+            "def f():\n    import agent.train.heartbeat\n",
+            "agent.train.heartbeat",
+        ),
+        ("agent/wire/codec.py", "from agent.checkpoint import files\n", "agent.checkpoint.files"),
+        ("agent/train/session.py", "from agent.node import launch\n", "agent.node.launch"),
+        (
+            "agent/checkpoint/save.py",
+            "from agent.train.heartbeat import X\n",
+            "agent.train.heartbeat",
+        ),
+        ("agent/checkpoint/save.py", "from agent.node.launch import X\n", "agent.node.launch"),
+        (
+            "agent/bootstrap/sitecustomize.py",
+            "from agent.node import launch\n",
+            "agent.node.launch",
+        ),
+    ],
+)
+def test_the_layer_check_finds_an_import_the_wrong_way(
+    tmp_path: Path, importer: str, text: str, expected: str
+) -> None:
+    for name in (
+        "agent/__init__.py", "agent/wire/__init__.py", "agent/wire/codec.py",
+        "agent/node/__init__.py", "agent/node/launch.py", "agent/train/__init__.py",
+        "agent/train/heartbeat.py", "agent/train/session.py", "agent/checkpoint/__init__.py",
+        "agent/checkpoint/files.py", "agent/checkpoint/save.py", "agent/bootstrap/sitecustomize.py",
+    ):  # fmt: skip
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    graph = import_graph(tmp_path, ("agent",))
+    assert layer_breaches(graph) == []
+    (tmp_path / importer).write_text(text)
+    module = importer.removesuffix(".py").replace("/", ".")
+    assert layer_breaches(import_graph(tmp_path, ("agent",))) == [f"{module} -> {expected}"]
