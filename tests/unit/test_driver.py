@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from agent.driver import Driver, DriverSettings, agent_argv, settings_from
+from agent.driver.argv import agent_argv
+from agent.driver.loop import Driver
+from agent.driver.settings import DriverSettings, settings_from
 from agent.wire import protocol
 from agent.wire.auth import new_secret, write_secret
 from agent.wire.errors import ConfigError

@@ -61,7 +61,8 @@ def test_the_main_block_comes_last(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["agent.node.agent", "agent.driver", "agent.node.rankexec", "supervisor.cli.main"]
+    "module",
+    ["agent.node.agent", "agent.driver.loop", "agent.node.rankexec", "supervisor.cli.main"],
 )
 def test_what_starts_each_attempt_does_not_import_torch(module: str) -> None:
     """The driver and every node's agent start on each attempt, on CPUs the ranks

@@ -1,0 +1,80 @@
+"""The ``srun`` command lines the driver runs: pure, settings and nodes in, argv out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agent.driver.settings import DriverSettings
+from agent.skips import SampleRange, format_skip_samples
+
+
+def agent_argv(
+    settings: DriverSettings,
+    nodes: Sequence[str],
+    master_addr: str,
+    attempt: int,
+    resume_from: str | None,
+    master_port: int,
+    skip_samples: Sequence[SampleRange] = (),
+) -> list[str]:
+    """``srun`` running one node agent per node of ``nodes``, each launching the command
+    (``master_port``: from :func:`agent.ports.rendezvous_port`; ``skip_samples``: the
+    windows of the global sample cursor the ranks leave out).
+
+    ``--overlap``: a step with a task on a dead node stays "completing" until Slurm
+    marks that node DOWN (``SlurmdTimeout``, 300 s by default), even after the job
+    was shrunk off the node, and holds its CPUs on the live nodes all that time:
+    without it, the relaunch after a lost node waits for them ("Requested nodes
+    are busy"). Steps of one job run one after the other here, the earlier one
+    ended first, so sharing its resources in Slurm's books takes nothing from
+    anyone.
+    """
+    count = str(len(nodes))
+    return [
+        "srun",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        "--overlap",
+        "--kill-on-bad-exit=0",
+        "--export=ALL",
+        settings.python, "-m", "agent.node.agent",
+        "--supervisor-url", settings.supervisor_url,
+        "--secret-file", str(settings.job_dir / "secret"),
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--launch-nonce", str(attempt),
+        "--attempt", str(attempt),
+        "--ckpt-root", settings.ckpt_root,
+        "--time-limit-file", str(settings.job_dir / "time-limit.json"),
+        "--stop-grace-s", str(settings.stop_grace_s),
+        "--procs-per-node", str(settings.procs_per_node),
+        *(["--resume-from", resume_from] if resume_from else []),
+        *(["--skip-samples", format_skip_samples(skip_samples)] if skip_samples else []),
+        "--", *settings.command,
+    ]  # fmt: skip
+
+
+def spare_check_argv(
+    settings: DriverSettings, spares: Sequence[str], master_addr: str, master_port: int
+) -> list[str]:
+    """``srun`` running :mod:`agent.node.sparecheck` once on each idle spare of ``spares``,
+    with the rendezvous address of the world it would join. ``--overlap``: the check
+    holds no resources a relaunch onto the spare would wait for."""
+    count = str(len(spares))
+    return [
+        "srun",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(spares)}",
+        "--overlap",
+        "--kill-on-bad-exit=0",
+        "--export=ALL",
+        settings.python, "-m", "agent.node.sparecheck",
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--ckpt-root", settings.ckpt_root,
+        "--", *settings.command,
+    ]  # fmt: skip
