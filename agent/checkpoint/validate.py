@@ -213,8 +213,14 @@ class _Ladder:
         where = self.directory / fmt.DCP_METADATA_NAME
         try:
             metadata = _MetadataUnpickler(io.BytesIO(self.metadata_bytes)).load()
-        except MemoryError:
-            raise  # a limit on the validating process, not the file's verdict alone
+        except MemoryError as error:
+            # A length field past any checkpoint's (nine bytes can ask for 2**56), or a
+            # limit on the validating process: either way it cannot be loaded here.
+            raise _Rejected(
+                Level.QUICK,
+                f"{where} needs more memory to load than this process may use (a length "
+                "in it beyond any checkpoint's, or a memory limit set too low)",
+            ) from error
         # Garbage can make the unpickler raise almost anything (EOFError,
         # ValueError, UnpicklingError, RecursionError...): all mean "corrupt".
         except Exception as error:

@@ -353,6 +353,18 @@ def test_validate_never_raises_on_a_directory_of_random_files(
         assert not report.valid
 
 
+def test_metadata_whose_length_field_asks_for_petabytes_is_invalid_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """Nine bytes (a pickle BYTEARRAY8 of 2**56 bytes) found by the random-files test: the
+    unpickler's MemoryError is the file's verdict, not an exception out of validate."""
+    directory = save_plain_dcp(tmp_path / "step-1", {"t": torch.ones(3)})
+    (directory / fmt.DCP_METADATA_NAME).write_bytes(b"\x96\x00\x00\x00\x00\x00\x00\x00\x01")
+    report = validate(directory, Level.QUICK)
+    assert report.failed_level is Level.QUICK
+    assert report.reason is not None and "needs more memory to load" in report.reason
+
+
 def test_random_pickled_garbage_in_metadata_is_invalid_at_quick(tmp_path: Path) -> None:
     directory = save_plain_dcp(tmp_path / "step-1", {"t": torch.ones(3)})
     for payload in (pickle.dumps({"not": "metadata"}), pickle.dumps(torch.ones(2)), b"\x80\x05"):
