@@ -8,7 +8,7 @@ failed one died by a signal without an exception of its own (an uncaught
 exception after the loop, in a final save say, is the script's failure), and
 
 - every failed rank's script had run to its end (Python's normal shutdown had
-  begun: :mod:`agent.node.raised`); a peer stopped by a signal after its
+  begun: :mod:`agent.wire.raised`); a peer stopped by a signal after its
   script's end counts as finished (torchrun stops them all when the dying
   rank's node hosted the rendezvous); or
 - at least one rank exited 0, and every failed rank had reached the last step

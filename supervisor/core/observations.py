@@ -55,7 +55,7 @@ class AgentEvent:
     # ``builtin:NAME`` for the agent's own, agent.node.healthchecks).
     failed_checks: tuple[str, ...] = ()
     # RANK_EXITED: the rank's uncaught exception type and when it reached the top
-    # (payload ``raised``/``raised_time_unix_s``, agent.node.raised), if it raised one.
+    # (payload ``raised``/``raised_time_unix_s``, agent.wire.raised), if it raised one.
     raised: str | None = None
     raised_time_s: float | None = None
     # RANK_EXITED: the rank's script ran to its end before it exited (a signal after
