@@ -90,11 +90,13 @@ def submit(
     nodes: int = 4,
     env: dict[str, str] | None = None,
     spares: int = 0,
+    min_nodes: int = 2,
 ) -> Run:
     run = Run(0, where / "job.out", where / "ckpt", where / "record")
     with_spares = ["--spares", str(spares)] if spares else []
     done = supervisor.resurgo(
-        "submit", "-N", str(nodes), *with_spares, "--min-nodes", "2", f"--output={run.output}",
+        "submit", "-N", str(nodes), *with_spares, "--min-nodes", str(min_nodes),
+        f"--output={run.output}",
         "--ckpt-root", str(run.ckpt), "--parsable", "--",
         *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
         "--record", str(run.record), *toy_args, env=env,
