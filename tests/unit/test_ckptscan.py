@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agent.node.ckptscan import CheckpointScan
 from tests.ckpt_helpers import make_committed_checkpoint
-from tests.unit.test_layouts import hf_checkpoint, lightning_file
+from tests.fakes.checkpoints import hf_checkpoint, lightning_file
 
 
 def test_new_complete_checkpoints_are_reported_once_and_a_rewritten_one_again(

@@ -26,8 +26,10 @@ from supervisor.core.policy import Policy
 from supervisor.daemon import Supervisor
 from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.store import ActionState, Store
-from tests.unit.test_daemon import Slurm, killed, me, registered_and_running, run, started
-from tests.unit.test_executor import JOB, NOW, REQUEUE, Crash, FakeSlurm, job
+from tests.fakes.slurm import JOB, Crash, FakeSlurm, job
+from tests.fakes.slurm import DaemonFakeSlurm as Slurm
+from tests.unit.daemon_world import killed, me, registered_and_running, run, started
+from tests.unit.executor_world import NOW, REQUEUE
 
 Body = Callable[[Supervisor, Slurm, list[float]], Awaitable[None]]
 

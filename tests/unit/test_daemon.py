@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import pwd
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,93 +17,27 @@ import pytest
 
 from agent.wire import protocol
 from agent.wire.protocol import CommandKind, EventKind
-from supervisor.config import SupervisorConfig
 from supervisor.core.model import JobState
 from supervisor.core.observations import RelaunchFinished
-from supervisor.core.policy import Policy
 from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmUnavailable
 from supervisor.intake import TrackedJob
-from supervisor.jobs import JobSpec, write_job_dir
+from supervisor.jobs import write_job_dir
 from supervisor.slurm.parse import NodeFlag, NodeState
 from supervisor.store import Actor
 from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
-from tests.unit.test_executor import JOB, NODES, FakeSlurm
-from tests.unit.test_executor import node as slurm_node
-
-NOW = 1_760_000_000.0
-
-
-class Slurm(FakeSlurm):
-    """The executor's fake plus the daemon's poll (``jobs``)."""
-
-    def __init__(self, user: str) -> None:
-        super().__init__()
-        self.user = user
-
-    async def jobs(self) -> dict[int, Any]:
-        found = await self.job(int(JOB))
-        if found is None:
-            return {}
-        return {found.job_id: replace(found, user_name=self.user)}
-
-
-def spec() -> JobSpec:
-    return JobSpec(
-        name="toy", nodes=4, command=("torchrun", "t.py"), ckpt_root="/nonexistent/ckpt",
-        min_nodes=2, supervisor_url="http://x",
-    )  # fmt: skip
-
-
-def me() -> str:
-    return pwd.getpwuid(os.getuid()).pw_name
-
-
-def run(body: Callable[[Supervisor, Slurm, list[float]], Awaitable[None]], tmp_path: Path,
-        user: str | None = None, start_s: float = NOW, observe_only: bool = False,
-        **policy: Any) -> None:  # fmt: skip
-    """One life of a supervisor on ``tmp_path``'s state, its clock starting at ``start_s``;
-    the store is closed at the end as a SIGKILL leaves it (nothing flushed beyond it)."""
-
-    async def scenario() -> None:
-        clock = [start_s]
-        slurm = Slurm(user or me())
-        config = SupervisorConfig(state_dir=str(tmp_path / "state"), observe_only=observe_only)
-        supervisor = Supervisor(
-            config,
-            Policy(
-                **{
-                    "max_drain_share_per_hour": 0.5,
-                    "exit_evidence_window_s": 0,
-                    "corroborate_drains": False,
-                    **policy,
-                }
-            ),
-            slurm=slurm,  # type: ignore[arg-type]
-            clock=lambda: clock[0],
-        )
-        try:
-            await body(supervisor, slurm, clock)
-        finally:
-            supervisor.store.close()
-
-    asyncio.run(scenario())
-
-
-def event(kind: EventKind, node: str, incarnation: str, seq: int, payload: dict[str, Any]):  # type: ignore[no-untyped-def]
-    return protocol.make_event(kind, JOB, node, incarnation, seq, NOW, payload)
-
-
-def started(node: str, incarnation: str, attempt: int):  # type: ignore[no-untyped-def]
-    payload = {"agent_version": "1", "pid": 10, "argv": ["x"], "nnodes": 4, "node_rank": 0,
-               "attempt": attempt}  # fmt: skip
-    return event(EventKind.AGENT_STARTED, node, incarnation, 1, payload)
-
-
-def killed(node: str, incarnation: str, rank: int):  # type: ignore[no-untyped-def]
-    payload = {"global_rank": rank, "local_rank": 0, "pid": 99, "exit_code": None, "signal": 9,
-               "signal_name": "SIGKILL", "last_step": 8, "phase": "train"}  # fmt: skip
-    return event(EventKind.RANK_EXITED, node, incarnation, 2, payload)
+from tests.fakes.slurm import JOB, NODES
+from tests.fakes.slurm import DaemonFakeSlurm as Slurm
+from tests.fakes.slurm import node as slurm_node
+from tests.unit.daemon_world import (
+    NOW,
+    event,
+    killed,
+    registered_and_running,
+    run,
+    spec,
+    started,
+)
 
 
 def _node3_killed(supervisor: Supervisor, digit: str) -> dict[str, str]:
@@ -117,13 +48,6 @@ def _node3_killed(supervisor: Supervisor, digit: str) -> dict[str, str]:
         supervisor.accept_events(JOB, [started(node, incarnation, 1)])
     supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
     return agents
-
-
-async def registered_and_running(supervisor: Supervisor) -> None:
-    write_job_dir(supervisor.config.jobs_path, JOB, spec())
-    await supervisor.poll()
-    await supervisor.settle()
-    assert supervisor.jobs[JOB].record.state.value == "starting"
 
 
 def test_a_submitted_job_is_registered_and_followed_into_starting(tmp_path: Path) -> None:
@@ -864,7 +788,7 @@ def test_the_driver_asks_again_soon_while_a_recovery_prepares_its_relaunch(
 def test_a_relaunch_names_the_rejected_newer_checkpoints_and_their_quarantine_becomes_events(
     tmp_path: Path,
 ) -> None:
-    from tests.unit.test_layouts import cut, hf_checkpoint
+    from tests.fakes.checkpoints import cut, hf_checkpoint
 
     root = tmp_path / "out"
     hf_checkpoint(root, 20)
@@ -909,7 +833,7 @@ def test_a_rollback_moves_aside_the_valid_checkpoints_past_its_point(tmp_path: P
     checkpoint-20 (onset 45 less the margin of 20: at or before step 24), and the
     driver is told to move checkpoint-40 and checkpoint-60 aside, valid as they are;
     else the framework's own "latest" would resume past the anomaly."""
-    from tests.unit.test_layouts import hf_checkpoint
+    from tests.fakes.checkpoints import hf_checkpoint
 
     root = tmp_path / "out"
     for step in (20, 40, 60):

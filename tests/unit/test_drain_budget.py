@@ -26,8 +26,8 @@ from supervisor.slurm.parse import JobState as SlurmState
 from supervisor.slurm.parse import SlurmJob
 from supervisor.store import BlameOutcome
 from supervisor.views import documents as views
-from tests.unit.test_daemon import NOW, me, spec
-from tests.unit.test_executor import FakeSlurm, job, node
+from tests.fakes.slurm import FakeSlurm, job, node
+from tests.unit.daemon_world import NOW, me, spec
 
 # Three jobs of one user, two nodes each; in each a rank is SIGKILLed on its second node.
 JOBS = {"101": ("node1", "node2"), "102": ("node3", "node4"), "103": ("node5", "node6")}

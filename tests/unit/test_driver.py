@@ -230,7 +230,7 @@ def test_before_a_relaunch_the_rejected_checkpoints_are_quarantined_and_reported
 ) -> None:
     from transformers.trainer_utils import get_last_checkpoint
 
-    from tests.unit.test_layouts import hf_checkpoint
+    from tests.fakes.checkpoints import hf_checkpoint
 
     root = tmp_path / "out"
     chosen, broken = hf_checkpoint(root, 20), hf_checkpoint(root, 40)
@@ -262,7 +262,7 @@ def test_after_a_rollback_every_checkpoint_newer_than_the_chosen_one_is_moved_as
     get_last_checkpoint resumes from checkpoint-20, before the anomaly."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    from tests.unit.test_layouts import hf_checkpoint
+    from tests.fakes.checkpoints import hf_checkpoint
 
     root = tmp_path / "out"
     chosen, named, later = (hf_checkpoint(root, step) for step in (20, 40, 60))

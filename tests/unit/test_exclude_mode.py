@@ -26,7 +26,7 @@ from supervisor.registration import Health, health
 from supervisor.slurm import rights
 from supervisor.store import Actor, Store
 from supervisor.store.rows import TicketRow
-from tests.unit.test_executor import FakeSlurm
+from tests.fakes.slurm import FakeSlurm
 
 NOW = 1_700_000_000.0
 JOB = "4242"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,19 +25,16 @@ from supervisor.act.executor import (
 from supervisor.act.reconcile import args_of, intent_of, kind_of
 from supervisor.core.intents import (
     Alert,
-    DrainNode,
     Intent,
     PushInterval,
-    RelaunchStep,
     RequeueSmaller,
     Severity,
-    ShrinkAllocation,
     StopJob,
     StopRanks,
     ValidateCheckpoints,
     ValidationLevel,
 )
-from supervisor.core.model import Cause, JobState
+from supervisor.core.model import JobState
 from supervisor.core.observations import CheckpointValidated, RelaunchFinished
 from supervisor.errors import (
     SlurmCommandFailed,
@@ -47,136 +43,9 @@ from supervisor.errors import (
     SlurmUnavailable,
 )
 from supervisor.slurm.parse import JobState as SlurmState
-from supervisor.slurm.parse import NodeFlag, NodeState, SlurmJob, SlurmNode
 from supervisor.store import ActionState, Store
-
-NOW = 1_700_000_000.0
-JOB = "4242"
-NODES = ("node1", "node2", "node3", "node4")
-DRAIN = DrainNode(JOB, 2, "node3", Cause.RANK_SIGNAL, "rank 2 SIGKILL")
-SHRINK = ShrinkAllocation(JOB, 2, ("node1", "node2", "node4"))
-RELAUNCH = RelaunchStep(JOB, 2, ("node1", "node2", "node4"), "/ckpt/step-200")
-REQUEUE = RequeueSmaller(JOB, 2, 3, ("node3",), "/ckpt/step-200")
-
-
-class Crash(BaseException):
-    """The supervisor was killed here (not an Exception: nothing may catch it)."""
-
-
-def node(name: str, *, drained: bool = False, reason: str = "") -> SlurmNode:
-    return SlurmNode(
-        name=name,
-        state=NodeState.IDLE,
-        state_raw="IDLE",
-        flags=frozenset({NodeFlag.DRAIN}) if drained else frozenset(),
-        flags_raw=("DRAIN",) if drained else (),
-        reason=reason,
-        reason_set_by=None,
-        reason_changed_at=None,
-        address=None,
-        cpus=2,
-        alloc_cpus=0,
-        partitions=("debug",),
-    )
-
-
-def job(nodes: Sequence[str], state: SlurmState = SlurmState.RUNNING) -> SlurmJob:
-    return SlurmJob(
-        job_id=int(JOB),
-        name="toy",
-        state=state,
-        state_raw=state.value,
-        state_reason="None",
-        nodes=tuple(nodes),
-        node_list=",".join(nodes),
-        node_count=len(nodes),
-        batch_host=nodes[0] if nodes else None,
-        restart_count=0,
-        requeue=True,
-        exit_code=None,
-        exit_signal=None,
-        time_limit_s=None,
-        start_time=None,
-        submit_time=None,
-        end_time=None,
-        excluded_nodes=(),
-        comment="",
-        flags=frozenset(),
-        user_name="u",
-        partition="debug",
-    )
-
-
-class FakeSlurm:
-    """Holds node and job state, records every admin call, can fail or 'crash' on demand."""
-
-    def __init__(self) -> None:
-        self.nodes_by_name = {name: node(name) for name in NODES}
-        self.the_job: SlurmJob | None = job(NODES)
-        self.calls: list[tuple[object, ...]] = []
-        self.unavailable: set[str] = set()  # method names that raise SlurmUnavailable once
-        self.crash_after: set[str] = set()  # method names that apply, then raise Crash
-        self.crash_before: set[str] = set()  # method names that raise Crash, applying nothing
-
-    def _enter(self, method: str, *args: object) -> None:
-        if method in self.crash_before:
-            self.crash_before.discard(method)
-            raise Crash(method)
-        if method in self.unavailable:
-            self.unavailable.discard(method)
-            raise SlurmUnavailable(f"fake: {method} timed out")
-        if method not in ("job", "nodes"):
-            self.calls.append((method, *args))
-
-    def _leave(self, method: str) -> None:
-        if method in self.crash_after:
-            self.crash_after.discard(method)
-            raise Crash(method)
-
-    async def drain(self, name: str, reason: str) -> None:
-        self._enter("drain", name, reason)
-        self.nodes_by_name[name] = node(name, drained=True, reason=reason)
-        self._leave("drain")
-
-    async def resume(self, name: str) -> None:
-        self._enter("resume", name)
-        self.nodes_by_name[name] = node(name)
-        self._leave("resume")
-
-    async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
-        self._enter("shrink", job_id, tuple(keep_nodes))
-        assert self.the_job is not None
-        self.the_job = replace(self.the_job, nodes=tuple(keep_nodes), node_count=len(keep_nodes))
-        self._leave("shrink")
-
-    async def requeue_smaller(
-        self, job_id: int, n_nodes: int, n_tasks: int, exclude_nodes: Sequence[str] = ()
-    ) -> None:
-        self._enter("requeue_smaller", job_id, n_nodes, n_tasks, tuple(exclude_nodes))
-        assert self.the_job is not None
-        self.the_job = replace(
-            self.the_job,
-            state=SlurmState.PENDING,
-            state_raw="PENDING",
-            nodes=(),
-            node_count=n_nodes,
-            restart_count=self.the_job.restart_count + 1,
-        )
-        self._leave("requeue_smaller")
-
-    async def cancel(self, job_id: int, signal: str | None = None) -> None:
-        self._enter("cancel", job_id)
-        assert self.the_job is not None
-        self.the_job = replace(self.the_job, state=SlurmState.CANCELLED, state_raw="CANCELLED")
-        self._leave("cancel")
-
-    async def job(self, job_id: int) -> SlurmJob | None:
-        self._enter("job", job_id)
-        return self.the_job if self.the_job and self.the_job.job_id == job_id else None
-
-    async def nodes(self) -> dict[str, SlurmNode]:
-        self._enter("nodes")
-        return dict(self.nodes_by_name)
+from tests.fakes.slurm import JOB, NODES, Crash, FakeSlurm, job, node
+from tests.unit.executor_world import DRAIN, NOW, RELAUNCH, REQUEUE, SHRINK
 
 
 @pytest.fixture

@@ -607,8 +607,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Api, Any,
     from supervisor.core.policy import Policy
     from supervisor.daemon import Supervisor
     from supervisor.jobs import JobSpec, read_secret, write_job_dir
-    from tests.unit.test_executor import JOB as DAEMON_JOB
-    from tests.unit.test_executor import FakeSlurm
+    from tests.fakes.slurm import JOB as DAEMON_JOB
+    from tests.fakes.slurm import FakeSlurm
 
     class Slurm(FakeSlurm):
         async def jobs(self) -> dict[int, Any]:

@@ -30,11 +30,11 @@ from supervisor.core.model import new_record
 from supervisor.intake import TrackedJob
 from supervisor.jobs import JobSpec
 from supervisor.store import Store
+from tests.fakes.slurm import JOB as DAEMON_JOB
+from tests.fakes.slurm import NODES as DAEMON_NODES
 from tests.unit.api_world import heartbeat, run, scenario
-from tests.unit.test_daemon import registered_and_running
-from tests.unit.test_daemon import run as run_daemon
-from tests.unit.test_executor import JOB as DAEMON_JOB
-from tests.unit.test_executor import NODES as DAEMON_NODES
+from tests.unit.daemon_world import registered_and_running
+from tests.unit.daemon_world import run as run_daemon
 
 NOW = 1_760_000_000.0
 JOB = "1234"

@@ -21,43 +21,7 @@ from agent.checkpoint.layouts.safetensors import check_safetensors
 from agent.checkpoint.layouts.torchfile import check_zip, peek
 from agent.checkpoint.report import Level
 from tests.ckpt_helpers import make_committed_checkpoint
-
-WEIGHTS = {"layer.weight": torch.ones(64, 64), "layer.bias": torch.zeros(64)}
-
-
-def hf_checkpoint(root: Path, step: int, *, mtime: float | None = None) -> Path:
-    """A Hugging Face Trainer checkpoint-N/ as its save writes one."""
-    directory = root / f"checkpoint-{step}"
-    directory.mkdir(parents=True)
-    save_file(WEIGHTS, directory / "model.safetensors")
-    state = {0: {"exp_avg": torch.ones(4096)}}
-    torch.save({"state": state, "param_groups": [{"lr": 0.1}]}, directory / "optimizer.pt")
-    torch.save({"last_epoch": step}, directory / "scheduler.pt")
-    (directory / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    if mtime is not None:
-        for path in (directory, *directory.iterdir()):
-            os.utime(path, (mtime, mtime))
-    return directory
-
-
-def lightning_file(path: Path, step: int, mtime: float) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"global_step": step, "epoch": 0, "state_dict": WEIGHTS, "callbacks": {}}, path)
-    os.utime(path, (mtime, mtime))
-    return path
-
-
-def cut(path: Path, keep: float = 0.5) -> None:
-    os.truncate(path, int(path.stat().st_size * keep))
-
-
-def flip(path: Path, at: float = 0.5) -> None:
-    with open(path, "r+b") as file:
-        file.seek(int(path.stat().st_size * at))
-        byte = file.read(1)
-        file.seek(-1, os.SEEK_CUR)
-        file.write(bytes([byte[0] ^ 0xFF]))
-
+from tests.fakes.checkpoints import WEIGHTS, cut, flip, hf_checkpoint, lightning_file
 
 # --- the file checks -----------------------------------------------------------------------
 

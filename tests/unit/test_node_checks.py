@@ -22,7 +22,7 @@ from supervisor.core.policy import Policy
 from supervisor.core.probation import avoid_list, held_by_checks
 from supervisor.slurm.parse import JobState, SlurmJob
 from supervisor.store import CheckResult, Store
-from tests.unit.test_executor import job as slurm_job
+from tests.fakes.slurm import job as slurm_job
 
 NOW = 1_000_000.0
 BLAMING = "7"

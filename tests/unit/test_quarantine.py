@@ -13,7 +13,7 @@ from agent.checkpoint import layouts
 from agent.checkpoint.quarantine import quarantine, quarantined, release
 from agent.wire.errors import ConfigError
 from supervisor.cli.main import main
-from tests.unit.test_layouts import hf_checkpoint, lightning_file
+from tests.fakes.checkpoints import hf_checkpoint, lightning_file
 
 NOW = 1_700_000_500.0
 

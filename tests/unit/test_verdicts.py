@@ -31,7 +31,7 @@ from supervisor.errors import SlurmCommandFailed
 from supervisor.slurm.parse import drain_reason
 from supervisor.store import Actor, Store, schema
 from supervisor.views import documents as views
-from tests.unit.test_executor import FakeSlurm, node
+from tests.fakes.slurm import FakeSlurm, node
 
 NOW = 1_760_000_000.0
 OURS = drain_reason("rank_signal", 7)
