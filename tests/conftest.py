@@ -27,7 +27,9 @@ import pytest
 
 # The fakes and helpers that test modules share assert as the tests do; pytest
 # shows the values in a failed assert only in test modules and the modules named here.
-pytest.register_assert_rewrite("tests.fakes", "tests.unit.daemon_world")
+pytest.register_assert_rewrite(
+    "tests.fakes", "tests.unit.daemon_world", "tests.integration.agent_harness"
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "deploy" / "slurm" / "cluster"

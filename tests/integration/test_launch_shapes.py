@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent.wire.protocol import EventKind
-from tests.integration.test_agent import WORKER, RunningAgent
+from tests.integration.agent_harness import WORKER, RunningAgent
 
 PY = sys.executable
 

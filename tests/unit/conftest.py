@@ -1,7 +1,9 @@
-"""Fixtures the store tests (``test_store*.py``) take by name.
+"""Fixtures the unit tests take by name.
 
-``path`` is a store file in tmp_path; ``store`` is that store, opened and holding
-job ``JOB`` (running, four nodes, at least two).
+For the store tests (``test_store*.py``): ``path`` is a store file in tmp_path;
+``store`` is that store, opened and holding job ``JOB`` (running, four nodes, at
+least two). For the operator CLI and metrics tests: ``state_dir``, a state
+directory whose store holds one recovered job (:mod:`tests.unit.cli_world`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.store import Store
+from tests.unit.cli_world import recovered_state_dir
 from tests.unit.store_world import JOB, NOW, JobState
 
 
@@ -34,3 +37,9 @@ def store(path: Path) -> Iterator[Store]:
             secret_path="/state/1234/secret",
         )
         yield opened
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    """A store holding one recovered job: progress, a hang with stacks, a drain, a relaunch."""
+    return recovered_state_dir(tmp_path)

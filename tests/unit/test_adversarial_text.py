@@ -35,7 +35,7 @@ from supervisor.logs import JsonFormatter, TextFormatter
 from supervisor.store import Store
 from supervisor.store.modes import make_private
 from supervisor.text import fragment, one_line
-from tests.unit.test_steps import agent_with_socket
+from tests.unit.agent_socket import agent_with_socket
 
 FORGED = "resurgo-supervisor 2026-01-01 00:00:00,000 ERROR ALERT node7 is on fire"
 

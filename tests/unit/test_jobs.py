@@ -10,7 +10,6 @@ import pytest
 
 from agent.wire.errors import ConfigError
 from supervisor.jobs import (
-    JobSpec,
     SubmitError,
     batch_script,
     job_dir,
@@ -20,19 +19,8 @@ from supervisor.jobs import (
     write_job_dir,
 )
 from supervisor.slurm import SlurmClient
-
-
-def spec(**changes: object) -> JobSpec:
-    values: dict[str, object] = {
-        "name": "llm",
-        "nodes": 4,
-        "command": ("torchrun", "--nproc-per-node=8", "train.py"),
-        "ckpt_root": "/ckpt/llm",
-        "min_nodes": 2,
-        "supervisor_url": "http://head:8740",
-    }
-    values.update(changes)
-    return JobSpec(**values)  # type: ignore[arg-type]
+from tests.fakes.slurm_runner import Recorder
+from tests.unit.job_specs import spec
 
 
 @pytest.mark.parametrize(
@@ -74,20 +62,6 @@ def test_the_batch_script_runs_the_driver_with_the_command_quoted(tmp_path: Path
     assert script.startswith("#!/bin/bash\n")
     assert "-m agent.driver" in script
     assert "'a b; rm -rf /'" in script
-
-
-class Recorder:
-    """A Slurm CLI runner that records argv and answers like Slurm would."""
-
-    def __init__(self, sbatch_answer: str = "4711\n") -> None:
-        self.calls: list[list[str]] = []
-        self.sbatch_answer = sbatch_answer
-
-    async def __call__(self, argv: list[str], timeout_s: float) -> tuple[int, str, str]:
-        self.calls.append(argv)
-        if argv[0] == "sbatch":
-            return (0, self.sbatch_answer, "") if self.sbatch_answer else (1, "", "bad partition")
-        return 0, "", ""
 
 
 def test_submit_holds_the_job_until_its_secret_exists_then_releases_it(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from supervisor.core.goodput import Fact, FactKind
 from supervisor.looplag import LoopLag
 from supervisor.metrics import StoreCollector, build_registry, exposition, recovery_durations
 from supervisor.store import Store
-from tests.unit.test_operator_cli import JOB, state_dir  # noqa: F401 (the fixture)
+from tests.unit.cli_world import JOB
 
 
 def scrape(state: Path) -> tuple[bytes, dict[str, list[tuple[dict[str, str], float]]]]:
@@ -44,7 +44,7 @@ def value(samples: dict, metric: str, **labels: str) -> float:  # type: ignore[t
     return float(matching[0])
 
 
-def test_every_job_and_cluster_metric_is_exported_from_the_store(state_dir: Path) -> None:  # noqa: F811
+def test_every_job_and_cluster_metric_is_exported_from_the_store(state_dir: Path) -> None:
     _, samples = scrape(state_dir)
     assert value(samples, "resurgo_job_info", job_id=JOB, name="llm") == 1
     assert value(samples, "resurgo_job_state", job_id=JOB, state="running") == 1
@@ -72,7 +72,7 @@ def test_every_job_and_cluster_metric_is_exported_from_the_store(state_dir: Path
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with deploy/setup")
-def test_the_exposition_passes_promtool_check_metrics(state_dir: Path) -> None:  # noqa: F811
+def test_the_exposition_passes_promtool_check_metrics(state_dir: Path) -> None:
     text, _ = scrape(state_dir)
     done = subprocess.run(
         ["promtool", "check", "metrics"], input=text, capture_output=True, timeout=60, check=False

@@ -26,7 +26,7 @@ from agent.wire.protocol import (
     RankStatus,
     Reply,
 )
-from tests.unit.test_purity import FORBIDDEN, imported_roots
+from tests.unit.purity_rules import FORBIDDEN, imported_roots
 
 NOW = 1_760_000_000
 SECRET = bytes(range(32))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.purity_rules import FORBIDDEN, imported_roots
+
 REPO = Path(__file__).resolve().parents[2]
 PURE_FOLDERS = ("supervisor/core", "agent/wire/protocol")
 PURE_FILES = (
@@ -47,20 +49,6 @@ PURE_MODULES = tuple(
         | set(PURE_FILES)
     )
 )
-FORBIDDEN = {
-    "subprocess", "socket", "sqlite3", "psutil", "time", "os", "shutil", "aiohttp",
-    "datetime", "random", "threading", "asyncio",
-}  # fmt: skip
-
-
-def imported_roots(source: str) -> set[str]:
-    roots = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
 
 
 def _is_module(dotted: str) -> bool:

@@ -13,7 +13,8 @@ from supervisor.api import MemoryDirectory, bound_port, build_app, serve, shutdo
 from supervisor.jobs import SubmitError, submit
 from supervisor.registration import Health, Registration, health, refusal, verdict, wait_registered
 from supervisor.slurm import SlurmClient
-from tests.unit.test_jobs import Recorder, spec
+from tests.fakes.slurm_runner import Recorder
+from tests.unit.job_specs import spec
 
 JOB = "4711"
 SECRET = new_secret()

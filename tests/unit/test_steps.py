@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import socket
@@ -34,6 +33,7 @@ from agent.wire.datagram import (
     encode_step_report,
     parse_datagram,
 )
+from tests.unit.agent_socket import agent_with_socket
 
 INCARNATION = "0123abcd"
 
@@ -265,23 +265,6 @@ def test_the_time_inside_compute_goes_with_its_step_and_only_that_step(
 
 # ---------------------------------------------------------------------------
 # The agent's socket: a step report is buffered and counts as a beat.
-
-
-@contextlib.contextmanager
-def agent_with_socket(tmp_path: Path) -> Iterator[tuple[NodeAgent, socket.socket]]:
-    """An agent (clocks fixed) whose heartbeat socket is one end of a pair; the other end."""
-    config, command = load_config(
-        ["--job-id", "77", "--node", "node1", "--run-dir", str(tmp_path), "--", "true"], {}
-    )
-    agent = NodeAgent(config, command, clocks=Clocks(monotonic=lambda: 50.0, wall=lambda: 1.0))
-    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    receiver.setblocking(False)
-    agent._socket = receiver
-    try:
-        yield agent, sender
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_the_agent_buffers_a_step_report_and_takes_it_as_progress(tmp_path: Path) -> None:
