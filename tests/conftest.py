@@ -28,7 +28,11 @@ import pytest
 # The fakes and helpers that test modules share assert as the tests do; pytest
 # shows the values in a failed assert only in test modules and the modules named here.
 pytest.register_assert_rewrite(
-    "tests.fakes", "tests.unit.daemon_world", "tests.integration.agent_harness"
+    "tests.fakes",
+    "tests.unit.daemon_world",
+    "tests.integration.agent_harness",
+    "tests.e2e.jobs",
+    "tests.e2e.time_limits",
 )
 
 REPO = Path(__file__).resolve().parents[1]

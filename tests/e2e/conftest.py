@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import AGENTS, DAEMON, POLICY
+from tests.e2e.jobs import AGENTS, DAEMON, POLICY
 from tests.supervisor_harness import SupervisorProcess
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import Run, drained, finish, story, submit
+from tests.e2e.jobs import Run, drained, finish, story, submit
 from tests.supervisor_harness import SupervisorProcess
 
 FAILS_ON = "node2"

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import Run, drained, finish, story, submit
+from tests.e2e.jobs import Run, drained, finish, story, submit
 from tests.supervisor_harness import TOY, SupervisorProcess
 
 pytestmark = [

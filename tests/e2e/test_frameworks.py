@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import LiveCluster
-from tests.e2e.test_faults import ENDED, attempts, drained, story_of
-from tests.e2e.test_plain_scripts import status, submit_job
-from tests.e2e.test_time_limit import finish, raise_limit_after_crossings
-from tests.e2e.test_training_health import anomaly_events
+from tests.conftest import ENDED, LiveCluster
+from tests.e2e.jobs import anomaly_events, attempts, drained, status, story_of, submit_job
+from tests.e2e.time_limits import finish, raise_limit_after_crossings
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess, rank_pids
 
 # Minutes each: started first, so that they are not the tier's tail.

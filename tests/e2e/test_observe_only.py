@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ENDED, LiveCluster
-from tests.e2e.test_faults import Run, story, submit
+from tests.e2e.jobs import Run, story, submit
 from tests.supervisor_harness import SupervisorProcess
 
 pytestmark = [pytest.mark.slurm, pytest.mark.daemon_env(RESURGO_SUPERVISOR_OBSERVE_ONLY="yes")]

@@ -23,7 +23,7 @@ import pytest
 
 from agent.checkpoint.format import MARKER_NAME
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import (
+from tests.e2e.jobs import (
     AGENTS,
     DAEMON,
     POLICY,

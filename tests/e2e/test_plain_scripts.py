@@ -11,7 +11,6 @@ waiting rank, is blamed. The script then resumes from its own checkpoint.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -20,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import LiveCluster
-from tests.e2e.test_faults import ENDED, attempts, drained, story_of, supervisor_state
+from tests.conftest import ENDED, LiveCluster
+from tests.e2e.jobs import attempts, drained, status, story_of, submit_job, supervisor_state
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess
 
 pytestmark = pytest.mark.slurm
@@ -30,35 +29,11 @@ PLAIN = Path(__file__).resolve().parents[1] / "workers" / "ddp_plain.py"
 ITERS = 40
 
 
-def submit_job(
-    supervisor: SupervisorProcess,
-    where: Path,
-    command: list[str],
-    sizes: tuple[str, ...] = ("-N", "4", "--min-nodes", "2"),
-) -> tuple[int, Path]:
-    """``resurgo submit`` of ``command`` (its own checkpoints in ``where/out``, its output
-    in ``where/job.out``); (the job id, the output file)."""
-    output = where / "job.out"
-    done = supervisor.resurgo(
-        "submit", *sizes, f"--output={output}", "--parsable",
-        "--ckpt-root", str(where / "out"), "--", *command,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout.strip()), output
-
-
 def submit_plain(supervisor: SupervisorProcess, where: Path, *script_args: str) -> tuple[int, Path]:
     out_dir = where / "out"
     out_dir.mkdir()
     command = [*TORCHRUN, str(PLAIN), "--out-dir", str(out_dir), "--max-iters", str(ITERS)]
     return submit_job(supervisor, where, [*command, *script_args])
-
-
-def status(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: ignore[type-arg]
-    done = supervisor.resurgo("status", "--json", str(job_id))
-    assert done.returncode == 0, done.stderr
-    (job,) = json.loads(done.stdout)["jobs"]
-    return job  # type: ignore[no-any-return]
 
 
 def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself(

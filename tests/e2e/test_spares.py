@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tests.conftest import CLUSTER_SCRIPT, LiveCluster
-from tests.e2e import test_faults
-from tests.e2e.test_faults import (
+from tests.e2e import jobs
+from tests.e2e.jobs import (
     STEPS,
     Run,
     assert_resumed_from,
@@ -53,13 +53,13 @@ def submit(
     env: dict[str, str] | None = None,
 ) -> Run:
     """The demo trainer's job on a world of ``WORLD`` nodes with ``spares`` beside it."""
-    return test_faults.submit(supervisor, where, *toy_args, nodes=WORLD, env=env, spares=spares)
+    return jobs.submit(supervisor, where, *toy_args, nodes=WORLD, env=env, spares=spares)
 
 
 @pytest.fixture(scope="module")
 def reference(slurm_cluster: LiveCluster, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The same job unfaulted, on the world's nodes and no spare: what to match bitwise."""
-    return test_faults.unfaulted(slurm_cluster, tmp_path_factory, nodes=WORLD)
+    return jobs.unfaulted(slurm_cluster, tmp_path_factory, nodes=WORLD)
 
 
 def status_of(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: ignore[type-arg]

@@ -25,7 +25,9 @@ import pytest
 import torch
 
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import AGENTS, DAEMON, ENDED, POLICY
+from tests.e2e.jobs import AGENTS, DAEMON, POLICY
+from tests.e2e.time_limits import finish, raise_limit_after_crossings
+from tests.e2e.time_limits import job_story as _story
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
 # Minutes of waiting (limits, outages): started first, so other tests fill the wait.
@@ -38,7 +40,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.long]
 # rest trains in one allocation (else 120 steps would take ~15 allocations).
 STEPS = 120
 CROSSINGS = 3
-RAISED_LIMIT_MIN = 10
 STEP_S = 1.0
 SAVE_EVERY = 50  # the scheduled saves; the final one before each limit comes on request
 STARTS = re.compile(r"toy: world (\d+), starting at step (\d+)(?: from (\S+))?")
@@ -74,60 +75,6 @@ def reference_run(where: Path, record: Path) -> subprocess.Popen[bytes]:
     ]  # fmt: skip
     with (where / "out.txt").open("wb") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def raise_limit_after_crossings(cluster: LiveCluster, job_id: int, crossings: int) -> None:
-    """Once the job was requeued ``crossings`` times, raise its limit (as root) so that
-    the allocation running or next finishes the training. The driver reads the time
-    left again before its planned stop, so a running allocation takes the new limit
-    unless its stop has begun: then the next one does."""
-
-    def crossed() -> bool:
-        job = cluster.job(job_id)
-        return job is not None and job["restart_cnt"] >= crossings
-
-    cluster.wait_for(f"job {job_id} requeued {crossings} times", crossed, timeout_s=420)
-
-    def raised() -> bool:
-        done = subprocess.run(
-            ["scontrol", "update", f"JobId={job_id}", f"TimeLimit={RAISED_LIMIT_MIN}"],
-            env=cluster.env, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        return done.returncode == 0
-
-    cluster.wait_for(f"job {job_id}'s limit raised", raised, timeout_s=60)
-
-
-def finish(cluster: LiveCluster, supervisor: SupervisorProcess, job_id: int, output: Path) -> dict:  # type: ignore[type-arg]
-    try:
-        job = cluster.wait_job_state(job_id, ENDED, timeout_s=480)
-        cluster.wait_for(
-            "the supervisor to record the end",
-            lambda: _state(supervisor, job_id) in ("completed", "failed", "cancelled"),
-            timeout_s=30,
-        )
-    except AssertionError as error:
-        raise AssertionError(f"{error}\n{_story(supervisor, job_id, output)}") from None
-    return job
-
-
-def _state(supervisor: SupervisorProcess, job_id: int) -> str | None:
-    with supervisor.store() as store:
-        row = store.get_job(str(job_id))
-        return None if row is None else row.state
-
-
-def _story(supervisor: SupervisorProcess, job_id: int, output: Path) -> str:
-    with supervisor.store() as store:
-        decisions = [
-            f"{d.from_state}->{d.to_state} [{d.cause}] {d.detail.get('explanation', '')}"
-            for d in store.decisions_for(str(job_id))
-        ]
-    text = output.read_text(errors="replace") if output.exists() else ""
-    return "\n".join(
-        ["--- decisions ---", *decisions, "--- job ---", text[-5000:], "--- supervisor ---",
-         supervisor.log()[-4000:]]
-    )  # fmt: skip
 
 
 @pytest.mark.timeout(1200)

@@ -21,8 +21,8 @@ import pytest
 
 from agent.train.sampler import GlobalBatchSampler
 from tests.conftest import LiveCluster
-from tests.e2e import test_faults
-from tests.e2e.test_faults import STEPS, Run, attempts, drained, finish, story
+from tests.e2e import jobs
+from tests.e2e.jobs import STEPS, Run, anomaly_events, attempts, drained, finish, story
 from tests.supervisor_harness import SupervisorProcess
 
 pytestmark = [
@@ -55,7 +55,7 @@ STEP_S = "1"
 
 
 def submit(supervisor: SupervisorProcess, where: Path, *toy_args: str, nodes: int = 2) -> Run:
-    return test_faults.submit(supervisor, where, "--step-s", STEP_S, *toy_args, nodes=nodes)
+    return jobs.submit(supervisor, where, "--step-s", STEP_S, *toy_args, nodes=nodes)
 
 
 def record_of(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: ignore[type-arg]
@@ -63,11 +63,6 @@ def record_of(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: igno
         row = store.get_job(str(job_id))
         assert row is not None
         return dict(row.record)
-
-
-def anomaly_events(supervisor: SupervisorProcess, job_id: int) -> list[dict]:  # type: ignore[type-arg]
-    with supervisor.store() as store:
-        return [e.payload for e in store.events_for(str(job_id), kinds=["training_anomaly"])]
 
 
 def assert_rolled_back_past_the_window(supervisor: SupervisorProcess, run: Run) -> None:

@@ -26,19 +26,18 @@ import pytest
 
 from supervisor.slurm.parse import expand_hostlist
 from tests.conftest import LiveCluster
-from tests.e2e.test_faults import (
+from tests.e2e.jobs import (
     AGENTS,
     DAEMON,
     POLICY,
     STEPS,
-    TOY,
     Run,
     attempts,
     finish,
     story,
 )
 from tests.other_users import python_for, reachable_by_others
-from tests.supervisor_harness import LocalUser, SupervisorProcess
+from tests.supervisor_harness import TOY, LocalUser, SupervisorProcess
 
 # One worker runs the whole module: its module fixture creates and removes one
 # local user, which a second worker would remove under the first one's tests.
