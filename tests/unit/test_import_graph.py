@@ -127,6 +127,51 @@ def test_the_check_finds_a_circle_however_it_is_imported(
     assert circle(import_graph(tmp_path, ("pkg",))) == expected
 
 
+def imports_of_test_modules(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a test module (a ``test_*.py`` file), as ``importer -> imported``."""
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if target.rpartition(".")[2].startswith("test_")
+    )
+
+
+def test_no_module_imports_a_test_module() -> None:
+    found = imports_of_test_modules(import_graph(REPO, ("tests",)))
+    assert found == [], (
+        f"test modules imported: {', '.join(found)}: move what is shared to tests/fakes/ "
+        "(a fake) or to a module of the test folder whose name does not start with test_"
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "from tests.unit.test_a import helper\n",
+        "from tests.unit import test_a\n",
+        "def f():\n    import tests.unit.test_a\n",
+        "from .test_a import helper\n",
+    ],
+    ids=["a-name-from-it", "it-from-its-package", "late-inside-a-function", "relatively"],
+)
+def test_the_check_finds_a_test_module_imported_however_it_is_imported(
+    tmp_path: Path, text: str
+) -> None:
+    files = {
+        "tests/__init__.py": "",
+        "tests/unit/__init__.py": "",
+        "tests/unit/test_a.py": "def helper(): ...\n",
+        "tests/unit/world.py": "",
+        "tests/unit/test_b.py": "from tests.unit.world import x\n" + text,
+    }
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content)
+    graph = import_graph(tmp_path, ("tests",))
+    assert imports_of_test_modules(graph) == ["tests.unit.test_b -> tests.unit.test_a"]
+
+
 # The agent's layers, bottom up: what every side shares (``agent.wire``: the wire
 # protocol, the rank -> agent datagram, the environment the agent sets); the
 # in-rank library (``agent.checkpoint``, then ``agent.train`` above it, started by
