@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import LiveCluster
 from tests.e2e.jobs import Run, drained, finish, story, submit
-from tests.supervisor_harness import TOY, SupervisorProcess
+from tests.supervisor_harness import SupervisorProcess
 
 pytestmark = [
     pytest.mark.slurm,
@@ -31,20 +31,18 @@ pytestmark = [
 
 
 def rank_pid(run: Run) -> int | None:
-    """The pid of ``run``'s training rank: a process of the toy with the job's record path
-    whose parent (torchrun) has it too; None while there is none."""
-    for process in psutil.process_iter(["pid", "cmdline"]):
+    """The pid of ``run``'s training rank: the child of the rank's launcher shim
+    (``python -m agent.node.rankexec`` with the job's record path); None while there is
+    none. Killing the shim instead leaves the rank orphaned: a different fault."""
+    for process in psutil.process_iter(["pid"]):
         try:
-            line = process.info["cmdline"] or []
             parent = process.parent()
-            if parent is None or str(TOY) not in line or str(run.record) not in line:
+            if parent is None:
                 continue
-            if (
-                str(run.record) in " ".join(parent.cmdline())
-                and "torch.distributed.run" not in line
-            ):
+            shim = parent.cmdline()
+            if shim[1:3] == ["-m", "agent.node.rankexec"] and str(run.record) in shim:
                 return int(process.info["pid"])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return None
 
@@ -52,10 +50,20 @@ def rank_pid(run: Run) -> int | None:
 def test_three_jobs_faults_at_once_drain_one_node_and_raise_one_storm(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
-    runs = [
-        submit(supervisor, tmp_path / f"job{i}", "--fault", "idle@3:0", nodes=1, min_nodes=1)
-        for i in range(3)
-    ]
+    runs = []
+    for i in range(3):
+        (tmp_path / f"job{i}").mkdir()
+        runs.append(
+            submit(
+                supervisor,
+                tmp_path / f"job{i}",
+                "--fault",
+                "idle@3:0",
+                nodes=1,
+                min_nodes=1,
+                env={"SBATCH_EXCLUSIVE": "exclusive"},  # one node each, as on a GPU cluster
+            )
+        )
     pids = slurm_cluster.wait_for(
         "three ranks idling at step 3",
         lambda: (
