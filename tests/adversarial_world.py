@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 from agent.wire import protocol
@@ -32,6 +33,7 @@ from agent.wire.protocol import EventKind
 from supervisor.jobs import JobSpec, read_secret, submit
 from supervisor.jobs import job_dir as job_directory
 from supervisor.slurm import SlurmClient
+from tests.ckpt_helpers import make_committed_checkpoint
 from tests.conftest import free_port
 from tests.integration.crash_world import Api, Daemon, fakeslurm
 
@@ -358,3 +360,71 @@ def healthz_under(world: World, requests: list[bytes], probe_s: float = 6.0) -> 
         readers=len(readers),
         statuses=statuses,
     )
+
+
+def expanding_pickle(count: int) -> bytes:
+    """A protocol-4 pickle of a list of ``count`` distinct integers, written directly."""
+    items = np.empty((count, 5), dtype=np.uint8)
+    items[:, 0] = ord("J")  # BININT: a 4-byte signed integer
+    values = np.arange(1 << 20, (1 << 20) + count, dtype="<i4")
+    items[:, 1:] = values.view(np.uint8).reshape(count, 4)
+    return b"\x80\x04]" + b"(" + items.tobytes() + b"e."  # PROTO 4, EMPTY_LIST, MARK, APPENDS
+
+
+@dataclass
+class CraftedRun:
+    """What validating a crafted checkpoint cost the daemon: its settled RSS before, the
+    peak during, the slowest ``/healthz`` answer, the crafted directory and the log."""
+
+    before: int
+    peak: int
+    slowest_s: float
+    seconds: float
+    crafted: Path
+    log: Path
+
+    @property
+    def grown(self) -> int:
+        return self.peak - self.before
+
+
+def crafted_checkpoint_run(world: World, metadata: bytes) -> CraftedRun:
+    """Commit a good step-100 and a step-200 whose ``.metadata`` is ``metadata``, kill a
+    rank, and watch the daemon's RSS and ``/healthz`` until the good one is chosen."""
+    good = make_committed_checkpoint(world.ckpt_root, 100)
+    crafted = world.ckpt_root / "step-200"
+    crafted.mkdir()
+    (crafted / "__0_0.distcp").write_bytes(b"")
+    (crafted / ".metadata").write_bytes(metadata)
+    assert world.commit(100, good)[0] == 200
+    assert world.commit(200, crafted)[0] == 200
+    before = settled_rss(world)
+    peak = [before]
+    slowest = [0.0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], world.rss())
+            started = time.monotonic()
+            status, _ = http_get(world.daemon.port, "/healthz", timeout_s=10)
+            assert status == 200
+            slowest[0] = max(slowest[0], time.monotonic() - started)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        killed = {"global_rank": 0, "local_rank": 0, "pid": 99, "exit_code": None, "signal": 9,
+                  "signal_name": "SIGKILL", "last_step": 210, "phase": "train"}  # fmt: skip
+        assert world.post_events([world.event(EventKind.RANK_EXITED, killed)])[0] == 200
+        log = world.daemon.log_path
+        deadline = time.monotonic() + 600
+        while f"{good} valid" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, world.daemon.tail()
+            time.sleep(0.2)
+    finally:
+        done.set()
+        watcher.join()
+    return CraftedRun(before, peak[0], slowest[0], time.monotonic() - started, crafted, log)
