@@ -48,6 +48,8 @@ from agent.wire.errors import CheckpointInvalid
 
 # DCP metadata grows with the number of tensors times shards; large FSDP models
 # reach tens of MB. Beyond this, treat the file as corrupt instead of reading it.
+# The words of a rejection for memory (the validation process names its limit after them).
+NEEDS_MORE_MEMORY = "needs more memory to load than this process may use"
 _METADATA_LIMIT_BYTES = 512 << 20
 _MARKER_LIMIT_BYTES = 4096
 
@@ -218,8 +220,8 @@ class _Ladder:
             # limit on the validating process: either way it cannot be loaded here.
             raise _Rejected(
                 Level.QUICK,
-                f"{where} needs more memory to load than this process may use (a length "
-                "in it beyond any checkpoint's, or a memory limit set too low)",
+                f"{where} {NEEDS_MORE_MEMORY} (a length in it beyond any checkpoint's, or a "
+                "memory limit set too low)",
             ) from error
         # Garbage can make the unpickler raise almost anything (EOFError,
         # ValueError, UnpicklingError, RecursionError...): all mean "corrupt".

@@ -54,17 +54,21 @@ def _cpu_used_s() -> float:
 def _answer(request: dict[str, Any], memory_mib: int) -> dict[str, Any]:
     from agent.checkpoint import layouts
     from agent.checkpoint.report import Level
+    from agent.checkpoint.validate import NEEDS_MORE_MEMORY
 
+    past_limit = {
+        "valid": False,
+        "reason": f"validating it needed more than {memory_mib} MiB (the supervisor's "
+        "validation_memory_mib): its content expands beyond any checkpoint's",
+    }
     try:
         report = layouts.check(str(request["path"]), Level(str(request["level"])))
     except MemoryError:
-        return {
-            "valid": False,
-            "reason": f"validating it needed more than {memory_mib} MiB (the supervisor's "
-            "validation_memory_mib): its content expands beyond any checkpoint's",
-        }
+        return past_limit
     except Exception as error:  # the owner's data made the validator fail: not valid
         return {"valid": False, "reason": f"validation failed: {type(error).__name__}: {error}"}
+    if not report.valid and NEEDS_MORE_MEMORY in (report.reason or ""):
+        return past_limit  # the validator's own words for it, in this process: its limit
     return {"valid": report.valid, "reason": report.reason or ""}
 
 

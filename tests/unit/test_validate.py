@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from agent.checkpoint import files
 from agent.checkpoint import format as fmt
 from agent.checkpoint.catalog import newest_valid
-from agent.checkpoint.validate import PLAIN_DCP_NOTE, Level, Report, validate
+from agent.checkpoint.validate import NEEDS_MORE_MEMORY, PLAIN_DCP_NOTE, Level, Report, validate
 from agent.wire.errors import CheckpointInvalid
 from tests.ckpt_helpers import (
     data_files,
@@ -362,7 +362,7 @@ def test_metadata_whose_length_field_asks_for_petabytes_is_invalid_not_a_crash(
     (directory / fmt.DCP_METADATA_NAME).write_bytes(b"\x96\x00\x00\x00\x00\x00\x00\x00\x01")
     report = validate(directory, Level.QUICK)
     assert report.failed_level is Level.QUICK
-    assert report.reason is not None and "needs more memory to load" in report.reason
+    assert report.reason is not None and NEEDS_MORE_MEMORY in report.reason
 
 
 def test_random_pickled_garbage_in_metadata_is_invalid_at_quick(tmp_path: Path) -> None:
