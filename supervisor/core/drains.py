@@ -185,11 +185,7 @@ def exclude_and_drain(
     if node is None:
         if blame.cause is Cause.TIME_LIMIT:
             return record, (), "a planned stop for the time limit: no node is at fault"
-        return (
-            record,
-            (),
-            f"no node blamed: {'; '.join(blame.evidence) or 'the evidence names none'}",
-        )
+        return record, (), "no node blamed: the evidence names none"
     if blame.confidence < policy.drain_confidence:
         return (
             record,

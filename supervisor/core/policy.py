@@ -299,23 +299,9 @@ def _open_exit_window(
 def _on_launcher_end(
     record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
 ) -> Decision:
-    """A node's launcher ended: its ranks' exits are all reported; maybe every node's are.
-
-    A launcher that failed while the job is live had no failed rank reported
-    before it (its agent sends the ranks' exits first): the agent could not
-    tell which rank ended how (a rank's launcher shim killed, say). The
-    attempt failed all the same, so a recovery opens on the launcher's word,
-    as on the driver's (:func:`_on_step_ended`), with no node blamed.
-    """
+    """A node's launcher ended: its ranks' exits are all reported; maybe every node's are."""
     pending = record.recovery
     idle = f"{event.kind.value} from {event.node} needs no action now"
-    failed = event.kind is EventKind.LAUNCHER_EXITED and (
-        event.signal is not None or event.exit_code not in (None, 0)
-    )
-    if failed and record.state in LIVE and event.node in record.nodes:
-        ended = f"signal {event.signal}" if event.signal is not None else f"exit {event.exit_code}"
-        why = f"the launcher on {event.node} failed ({ended}) with no rank's exit reported"
-        return _recover_unnamed(record, now_s, policy, cluster, event.signal is not None, why)
     if record.state is not JobState.RECOVERING or pending is None or not pending.collecting_exits:
         return _nothing(record, idle)
     if event.node not in record.nodes or event.node in pending.settled:
@@ -346,26 +332,13 @@ def _on_step_ended(
         return _nothing(record, f"step of attempt {ended.attempt} ended; nothing to add")
     # srun exits 128 + N when a task died of signal N.
     signalled = ended.exit_code is not None and ended.exit_code > 128
-    why = f"the driver saw attempt {ended.attempt}'s step end (exit {ended.exit_code}) "
-    why += "with no rank's exit reported"
-    return _recover_unnamed(record, now_s, policy, cluster, signalled, why)
-
-
-def _recover_unnamed(
-    record: JobRecord,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
-    signalled: bool,
-    why: str,
-) -> Decision:
-    """A recovery for an attempt that failed with no rank named: no node is blamed."""
     verdict = Blame(
         None,
         Cause.RANK_SIGNAL if signalled else Cause.USER_EXCEPTION,
         0.0,
-        (f"{why}; no node is named",),
-    )
+        (f"the driver saw attempt {ended.attempt}'s step end (exit {ended.exit_code}) "
+         "with no rank's exit reported; no node is named",),
+    )  # fmt: skip
     return recovery.start(record, now_s, policy, cluster, verdict)
 
 

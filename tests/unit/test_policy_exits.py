@@ -251,30 +251,6 @@ def test_a_launcher_end_outside_an_exit_window_changes_nothing():
     assert stranger.record == opened.record
 
 
-def test_a_launcher_that_fails_with_no_rank_exit_reported_opens_a_recovery_blaming_no_node():
-    """A rank's launcher shim SIGKILLed from outside: torchrun fails (exit 1), the agent
-    cannot say which rank ended how and sends only the launcher's end, then stops. The
-    attempt failed: waiting for a rank's exit would wait for ever."""
-    failed = replace(launcher_ended("node2"), exit_code=1)
-    (recovering,) = run(running(), failed, policy=WINDOW, cluster=FOUR)
-    assert recovering.record.state is JobState.RECOVERING
-    assert recovering.cause is Cause.USER_EXCEPTION
-    assert recovering.record.blamed_nodes == ()
-    assert kinds(recovering) == [StopRanks, ValidateCheckpoints]
-    assert "the launcher on node2 failed (exit 1) with no rank's exit reported" in (
-        recovering.explanation
-    )
-    killed = replace(launcher_ended("node2"), signal=KILL)
-    (by_signal,) = run(running(), killed, policy=WINDOW, cluster=FOUR)
-    assert by_signal.cause is Cause.RANK_SIGNAL and by_signal.record.blamed_nodes == ()
-    clean = replace(launcher_ended("node2"), exit_code=0)
-    (nothing,) = run(running(), clean, policy=WINDOW, cluster=FOUR)
-    assert nothing.record == running() and nothing.intents == ()
-    stranger = replace(launcher_ended("node9"), exit_code=1)
-    (ignored,) = run(running(), stranger, policy=WINDOW, cluster=FOUR)
-    assert ignored.record == running()
-
-
 def test_a_settled_node_survives_the_record_round_trip():
     _, settled = run(
         running(),
