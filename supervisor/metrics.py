@@ -50,6 +50,8 @@ STATES = (
     "completed", "failed", "cancelled",
 )  # fmt: skip
 TERMINAL = {"completed", "failed", "cancelled"}
+# The node checks' results on /metrics, each from zero (and "open": not ended yet).
+CHECK_RESULTS = ("passed", "failed", "expired", "open")
 # Detection is seconds; recovery (validation, backoff, srun, checkpoint load) minutes.
 DETECT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECOVER_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
@@ -296,8 +298,10 @@ class StoreCollector(Collector):
             "drained; expired: no verdict; open: waiting or running).",
             labels=["result"],
         )
-        for result, count in sorted(self._store.node_check_counts().items()):
-            checks.add_metric([result], float(count))
+        counted = self._store.node_check_counts()
+        # Every result from zero, so that a rate or an increase exists before the first check.
+        for result in sorted({*CHECK_RESULTS, *counted}):
+            checks.add_metric([result], float(counted.get(result, 0)))
         yield checks
         yield GaugeMetricFamily(
             "resurgo_drain_storm",
