@@ -47,7 +47,7 @@ XID_CODE = re.compile(r"NVRM: Xid \([^)]*\): (\d+)")
 APPLICATION_XIDS = frozenset({13, 31, 43, 45})
 
 # What to look at when a check gets no answer in time.
-_STUCK = {
+STUCK = {
     CKPT_ROOT: "the checkpoint file system does not answer (a hung NFS or Lustre mount?): "
     "check the mount on this node",
     RDZV_ADDR: "the resolver does not answer: check this node's /etc/resolv.conf and DNS",
@@ -110,7 +110,7 @@ async def run_builtin_checks(inputs: GateInputs) -> list[CheckResult]:
     }
     return list(
         await asyncio.gather(
-            *(bounded(name, check, timeout, _STUCK[name]) for name, check in checks.items())
+            *(bounded(name, check, timeout, STUCK[name]) for name, check in checks.items())
         )
     )
 

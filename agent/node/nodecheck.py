@@ -28,19 +28,18 @@ import sys
 from collections.abc import Sequence
 
 from agent.node.health import GateReport, command_report
-from agent.node.healthchecks import GPUS, bounded, check_gpus, gpus_needed
+from agent.node.healthchecks import GPUS, STUCK, bounded, check_gpus, gpus_needed
 
 MARK = "resurgo-node-check "
 DEFAULT_TIMEOUT_S = 120.0
 # The verdict in the job's comment: short enough for any Slurm, long enough for the failures.
 COMMENT_CHARS = 1000
-_STUCK = "the GPU driver may be hung: drain the node and look at it (nvidia-smi -q, dmesg)"
 
 
 async def check(command: str, timeout_s: float) -> GateReport:
     """The node's checks: the GPUs (all Slurm gave this job must be there) and ``command``."""
     gpus = bounded(
-        GPUS, check_gpus(gpus_needed(os.environ, None), timeout_s, None), timeout_s, _STUCK
+        GPUS, check_gpus(gpus_needed(os.environ, None), timeout_s, None), timeout_s, STUCK[GPUS]
     )
     if not command:
         return GateReport((await gpus,))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -200,8 +199,3 @@ def _holds(job: SlurmJob | None, node: str) -> bool:
 
 def _slurm_id(job_id: str) -> int:
     return int(job_id) if job_id.isdigit() else -1
-
-
-def sbatch_options(text: str) -> tuple[str, ...]:
-    """The ``node_check_sbatch`` setting as options."""
-    return tuple(shlex.split(text))
