@@ -6,7 +6,9 @@
 - :mod:`supervisor.api.refusals`: refusal causes with their statuses, and the
   rate-limited refusal log;
 - :mod:`supervisor.api.app`: :func:`build_app` (routes, authentication,
-  answers), :func:`serve` and :func:`shutdown`.
+  answers);
+- :mod:`supervisor.api.serving`: :func:`serve`, :func:`bound_port` and
+  :func:`shutdown` (the listener), and aiohttp's server log.
 
 This package touches the network; it holds no job state of its own.
 """
@@ -14,15 +16,13 @@ This package touches the network; it holds no job state of its own.
 from supervisor.api.app import (
     HEALTH_PATH,
     JOB_STATUS_PATH,
-    bound_port,
     build_app,
     build_metrics_app,
     open_streams,
-    serve,
-    shutdown,
 )
 from supervisor.api.directory import JobDirectory, MemoryDirectory
 from supervisor.api.refusals import Cause, RefusalLog
+from supervisor.api.serving import bound_port, serve, shutdown
 
 __all__ = [
     "HEALTH_PATH",

@@ -1,4 +1,5 @@
-"""The aiohttp application: routes, request authentication, answers, and serving.
+"""The aiohttp application: routes, request authentication and answers (served by
+:mod:`supervisor.api.serving`).
 
 Checks run in this order, cheapest and least revealing first, and the first
 failure answers (statuses in :class:`~supervisor.api.refusals.Cause`):
@@ -69,13 +70,11 @@ import asyncio
 import contextlib
 import logging
 import re
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
-from aiohttp.http_exceptions import BadHttpMessage
 
 from agent.wire import protocol
 from agent.wire.protocol import (
@@ -117,8 +116,6 @@ _EMPTY_REPLY = protocol.encode_reply(Reply())
 BODY_TIMEOUT_S = 30.0
 # Events one job may send a minute, at least (supervisor.api.ratelimit).
 EVENTS_PER_MINUTE = 6000
-# A request head not whole this long after the connection opened (or its last answer).
-HEADER_TIMEOUT_S = 30.0
 # The most bytes all requests not yet authenticated may hold together.
 UNAUTHENTICATED_BUFFER_BYTES = 128 << 20
 # How many authenticated event batches are decoded and taken at once (the intake gate).
@@ -205,59 +202,14 @@ def add_metrics_route(app: web.Application, metrics: Callable[[], bytes]) -> Non
     app.router.add_get(METRICS_PATH, scrape)
 
 
-async def serve(
-    app: web.Application,
-    host: str,
-    port: int,
-    *,
-    shutdown_timeout_s: float = 10.0,
-    header_timeout_s: float = HEADER_TIMEOUT_S,
-) -> web.AppRunner:
-    """Listen on ``host:port`` (port 0: any free one, see :func:`bound_port`) and return the runner.
-
-    Stop with :func:`shutdown`. Signals are left to the daemon (its handlers
-    only enqueue), and there is no access log: one line per heartbeat of
-    thousands of agents would drown everything else.
-
-    A connection that has not sent a whole request head ``header_timeout_s``
-    after it opened, or after its previous answer, is closed: aiohttp's
-    keep-alive timer, which partial headers do not reset, is that timeout
-    (aiohttp's own default is an hour, and 300 connections trickling their
-    headers were held as long). An idle keep-alive connection is closed as
-    late: clients close theirs sooner (aiohttp's client after 15 s).
-    """
-    refusals = app.get(_REFUSALS) or RefusalLog(logger, time.time)
-    runner = web.AppRunner(
-        app,
-        handle_signals=False,
-        access_log=None,
-        shutdown_timeout=shutdown_timeout_s,
-        logger=_ServerLog(refusals),
-        keepalive_timeout=header_timeout_s,
-    )
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    logger.info("API listening on %s", ", ".join(str(address) for address in runner.addresses))
-    return runner
+def refusal_log(app: web.Application) -> RefusalLog | None:
+    """The refusal log of an application built by :func:`build_app` (None for others)."""
+    return app.get(_REFUSALS)
 
 
 def open_streams(app: web.Application) -> int:
     """How many heartbeat streams are open now."""
     return len(app[_API].streams)
-
-
-def bound_port(runner: web.AppRunner) -> int:
-    """The TCP port the runner listens on (the one picked when :func:`serve` was given 0)."""
-    return int(runner.addresses[0][1])
-
-
-async def shutdown(runner: web.AppRunner) -> None:
-    """Stop accepting, let in-flight requests finish (up to the shutdown timeout), close."""
-    await runner.cleanup()
 
 
 def _auth_refusal(error: AuthError) -> RequestRefused:
@@ -269,34 +221,6 @@ def _auth_refusal(error: AuthError) -> RequestRefused:
 def _error(status: int, cause: str, reason: str) -> web.Response:
     """An error answer: JSON with the cause code and a reason for humans (agents only log it)."""
     return web.json_response({"error": cause, "reason": reason}, status=status)
-
-
-class _ServerLog(logging.LoggerAdapter[logging.Logger]):
-    """aiohttp's server-level log, where a request that is not valid HTTP would be an ERROR.
-
-    aiohttp logs every request its parser refuses (answered 400) with a
-    traceback: a flood of garbage would fill the disk. Those go to the
-    rate-limited refusal log instead, a client that hung up is no error at
-    all, and anything else is a rate-limited ERROR.
-    """
-
-    def __init__(self, refusals: RefusalLog) -> None:
-        super().__init__(logging.getLogger(f"{__name__}.http"), {})
-        self._refusals = refusals
-
-    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
-        """Log like :meth:`logging.Logger.exception`, unless the client sent invalid HTTP."""
-        error = sys.exc_info()[1] if exc_info is True else exc_info
-        if isinstance(error, BadHttpMessage):
-            self._refusals.record(400, Cause.BAD_HTTP.value, error.message, None)
-            return
-        if isinstance(error, ConnectionError):
-            self._refusals.record(400, Cause.CLIENT_GONE.value, str(error), None)
-            return
-        if exc_info is True:
-            self._refusals.internal_error(str(msg), *args)
-        else:
-            super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class _Api:
