@@ -16,7 +16,7 @@ again.
 Anything the description cannot hold exactly (an action or type it does not
 know, a ``PET_*`` variable set while describing, which would hide the default)
 is not stored, and such a launch keeps using torch's parser: slower, never
-different. ``tests/unit/test_torchrun_options.py`` holds the rebuilt parser to
+different. ``tests/unit/agent/node/test_torchrun_options.py`` holds the rebuilt parser to
 torch's own on the command lines Resurgo fits.
 """
 

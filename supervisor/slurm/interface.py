@@ -3,7 +3,7 @@
 :class:`~supervisor.slurm.client.SlurmClient` implements it over the Slurm
 command-line tools; tests pass small hand-written fakes. Every user of Slurm
 outside this package depends on these types, never on the client class, and
-no other module declares its own copy (``tests/unit/test_slurm_interface.py``
+no other module declares its own copy (``tests/unit/supervisor/slurm/test_slurm_interface.py``
 enforces both).
 
 Two roles, because some users need only one: :class:`SlurmQueries` reads and

@@ -6,7 +6,7 @@ longer keeps its size and header while it is written, and a frame read half
 written, with whole frames after it by the time they are read, looks like
 damage. Measured before the fix with this writer: 95 false refusals in 5,492
 checks (20 s); the check must refuse none, and still refuse a log that really
-is damaged (tests/unit/test_fuzz_store.py).
+is damaged (tests/unit/supervisor/store/test_fuzz_store.py).
 """
 
 from __future__ import annotations

@@ -12,13 +12,12 @@ elsewhere (formats, parsers, text) are listed by name.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
 from tests.unit.purity_rules import FORBIDDEN, imported_roots
 
-REPO = Path(__file__).resolve().parents[2]
 PURE_FOLDERS = ("supervisor/core", "agent/wire/protocol")
 PURE_FILES = (
     "agent/wire/errors.py",

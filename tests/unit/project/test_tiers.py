@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import TESTS as TEST_TREE
+
 pytest_plugins = ["pytester"]
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = TEST_TREE
 CONFTEST = TESTS_DIR / "conftest.py"
 
 SUITE = """
@@ -72,7 +74,7 @@ def test_no_unit_test_needs_the_live_cluster() -> None:
     """The unit tier runs before any cluster is up."""
     needing = [
         path.name
-        for path in (TESTS_DIR / "unit").glob("test_*.py")
+        for path in (TESTS_DIR / "unit").rglob("test_*.py")
         if path != Path(__file__).resolve() and "slurm_cluster" in path.read_text()
     ]
     assert needing == []

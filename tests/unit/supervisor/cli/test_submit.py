@@ -12,8 +12,9 @@ from supervisor.cli.main import main
 from supervisor.cli.submit import build_parser, spec_from
 from supervisor.jobs import JobSpec, batch_script, sbatch_options
 from supervisor.sbatch import directives_of, parse_request, procs_per_node, training_script
+from tests.paths import TESTS
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "submit" / "batch.sh"
+GOLDEN = TESTS / "fixtures" / "submit" / "batch.sh"
 
 
 def spec(**changes: object) -> JobSpec:

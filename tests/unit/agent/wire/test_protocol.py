@@ -7,7 +7,6 @@ import copy
 import hashlib
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from agent.wire.protocol import (
     RankStatus,
     Reply,
 )
+from tests.paths import REPO
 from tests.unit.purity_rules import FORBIDDEN, imported_roots
 
 NOW = 1_760_000_000
@@ -594,7 +594,7 @@ def test_signed_headers_carry_job_timestamp_signature_and_version() -> None:
 
 
 def test_protocol_package_is_pure() -> None:
-    package = Path(__file__).resolve().parents[2] / "agent" / "wire" / "protocol"
+    package = REPO / "agent" / "wire" / "protocol"
     modules = sorted(package.glob("*.py"))
     assert len(modules) > 1
     for module in modules:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+
+from tests.paths import TESTS as TEST_TREE
 
 pytest_plugins = ["pytester"]
 
-CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+CONFTEST = TEST_TREE / "conftest.py"
 
 TESTS = """
 import pytest

@@ -32,8 +32,8 @@ from agent.wire.protocol import Event, EventKind, make_event
 from supervisor.errors import StoreCorrupt, StoreError
 from supervisor.store import Store
 from supervisor.store.wal import wal_path
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = "4711"
 NOW = 1_760_000_000.0
 INCARNATION = "0123abcd"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 SCRIPTS = ("resurgo", "resurgo-supervisor", "resurgo-agent")
 
 
@@ -33,7 +35,6 @@ def test_resurgo_without_a_command_prints_help_and_exits_two() -> None:
     assert main([]) == 2
 
 
-REPO = Path(__file__).resolve().parents[2]
 MODULES = sorted(
     path
     for package in ("agent", "supervisor", "bench")

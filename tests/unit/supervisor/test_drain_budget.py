@@ -2,7 +2,7 @@
 
 The daemon with a fake Slurm that runs several jobs and a real store: every
 fault arrives before the decision task runs, as a burst does between two
-Slurm polls. The core's own rules are pinned in ``tests/unit/test_policy.py``;
+Slurm polls. The core's own rules are pinned in ``tests/unit/supervisor/core/test_policy.py``;
 this pins that the daemon decides each fault on what the ones before it
 planned (the store, not the last poll's view).
 """

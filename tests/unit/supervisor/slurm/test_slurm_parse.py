@@ -7,7 +7,6 @@ import contextlib
 import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -23,8 +22,9 @@ from supervisor.errors import (
 from supervisor.slurm import parse
 from supervisor.slurm.client import SlurmClient
 from supervisor.slurm.parse import JobState, NodeFlag, NodeState
+from tests.paths import TESTS
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
+FIXTURES = TESTS / "fixtures" / "slurm"
 
 
 def fixture(name: str) -> str:

@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
+
 PROMETHEUS = REPO / "deploy" / "prometheus"
 UNIT = REPO / "systemd" / "resurgo-supervisor.service"
 USER_UNIT = REPO / "systemd" / "user" / "resurgo-supervisor.service"

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.wire import raised
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
 
 
 def rank_that_runs(code: str, exit_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -15,8 +15,8 @@ from torch.distributed.run import get_args_parser
 from agent.node import torchrun_options
 from agent.node.launch import Allocation, fit_torchrun
 from agent.wire.errors import ConfigError
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ALLOC = Allocation("7", "node1", 3, 0, "10.0.0.1", 29400)
 
 COMMANDS = [

@@ -13,7 +13,9 @@ from types import ModuleType
 import pytest
 import torch
 
-TOY_PATH = Path(__file__).resolve().parents[2] / "deploy" / "demo" / "train_toy.py"
+from tests.paths import REPO
+
+TOY_PATH = REPO / "deploy" / "demo" / "train_toy.py"
 
 
 def _load_toy() -> ModuleType:

@@ -28,8 +28,8 @@ from supervisor.core.goodput import Badput
 from supervisor.core.model import Cause
 from supervisor.core.save_schedule import Saves
 from supervisor.core.simulate import IntervalPolicy, Params, llama3, opt175b, simulate
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MINUTE = 60.0
 # Llama 3's MTBF as the seeds put it: 54 days / 419 interruptions, about 3 hours.
 LLAMA3_MTBF_S = 54 * 86400 / 419
@@ -368,7 +368,7 @@ def test_the_simulator_sizes_relaunches_with_the_supervisors_own_rule() -> None:
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.ImportFrom) and node.module
     }
-    assert "supervisor.core.recovery" in modules  # purity: tests/unit/test_purity.py
+    assert "supervisor.core.recovery" in modules  # purity: tests/unit/project/test_purity.py
 
 
 # --- CLI -----------------------------------------------------------------------

@@ -16,7 +16,6 @@ import json
 import re
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,8 +33,9 @@ from supervisor.slurm.parse import (
     SlurmJob,
     SlurmNode,
 )
+from tests.paths import TESTS
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
+FIXTURES = TESTS / "fixtures" / "slurm"
 FUZZ = settings(
     max_examples=200,
     deadline=None,

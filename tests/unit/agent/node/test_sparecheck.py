@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.node.sparecheck import MARK, main, parse_verdicts
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
 
 
 def check_on(

@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
-from pathlib import Path
 from typing import Any
 
 from agent.node.config import AgentConfig
 from agent.wire.settings import show_default
 from supervisor.config import SupervisorConfig
 from supervisor.core.policy import Policy
+from tests.paths import REPO
 
-OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+OPERATIONS = REPO / "docs" / "operations.md"
 UNITS = {"s": 1, "min": 60, "h": 3600, "d": 86400, "day": 86400, "days": 86400}
 
 

@@ -18,8 +18,8 @@ import pytest
 
 from supervisor.slurm.client import SlurmClient
 from supervisor.slurm.interface import Slurm
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SUPERVISOR = REPO / "supervisor"
 SLURM_PACKAGE = SUPERVISOR / "slurm"
 INTERFACE = SLURM_PACKAGE / "interface.py"
