@@ -51,6 +51,7 @@ from agent.node.commands import (
 )
 from agent.node.config import AgentConfig, build_parser, load_config
 from agent.node.events import EventOut
+from agent.node.evidence import KernelLog, kernel_evidence
 from agent.node.health import GateReport, command_report, run_gate
 from agent.node.healthchecks import GateInputs, gpus_needed
 from agent.node.launch import (
@@ -113,6 +114,7 @@ class NodeAgent:
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._process: asyncio.subprocess.Process | None = None
         self._watcher: RankWatcher | None = None
+        self._kernel_log = KernelLog()
         self._plan: LaunchPlan | None = None
         self._world_reported = False
         self._saves = SaveNotes(self._clocks.monotonic)
@@ -494,12 +496,10 @@ class NodeAgent:
                 "last_step": None if progress is None else progress.step,
                 "phase": None if progress is None else progress.phase.value,
                 "exit_time_unix_s": rank_exit.time_unix_s,
-                **(
-                    {"raised": rank_exit.raised[0], "raised_time_unix_s": rank_exit.raised[1]}
-                    if rank_exit.raised is not None
-                    else {}
-                ),
+                **_raised_fields(rank_exit),
                 **({"script_ended": True} if rank_exit.script_ended else {}),
+                **({"stderr_tail": rank_exit.stderr_tail} if rank_exit.stderr_tail else {}),
+                **(await kernel_evidence(rank_exit, self._kernel_log)),
             },
         )
         self._exits[rank_exit.rank.global_rank] = rank_exit
@@ -612,6 +612,19 @@ class NodeAgent:
             protocol.EventKind.RANKS_STOPPED,
             ranks_stopped(reason, command_id, grace, ranks, killed, self._exits),
         )
+
+
+def _raised_fields(rank_exit: RankExit) -> dict[str, object]:
+    """The payload fields of the rank's uncaught exception (none when it raised none)."""
+    note = rank_exit.raised
+    if note is None:
+        return {}
+    fields: dict[str, object] = {"raised": note.type, "raised_time_unix_s": note.time_unix_s}
+    if note.message:
+        fields["raised_message"] = note.message
+    if note.errno is not None:
+        fields["errno"] = note.errno
+    return fields
 
 
 def _signal_name(signum: int) -> str:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import re
 import shutil
 import signal
 import socket
@@ -29,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from agent.node.kernlog import hardware_xids
+
 CKPT_ROOT = "builtin:ckpt_root"
 RDZV_ADDR = "builtin:rdzv_addr"
 GPUS = "builtin:gpus"
@@ -39,12 +40,6 @@ GB = 10**9
 # One result's line, well under the protocol's limit for agent_started.health_checks.
 LINE_CHARS = 500
 GPU_QUERY = "index,pci.bus_id,retired_pages.pending,remapped_rows.failure"
-XID_MARK = "NVRM: Xid"
-XID_CODE = re.compile(r"NVRM: Xid \([^)]*\): (\d+)")
-# Xids an application causes (a bad kernel, a memory fault, a killed CUDA
-# process, a reset channel): Resurgo's own stops leave some behind; they say
-# nothing about the node's hardware.
-APPLICATION_XIDS = frozenset({13, 31, 43, 45})
 
 # What to look at when a check gets no answer in time.
 STUCK = {
@@ -308,7 +303,7 @@ def _is_set(value: str) -> bool:
 
 async def check_xid(dmesg: str | None, timeout_s: float) -> tuple[bool, str]:
     """No ``NVRM: Xid`` line in the kernel log since boot, but for the Xids an application
-    causes (:data:`APPLICATION_XIDS`). ``dmesg`` may be refused to a
+    causes (:data:`agent.node.kernlog.APPLICATION_XIDS`). ``dmesg`` may be refused to a
     non-root user (kernel.dmesg_restrict): then Xid errors go unchecked, and it says so."""
     if dmesg is None:
         return True, "Xid not checked: dmesg is not on PATH"
@@ -316,11 +311,7 @@ async def check_xid(dmesg: str | None, timeout_s: float) -> tuple[bool, str]:
     if answer.returncode != 0:
         last = (answer.output.strip().splitlines() or ["no output"])[-1]
         return True, f"Xid not checked: dmesg exit status {answer.returncode}: {last}"
-    xids = [
-        line.strip()
-        for line in answer.output.splitlines()
-        if XID_MARK in line and _xid_code(line) not in APPLICATION_XIDS
-    ]
+    xids = hardware_xids(answer.output)
     if xids:
         return False, (
             f"{len(xids)} Xid error(s) in the kernel log since boot, the last: {xids[-1][:200]}: "
@@ -328,12 +319,6 @@ async def check_xid(dmesg: str | None, timeout_s: float) -> tuple[bool, str]:
             "reboot it"
         )
     return True, "no Xid error in the kernel log since boot"
-
-
-def _xid_code(line: str) -> int | None:
-    """The Xid number of a kernel log line (None when it has none)."""
-    found = XID_CODE.search(line)
-    return int(found.group(1)) if found else None
 
 
 # -- bounded waiting ------------------------------------------------------------------

@@ -13,7 +13,9 @@ under which no rank was ever found is the node's single rank, whose status the
 agent learns directly as its parent.
 
 Each rank's ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` are read with it, so the
-agent can tell when the ranks formed a world that is not the job's.
+agent can tell when the ranks formed a world that is not the job's; and its
+memory cgroup's out-of-memory kill count (:mod:`agent.node.kernlog`), so that
+its exit can say whether the kernel killed something there while it ran.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from agent.node import kernlog
 from agent.node.launch import Shape
 from agent.wire import raised
 
@@ -48,6 +51,9 @@ class RankProcess:
     # torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE of the rank (None: not set).
     world_size: int | None = None
     local_world_size: int | None = None
+    # The file of its memory cgroup's oom_kill count, and the count when it was found.
+    oom_counter: Path | None = None
+    oom_kills_at_start: int | None = None
 
 
 @dataclass(frozen=True)
@@ -58,10 +64,20 @@ class RankExit:
     exit_code: int | None
     signal: int | None
     time_unix_s: float
-    # The rank's uncaught exception (type, when) if it raised one (agent.wire.raised).
-    raised: tuple[str, float] | None = None
+    # The rank's uncaught exception if it raised one (agent.wire.raised).
+    raised: raised.Note | None = None
     # Whether its script ran to its end before it exited (agent.wire.raised).
     script_ended: bool = False
+    # The last lines it wrote to standard error (agent.node.rankexec; "": none known).
+    stderr_tail: str = ""
+
+    @property
+    def oom_kills_while_running(self) -> int | None:
+        """How many processes the kernel killed for memory in the rank's cgroup while it
+        ran (None: unknown)."""
+        after = kernlog.oom_kills(self.rank.oom_counter)
+        before = self.rank.oom_kills_at_start
+        return None if after is None or before is None else max(after - before, 0)
 
     @property
     def signal_name(self) -> str | None:
@@ -130,6 +146,7 @@ class RankWatcher:
             ranks += _bare_workers(descendants)
         for discovered in ranks:
             if discovered is not None and discovered.global_rank not in self._ranks:
+                discovered = _with_oom_counter(discovered)
                 self._ranks[discovered.global_rank] = discovered
                 found.append(discovered)
                 if self._expected is None and discovered.local_world_size:
@@ -155,6 +172,7 @@ class RankWatcher:
             world_size=_int_or_none(environ.get("WORLD_SIZE")),
             local_world_size=_int_or_none(environ.get("LOCAL_WORLD_SIZE")),
         )
+        rank = _with_oom_counter(rank)
         self._ranks[global_rank] = rank
         return rank
 
@@ -175,15 +193,16 @@ class RankWatcher:
                     continue
                 exits.append(RankExit(rank, None, None, now_unix_s))
             else:
-                ended = record.get("time_unix_s")
+                ended, tail = record.get("time_unix_s"), record.get("stderr_tail")
                 exits.append(
                     RankExit(
                         rank,
                         record.get("exit_code"),
                         record.get("signal"),
                         float(ended) if ended is not None else now_unix_s,
-                        raised.read(self._exit_dir, key),
+                        raised.read_note(self._exit_dir, key),
                         raised.ended(self._exit_dir, key),
+                        tail if isinstance(tail, str) else "",
                     )
                 )
             self._reported.add(key)
@@ -238,6 +257,12 @@ class RankWatcher:
             log.warning("unreadable exit record %s: %s", path, error)
             return None
         return record
+
+
+def _with_oom_counter(rank: RankProcess) -> RankProcess:
+    """``rank`` with its memory cgroup's oom_kill count as it is now."""
+    counter = kernlog.memory_cgroup(rank.pid)
+    return replace(rank, oom_counter=counter, oom_kills_at_start=kernlog.oom_kills(counter))
 
 
 def _int_or_none(value: str | None) -> int | None:

@@ -15,6 +15,14 @@ rank (``SLURM_PROCID`` = ``RANK``, ...), as srun would have set them.
 Signals torchrun or Slurm send to the worker (SIGTERM, SIGINT, ...) are
 forwarded. TARGET is a script run with this interpreter, ``--module NAME``, or
 ``--no-python EXECUTABLE``.
+
+The worker's standard error passes through this shim: every byte is written on
+to the shim's own standard error as it comes, and the last lines are kept, so
+that the exit record carries the worker's last words (``stderr_tail``: a Python
+traceback, NCCL's or gloo's complaint, a C++ ``terminate called``) however it
+died, a SIGKILL included. Should the shim itself die, torchrun ends the
+worker's whole group anyway (its child, the shim, failed), so the pipe adds no
+way for a worker to die that it did not have.
 """
 
 from __future__ import annotations
@@ -25,13 +33,70 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
+from typing import IO
 
 from agent.node.launch import ENV_SLURM_TASKS, slurm_task_env
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
+
+
+# The worker's last words kept for its exit record: at most this many lines and characters.
+TAIL_LINES = 20
+TAIL_CHARS = 2000
+# After the worker ended, how long what it wrote last may still be taken from the pipe
+# (it is there already; the wait is for the copying thread). The pipe's end is not
+# awaited: a process the worker started (a data loader worker) may hold it open.
+DRAIN_S = 0.2
+
+
+class Tail:
+    """Copies a stream on as it comes and keeps its last bytes (a thread of its own)."""
+
+    def __init__(self, source: IO[bytes], sink: IO[bytes]) -> None:
+        self._source = source
+        self._sink = sink
+        self._chunks: deque[bytes] = deque()
+        self._kept = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._copy, name="resurgo-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        while chunk := self._read():
+            with contextlib.suppress(OSError, ValueError):
+                self._sink.write(chunk)
+                self._sink.flush()
+            with self._lock:
+                self._chunks.append(chunk)
+                self._kept += len(chunk)
+                while self._kept - len(self._chunks[0]) >= TAIL_CHARS * 4:
+                    self._kept -= len(self._chunks.popleft())
+
+    def _read(self) -> bytes:
+        try:
+            return os.read(self._source.fileno(), 65536)
+        except OSError:
+            return b""
+
+    def text(self, wait_s: float = DRAIN_S) -> str:
+        """The last lines read (within :data:`TAIL_LINES` and :data:`TAIL_CHARS`), after
+        waiting up to ``wait_s`` for the stream's end."""
+        self._thread.join(wait_s)
+        with self._lock:
+            kept = b"".join(self._chunks)
+        return last_lines(kept.decode(errors="replace"))
+
+
+def last_lines(text: str) -> str:
+    """The last :data:`TAIL_LINES` non-empty lines of ``text``, at most :data:`TAIL_CHARS`
+    characters (cut at the front)."""
+    lines = [line.rstrip() for line in text.replace("\r", "\n").split("\n") if line.strip()]
+    return "\n".join(lines[-TAIL_LINES:])[-TAIL_CHARS:]
 
 
 def child_argv(args: list[str]) -> list[str]:
@@ -47,7 +112,9 @@ def child_argv(args: list[str]) -> list[str]:
     return [sys.executable, *args]
 
 
-def record_exit(exit_dir: Path, rank: str, local_rank: str, pid: int, returncode: int) -> None:
+def record_exit(
+    exit_dir: Path, rank: str, local_rank: str, pid: int, returncode: int, stderr_tail: str = ""
+) -> None:
     """Write ``rank-<rank>.json`` atomically: the agent may read it at any moment."""
     document = {
         "global_rank": int(rank),
@@ -56,6 +123,7 @@ def record_exit(exit_dir: Path, rank: str, local_rank: str, pid: int, returncode
         "exit_code": returncode if returncode >= 0 else None,
         "signal": -returncode if returncode < 0 else None,
         "time_unix_s": time.time(),
+        "stderr_tail": stderr_tail,
     }
     exit_dir.mkdir(parents=True, exist_ok=True)
     temporary = exit_dir / f".rank-{rank}.json.tmp"
@@ -68,7 +136,9 @@ def main(args: list[str]) -> None:
     env = dict(os.environ)
     if env.get(ENV_SLURM_TASKS):
         env.update(slurm_task_env(env))
-    child = subprocess.Popen(argv, env=env)
+    child = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
+    assert child.stderr is not None
+    tail = Tail(child.stderr, sys.stderr.buffer)
 
     def forward(signum: int, _frame: object) -> None:
         # The worker decides what a SIGTERM means (e.g. a last checkpoint).
@@ -87,6 +157,7 @@ def main(args: list[str]) -> None:
                 os.environ.get("LOCAL_RANK", "0"),
                 child.pid,
                 returncode,
+                tail.text(),
             )
         except OSError as error:
             print(f"resurgo rankexec: could not record the exit: {error}", file=sys.stderr)

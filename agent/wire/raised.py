@@ -7,9 +7,11 @@ torchrun then stops it with SIGTERM: its exit reads as a stop, and a peer's
 abort as the root cause (seen with gloo: the raising rank ended by SIGTERM 80 ms
 after a peer's SIGABRT). The bootstrap (``agent/bootstrap/sitecustomize.py``)
 calls :func:`install` in every rank: on an uncaught exception the hook writes
-``raised-rank-<RANK>.json`` (the exception's type and when) into the agent's
-exit directory before Python prints the traceback, and the agent attaches it
-to the rank's exit (:mod:`agent.node.procs`).
+``raised-rank-<RANK>.json`` (the exception's type, its message's start, its
+``errno`` when it is an ``OSError``, and when) into the agent's exit directory
+before Python prints the traceback, and the agent attaches it to the rank's
+exit (:mod:`agent.node.procs`). The message and errno are what tells a full
+disk or a missing module from a fault of the node.
 
 Launchers' own errors (torchrun's ``ChildFailedError``, raised because a rank
 failed) are not a rank's exception and are not noted.
@@ -34,12 +36,25 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from agent.wire.environ import ENV_EXIT_DIR, ENV_RANK
 
 TYPE_CHARS = 200
+MESSAGE_CHARS = 500
+
+
+@dataclass(frozen=True)
+class Note:
+    """A rank's uncaught exception: its type, the start of its message, its errno (an
+    ``OSError``'s, else None), and when it reached the top."""
+
+    type: str
+    time_unix_s: float
+    message: str = ""
+    errno: int | None = None
 
 
 def path_of(exit_dir: Path, global_rank: int) -> Path:
@@ -74,7 +89,7 @@ def install() -> None:
             "torch.distributed.elastic"
         ):
             with contextlib.suppress(Exception):
-                note(Path(exit_dir), int(rank), kind.__qualname__)
+                note(Path(exit_dir), int(rank), kind.__qualname__, _message(value), _errno(value))
         previous(kind, value, traceback)
 
     sys.excepthook = hook
@@ -93,9 +108,32 @@ def install() -> None:
     register(script_ended)
 
 
-def note(exit_dir: Path, global_rank: int, type_name: str) -> None:
+def _message(value: BaseException) -> str:
+    try:
+        return str(value)[:MESSAGE_CHARS]
+    except Exception:  # a __str__ that raises: the type says enough
+        return ""
+
+
+def _errno(value: BaseException) -> int | None:
+    number = getattr(value, "errno", None) if isinstance(value, OSError) else None
+    return number if isinstance(number, int) and not isinstance(number, bool) else None
+
+
+def note(
+    exit_dir: Path,
+    global_rank: int,
+    type_name: str,
+    message: str = "",
+    errno: int | None = None,
+) -> None:
     """Write the note atomically: the agent may read it at any moment."""
-    document = {"type": type_name[:TYPE_CHARS], "time_unix_s": time.time()}
+    document = {
+        "type": type_name[:TYPE_CHARS],
+        "time_unix_s": time.time(),
+        "message": message[:MESSAGE_CHARS],
+        "errno": errno,
+    }
     final = path_of(exit_dir, global_rank)
     temporary = final.with_name(f".{final.name}.tmp")
     temporary.write_text(json.dumps(document))
@@ -104,6 +142,12 @@ def note(exit_dir: Path, global_rank: int, type_name: str) -> None:
 
 def read(exit_dir: Path, global_rank: int) -> tuple[str, float] | None:
     """The rank's note as (exception type, when), or None: none, or unreadable."""
+    found = read_note(exit_dir, global_rank)
+    return None if found is None else (found.type, found.time_unix_s)
+
+
+def read_note(exit_dir: Path, global_rank: int) -> Note | None:
+    """The rank's whole note, or None: none, or unreadable."""
     try:
         document = json.loads(path_of(exit_dir, global_rank).read_text())
         kind, when = document["type"], document["time_unix_s"]
@@ -111,4 +155,10 @@ def read(exit_dir: Path, global_rank: int) -> tuple[str, float] | None:
         return None
     if not isinstance(kind, str) or isinstance(when, bool) or not isinstance(when, int | float):
         return None
-    return kind[:TYPE_CHARS], float(when)
+    message, errno = document.get("message"), document.get("errno")
+    return Note(
+        kind[:TYPE_CHARS],
+        float(when),
+        message[:MESSAGE_CHARS] if isinstance(message, str) else "",
+        errno if isinstance(errno, int) and not isinstance(errno, bool) else None,
+    )

@@ -87,6 +87,15 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("raised_time_unix_s", _nullable(_float), required=False),
         # The rank's script ran to its end before the rank exited (agent.wire.raised).
         _Spec("script_ended", _bool, required=False),
+        # The evidence of what failed: the exception's message and an OSError's errno
+        # (agent.wire.raised), the rank's last lines on standard error
+        # (agent.node.rankexec), the kernel's out-of-memory kill and newest GPU Xid
+        # line (agent.node.evidence). Each short text, each optional.
+        _Spec("raised_message", _str, required=False),
+        _Spec("errno", _int, required=False),
+        _Spec("stderr_tail", _str, required=False),
+        _Spec("oom_kill", _str, required=False),
+        _Spec("xid", _str, required=False),
     ),
     EventKind.LAUNCHER_EXITED: (
         *_EXIT_STATUS,

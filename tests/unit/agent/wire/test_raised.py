@@ -90,3 +90,27 @@ def test_a_script_that_ran_to_its_end_is_noted_before_its_teardown(
 def test_a_note_that_cannot_be_read_is_no_note(tmp_path: Path, text: str) -> None:
     raised.path_of(tmp_path, 0).write_text(text)
     assert raised.read(tmp_path, 0) is None
+
+
+def test_the_note_keeps_the_messages_start_and_an_os_errors_errno(tmp_path: Path) -> None:
+    rank_that_runs(
+        "import errno, os\n"
+        "raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), '/ckpt/step-30/shard-0')",
+        tmp_path,
+    )
+    found = raised.read_note(tmp_path, 3)
+    assert found is not None
+    assert (found.type, found.errno) == ("OSError", 28)
+    assert found.message == "[Errno 28] No space left on device: '/ckpt/step-30/shard-0'"
+
+
+def test_a_long_message_is_cut_and_a_plain_exception_has_no_errno(tmp_path: Path) -> None:
+    rank_that_runs("raise ModuleNotFoundError('x' * 5000)", tmp_path)
+    found = raised.read_note(tmp_path, 3)
+    assert found is not None and found.errno is None
+    assert found.message == "x" * raised.MESSAGE_CHARS
+
+
+def test_a_note_of_an_older_agent_without_message_still_reads(tmp_path: Path) -> None:
+    raised.path_of(tmp_path, 3).write_text(json.dumps({"type": "RuntimeError", "time_unix_s": 5}))
+    assert raised.read_note(tmp_path, 3) == raised.Note("RuntimeError", 5.0, "", None)
