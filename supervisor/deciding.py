@@ -1,9 +1,9 @@
 """The decision task: one observation at a time through the core, stored, then acted on.
 
-:class:`Deciding` is the daemon's middle layer, between the API's
-:class:`~supervisor.intake.Intake` and the timers and polls of
-:class:`~supervisor.daemon.Supervisor`. Everything that wants a decision puts
-an item on one queue; one task takes them in arrival order, runs the pure
+:class:`Deciding` is the daemon's decision component: the intake, the Slurm
+poll and the timers hand it what they observed (it is their
+:class:`~supervisor.jobtable.DecisionQueue`). Everything that wants a decision
+puts an item on one queue; one task takes them in arrival order, runs the pure
 :func:`~supervisor.core.policy.decide`, stores the new record, the decision
 and the planned actions in ONE transaction, then has the
 :class:`~supervisor.act.executor.Executor` carry them out, feeding what they
@@ -22,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import Counter
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from agent.wire.protocol import Event, EventKind
+from supervisor.act.executor import Executor
 from supervisor.act.reconcile import KIND_OF, intent_of
-from supervisor.core.decision import Decision
+from supervisor.cluster import Cluster
+from supervisor.core.decision import Decision, Policy
 from supervisor.core.drains import (
     drain_storm,
     drains_allowed,
@@ -36,11 +38,12 @@ from supervisor.core.drains import (
     user_over_share,
 )
 from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
-from supervisor.core.model import ClusterView, JobRecord, JobState, record_to_json
+from supervisor.core.model import JobRecord, JobState, record_to_json
 from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
+from supervisor.core.periodic import next_deadline
 from supervisor.core.policy import decide
-from supervisor.intake import Intake
-from supervisor.store import ActionState, Actor, BlameOutcome, EventSource
+from supervisor.jobtable import JobTable
+from supervisor.store import ActionState, BlameOutcome, EventSource, Store
 
 log = logging.getLogger("resurgo.supervisor")
 
@@ -48,25 +51,37 @@ log = logging.getLogger("resurgo.supervisor")
 DEADLINE_SLACK_S = 0.01
 
 
-class Deciding(Intake):
-    """The decision task over the job table; the daemon starts :meth:`_decide_loop`."""
+class Deciding:
+    """The decision task over the job table; the daemon starts :meth:`loop`."""
 
-    cluster: ClusterView
-    _queue: asyncio.Queue[_Item]
-    # Set by the first poll that read the nodes: no decision is taken before.
-    _cluster_known: asyncio.Event
+    def __init__(
+        self,
+        jobs: JobTable,
+        store: Store,
+        executor: Executor,
+        cluster: Cluster,
+        policy: Policy,
+        clock: Callable[[], float],
+    ) -> None:
+        self.jobs = jobs
+        self.store = store
+        self.executor = executor
+        self.cluster = cluster
+        self.policy = policy
+        self.clock = clock
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
 
-    def _act(self, job_id: str, intents: tuple[Intent, ...]) -> None:
+    def act(self, job_id: str, intents: tuple[Intent, ...]) -> None:
         """Have the decision task plan and run intents decided outside the core."""
-        self._queue.put_nowait(_Act(job_id, intents))
+        self.queue.put_nowait(_Act(job_id, intents))
 
-    def _sighted(self, job_id: str, observation: SlurmJobSeen, read_s: float) -> None:
+    def sighted(self, job_id: str, observation: SlurmJobSeen, read_s: float) -> None:
         """Hand the decision task what a poll that began at ``read_s`` saw of the job."""
-        self._queue.put_nowait(_Sighting(job_id, observation, read_s))
+        self.queue.put_nowait(_Sighting(job_id, observation, read_s))
 
-    async def _ask_reconcile(self) -> None:
-        # The executor is used by the decision task alone: it runs the reconcile.
-        self._queue.put_nowait(_RECONCILE)
+    async def ask_reconcile(self) -> None:
+        """Have the decision task run the executor's reconcile (it alone uses the executor)."""
+        self.queue.put_nowait(_RECONCILE)
 
     async def reconcile(self) -> None:
         """Finish unfinished actions (after a restart, or after Slurm was unreachable)."""
@@ -80,7 +95,7 @@ class Deciding(Intake):
         finished actions reported (a validated checkpoint), which the previous
         daemon may have died before deciding on.
         """
-        for job_id, job in list(self.jobs.items()):
+        for job_id, job in self.jobs.items():
             if job.record.state.terminal:
                 continue
             decisions = [d for d in self.store.decisions_for(job_id) if d.detail.get("actions")]
@@ -108,7 +123,7 @@ class Deciding(Intake):
         rank that finished). Reports of earlier launches stay undecided, and
         stragglers are measured again at the next check instead.
         """
-        for job_id, job in list(self.jobs.items()):
+        for job_id, job in self.jobs.items():
             if job.record.state.terminal:
                 continue
             named = {row.event_id for row in self.store.decisions_for(job_id) if row.event_id}
@@ -121,17 +136,19 @@ class Deciding(Intake):
                     EventKind(row.kind), job_id, row.node or "", row.event_id,
                     row.agent_seq or 0, row.time_s, row.payload,
                 )  # fmt: skip
-                if self._current(job, event.incarnation):
+                if job.current(event.incarnation):
                     await self.apply(job_id, from_event(event), row.event_id)
 
-    def _enqueue(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
-        self._queue.put_nowait((job_id, observation, ref))
+    def enqueue(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
+        """Have ``observation`` decided on, after everything queued before it."""
+        self.queue.put_nowait((job_id, observation, ref))
 
-    async def _decide_loop(self) -> None:
+    async def loop(self) -> None:
+        """The decision task: the start steps once Slurm answered, then the queue forever."""
         # Deciding needs the cluster view (usable, idle and drained nodes): a
         # relaunch decided on an empty view would requeue the job with the few
         # nodes it still holds. Until Slurm answers once, observations wait.
-        await self._cluster_known.wait()
+        await self.cluster.known.wait()
         for start_step in (self.reconcile, self.resume_recoveries, self.replay_undecided):
             try:
                 await start_step()
@@ -139,12 +156,12 @@ class Deciding(Intake):
                 # The periodic reconcile finishes what this left unfinished.
                 log.exception("%s at start failed; continuing", start_step.__name__)
         while True:
-            await self._handle(await self._queue.get())
+            await self._handle(await self.queue.get())
 
     async def settle(self) -> None:
         """Handle everything queued so far (the decision task's work, run to empty)."""
-        while not self._queue.empty():
-            await self._handle(self._queue.get_nowait())
+        while not self.queue.empty():
+            await self._handle(self.queue.get_nowait())
 
     async def _handle(self, item: _Item) -> None:
         try:
@@ -176,9 +193,9 @@ class Deciding(Intake):
             return
         before = job.record
         now = self.clock()
-        decision = decide(before, observation, now, self.policy, self.cluster)
+        decision = decide(before, observation, now, self.policy, self.cluster.view)
         if set(decision.record.blamed_nodes) - set(before.blamed_nodes):
-            decision = decide(before, observation, now, self.policy, self.fresh_cluster(now))
+            decision = decide(before, observation, now, self.policy, self.cluster.fresh(now))
         after = decision.record
         if after == before and not decision.intents:
             return
@@ -193,61 +210,15 @@ class Deciding(Intake):
         for seen in await self.executor.execute(job_id, decision.intents, now):
             await self.apply(job_id, seen)
 
-    def _drains_counted(self, now: float) -> int:
-        """Resurgo's drains of the last hour, done or decided and not done yet (in
-        observe-only mode, those it would have done count as done)."""
-        done = len(self.store.drains_since(now - 3600, by=Actor.SUPERVISOR))
-        if self.executor.observe_only:
-            done += self.store.observed_count(KIND_OF[DrainNode], now - 3600)
-        return done + self.store.unfinished_count(KIND_OF[DrainNode])
-
-    def blamed(self, view: ClusterView, now: float) -> ClusterView:
-        """``view`` with the store's blames, in one read: (node, job) of those within the
-        storm brake's window, (user, node) of those within the lemon window, and per
-        user the nodes drained or ticketed for their jobs within the hour."""
-        storm_since = now - self.policy.storm_window_s
-        lemon_since = now - self.policy.lemon_window_s
-        hour_since = now - 3600
-        rows = self.store.blames_since(min(storm_since, lemon_since, hour_since))
-        acts = Counter(
-            b.slurm_user
-            for b in rows
-            if b.slurm_user and b.blamed_s >= hour_since and b.outcome in _ACTED
-        )
-        return replace(
-            view,
-            recent_blames=tuple((b.node, b.job_id) for b in rows if b.blamed_s >= storm_since),
-            user_blames=tuple(
-                (b.slurm_user, b.node) for b in rows if b.slurm_user and b.blamed_s >= lemon_since
-            ),
-            user_acts=tuple(sorted(acts.items())),
-        )
-
-    def fresh_cluster(self, now: float) -> ClusterView:
-        """The cluster view with the store's drain count and blames as of now.
-
-        A decision that blames a node is taken again on this: the view of the
-        last poll does not hold what the decisions since then planned, and
-        faults of several jobs decided between two polls would each take the
-        hourly share's last drain, or miss a storm.
-        """
-        counted = replace(self.cluster, drains_last_hour=self._drains_counted(now))
-        self.cluster = self.blamed(counted, now)
-        return self.cluster
-
     def _wake_at_deadline(self, job_id: str, record: JobRecord, now: float) -> None:
         """A Tick for ``record``'s next deadline (the end of an evidence window, of a
         backoff) at that moment: the periodic tick alone releases it up to ``tick_s``
         late, on the way from the fault to the relaunch. An early or extra Tick
         decides nothing."""
-        pending = record.recovery
-        if record.state is not JobState.RECOVERING or pending is None:
-            return
-        due = (pending.evidence_until_s, record.not_before_s)
-        later = [at for at in due if at is not None and at > now]
-        if later:
-            delay_s = min(later) - now + DEADLINE_SLACK_S
-            asyncio.get_running_loop().call_later(delay_s, self._enqueue, job_id, Tick())
+        due_s = next_deadline(record, now)
+        if due_s is not None:
+            delay_s = due_s - now + DEADLINE_SLACK_S
+            asyncio.get_running_loop().call_later(delay_s, self.enqueue, job_id, Tick())
 
     def _persist(
         self, job_id: str, before: JobRecord, decision: Decision, ref: str | None, now: float
@@ -307,7 +278,8 @@ class Deciding(Intake):
         drained = {i.node for i in decision.intents if isinstance(i, DrainNode)}
         ticketed = {i.node for i in decision.intents if isinstance(i, DrainTicket)}
         checked = {i.node for i in decision.intents if isinstance(i, CheckNode)}
-        took_out = self.cluster.drained | self.cluster.down
+        cluster = self.cluster.view
+        took_out = cluster.drained | cluster.down
         user = decision.record.slurm_user
         observing = self.executor.observe_only
         for node in sorted(blamed):
@@ -319,13 +291,13 @@ class Deciding(Intake):
                 outcome = BlameOutcome.WOULD_CHECK if observing else BlameOutcome.CHECKING
             elif node in took_out:
                 outcome = BlameOutcome.SLURM
-            elif user_flagged(self.policy, self.cluster, user, node) is not None:
+            elif user_flagged(self.policy, cluster, user, node) is not None:
                 outcome = BlameOutcome.FLAGGED
-            elif drain_storm(self.policy, self.cluster, job_id, node) is not None:
+            elif drain_storm(self.policy, cluster, job_id, node) is not None:
                 outcome = BlameOutcome.STORM
-            elif self.cluster.may_drain and drains_allowed(self.policy, self.cluster) < 1:
+            elif cluster.may_drain and drains_allowed(self.policy, cluster) < 1:
                 outcome = BlameOutcome.EXCLUDED  # the hourly share was used
-            elif user_over_share(self.policy, self.cluster, user) is not None:
+            elif user_over_share(self.policy, cluster, user) is not None:
                 outcome = BlameOutcome.USER_SHARE
             else:
                 outcome = BlameOutcome.EXCLUDED
@@ -381,11 +353,6 @@ class _Sighting:
 
 
 _RECONCILE = _Reconcile()
-# Blames whose node was drained or ticketed (or would have been): a user's share.
-_ACTED = frozenset(
-    {BlameOutcome.DRAINED, BlameOutcome.TICKETED, BlameOutcome.WOULD_DRAIN,
-     BlameOutcome.WOULD_TICKET}
-)  # fmt: skip
 # A requeue touched the job once it started: started, done or failed.
 _REQUEUE_TOUCHED = (ActionState.STARTED, ActionState.DONE, ActionState.FAILED)
 _Item = tuple[str, Observation, str | None] | _Reconcile | _Act | _Sighting
@@ -402,6 +369,7 @@ _REPLAYED_KINDS = (
 
 
 def record_document(record: JobRecord) -> dict[str, Any]:
+    """The record as the store keeps it (its JSON document)."""
     document: dict[str, Any] = json.loads(record_to_json(record))
     return document
 

@@ -1,13 +1,17 @@
 """What the supervisor hears from a job's agents and driver: the API's :class:`JobDirectory`.
 
-:class:`Intake` is the half of :class:`supervisor.daemon.Supervisor` that the
-HTTP API calls (synchronously, on the event loop, so each answer is a few
-indexed store operations): it stores agents' events and heartbeats, turns
-the current attempt's events into observations for the decision task,
+:class:`Intake` is the daemon component the HTTP API calls (synchronously, on
+the event loop, so each answer is a few indexed store operations): it stores
+agents' events and heartbeats, turns the current attempt's events into
+observations for the decision task (its :class:`~supervisor.jobtable.Inbox`),
 records checkpoints and their save cost, checks resumes against the losses
 reported before the fault, hands commands to the right agents, and answers
-the in-job driver. The daemon half (polling, timers, deciding, acting) is in
-:mod:`supervisor.daemon`; both share the :class:`TrackedJob` table.
+the in-job driver. What to hold, when to fall back on the driver's word and
+what to tell the driver are the core's (:mod:`supervisor.core.hang_hold`,
+:mod:`supervisor.core.steps`, :mod:`supervisor.core.driver_answer`); the
+intake observes, asks, and acts on the answer. It shares the
+:class:`~supervisor.jobtable.JobTable` with the other components
+(:mod:`supervisor.daemon` wires them).
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from typing import Any
 
 from agent.checkpoint.format import SaveStats
 from agent.checkpoint.layouts import step_in_path
 from agent.wire import protocol
+from agent.wire.datagram import Phase
 from agent.wire.protocol import (
     Command,
     CommandKind,
@@ -37,125 +42,57 @@ from supervisor import manifests
 from supervisor.act.executor import ALERT_KIND, Executor
 from supervisor.act.reconcile import KIND_OF, command_attempt
 from supervisor.config import SupervisorConfig
+from supervisor.core import driver_answer, hang_hold
 from supervisor.core.anomaly import AnomalyAction
-from supervisor.core.goodput import Goodput
-from supervisor.core.intents import RelaunchStep, ValidateCheckpoints
-from supervisor.core.model import JobRecord, JobState
-from supervisor.core.observations import (
-    Observation,
-    SpareCheckFailed,
-    StepEnded,
-    StepProgress,
-    TimeLimitNear,
-    TrainingAnomaly,
-    from_event,
+from supervisor.core.decision import Policy
+from supervisor.core.driver_answer import (
+    Aside,
+    Checked,
+    DriverFacts,
+    PastRollback,
+    quarantine_wanted,
 )
-from supervisor.core.policy import Policy
+from supervisor.core.goodput import Goodput
+from supervisor.core.hang_hold import BusyRank, Heard
+from supervisor.core.intents import ValidateCheckpoints
+from supervisor.core.model import JobRecord
+from supervisor.core.observations import TrainingAnomaly, from_event
+from supervisor.core.steps import note_step_end, progress_news, step_end_fallback
 from supervisor.core.stragglers import ComputeSample
 from supervisor.core.verify import check_resume
 from supervisor.errors import StoreError
-from supervisor.jobs import JobSpec
+from supervisor.jobtable import Inbox, JobTable, SaveCost, TrackedJob
 from supervisor.store import Store
 from supervisor.training_watch import JobWatch
 from supervisor.views.timeline import CHECKPOINT_STATS_KIND, goodput_of
 
 log = logging.getLogger("resurgo.supervisor")
 
-# How long the driver is told to wait before asking again.
-DRIVER_RETRY_S = 2.0
-# While a recovery prepares the relaunch (evidence, checkpoint choice, backoff),
-# the driver asks again this soon, or right after the backoff ends: the relaunch
-# is planned within moments, and the driver is the one to start it.
-DRIVER_RECOVERY_RETRY_S = 0.2
-# Phases in which a rank may keep its peers waiting in a collective for long.
-_BUSY_PHASES = frozenset({"checkpoint", "eval"})
-# What the driver asks that observe-only mode answers as if no supervisor decided.
-_OBSERVED_PHASES = frozenset({DriverPhase.START, DriverPhase.RUNNING, DriverPhase.ENDED})
-
-
-@dataclass
-class TrackedJob:
-    """What the supervisor keeps in memory about one job (the store has the rest)."""
-
-    record: JobRecord
-    secret: bytes
-    spec: JobSpec
-    slurm_nodes: tuple[str, ...] = ()
-    last_seen: tuple[str, tuple[str, ...], int, str] | None = None
-    nodes_flagged: set[str] = field(default_factory=set)
-    # NOT_RESPONDING nodes not taken as lost while their agent calls in (logged once).
-    nodes_excused: set[str] = field(default_factory=set)
-    # agent incarnation -> the attempt it was launched for (from agent_started)
-    incarnations: dict[str, int] = field(default_factory=dict)
-    stopped: set[str] = field(default_factory=set)
-    progress_step: int | None = None
-    # When a current agent last called in (a heartbeat or events; None: not
-    # since this supervisor started), and (attempt, when first heard, exit
-    # code) of the driver's "the step ended".
-    last_report_s: float | None = None
-    step_ended: tuple[int | None, float, int | None] | None = None
-    # attempts whose resume verification has a result (checked once each)
-    verified: set[int] = field(default_factory=set)
-    # the most ranks one agent of the job listed in a heartbeat (bounds its ranks)
-    local_ranks_seen: int = 0
-    # (step, stall_s, write_s) of the newest checkpoint's save
-    save_cost: tuple[int, float, float] | None = None
-    interval_s: float | None = None  # the interval last pushed to the agents
-    # global rank -> its newest compute median (this attempt's agents only)
-    compute: dict[int, ComputeSample] = field(default_factory=dict)
-    # node -> (attempt, when, global rank, phase) of a rank in a checkpoint or an
-    # evaluation, from the node's newest heartbeat report; hang reports from other nodes
-    # held meanwhile ((attempt, highest hung step, event)), and since when no
-    # node has been busy while some are held.
-    busy: dict[str, tuple[int, float, int, str]] = field(default_factory=dict)
-    held_hangs: list[tuple[int, int, Event]] = field(default_factory=list)
-    idle_since_s: float | None = None
-    # node -> (attempt, when, gap since the one before) of its newest heartbeat
-    # report; hang reports not held that wait for a heartbeat from each of ``nodes``
-    # sent after them, until a deadline ((deadline, nodes, event)):
-    # :meth:`Intake._await_heartbeats`.
-    heard: dict[str, tuple[int, float, float | None]] = field(default_factory=dict)
-    unconfirmed: list[tuple[float, set[str], Event]] = field(default_factory=list)
-    # when the driver was last asked to health-check the idle spares (None: not yet)
-    spares_checked_s: float | None = None
-    # the training-health watch over the step reports (None: anomaly_action off)
-    watch: JobWatch | None = None
-    # checkpoint path -> (why the driver was last told to move it aside, whether it
-    # is valid and only past a rollback's point)
-    aside: dict[str, tuple[str, bool]] = field(default_factory=dict)
-    # (record nodes, Slurm's nodes, their union) as of the last allocation() call
-    _allocation: tuple[tuple[str, ...], tuple[str, ...], frozenset[str]] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
-
-    def allocation(self) -> frozenset[str]:
-        """The record's nodes and Slurm's newest view (a relaunch moves both).
-
-        Every request checks its node against it, so the set is built again only
-        when either tuple is replaced.
-        """
-        nodes, seen = self.record.nodes, self.slurm_nodes
-        cached = self._allocation
-        if cached is None or cached[0] is not nodes or cached[1] is not seen:
-            cached = (nodes, seen, frozenset(nodes) | frozenset(seen))
-            self._allocation = cached
-        return cached[2]
+# What a rank in these phases reports (heartbeat phase names, :class:`Phase`).
+_BUSY_PHASE_NAMES = frozenset(phase.value for phase in hang_hold.BUSY_PHASES)
 
 
 class Intake:
     """The API's :class:`~supervisor.api.JobDirectory` over the job table and the store."""
 
-    jobs: dict[str, TrackedJob]
-    store: Store
-    executor: Executor
-    config: SupervisorConfig
-    policy: Policy
-    clock: Callable[[], float]
-    manifest_reader: manifests.ManifestReader
-
-    def _enqueue(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
-        """Hand an observation to the decision task (the daemon provides it)."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        jobs: JobTable,
+        store: Store,
+        executor: Executor,
+        decisions: Inbox,
+        config: SupervisorConfig,
+        policy: Policy,
+        clock: Callable[[], float],
+    ) -> None:
+        self.jobs = jobs
+        self.store = store
+        self.executor = executor
+        self.decisions = decisions
+        self.config = config
+        self.policy = policy
+        self.clock = clock
+        self.manifest_reader = manifests.ManifestReader(self._take_save_stats)
 
     def secret(self, job_id: str) -> bytes | None:
         """The job's signing secret (None: not registered)."""
@@ -182,10 +119,6 @@ class Intake:
         per_node = max(record.procs_per_node, job.local_ranks_seen)
         return max(record.original_nodes, len(job.allocation())) * per_node, per_node
 
-    def _current(self, job: TrackedJob, incarnation: str) -> bool:
-        """Whether an agent incarnation belongs to the job's current attempt (or is unknown)."""
-        return job.incarnations.get(incarnation, job.record.attempt) >= job.record.attempt
-
     def accept_events(self, job_id: str, events: Sequence[Event]) -> Sequence[str]:
         """Store the batch; decide on the events of current agents."""
         now = self.clock()
@@ -194,7 +127,7 @@ class Intake:
         job = self.jobs[job_id]
         for event in events:
             incarnation = event.incarnation
-            if self._current(job, incarnation):
+            if job.current(incarnation):
                 job.last_report_s = now
             if event.kind is EventKind.AGENT_STARTED:
                 attempt = event.payload.get("attempt")
@@ -208,14 +141,14 @@ class Intake:
             if event.kind is EventKind.CHECKPOINT_COMMITTED:
                 self._note_checkpoint(job_id, job, event, now)
             if event.kind is EventKind.STEP_LOSSES:
-                attempt = job.incarnations.get(incarnation, job.record.attempt)
+                attempt = job.attempt_of(incarnation)
                 self.store.record_steps(
                     job_id, attempt, event.payload["global_rank"], event.payload["steps"], now
                 )
                 if attempt == job.record.attempt:
                     self._verify_resume(job_id, job, now)
                     self._watch_steps(job_id, job, event, now)
-            if not self._current(job, incarnation):
+            if not job.current(incarnation):
                 log.info(
                     "job %s: %s from %s of attempt %d kept, not decided on (attempt %d now)",
                     job_id, event.kind.value, event.node, job.incarnations[incarnation],
@@ -223,7 +156,7 @@ class Intake:
                 )  # fmt: skip
                 continue
             if event.kind is EventKind.HANG and (
-                self._hold_hang(job_id, job, event) or self._await_heartbeats(job, event, now)
+                self._hold_hang(job_id, job, event, now) or self._await_heartbeats(job, event, now)
             ):
                 continue
             if event.kind is EventKind.HANG:
@@ -232,7 +165,7 @@ class Intake:
                 # A script that raises on a NaN: its anomaly is the cause, decided first.
                 self._hand_anomaly(job_id, job.watch.due(now, force=True), now)
             if event.kind in _DECIDED_KINDS:
-                self._enqueue(job_id, from_event(event), event.event_id)
+                self.decisions.enqueue(job_id, from_event(event), event.event_id)
         return accepted
 
     def _keep_within_quota(self, job_id: str, batch: int, now: float) -> None:
@@ -283,73 +216,46 @@ class Intake:
             return
         log.warning("job %s: training anomaly: %s", job_id, found.detail)
         self.store.record_observation(job_id, "training_anomaly", asdict(found), now)
-        self._enqueue(job_id, found)
+        self.decisions.enqueue(job_id, found)
 
-    def _hold_hang(self, job_id: str, job: TrackedJob, event: Event) -> bool:
-        """Hold a hang report while a rank on another node saves or evaluates.
+    def settle_waits(self) -> None:
+        """Hand on what waited long enough: anomalies and hang reports (a tick)."""
+        self.settle_anomalies()
+        self.settle_hangs()
 
-        Ranks that wait in a collective for a rank-0-only ``torch.save`` or
-        evaluation look hung to their agents; the busy rank's own agent knows
-        better (phase grace) and reports it if it overruns. The held reports are
-        dropped once training goes on, and decided on when the busy phase ended
-        without progress (:meth:`_settle_held`).
-        """
-        others = self._busy_now(job, exclude=event.node)
-        if not others:
+    def _hold_hang(self, job_id: str, job: TrackedJob, event: Event, now: float) -> bool:
+        """Hold a hang report while a rank on another node saves or evaluates
+        (:func:`supervisor.core.hang_hold.hold`)."""
+        hold = hang_hold.hold(event, job.busy, job.record, now, self.config.lease_s)
+        if hold is None:
             return False
-        steps = [h.get("last_step") for h in event.payload.get("hung", ())]
-        top = max((step for step in steps if isinstance(step, int)), default=-1)
-        job.held_hangs.append((job.record.attempt, top, event))
+        job.held_hangs.append(hold.held)
         job.idle_since_s = None
-        node, (_, _, rank, phase) = sorted(others.items())[0]
         log.info(
             "job %s: hang report from %s held: rank %d on %s is in %s, its peers may wait for it",
-            job_id, event.node, rank, node, phase,
+            job_id, event.node, hold.busy.global_rank, hold.busy_node, hold.busy.phase.value,
         )  # fmt: skip
         return True
 
     def _await_heartbeats(self, job: TrackedJob, event: Event, now: float) -> bool:
-        """Wait with a hang report nobody is known busy for until each other node that
-        calls in has sent a heartbeat after it.
-
-        A rank-0-only save makes its peers' agents report a hang, and the saving
-        rank's own heartbeat says why; on a loaded machine that heartbeat may come
-        after the reports it explains. Deciding on the reports at once would start a
-        recovery (and blame a waiting node) that the next heartbeat would have
-        prevented. A node is waited for until twice its last gap between
-        heartbeats after its newest one (a silent node is not waited for long: its
-        silence may be the hang), a lease at most.
-        """
-        lease = self.config.lease_s
-        nodes, deadline = set(), now
-        for node, (attempt, when, gap) in job.heard.items():
-            if (
-                node != event.node
-                and node in job.record.nodes
-                and attempt == job.record.attempt
-                and now - when <= lease
-            ):
-                nodes.add(node)
-                deadline = max(deadline, when + (lease if gap is None else 2 * gap + 1.0))
-        if not nodes or deadline <= now:
+        """Wait with a hang report until the other nodes' next heartbeats
+        (:func:`supervisor.core.hang_hold.await_heartbeats`)."""
+        awaited = hang_hold.await_heartbeats(event, job.heard, job.record, now, self.config.lease_s)
+        if awaited is None:
             return False
-        job.unconfirmed.append((min(deadline, now + lease), nodes, event))
+        job.unconfirmed.append(awaited)
         return True
 
     def _confirm_hangs(self, job_id: str, job: TrackedJob, node: str | None, now: float) -> None:
         """Note ``node``'s heartbeat against the waiting hang reports; decide on those
         heard from every node (or past their deadline): held when a node is busy now."""
-        waiting: list[tuple[float, set[str], Event]] = []
-        for deadline, nodes, event in job.unconfirmed:
-            nodes.discard(node or "")
-            if nodes and now < deadline:
-                waiting.append((deadline, nodes, event))
-            elif not self._current(job, event.incarnation):
+        job.unconfirmed, due = hang_hold.confirm(job.unconfirmed, node, now)
+        for event in due:
+            if not job.current(event.incarnation):
                 continue  # a report of an attempt that has ended meanwhile
-            elif not self._hold_hang(job_id, job, event):
+            if not self._hold_hang(job_id, job, event, now):
                 self._release_held(job_id, job)
-                self._enqueue(job_id, from_event(event), event.event_id)
-        job.unconfirmed = waiting
+                self.decisions.enqueue(job_id, from_event(event), event.event_id)
 
     def settle_hangs(self) -> None:
         """Decide on the hang reports that waited a lease for heartbeats (a tick)."""
@@ -358,68 +264,32 @@ class Intake:
             if job.unconfirmed:
                 self._confirm_hangs(job_id, job, None, now)
 
-    def _busy_now(
-        self, job: TrackedJob, exclude: str | None = None
-    ) -> dict[str, tuple[int, float, int, str]]:
-        """Busy nodes of the current attempt still in the job, heard from within a lease."""
-        now = self.clock()
-        return {
-            node: busy
-            for node, busy in job.busy.items()
-            if node != exclude
-            and node in job.record.nodes
-            and busy[0] == job.record.attempt
-            and now - busy[1] <= self.config.lease_s
-        }
-
     def _release_held(self, job_id: str, job: TrackedJob) -> None:
         """Decide on the held hang reports of the current attempt now."""
         held, job.held_hangs, job.idle_since_s = job.held_hangs, [], None
-        for attempt, _, event in held:
-            if attempt == job.record.attempt:
-                self._enqueue(job_id, from_event(event), event.event_id)
+        for event in hang_hold.released(held, job.record):
+            self.decisions.enqueue(job_id, from_event(event), event.event_id)
 
     def _settle_held(self, job_id: str, job: TrackedJob, now: float, step: int) -> None:
         """After a heartbeat report: drop held hang reports once a rank stepped past them;
-        decide on them once no node has been busy for a lease without progress."""
-        if not job.held_hangs:
+        decide on them once no node has been busy for a while without progress."""
+        settled = hang_hold.settle(
+            job.held_hangs, step, job.busy, job.record, job.idle_since_s, now,
+            self.config.lease_s,
+        )  # fmt: skip
+        if settled.verdict is hang_hold.Settle.RELEASE:
+            self._release_held(job_id, job)
             return
-        if step > max(top for _, top, _ in job.held_hangs):
-            nodes = ", ".join(sorted({event.node for _, _, event in job.held_hangs}))
-            why = f"hang reports from {nodes} were waits: training went on at step {step}"
-            log.info("job %s: %s", job_id, why)
+        if settled.verdict is hang_hold.Settle.DROP:
+            log.info("job %s: %s", job_id, settled.why)
             # Named in a decision, they are not decided on again after a restart.
             state = job.record.state.value
             self.store.record_decision(
-                job_id, job.held_hangs[-1][2].event_id, state, state, "none",
-                {"explanation": why, "attempt": job.record.attempt, "actions": []}, now,
+                job_id, job.held_hangs[-1].event.event_id, state, state, "none",
+                {"explanation": settled.why, "attempt": job.record.attempt, "actions": []}, now,
             )  # fmt: skip
-            job.held_hangs, job.idle_since_s = [], None
-            return
-        if self._busy_now(job):
-            job.idle_since_s = None
-            return
-        if job.idle_since_s is None:
-            job.idle_since_s = now
-        elif now - job.idle_since_s >= self._held_patience_s(job):
-            self._release_held(job_id, job)
-
-    def _held_patience_s(self, job: TrackedJob) -> float:
-        """How long held hang reports wait for progress once nobody is busy any more.
-
-        As long as the agents' own hang timeout that made them report (the
-        ``timeout_s`` of each hung rank), and at least a lease: the ranks that
-        waited for the busy one must get as long to show progress as they got to
-        show it before, or a loaded machine's slow first step after a 60 s
-        evaluation turns into a restart.
-        """
-        timeouts = [
-            float(hung["timeout_s"])
-            for _, _, event in job.held_hangs
-            for hung in event.payload.get("hung", ())
-            if isinstance(hung.get("timeout_s"), int | float)
-        ]
-        return max([self.config.lease_s, *timeouts])
+            job.held_hangs = []
+        job.idle_since_s = settled.idle_since_s
 
     async def refuse_events(self, job_id: str, events: Sequence[Event]) -> str | None:
         """Why the batch cannot be taken: a committed checkpoint outside the job's root.
@@ -445,16 +315,16 @@ class Intake:
         """Record the commit, and have its save cost read from the manifest (off the loop)."""
         step, path = int(event.payload["step"]), str(event.payload["path"])
         self.store.record_checkpoint(job_id, step, path, now)
-        if job.save_cost is not None and job.save_cost[0] >= step:
+        if job.save_cost is not None and job.save_cost.step >= step:
             return
         self.manifest_reader.request(job_id, job.spec.ckpt_root, step, path)
 
     def _take_save_stats(self, job_id: str, step: int, stats: SaveStats) -> None:
         """A manifest's save statistics, read by :attr:`manifest_reader`: the job's save cost."""
         job = self.jobs.get(job_id)
-        if job is None or (job.save_cost is not None and job.save_cost[0] >= step):
+        if job is None or (job.save_cost is not None and job.save_cost.step >= step):
             return
-        job.save_cost = (step, stats.stall_s, stats.write_s)
+        job.save_cost = SaveCost(step, stats.stall_s, stats.write_s)
         self.store.record_observation(
             job_id,
             CHECKPOINT_STATS_KIND,
@@ -521,7 +391,7 @@ class Intake:
         incarnation = report.agent_incarnation
         if report.attempt is not None:
             job.incarnations.setdefault(incarnation, report.attempt)
-        if incarnation in job.stopped or not self._current(job, incarnation):
+        if incarnation in job.stopped or not job.current(incarnation):
             return
         now = self.clock()
         job.last_report_s = now
@@ -541,28 +411,28 @@ class Intake:
                 job.compute[rank.global_rank] = ComputeSample(
                     report.node, rank.global_rank, rank.compute_p50_s, rank.compute_observed
                 )
-        attempt = job.incarnations.get(incarnation, job.record.attempt)
-        busy = [(r.global_rank, r.phase) for r in report.ranks if r.phase in _BUSY_PHASES]
+        attempt = job.attempt_of(incarnation)
+        busy = [(r.global_rank, str(r.phase)) for r in report.ranks if r.phase in _BUSY_PHASE_NAMES]
         if busy:
             busy_rank, phase = min(busy)
-            job.busy[report.node] = (attempt, now, busy_rank, str(phase))
+            job.busy[report.node] = BusyRank(attempt, now, busy_rank, Phase(phase))
         else:
             job.busy.pop(report.node, None)
         before = job.heard.get(report.node)
-        gap = now - before[1] if before is not None and before[0] == attempt else None
-        job.heard[report.node] = (attempt, now, gap)
+        gap = now - before.seen_s if before is not None and before.attempt == attempt else None
+        job.heard[report.node] = Heard(attempt, now, gap)
         if job.unconfirmed:
             self._confirm_hangs(job_id, job, report.node, now)
         # A rank still loading (phase init) reports step 0: not the job's progress.
-        steps = [r.step for r in report.ranks if r.step is not None and r.phase != "init"]
+        steps = [r.step for r in report.ranks if r.step is not None and r.phase != Phase.INIT.value]
         if not steps:
             return
         step = min(steps)
         self._settle_held(job_id, job, now, step)
         self.store.record_progress(job_id, step, now)
-        waiting = job.record.state in (JobState.STARTING, JobState.RELAUNCHING)
-        if waiting and step != job.progress_step:
-            self._enqueue(job_id, StepProgress(step))
+        news = progress_news(job.record, step, job.progress_step)
+        if news is not None:
+            self.decisions.enqueue(job_id, news)
         job.progress_step = step
 
     def commands_for(self, job_id: str, node: str, incarnation: str) -> Sequence[Command]:
@@ -618,158 +488,79 @@ class Intake:
         }
 
     async def driver(self, job_id: str, request: DriverRequest) -> DriverAnswer:
-        """Tell the in-job driver what to do (see :class:`agent.wire.protocol.DriverPhase`)."""
+        """Tell the in-job driver what to do (:func:`supervisor.core.driver_answer.answer`)."""
         job = self.jobs[job_id]
         if request.quarantined:
             self._note_quarantined(job_id, job, request)
+        # Acting on the driver's report: the relaunch action is the executor's to finish.
         if request.phase is DriverPhase.RELAUNCHED:
-            assert request.action_id is not None and request.ok is not None
-            now = self.clock()
-            try:
-                seen = self.executor.confirm_relaunch(
-                    job_id, request.action_id, request.ok, request.reason, now
-                )
-            except StoreError as error:
-                return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason=str(error))
-            self._enqueue(job_id, seen)
-            return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason="confirmed",
-                                retry_after_s=0.0)  # fmt: skip
-        record = job.record
-        if self.config.observe_only and request.phase in _OBSERVED_PHASES:
-            return self._observing(job_id, job, request)
-        if record.state.terminal:
-            action = DriverAction.DONE if record.state is JobState.COMPLETED else DriverAction.STOP
-            return DriverAnswer(
-                action, record.attempt, reason=record.final_reason or record.state.value
-            )
-        if request.phase is DriverPhase.TIME_LIMIT:
-            stopped = request.exit_code is not None
-            self._enqueue(job_id, TimeLimitNear(request.time_left_s, stopped, request.attempt))
-            return DriverAnswer(
-                DriverAction.WAIT,
-                record.attempt,
-                reason="requeueing for the time limit" if stopped else "planned stop noted",
-                retry_after_s=DRIVER_RETRY_S,
-            )
-        if request.phase is DriverPhase.SPARE_CHECK:
-            return self._spares_checked(job_id, request)
-        if request.phase is DriverPhase.RUNNING:
-            pending = self.executor.pending_relaunch(job_id)
-            if pending is not None and pending.attempt > (request.attempt or 0):
-                return self._steered(job, record, _relaunch_answer(pending, record))
-            return DriverAnswer(
-                DriverAction.WAIT, record.attempt, reason="carry on",
-                check_spares=self._spares_due(job, request.attempt),
-            )  # fmt: skip
-        if request.phase is DriverPhase.ENDED:
-            self._note_step_ended(job_id, job, request)
-        pending = self.executor.pending_relaunch(job_id)
-        if pending is not None:
-            return self._steered(job, record, _relaunch_answer(pending, record))
-        if request.phase is DriverPhase.START:
-            recovery = record.recovery
-            if recovery is not None and not recovery.validated:
-                return DriverAnswer(
-                    DriverAction.WAIT, record.attempt, reason="choosing a checkpoint",
-                    retry_after_s=self._retry_s(record),
-                )  # fmt: skip
-            if record.spares_wanted and not record.nodes:
-                # Which nodes are the world and which the spares is decided on
-                # Slurm's view of the allocation: the next poll brings it.
-                return DriverAnswer(
-                    DriverAction.WAIT, record.attempt, reason="waiting for Slurm's allocation",
-                    retry_after_s=DRIVER_RETRY_S,
-                )  # fmt: skip
-            spare = record.spare_nodes
-            spares = f", {len(spare)} spare(s) kept ready" if spare else ""
-            launch = DriverAnswer(
-                DriverAction.LAUNCH,
-                record.attempt,
-                nodes=record.nodes if record.spare_nodes else None,
-                resume_from=recovery.resume_from if recovery is not None else None,
-                skip_samples=record.skipped_samples,
-                reason=f"launch on the current allocation{spares}",
-            )
-            return self._steered(job, record, launch)
-        return DriverAnswer(
-            DriverAction.WAIT,
-            record.attempt,
-            reason=f"job is {record.state.value}",
-            retry_after_s=self._retry_s(record),
+            return self._confirm_relaunch(job_id, job, request)
+        now, record = self.clock(), job.record
+        facts = DriverFacts(
+            record,
+            pending=self.executor.pending_relaunch(job_id),
+            observe_only=self.config.observe_only,
+            spares_checked_s=job.spares_checked_s,
+            validation=self._validation(record) if quarantine_wanted(record) else (),
         )
+        reply = driver_answer.answer(facts, request, now, self.policy)
+        if reply.note:
+            log.info("job %s: %s", job_id, reply.note)
+        for seen in reply.observations:
+            self.decisions.enqueue(job_id, seen)
+        if reply.step_ended:
+            self._note_step_ended(job_id, job, request, now)
+        if reply.spares_checked:
+            job.spares_checked_s = now
+        if reply.aside is not None:
+            job.aside = dict(reply.aside)
+        return reply.answer
 
-    def _retry_s(self, record: JobRecord) -> float:
-        """When the driver should ask again: soon while a recovery prepares the relaunch
-        (right after its backoff, when one runs), else :data:`DRIVER_RETRY_S`."""
-        if record.state is not JobState.RECOVERING:
-            return DRIVER_RETRY_S
-        wait_s = DRIVER_RECOVERY_RETRY_S
-        if record.not_before_s is not None:
-            wait_s = max(wait_s, record.not_before_s - self.clock() + DRIVER_RECOVERY_RETRY_S / 4)
-        return min(wait_s, DRIVER_RETRY_S)
-
-    def _spares_due(self, job: TrackedJob, attempt: int | None) -> tuple[str, ...]:
-        """The idle spares the driver should health-check now: all of them, once the
-        policy's interval passed since the last check (at once, the first time), while
-        the current attempt runs."""
-        record, interval_s = job.record, self.policy.spare_check_interval_s
-        if not record.spare_nodes or not interval_s or attempt != record.attempt:
-            return ()
-        if record.state is not JobState.RUNNING:
-            return ()
+    def _confirm_relaunch(
+        self, job_id: str, job: TrackedJob, request: DriverRequest
+    ) -> DriverAnswer:
+        """The driver started (or failed to start) the relaunch: finish its action."""
+        assert request.action_id is not None and request.ok is not None
         now = self.clock()
-        if job.spares_checked_s is not None and now - job.spares_checked_s < interval_s:
-            return ()
-        job.spares_checked_s = now
-        return record.spare_nodes
+        try:
+            seen = self.executor.confirm_relaunch(
+                job_id, request.action_id, request.ok, request.reason, now
+            )
+        except StoreError as error:
+            return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason=str(error))
+        self.decisions.enqueue(job_id, seen)
+        return DriverAnswer(DriverAction.WAIT, job.record.attempt, reason="confirmed",
+                            retry_after_s=0.0)  # fmt: skip
 
-    def _steered(self, job: TrackedJob, record: JobRecord, launch: DriverAnswer) -> DriverAnswer:
-        """``launch`` with what the driver moves aside first (see :meth:`_to_quarantine`);
-        after a rollback, also every checkpoint newer than the one it resumes from that the
-        driver finds then (a save the stopped run made after the validation)."""
-        recovery = record.recovery
-        after = None
-        if recovery is not None and recovery.validated and recovery.resume_before is not None:
-            after = recovery.resume_step
-        return replace(launch, quarantine=self._to_quarantine(job, record), aside_after_step=after)
-
-    def _to_quarantine(self, job: TrackedJob, record: JobRecord) -> tuple[tuple[str, str], ...]:
-        """The checkpoints newer than the one this recovery resumes from, and why: those it
-        rejected, and, for a rollback past a training anomaly, those past its point.
-
-        The driver moves them aside (:mod:`agent.checkpoint.quarantine`), so a
-        script that resumes by its framework's own "latest" finds the chosen one.
-        """
-        recovery = record.recovery
-        if recovery is None or not recovery.validated:
-            return ()
-        rollback = recovery.resume_before is not None
-        if not recovery.rejected and not rollback:
-            return ()
-        reasons: dict[str, str] = {}
+    def _validation(self, record: JobRecord) -> tuple[Checked | PastRollback, ...]:
+        """What the current attempt's checkpoint validation found, from the action log."""
+        rollback = record.recovery is not None and record.recovery.resume_before is not None
+        found: list[Checked | PastRollback] = []
         for row in self.store.list_actions(record.job_id):
             if (
                 row.kind != KIND_OF[ValidateCheckpoints]
                 or row.args.get("attempt") != record.attempt
             ):
                 continue
-            for checked in (row.result or {}).get("checked", []):
-                if checked.get("path") and not checked.get("valid"):
-                    reasons[checked["path"]] = checked.get("reason") or "failed validation"
-            for past in (row.result or {}).get("past_rollback", []) if rollback else ():
-                reasons[past["path"]] = _past_the_rollback(past["step"], record)
-        moved = dict.fromkeys(recovery.rejected)
-        moved.update(dict.fromkeys(path for path in reasons if path not in recovery.rejected))
-        aside = tuple((path, reasons.get(path, "failed validation")) for path in moved)
-        job.aside = {path: (why, path not in recovery.rejected) for path, why in aside}
-        return aside
+            result = row.result or {}
+            for checked in result.get("checked", []):
+                found.append(
+                    Checked(
+                        checked.get("path") or "",
+                        bool(checked.get("valid")),
+                        checked.get("reason") or "",
+                    )
+                )
+            for past in result.get("past_rollback", []) if rollback else ():
+                found.append(PastRollback(past["path"], past["step"]))
+        return tuple(found)
 
     def _note_quarantined(self, job_id: str, job: TrackedJob, request: DriverRequest) -> None:
         """Record each checkpoint the driver moved into quarantine as an event of the job."""
         now = self.clock()
         root = job.spec.ckpt_root
         for source, target in request.quarantined:
-            why, past = job.aside.get(os.path.join(root, source), ("failed validation", False))
+            why, past = job.aside.get(os.path.join(root, source), _UNKNOWN_ASIDE)
             payload = {"checkpoint": source, "moved_to": target, "attempt": request.attempt,
                        "reason": why, "past_rollback": past}  # fmt: skip
             self.store.record_observation(
@@ -782,115 +573,35 @@ class Intake:
                 job_id, source, target, root, why, root, source,
             )  # fmt: skip
 
-    def _observing(self, job_id: str, job: TrackedJob, request: DriverRequest) -> DriverAnswer:
-        """Observe-only: the driver runs the job as it would run without Resurgo. It
-        launches at once, as the job was submitted (no checkpoint chosen for it, none
-        moved aside), its step runs on whatever was decided (no stop, no relaunch, no
-        spare check), and the step's end is the job's."""
-        record = job.record
-        if request.phase is DriverPhase.START and record.spares_wanted and not record.nodes:
-            return DriverAnswer(
-                DriverAction.WAIT, record.attempt, reason="waiting for Slurm's allocation",
-                retry_after_s=DRIVER_RETRY_S,
-            )  # fmt: skip
-        if request.phase is DriverPhase.START:
-            return DriverAnswer(
-                DriverAction.LAUNCH, record.attempt,
-                nodes=record.nodes if record.spare_nodes else None,
-                reason="launch on the current allocation (observe-only)",
-            )  # fmt: skip
-        if request.phase is DriverPhase.RUNNING:
-            return DriverAnswer(DriverAction.WAIT, record.attempt, reason="carry on (observe-only)")
-        self._note_step_ended(job_id, job, request)
-        if request.exit_code == 0:
-            return DriverAnswer(DriverAction.DONE, record.attempt, reason="the step completed")
-        why = (
-            f"observe-only: the step ended with exit code {request.exit_code}, and the job "
-            f"ends as it would without Resurgo (`resurgo events {job_id}` shows what it "
-            "would have done)"
-        )
-        return DriverAnswer(DriverAction.STOP, record.attempt, reason=why)
-
-    def _spares_checked(self, job_id: str, request: DriverRequest) -> DriverAnswer:
-        """The driver's spare check: a spare that failed is decided on (released)."""
-        record = self.jobs[job_id].record
-        failed = dict(request.unhealthy)
-        healthy = [node for node in request.checked if node not in failed]
-        log.info(
-            "job %s: idle spares checked: %s healthy%s", job_id, ",".join(healthy) or "none",
-            "".join(f"; {node} failed: {detail}" for node, detail in failed.items()),
-        )  # fmt: skip
-        for node, detail in failed.items():
-            self._enqueue(job_id, SpareCheckFailed(node, detail))
-        return DriverAnswer(DriverAction.WAIT, record.attempt, reason="spare check noted")
-
-    def _note_step_ended(self, job_id: str, job: TrackedJob, request: DriverRequest) -> None:
-        """The driver's "the attempt's step ended": decided on when its agents say nothing.
-
-        The agents' reports name the culprit and come first when they can. The
-        driver outlives them: when a step failed and, a lease after the driver
-        first said so, no agent of the attempt has called in (their reports
-        were lost with them), its word opens the recovery (:class:`StepEnded`).
-        Not for a clean end, an earlier attempt, a stop the supervisor ordered
-        (the job is recovering then, or stopping for its time limit), or an
-        attempt whose agents stopped cleanly: they reported the end themselves.
-        """
-        record, now = job.record, self.clock()
-        attempt = request.attempt
-        if job.step_ended is None or job.step_ended[0] != attempt:
-            job.step_ended = (attempt, now, request.exit_code)
+    def _note_step_ended(
+        self, job_id: str, job: TrackedJob, request: DriverRequest, now: float
+    ) -> None:
+        """The driver's "the attempt's step ended": recorded once, and decided on when its
+        agents say nothing (:func:`supervisor.core.steps.step_end_fallback`)."""
+        note, first = note_step_end(job.step_ended, request.attempt, request.exit_code, now)
+        job.step_ended = note
+        if first:
             self.store.record_observation(
                 job_id,
                 "driver_step_ended",
-                {"exit_code": request.exit_code, "attempt": attempt},
+                {"exit_code": request.exit_code, "attempt": request.attempt},
                 now,
             )
-        elif job.step_ended[2] is None and request.exit_code is not None:
-            job.step_ended = (*job.step_ended[:2], request.exit_code)
-        first_s, code = job.step_ended[1], job.step_ended[2]
-        if (
-            code in (None, 0)
-            or attempt != record.attempt
-            or record.state not in (JobState.RUNNING, JobState.STARTING)
-            or record.time_limit_end_s is not None
-            or any(job.incarnations.get(agent) == attempt for agent in job.stopped)
-        ):
+        stopped = {job.incarnations.get(agent) for agent in job.stopped}
+        seen = step_end_fallback(
+            note, job.record, now, self.config.lease_s, job.last_report_s, stopped
+        )
+        if seen is None:
             return
-        if now - first_s < self.config.lease_s:
-            return
-        if job.last_report_s is not None and job.last_report_s >= first_s:
-            return  # its agents still talk: theirs is the word
         log.warning(
             "job %s: the driver saw attempt %s's step end (exit %s) %.0f s ago and no agent "
             "has reported since: recovering on the driver's word",
-            job_id, attempt, code, now - first_s,
+            job_id, note.attempt, note.exit_code, now - note.first_s,
         )  # fmt: skip
-        self._enqueue(job_id, StepEnded(attempt, code))
+        self.decisions.enqueue(job_id, seen)
 
 
-def _past_the_rollback(step: int, record: JobRecord) -> str:
-    """Why a checkpoint of ``step`` is moved aside by a rollback."""
-    acted = [a for a in record.anomalies if a.action in ("rollback", "drain")]
-    anomaly = acted[-1] if acted else None
-    onset = "" if anomaly is None else f" at step {anomaly.onset_step} ({anomaly.kind})"
-    resumed = record.recovery.resume_step if record.recovery is not None else None
-    return (
-        f"step {step} lies past the rollback to step {resumed} after the training "
-        f"anomaly{onset}: the run resumes before it"
-    )
-
-
-def _relaunch_answer(pending: RelaunchStep, record: JobRecord) -> DriverAnswer:
-    return DriverAnswer(
-        DriverAction.RELAUNCH,
-        pending.attempt,
-        nodes=pending.nodes,
-        resume_from=pending.resume_from,
-        # Every range skipped so far: a resume from before one skips it again.
-        skip_samples=record.skipped_samples,
-        action_id=pending.action_id,
-        reason=f"relaunch on {len(pending.nodes)} node(s)",
-    )
+_UNKNOWN_ASIDE = Aside("failed validation", False)
 
 
 _DECIDED_KINDS = frozenset(

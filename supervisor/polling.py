@@ -16,41 +16,65 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from agent.wire.errors import ConfigError
 from supervisor import jobs as jobfiles
 from supervisor.act.node_checks import Ended, NodeCheckRunner
 from supervisor.act.reconcile import KIND_OF
+from supervisor.cluster import Cluster
+from supervisor.config import SupervisorConfig
+from supervisor.core.decision import Policy
 from supervisor.core.drains import after_check, drain_limit
 from supervisor.core.intents import ResumeNode
+from supervisor.core.leases import judge_nodes
 from supervisor.core.model import ClusterView, new_record
 from supervisor.core.observations import SlurmJobSeen, SlurmNodeSeen
 from supervisor.core.policy import permits
 from supervisor.core.probation import avoid_list, held_by_checks, lifted_outside, ticketed
-from supervisor.deciding import Deciding, record_document
+from supervisor.deciding import record_document
 from supervisor.errors import SlurmError
-from supervisor.intake import TrackedJob
+from supervisor.jobtable import DecisionQueue, JobTable, SlurmSighting, TrackedJob
 from supervisor.slurm import Slurm, rights
 from supervisor.slurm.parse import NodeState, SlurmJob, SlurmNode
 from supervisor.slurm.rights import Rights
-from supervisor.store import Actor, CheckResult, TicketRow
+from supervisor.store import Actor, CheckResult, Store, TicketRow
 
 log = logging.getLogger("resurgo.supervisor")
 
 
-class SlurmWatch(Deciding):
+class SlurmWatch:
     """Job registration and Slurm polling; what they see goes to the decision task."""
 
-    slurm: Slurm
-    node_checks: NodeCheckRunner
-    # May this supervisor drain? Asked of Slurm at the first poll that reads the nodes.
-    rights: Rights | None
-    # The nodes the user's next jobs should leave out, and why (see avoid_list).
-    avoid: list[dict[str, Any]]
-    _bad_job_dirs: set[str]
-    # The cluster size the policy was last described for (see _say_policy).
-    _policy_said_for: int | None
+    def __init__(
+        self,
+        jobs: JobTable,
+        store: Store,
+        slurm: Slurm,
+        node_checks: NodeCheckRunner,
+        cluster: Cluster,
+        decisions: DecisionQueue,
+        config: SupervisorConfig,
+        policy: Policy,
+        clock: Callable[[], float],
+    ) -> None:
+        self.jobs = jobs
+        self.store = store
+        self.slurm = slurm
+        self.node_checks = node_checks
+        self.cluster = cluster
+        self.decisions = decisions
+        self.config = config
+        self.policy = policy
+        self.clock = clock
+        # May this supervisor drain? Asked of Slurm at the first poll that reads the nodes.
+        self.rights: Rights | None = None
+        # The nodes the user's next jobs should leave out, and why (see avoid_list).
+        self.avoid: list[dict[str, Any]] = []
+        self._bad_job_dirs: set[str] = set()
+        # The cluster size the policy was last described for (see _say_policy).
+        self._policy_said_for: int | None = None
 
     async def register_new_jobs(self, slurm_jobs: dict[int, SlurmJob] | None) -> None:
         """Register every job directory not yet in the store (see :mod:`supervisor.jobs`)."""
@@ -106,7 +130,7 @@ class SlurmWatch(Deciding):
                 secret_path=str(directory / jobfiles.SECRET_NAME),
                 slurm_user=slurm_job.user_name,
             )
-            self.jobs[job_id] = TrackedJob(record=record, secret=secret, spec=spec)
+            self.jobs.add(job_id, TrackedJob(record=record, secret=secret, spec=spec))
             log.info(
                 "job %s registered: %s of %s, %d node(s) (min %d, unit %d), checkpoints in %s",
                 job_id, spec.name, slurm_job.user_name, spec.nodes, spec.floor, spec.unit,
@@ -133,15 +157,13 @@ class SlurmWatch(Deciding):
         now = self.clock()
         if nodes is not None and self.rights is not None:
             self._note_lifted_drains(nodes, nodes_read_s, now)
-            self.cluster = self._cluster_view(nodes, now)
-            self._cluster_known.set()
+            self.cluster.view = self._cluster_view(nodes, now)
+            self.cluster.known.set()
             self._say_policy()
         if slurm_jobs is not None and self.rights is not None:
             for ended in await self.node_checks.sweep(slurm_jobs):
                 self._check_ended(ended)
-        for job_id, job in self.jobs.items():
-            if job.record.state.terminal:
-                continue
+        for job_id, job in self.jobs.unfinished():
             if slurm_jobs is not None:
                 seen = slurm_jobs.get(int(job_id))
                 if seen is not None:
@@ -171,10 +193,10 @@ class SlurmWatch(Deciding):
         if ended.result is CheckResult.PASSED:
             self.store.close_tickets(check.node, now_s=now, by=Actor.SUPERVISOR)
         intents = after_check(
-            check, ended.result, ended.detail, self.policy, self.fresh_cluster(now)
+            check, ended.result, ended.detail, self.policy, self.cluster.fresh(now)
         )
         if intents:
-            self._act(check.job_id, intents)
+            self.decisions.act(check.job_id, intents)
 
     async def _detect_rights(self) -> Rights | None:
         """Whether this supervisor may drain (None: Slurm could not be asked; next poll)."""
@@ -196,10 +218,12 @@ class SlurmWatch(Deciding):
         )
         return found
 
-    def _drains_allowed_per_hour(self) -> int:
-        return drain_limit(self.policy, self.cluster.size) if self.cluster.may_drain else 0
+    def drains_allowed_per_hour(self) -> int:
+        """Resurgo's drains the policy allows an hour on the cluster as it is now."""
+        view = self.cluster.view
+        return drain_limit(self.policy, view.size) if view.may_drain else 0
 
-    def _open_tickets(self) -> list[TicketRow]:
+    def open_tickets(self) -> list[TicketRow]:
         """The drain tickets that keep their node out of the user's jobs now."""
         return self.store.open_tickets(self.clock() - self.policy.probation_s)
 
@@ -216,7 +240,7 @@ class SlurmWatch(Deciding):
     def _say_policy(self) -> None:
         """Log what the policy permits on the cluster as it is now: at the first
         read of the nodes, and again whenever their number changes."""
-        size = self.cluster.size
+        size = self.cluster.view.size
         if size == self._policy_said_for:
             return
         self._policy_said_for = size
@@ -265,7 +289,7 @@ class SlurmWatch(Deciding):
         )
         idle = frozenset(n for n, node in nodes.items() if node.state is NodeState.IDLE)
         may_drain = self.rights is None or self.rights.operator
-        tickets = [] if may_drain else self._open_tickets()
+        tickets = [] if may_drain else self.open_tickets()
         checks = held_by_checks(
             self.store.node_checks_since(now - 2 * self.policy.probation_s), now, self.policy
         )
@@ -275,14 +299,14 @@ class SlurmWatch(Deciding):
             idle=idle - drained - down,
             drained=drained,
             down=down,
-            drains_last_hour=self._drains_counted(now),
+            drains_last_hour=self.cluster.drains_counted(now),
             lemons=frozenset(lemon.node for lemon in lemons),
             ticketed=ticketed([*tickets, *checks]),
             lemon_blames=tuple((lemon.node, lemon.drains) for lemon in lemons),
             lemon_window_s=self.policy.lemon_window_s,
             may_drain=may_drain,
         )
-        return self.blamed(view, now)
+        return self.cluster.blamed(view, now)
 
     def _observe_slurm_job(
         self, job_id: str, job: TrackedJob, seen: SlurmJob, read_s: float
@@ -290,46 +314,34 @@ class SlurmWatch(Deciding):
         job.slurm_nodes = seen.nodes
         # The same sighting is news again once the record moved (Slurm's own
         # requeue adopted while Slurm already runs the job again: now it starts).
-        key = (seen.state.value, seen.nodes, seen.restart_count, job.record.state.value)
+        key = SlurmSighting(seen.state, seen.nodes, seen.restart_count, job.record.state)
         if key == job.last_seen:
             return
         job.last_seen = key
         observation = SlurmJobSeen(
             seen.state.value, seen.nodes, seen.restart_count, seen.state_reason
         )
-        self._sighted(job_id, observation, read_s)
+        self.decisions.sighted(job_id, observation, read_s)
 
     def _observe_nodes(self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode]) -> None:
-        # A lease is held until the daemon expires it (its one definition of an agent
-        # gone silent, with the time the daemon itself was held up given back).
+        """Hand the core the job's nodes Slurm reports lost (see
+        :func:`supervisor.core.leases.judge_nodes`)."""
+        names = (*job.record.nodes, *job.record.spare_nodes)
+        seen = {
+            name: SlurmNodeSeen(
+                name, down=node.down, not_responding=node.not_responding, drained=node.drained
+            )
+            for name in names
+            if (node := nodes.get(name)) is not None
+        }
         calling_in = {lease.node for lease in self.store.leases_for(job_id)}
-        for name in (*job.record.nodes, *job.record.spare_nodes):
-            node = nodes.get(name)
-            bad = node is not None and (node.down or node.not_responding)
-            if node is not None and node.not_responding and not node.down and name in calling_in:
-                # NOT_RESPONDING alone is a missed ping: a loaded slurmd answers
-                # late while the job's agent on the node still calls in. A node
-                # really gone is marked DOWN by Slurm, or its agent's lease lapses.
-                if name not in job.nodes_excused:
-                    job.nodes_excused.add(name)
-                    log.info(
-                        "job %s: Slurm flags %s NOT_RESPONDING, but its agent still calls "
-                        "in: not a lost node until Slurm marks it DOWN or the lease lapses",
-                        job_id, name,
-                    )  # fmt: skip
-                continue
-            job.nodes_excused.discard(name)
-            if bad and name not in job.nodes_flagged:
-                job.nodes_flagged.add(name)
-                assert node is not None
-                self._enqueue(
-                    job_id,
-                    SlurmNodeSeen(
-                        name,
-                        down=node.down,
-                        not_responding=node.not_responding,
-                        drained=node.drained,
-                    ),
-                )
-            elif not bad:
-                job.nodes_flagged.discard(name)
+        verdicts = judge_nodes(names, seen, calling_in, job.nodes_flagged, job.nodes_excused)
+        job.nodes_flagged, job.nodes_excused = set(verdicts.flagged), set(verdicts.excused)
+        for name in verdicts.newly_excused:
+            log.info(
+                "job %s: Slurm flags %s NOT_RESPONDING, but its agent still calls "
+                "in: not a lost node until Slurm marks it DOWN or the lease lapses",
+                job_id, name,
+            )  # fmt: skip
+        for report in verdicts.report:
+            self.decisions.enqueue(job_id, report)

@@ -81,16 +81,16 @@ def test_a_drain_an_admin_lifts_with_scontrol_shows_as_undone_and_stops_counting
     drain = DrainNode(JOB, 1, NODE, Cause.RANK_SIGNAL, "rank 3 SIGKILL")
     executor = Executor(store, supervisor.slurm, checkpoint_root_of=lambda job_id: None)
     asyncio.run(executor.execute(JOB, [drain], time.time()))
-    asyncio.run(supervisor.poll())
-    assert supervisor.cluster.lemons == {NODE}
+    asyncio.run(supervisor.polling.poll())
+    assert supervisor.cluster.view.lemons == {NODE}
     before = document(slurm_cluster, state_dir)
     assert [(d["node"], d["by_resurgo"]) for d in before["drained"]] == [(NODE, True)]
     assert [lemon["node"] for lemon in before["lemons"]] == [NODE]
 
     slurm_cluster.run(["scontrol", "update", f"nodename={NODE}", "state=resume"])
-    asyncio.run(supervisor.poll())
+    asyncio.run(supervisor.polling.poll())
 
-    assert supervisor.cluster.lemons == frozenset()
+    assert supervisor.cluster.view.lemons == frozenset()
     policy = supervisor.policy
     assert store.lemons(policy.lemon_blames, policy.lemon_window_s, time.time()) == []
     earlier, lifted = store.blame_history(NODE)

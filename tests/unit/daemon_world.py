@@ -91,6 +91,6 @@ def killed(node: str, incarnation: str, rank: int):  # type: ignore[no-untyped-d
 async def registered_and_running(supervisor: Supervisor) -> None:
     """The fake's job submitted, polled and settled: the supervisor follows it, starting."""
     write_job_dir(supervisor.config.jobs_path, JOB, spec())
-    await supervisor.poll()
-    await supervisor.settle()
+    await supervisor.polling.poll()
+    await supervisor.deciding.settle()
     assert supervisor.jobs[JOB].record.state.value == "starting"

@@ -50,25 +50,27 @@ def test_leases_count_from_the_restart_not_from_before_the_supervisor_went_down(
 
     async def before(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
-        supervisor.accept_events(JOB, [started("node2", agent, 1)])
-        supervisor.accept_heartbeat(JOB, protocol.HeartbeatReport(JOB, "node2", NOW, (), agent, 1))
+        supervisor.intake.accept_events(JOB, [started("node2", agent, 1)])
+        supervisor.intake.accept_heartbeat(
+            JOB, protocol.HeartbeatReport(JOB, "node2", NOW, (), agent, 1)
+        )
 
     async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        supervisor._load_jobs()
+        supervisor.load_jobs()
         lease_s = supervisor.config.lease_s
         # Down for 300 s: no agent could call in, so no lease says anything yet.
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state is JobState.STARTING
         # Still inside the grace the restart gives: a lease, and the longest an
         # agent retrying through the outage waits between two tries.
         clock[0] += lease_s + protocol.RETRY_MAX_S
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state is JobState.STARTING
         clock[0] += 1  # node2's agent stayed silent that long after the restart: lost
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         record = supervisor.jobs[JOB].record
         assert record.state is JobState.RECOVERING and "node2" in record.blamed_nodes
 
@@ -80,17 +82,19 @@ def test_after_a_restart_nothing_is_decided_before_slurm_was_read_once(tmp_path:
     agent = "00000000000000a3"
 
     async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        supervisor._load_jobs()
-        supervisor.accept_events(JOB, [started("node3", agent, 1), killed("node3", agent, 2)])
-        deciding = asyncio.create_task(supervisor._decide_loop())
+        supervisor.load_jobs()
+        supervisor.intake.accept_events(
+            JOB, [started("node3", agent, 1), killed("node3", agent, 2)]
+        )
+        deciding = asyncio.create_task(supervisor.deciding.loop())
         try:
             await asyncio.sleep(0.05)
             # Decided now, on an empty cluster view, the drain share of 0 nodes
             # would forbid draining node3 (an alert instead).
             assert supervisor.jobs[JOB].record.state is JobState.STARTING
-            await supervisor.poll()
+            await supervisor.polling.poll()
             for _ in range(600):
-                if supervisor.jobs[JOB].record.attempt == 2 and supervisor._queue.empty():
+                if supervisor.jobs[JOB].record.attempt == 2 and supervisor.deciding.queue.empty():
                     break
                 await asyncio.sleep(0.01)
         finally:
@@ -110,21 +114,23 @@ def test_an_event_acknowledged_but_not_decided_on_before_a_kill_is_decided_after
     async def before(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         # The API stored and acknowledged these; the decision task never took them up.
-        supervisor.accept_events(JOB, [started("node3", agent, 1), killed("node3", agent, 2)])
+        supervisor.intake.accept_events(
+            JOB, [started("node3", agent, 1), killed("node3", agent, 2)]
+        )
 
     async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        supervisor._load_jobs()
-        await supervisor.poll()
-        await supervisor.reconcile()
-        await supervisor.resume_recoveries()
-        await supervisor.replay_undecided()
-        await supervisor.settle()
+        supervisor.load_jobs()
+        await supervisor.polling.poll()
+        await supervisor.deciding.reconcile()
+        await supervisor.deciding.resume_recoveries()
+        await supervisor.deciding.replay_undecided()
+        await supervisor.deciding.settle()
         record = supervisor.jobs[JOB].record
         assert record.state is JobState.RECOVERING and record.attempt == 2
         assert slurm.calls[0][:2] == ("drain", "node3")
         # Once decided, a later restart does not decide on it again.
-        await supervisor.replay_undecided()
-        await supervisor.settle()
+        await supervisor.deciding.replay_undecided()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.attempt == 2
         assert [call[0] for call in slurm.calls].count("drain") == 1
 
@@ -138,19 +144,21 @@ def test_a_slurm_sighting_read_before_our_requeue_finished_is_not_taken_for_its_
     elsewhere = ("node2", "node3", "node4")
 
     async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        supervisor._load_jobs()
-        await supervisor.poll()  # the first poll of a restart reports the job RUNNING on NODES
+        supervisor.load_jobs()
+        await (
+            supervisor.polling.poll()
+        )  # the first poll of a restart reports the job RUNNING on NODES
         clock[0] += 1
         # Meanwhile the recovery goes on: node1, the batch host, is lost -> requeue.
-        await supervisor.apply(JOB, LeaseExpired("node1"))
+        await supervisor.deciding.apply(JOB, LeaseExpired("node1"))
         assert supervisor.jobs[JOB].record.state is JobState.REQUEUED
         assert slurm.the_job is not None and slurm.the_job.state is SlurmState.PENDING
-        await supervisor.settle()  # the RUNNING sighting from before the requeue
+        await supervisor.deciding.settle()  # the RUNNING sighting from before the requeue
         assert supervisor.jobs[JOB].record.state is JobState.REQUEUED
         clock[0] += 1
         slurm.the_job = replace(job(elsewhere), restart_count=1)
-        await supervisor.poll()
-        await supervisor.settle()
+        await supervisor.polling.poll()
+        await supervisor.deciding.settle()
         record = supervisor.jobs[JOB].record
         assert record.state is JobState.STARTING and record.nodes == elsewhere
         assert supervisor.store.attempts_for(JOB)[-1].nodes == elsewhere
@@ -231,10 +239,12 @@ def test_a_restart_whose_first_reconcile_fails_still_decides_on_what_waits(
     async def before(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         # Stored and acknowledged; the decision task never took them up.
-        supervisor.accept_events(JOB, [started("node3", agent, 1), killed("node3", agent, 2)])
+        supervisor.intake.accept_events(
+            JOB, [started("node3", agent, 1), killed("node3", agent, 2)]
+        )
 
     async def after(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        supervisor._load_jobs()
+        supervisor.load_jobs()
         reconcile = supervisor.executor.reconcile
         failures = []
 
@@ -245,11 +255,11 @@ def test_a_restart_whose_first_reconcile_fails_still_decides_on_what_waits(
             return await reconcile(now_s)
 
         supervisor.executor.reconcile = fails_once  # type: ignore[method-assign]
-        deciding = asyncio.create_task(supervisor._decide_loop())
+        deciding = asyncio.create_task(supervisor.deciding.loop())
         try:
-            await supervisor.poll()
+            await supervisor.polling.poll()
             for _ in range(600):
-                if supervisor.jobs[JOB].record.attempt == 2 and supervisor._queue.empty():
+                if supervisor.jobs[JOB].record.attempt == 2 and supervisor.deciding.queue.empty():
                     break
                 await asyncio.sleep(0.01)
             assert not deciding.done(), "the decision task died with its start-up step"
@@ -275,7 +285,7 @@ def test_a_supervisor_whose_decision_task_dies_stops_with_an_error_for_a_restart
         async def dies() -> None:
             raise RuntimeError("a bug in the decision task")
 
-        supervisor._decide_loop = dies  # type: ignore[method-assign]
+        supervisor.deciding.loop = dies  # type: ignore[method-assign]
         await asyncio.wait_for(supervisor.run(), timeout=30)
         assert supervisor.failed is not None and "decide" in supervisor.failed
         assert "a bug in the decision task" in supervisor.failed

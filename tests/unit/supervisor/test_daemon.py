@@ -21,8 +21,8 @@ from supervisor.core.model import JobState
 from supervisor.core.observations import RelaunchFinished
 from supervisor.daemon import Supervisor
 from supervisor.errors import SlurmUnavailable
-from supervisor.intake import TrackedJob
 from supervisor.jobs import write_job_dir
+from supervisor.jobtable import TrackedJob
 from supervisor.slurm.parse import NodeFlag, NodeState
 from supervisor.store import Actor
 from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
@@ -45,15 +45,15 @@ def _node3_killed(supervisor: Supervisor, digit: str) -> dict[str, str]:
     agents' incarnations by node."""
     agents = {node: f"00000000000000{digit}{i}" for i, node in enumerate(NODES)}
     for node, incarnation in agents.items():
-        supervisor.accept_events(JOB, [started(node, incarnation, 1)])
-    supervisor.accept_events(JOB, [killed("node3", agents["node3"], 2)])
+        supervisor.intake.accept_events(JOB, [started(node, incarnation, 1)])
+    supervisor.intake.accept_events(JOB, [killed("node3", agents["node3"], 2)])
     return agents
 
 
 def test_a_submitted_job_is_registered_and_followed_into_starting(tmp_path: Path) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
-        assert supervisor.allocation(JOB) == frozenset(NODES)
+        assert supervisor.intake.allocation(JOB) == frozenset(NODES)
         row = supervisor.store.get_job(JOB)
         assert row is not None and row.name == "toy" and row.min_nodes == 2
         assert supervisor.store.attempts_for(JOB)[0].nodes == NODES
@@ -68,8 +68,8 @@ def test_what_the_policy_permits_is_logged_at_start_and_again_when_the_cluster_s
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith("policy ")]
 
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        await supervisor.poll()
-        await supervisor.poll()
+        await supervisor.polling.poll()
+        await supervisor.polling.poll()
         assert said() == [
             "policy on 4 nodes: up to 1 drain per hour (min_drains_per_hour 1; the share 0.1 "
             "alone allows 0); a node is drained when blamed with confidence >= 0.6; stragglers "
@@ -77,7 +77,7 @@ def test_what_the_policy_permits_is_logged_at_start_and_again_when_the_cluster_s
             "node blamed 2 times within 7 d stays out"
         ]
         slurm.nodes_by_name.update({f"node{i}": slurm_node(f"node{i}") for i in range(5, 21)})
-        await supervisor.poll()
+        await supervisor.polling.poll()
         assert len(said()) == 2
         assert said()[1].startswith("policy on 20 nodes: up to 2 drains per hour")
 
@@ -90,7 +90,7 @@ def test_a_job_directory_owned_by_someone_else_than_the_jobs_user_is_refused(
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         write_job_dir(supervisor.config.jobs_path, JOB, spec())
-        await supervisor.poll()
+        await supervisor.polling.poll()
         assert JOB not in supervisor.jobs
         assert supervisor.store.get_job(JOB) is None
 
@@ -106,10 +106,10 @@ def test_no_job_is_registered_while_slurm_cannot_say_whose_it_is(tmp_path: Path)
             raise SlurmUnavailable("squeue: slurmctld is down")
 
         slurm.jobs = unavailable  # type: ignore[method-assign]
-        await supervisor.poll()
+        await supervisor.polling.poll()
         assert JOB not in supervisor.jobs  # the owner cannot be checked: wait
         slurm.jobs = real_jobs  # type: ignore[method-assign]
-        await supervisor.poll()
+        await supervisor.polling.poll()
         assert JOB not in supervisor.jobs  # Slurm runs it for mallory: refused
 
     run(body, tmp_path, user="mallory")
@@ -119,15 +119,15 @@ def test_reports_of_an_earlier_attempts_agents_are_kept_but_not_decided_on(tmp_p
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         old = "00000000000000a1"
-        supervisor.accept_events(JOB, [started("node3", old, 1), killed("node3", old, 2)])
-        await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [started("node3", old, 1), killed("node3", old, 2)])
+        await supervisor.deciding.settle()
         record = supervisor.jobs[JOB].record
         assert record.attempt == 2 and record.state.value == "recovering"
         assert slurm.calls[0][:2] == ("drain", "node3")
         # node2's agent of attempt 1 reports the same kind of death late: evidence only.
         late = "00000000000000b2"
-        supervisor.accept_events(JOB, [started("node2", late, 1), killed("node2", late, 1)])
-        await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [started("node2", late, 1), killed("node2", late, 1)])
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.attempt == 2
         assert [call[0] for call in slurm.calls].count("drain") == 1
         assert len(supervisor.store.events_for(JOB, kinds=[EventKind.RANK_EXITED])) == 2
@@ -144,14 +144,14 @@ def test_an_exit_window_closes_when_every_launcher_ended_not_when_the_clock_says
         ended = {"exit_code": 1, "signal": None, "signal_name": None, "pid": 10}
         for node in NODES[:-1]:
             launcher = event(EventKind.LAUNCHER_EXITED, node, agents[node], 3, ended)
-            supervisor.accept_events(JOB, [launcher])
-            await supervisor.settle()
+            supervisor.intake.accept_events(JOB, [launcher])
+            await supervisor.deciding.settle()
             assert supervisor.jobs[JOB].record.attempt == 1  # still collecting exits
         last = NODES[-1]
-        supervisor.accept_events(
+        supervisor.intake.accept_events(
             JOB, [event(EventKind.LAUNCHER_EXITED, last, agents[last], 3, ended)]
         )
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         assert clock == [NOW]  # no time passed: the launchers' ends closed the window
         assert supervisor.jobs[JOB].record.attempt == 2
         assert slurm.calls[0][:2] == ("drain", "node3")
@@ -171,13 +171,13 @@ def test_a_rank_that_computes_slower_than_the_others_is_reported_while_it_lasts(
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         for rank, node in enumerate(NODES):
-            supervisor.accept_heartbeat(JOB, report(node, rank, 0.9 if rank == 2 else 0.2))
-        await supervisor.settle()
+            supervisor.intake.accept_heartbeat(JOB, report(node, rank, 0.9 if rank == 2 else 0.2))
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
-        await supervisor.check_stragglers()
-        await supervisor.settle()
-        await supervisor.check_stragglers()  # still slow: reported again, counted
-        await supervisor.settle()
+        await supervisor.timers.check_stragglers()
+        await supervisor.deciding.settle()
+        await supervisor.timers.check_stragglers()  # still slow: reported again, counted
+        await supervisor.deciding.settle()
         seen = supervisor.store.events_for(JOB, kinds=[EventKind.STRAGGLER])
         assert [(e.node, e.payload["global_rank"], e.payload["ratio"]) for e in seen] == [
             ("node3", 2, 4.5),
@@ -213,19 +213,19 @@ def test_only_records_that_move_the_job_are_fsynced_and_the_wal_is_left_to_a_thr
 
         mode[0] = supervisor.store._synchronous or "FULL"
         supervisor.store._db.set_trace_callback(trace)
-        supervisor.accept_events(JOB, [committed(1, 10)])  # starting -> running
-        await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [committed(1, 10)])  # starting -> running
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running" and "FULL" in commits
         commits.clear()
-        supervisor.accept_events(JOB, [committed(2, 20)])  # news only: no fsync
-        await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [committed(2, 20)])  # news only: no fsync
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.last_step == 20
         assert commits and set(commits) == {"NORMAL"}
         supervisor.store._db.set_trace_callback(None)
         assert supervisor.store.get_job(JOB).record["last_step"] == 20  # type: ignore[union-attr]
         fallback = supervisor.store._db.execute("PRAGMA wal_autocheckpoint").fetchall()
         assert fallback == [(BACKGROUND_FALLBACK_PAGES,)]
-        await supervisor.checkpoint_wal()
+        await supervisor.timers.checkpoint_wal()
         pages, copied = supervisor.store.checkpoint_wal()
         assert pages == copied
 
@@ -237,15 +237,15 @@ def test_a_supervisor_held_up_gives_leases_the_time_back(tmp_path: Path) -> None
         await registered_and_running(supervisor)
         status = protocol.RankStatus(0, 0, 100, 5, "train", NOW, 1.0, 1.1, 1.0, 5)
         report = protocol.HeartbeatReport(JOB, "node2", NOW, (status,), "00000000000000e1", 1)
-        supervisor.accept_heartbeat(JOB, report)
-        await supervisor.tick()
+        supervisor.intake.accept_heartbeat(JOB, report)
+        await supervisor.timers.tick()
         # The loop was held up 20 s (an overload): the lease (30 s) gets them back.
-        supervisor._last_tick_mono = time.monotonic() - 20.0
+        supervisor.timers.last_tick_mono = time.monotonic() - 20.0
         clock[0] = NOW + 40.0
-        await supervisor.tick()
+        await supervisor.timers.tick()
         assert [lease.node for lease in supervisor.store.leases_for(JOB)] == ["node2"]
         clock[0] = NOW + 55.0  # 30 s + the 19 s held up are over: the node is lost
-        await supervisor.tick()
+        await supervisor.timers.tick()
         assert supervisor.store.leases_for(JOB) == []
 
     run(body, tmp_path)
@@ -255,23 +255,25 @@ def test_a_relaunch_whose_agents_never_call_in_falls_back_to_requeue(tmp_path: P
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         first = "00000000000000f1"
-        supervisor.accept_events(JOB, [started("node3", first, 1), killed("node3", first, 2)])
-        await supervisor.settle()
+        supervisor.intake.accept_events(
+            JOB, [started("node3", first, 1), killed("node3", first, 2)]
+        )
+        await supervisor.deciding.settle()
         clock[0] += 11.0  # past the backoff
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         record = supervisor.jobs[JOB].record
         assert (record.attempt, record.state.value) == (2, "relaunching")
         # The driver confirms the new step, but Slurm keeps its nodes busy: no agent starts.
-        await supervisor.apply(JOB, RelaunchFinished(2, True))
+        await supervisor.deciding.apply(JOB, RelaunchFinished(2, True))
         assert supervisor.jobs[JOB].record.state.value == "starting"
         clock[0] += 59.0
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "starting"  # not yet
         clock[0] += 2.0
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "requeued"
         assert slurm.calls[-1][0] == "requeue_smaller", slurm.calls  # without node3
 
@@ -282,24 +284,24 @@ def test_a_stop_for_the_old_launch_never_reaches_the_relaunched_agents(tmp_path:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         old, new = "00000000000000a1", "00000000000000c3"
-        supervisor.accept_events(JOB, [started("node1", old, 1)])
-        supervisor.accept_events(JOB, [started("node3", "00000000000000a3", 1),
+        supervisor.intake.accept_events(JOB, [started("node1", old, 1)])
+        supervisor.intake.accept_events(JOB, [started("node3", "00000000000000a3", 1),
                                        killed("node3", "00000000000000a3", 2)])  # fmt: skip
-        await supervisor.settle()
-        supervisor.accept_events(JOB, [started("node1", new, 2)])
-        assert supervisor.commands_for(JOB, "node1", new) == []
-        stops = supervisor.commands_for(JOB, "node1", old)  # the old agent still calls in
+        await supervisor.deciding.settle()
+        supervisor.intake.accept_events(JOB, [started("node1", new, 2)])
+        assert supervisor.intake.commands_for(JOB, "node1", new) == []
+        stops = supervisor.intake.commands_for(JOB, "node1", old)  # the old agent still calls in
         assert [command.kind for command in stops] == [CommandKind.STOP_RANKS]
-        assert supervisor.commands_for(JOB, "node1", old) == []  # once
+        assert supervisor.intake.commands_for(JOB, "node1", old) == []  # once
         # An agent that named no attempt (started without the driver) gets every command.
-        stops = supervisor.commands_for(JOB, "node2", "00000000000000a2")
+        stops = supervisor.intake.commands_for(JOB, "node2", "00000000000000a2")
         assert [command.kind for command in stops] == [CommandKind.STOP_RANKS]
         # A relaunched agent known only from its heartbeat (its events still on the way).
         beat = protocol.HeartbeatReport(JOB, "node2", NOW, (), "00000000000000c2", attempt=2)
-        supervisor.accept_heartbeat(JOB, beat)
-        assert supervisor.commands_for(JOB, "node2", "00000000000000c2") == []
-        supervisor.accept_events(JOB, [started("node4", "00000000000000a4", 1)])
-        stops = supervisor.commands_for(JOB, "node4", "00000000000000a4")
+        supervisor.intake.accept_heartbeat(JOB, beat)
+        assert supervisor.intake.commands_for(JOB, "node2", "00000000000000c2") == []
+        supervisor.intake.accept_events(JOB, [started("node4", "00000000000000a4", 1)])
+        stops = supervisor.intake.commands_for(JOB, "node4", "00000000000000a4")
         assert [command.kind for command in stops] == [CommandKind.STOP_RANKS]
 
     run(body, tmp_path)
@@ -308,16 +310,16 @@ def test_a_stop_for_the_old_launch_never_reaches_the_relaunched_agents(tmp_path:
 def test_a_node_drained_once_returns_after_probation_when_healthy(tmp_path: Path) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
-        supervisor.accept_events(JOB, [started("node3", "00000000000000a3", 1),
+        supervisor.intake.accept_events(JOB, [started("node3", "00000000000000a3", 1),
                                        killed("node3", "00000000000000a3", 2)])  # fmt: skip
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         assert slurm.nodes_by_name["node3"].drained
-        await supervisor.probation()
-        await supervisor.settle()
+        await supervisor.timers.probation()
+        await supervisor.deciding.settle()
         assert slurm.nodes_by_name["node3"].drained  # probation not over
         clock[0] += 601
-        await supervisor.probation()
-        await supervisor.settle()
+        await supervisor.timers.probation()
+        await supervisor.deciding.settle()
         assert not slurm.nodes_by_name["node3"].drained
         (drain,) = supervisor.store.blame_history("node3")
         assert drain.undrained_by is Actor.SUPERVISOR
@@ -328,20 +330,20 @@ def test_a_node_drained_once_returns_after_probation_when_healthy(tmp_path: Path
 def _beat(supervisor: Supervisor, node: str, at_s: float) -> None:
     status = protocol.RankStatus(0, 0, 100, 5, "train", at_s, 1.0, 1.1, 1.0, 5)
     incarnation = f"00000000000000{NODES.index(node) + 1:02x}"
-    supervisor.accept_heartbeat(
+    supervisor.intake.accept_heartbeat(
         JOB, protocol.HeartbeatReport(JOB, node, at_s, (status,), incarnation, 1)
     )
 
 
 def _observed(supervisor: Supervisor) -> list[object]:
     seen: list[object] = []
-    enqueue = supervisor._enqueue
+    enqueue = supervisor.deciding.enqueue
 
     def record(job_id: str, observation: Any, *rest: Any) -> None:
         seen.append(observation)
         enqueue(job_id, observation, *rest)
 
-    supervisor._enqueue = record  # type: ignore[method-assign]
+    supervisor.deciding.enqueue = record  # type: ignore[method-assign]
     return seen
 
 
@@ -355,13 +357,13 @@ def test_every_agent_of_a_job_silent_at_once_blames_no_node_and_asks_slurm_again
             _beat(supervisor, node, NOW + NODES.index(node))
         seen = _observed(supervisor)
         clock[0] = NOW + 34.0  # node1's lease (30 s) expired, the others' nearly
-        await supervisor.tick()
+        await supervisor.timers.tick()
         assert [type(o).__name__ for o in seen] == ["SilenceShared"]
         assert seen[0].nodes == tuple(NODES)  # type: ignore[attr-defined]
         # The leases count again from now; the next poll reports the job's Slurm state.
         assert [lease.last_seen_s for lease in supervisor.store.leases_for(JOB)] == [NOW + 34] * 4
         assert supervisor.jobs[JOB].last_seen is None
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         assert supervisor.store.drains_since(0) == []
 
     run(body, tmp_path, start_s=NOW - 60)
@@ -377,7 +379,7 @@ def test_one_agent_silent_while_its_peers_report_is_a_node_fault(tmp_path: Path)
         clock[0] = NOW + 31.0
         for node in NODES[1:]:
             _beat(supervisor, node, NOW + 30.0)
-        await supervisor.tick()
+        await supervisor.timers.tick()
         assert [type(o).__name__ for o in seen] == ["LeaseExpired"]
         assert seen[0].node == NODES[0]  # type: ignore[attr-defined]
         assert [lease.node for lease in supervisor.store.leases_for(JOB)] == list(NODES[1:])
@@ -390,7 +392,7 @@ def _step_ended(supervisor: Supervisor, exit_code: int | None) -> Any:
     request = protocol.DriverRequest(
         JOB, protocol.DriverPhase.ENDED, attempt=attempt, exit_code=exit_code
     )
-    return supervisor.driver(JOB, request)
+    return supervisor.intake.driver(JOB, request)
 
 
 def test_the_drivers_failed_step_is_decided_on_when_no_agent_reports_for_a_lease(
@@ -410,7 +412,7 @@ def test_the_drivers_failed_step_is_decided_on_when_no_agent_reports_for_a_lease
         await _step_ended(supervisor, None)
         assert [type(o).__name__ for o in seen] == ["StepEnded"]
         assert seen[0].exit_code == 1  # type: ignore[attr-defined]
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "recovering"
         assert supervisor.store.drains_since(0) == []
 
@@ -456,11 +458,11 @@ async def _training_then_rank_0_saving(supervisor: Supervisor) -> dict[str, str]
     await registered_and_running(supervisor)
     agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
     for rank, node in enumerate(NODES):
-        supervisor.accept_events(JOB, [started(node, agents[node], 1)])
-        supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
-    await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [started(node, agents[node], 1)])
+        supervisor.intake.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+    await supervisor.deciding.settle()
     saver = NODES[0]
-    supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
+    supervisor.intake.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
     return agents
 
 
@@ -470,15 +472,15 @@ def test_hang_reports_while_a_rank_elsewhere_saves_are_held_then_dropped_as_trai
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         agents = await _training_then_rank_0_saving(supervisor)
         for rank, node in enumerate(NODES[1:], start=1):
-            supervisor.accept_events(JOB, [_waiting(node, agents[node], rank, 10)])
-        await supervisor.settle()
+            supervisor.intake.accept_events(JOB, [_waiting(node, agents[node], rank, 10)])
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
         assert len(supervisor.jobs[JOB].held_hangs) == 3
         for rank, node in enumerate(NODES):
-            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 11, "train"))
+            supervisor.intake.accept_heartbeat(JOB, _report(node, agents[node], rank, 11, "train"))
         clock[0] += 60.0
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].held_hangs == []
         assert supervisor.jobs[JOB].record.state.value == "running"
         assert supervisor.store.drains_since(0) == []
@@ -488,10 +490,10 @@ def test_hang_reports_while_a_rank_elsewhere_saves_are_held_then_dropped_as_trai
 
     async def restarted(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         # The reports were named in a decision: a restart does not decide on them again.
-        supervisor._load_jobs()
-        await supervisor.poll()
-        await supervisor.replay_undecided()
-        await supervisor.settle()
+        supervisor.load_jobs()
+        await supervisor.polling.poll()
+        await supervisor.deciding.replay_undecided()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
 
     run(body, tmp_path)
@@ -504,14 +506,14 @@ def test_held_hang_reports_are_decided_once_the_save_ended_without_progress(
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         agents = await _training_then_rank_0_saving(supervisor)
         saver = NODES[0]
-        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
-        await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
         # The save ended, and nobody steps on: a lease later the report is decided on.
-        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        supervisor.intake.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
         clock[0] += supervisor.config.lease_s + 1
-        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
-        await supervisor.settle()
+        supervisor.intake.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].held_hangs == []
         assert supervisor.jobs[JOB].record.state.value != "running"
 
@@ -527,16 +529,16 @@ def test_held_hang_reports_wait_as_long_as_the_agents_hang_timeout_once_the_save
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         agents = await _training_then_rank_0_saving(supervisor)
         saver = NODES[0]
-        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10, 90.0)])
-        await supervisor.settle()
-        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        supervisor.intake.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10, 90.0)])
+        await supervisor.deciding.settle()
+        supervisor.intake.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
         clock[0] += supervisor.config.lease_s + 1
-        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
-        await supervisor.settle()
+        supervisor.intake.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"  # still patient
         clock[0] += 90.0 - supervisor.config.lease_s
-        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
-        await supervisor.settle()
+        supervisor.intake.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "train"))
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].held_hangs == []
         assert supervisor.jobs[JOB].record.state.value != "running"
 
@@ -548,9 +550,9 @@ async def _training(supervisor: Supervisor) -> dict[str, str]:
     await registered_and_running(supervisor)
     agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
     for rank, node in enumerate(NODES):
-        supervisor.accept_events(JOB, [started(node, agents[node], 1)])
-        supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
-    await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [started(node, agents[node], 1)])
+        supervisor.intake.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+    await supervisor.deciding.settle()
     return agents
 
 
@@ -564,14 +566,14 @@ def test_hang_reports_that_come_before_the_savers_heartbeat_are_held_once_it_com
         agents = await _training(supervisor)
         clock[0] += 9.0
         for rank, node in enumerate(NODES[1:], start=1):
-            supervisor.accept_events(JOB, [_waiting(node, agents[node], rank, 10)])
-        await supervisor.settle()
+            supervisor.intake.accept_events(JOB, [_waiting(node, agents[node], rank, 10)])
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
         saver = NODES[0]
-        supervisor.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
+        supervisor.intake.accept_heartbeat(JOB, _report(saver, agents[saver], 0, 10, "checkpoint"))
         for rank, node in enumerate(NODES[1:], start=1):
-            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
-        await supervisor.settle()
+            supervisor.intake.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
         assert len(supervisor.jobs[JOB].held_hangs) == 3
         assert supervisor.jobs[JOB].unconfirmed == []
@@ -585,13 +587,15 @@ def test_hang_reports_are_decided_once_every_other_node_beat_and_nobody_is_busy(
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         agents = await _training(supervisor)
         clock[0] += 9.0
-        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
-        await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
         for rank, node in enumerate(NODES):
             if node != NODES[1]:
-                supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
-        await supervisor.settle()
+                supervisor.intake.accept_heartbeat(
+                    JOB, _report(node, agents[node], rank, 10, "train")
+                )
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].unconfirmed == []
         assert supervisor.jobs[JOB].record.state.value == "recovering"
 
@@ -602,13 +606,13 @@ def test_a_hang_report_waits_a_lease_at_most_for_heartbeats(tmp_path: Path) -> N
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         agents = await _training(supervisor)
         clock[0] += 9.0
-        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
-        await supervisor.tick()
-        await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
         clock[0] += supervisor.config.lease_s + 1
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].unconfirmed == []
         assert supervisor.jobs[JOB].record.state.value == "recovering"
 
@@ -625,10 +629,10 @@ def test_a_hang_report_does_not_wait_for_nodes_silent_past_their_heartbeat_perio
         agents = await _training(supervisor)
         clock[0] += 1.0
         for rank, node in enumerate(NODES):
-            supervisor.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
+            supervisor.intake.accept_heartbeat(JOB, _report(node, agents[node], rank, 10, "train"))
         clock[0] += 9.0
-        supervisor.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
-        await supervisor.settle()
+        supervisor.intake.accept_events(JOB, [_waiting(NODES[1], agents[NODES[1]], 1, 10)])
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].unconfirmed == []
         assert supervisor.jobs[JOB].record.state.value == "recovering"
 
@@ -638,8 +642,8 @@ def test_a_hang_report_does_not_wait_for_nodes_silent_past_their_heartbeat_perio
 async def _with_a_spare(supervisor: Supervisor) -> TrackedJob:
     """Job JOB registered as a 3+1 job: three nodes of world, one spare."""
     write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), nodes=3, spares=1))
-    await supervisor.poll()
-    await supervisor.settle()
+    await supervisor.polling.poll()
+    await supervisor.deciding.settle()
     return supervisor.jobs[JOB]
 
 
@@ -654,11 +658,11 @@ def test_a_job_with_spares_launches_its_world_only_once_slurm_showed_the_allocat
         start = protocol.DriverRequest(JOB, protocol.DriverPhase.START)
         # Registered while Slurm had not shown the allocation yet: no split, so wait.
         job.record = replace(seen, state=JobState.SUBMITTED, nodes=(), spare_nodes=())
-        early = await supervisor.driver(JOB, start)
+        early = await supervisor.intake.driver(JOB, start)
         assert early.action is protocol.DriverAction.WAIT
         assert early.reason == "waiting for Slurm's allocation"
         job.record = seen
-        answer = await supervisor.driver(JOB, start)
+        answer = await supervisor.intake.driver(JOB, start)
         assert answer.action is protocol.DriverAction.LAUNCH
         assert answer.nodes == NODES[:3]
         assert "1 spare(s) kept ready" in answer.reason
@@ -674,21 +678,21 @@ def test_the_idle_spares_are_checked_at_once_then_each_interval_and_a_failed_one
         spare = NODES[3]
         running = protocol.DriverRequest(JOB, protocol.DriverPhase.RUNNING, attempt=1)
         # Not while the job starts: a check beside ranks still loading waits for them.
-        assert (await supervisor.driver(JOB, running)).check_spares == ()
+        assert (await supervisor.intake.driver(JOB, running)).check_spares == ()
         job.record = replace(job.record, state=JobState.RUNNING)
-        assert (await supervisor.driver(JOB, running)).check_spares == (spare,)
-        assert (await supervisor.driver(JOB, running)).check_spares == ()  # asked already
+        assert (await supervisor.intake.driver(JOB, running)).check_spares == (spare,)
+        assert (await supervisor.intake.driver(JOB, running)).check_spares == ()  # asked already
         clock[0] += supervisor.policy.spare_check_interval_s
         stale = protocol.DriverRequest(JOB, protocol.DriverPhase.RUNNING, attempt=2)
-        assert (await supervisor.driver(JOB, stale)).check_spares == ()  # not this attempt's
-        assert (await supervisor.driver(JOB, running)).check_spares == (spare,)
+        assert (await supervisor.intake.driver(JOB, stale)).check_spares == ()  # not this attempt's
+        assert (await supervisor.intake.driver(JOB, running)).check_spares == (spare,)
         report = protocol.DriverRequest(
             JOB, protocol.DriverPhase.SPARE_CHECK, attempt=1, checked=(spare,),
             unhealthy=((spare, "FAIL builtin:ckpt_root (0.01 s): not writable"),),
         )  # fmt: skip
-        answer = await supervisor.driver(JOB, report)
+        answer = await supervisor.intake.driver(JOB, report)
         assert answer.action is protocol.DriverAction.WAIT
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         assert job.record.spare_nodes == () and job.record.nodes == NODES[:3]
         assert job.record.blamed_nodes == (spare,)
         (decided,) = [
@@ -697,7 +701,7 @@ def test_the_idle_spares_are_checked_at_once_then_each_interval_and_a_failed_one
         ]  # fmt: skip
         assert "not writable" in decided.detail["explanation"]
         clock[0] += supervisor.policy.spare_check_interval_s
-        assert (await supervisor.driver(JOB, running)).check_spares == ()  # none left
+        assert (await supervisor.intake.driver(JOB, running)).check_spares == ()  # none left
 
     run(body, tmp_path)
 
@@ -725,20 +729,20 @@ def test_a_not_responding_flag_is_no_lost_node_while_its_agent_still_calls_in(
         seen = _observed(supervisor)
         flaky, gone = nodes[0], nodes[1]
         slurm.nodes_by_name[flaky] = _not_responding(flaky)
-        await supervisor.poll()
+        await supervisor.polling.poll()
         assert [type(o).__name__ for o in seen] == []  # a missed ping: the agent calls in
         # Slurm marks it DOWN: lost, whatever its agent said last.
         slurm.nodes_by_name[flaky] = _not_responding(flaky, down=True)
-        await supervisor.poll()
+        await supervisor.polling.poll()
         assert [(type(o).__name__, o.node) for o in seen] == [("SlurmNodeSeen", flaky)]  # type: ignore[attr-defined]
         # NOT_RESPONDING on a node whose agent has not called in for a lease: lost.
         clock[0] = NOW + supervisor.config.lease_s + 1
         for name in NODES:
             if name != gone:
                 _beat(supervisor, name, clock[0])
-        await supervisor.tick()  # the daemon expires the silent agent's lease
+        await supervisor.timers.tick()  # the daemon expires the silent agent's lease
         slurm.nodes_by_name[gone] = _not_responding(gone)
-        await supervisor.poll()
+        await supervisor.polling.poll()
         assert [(type(o).__name__, o.node) for o in seen][1:] == [  # type: ignore[attr-defined]
             ("LeaseExpired", gone),
             ("SlurmNodeSeen", gone),
@@ -753,12 +757,12 @@ def test_an_exit_window_is_closed_at_its_end_not_at_the_next_periodic_tick(
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         _node3_killed(supervisor, "d")
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         record = supervisor.jobs[JOB].record
         assert record.state is JobState.RECOVERING and record.attempt == 1  # collecting
         clock[0] = record.recovery.evidence_until_s  # type: ignore[union-attr]
         await asyncio.sleep(0.5)  # the window's own timer; tick() is never called here
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.attempt == 2
         assert slurm.calls[0][:2] == ("drain", "node3")
 
@@ -772,7 +776,7 @@ def test_the_driver_asks_again_soon_while_a_recovery_prepares_its_relaunch(
         await registered_and_running(supervisor)
         assert (await _step_ended(supervisor, None)).retry_after_s == 2.0  # nothing to wait for
         _node3_killed(supervisor, "e")
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         record = supervisor.jobs[JOB].record
         assert record.state is JobState.RECOVERING and record.not_before_s is not None
         # Asked again right after the backoff (1.5 s), not 2 s later; then at once.
@@ -797,17 +801,19 @@ def test_a_relaunch_names_the_rejected_newer_checkpoints_and_their_quarantine_be
 
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), ckpt_root=str(root)))
-        await supervisor.poll()
-        await supervisor.settle()
+        await supervisor.polling.poll()
+        await supervisor.deciding.settle()
         first = "00000000000000c1"
-        supervisor.accept_events(JOB, [started("node3", first, 1), killed("node3", first, 2)])
-        await supervisor.settle()
+        supervisor.intake.accept_events(
+            JOB, [started("node3", first, 1), killed("node3", first, 2)]
+        )
+        await supervisor.deciding.settle()
         clock[0] += 11.0  # past the backoff
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state is JobState.RELAUNCHING
         ended = protocol.DriverRequest(JOB, protocol.DriverPhase.ENDED, attempt=1, exit_code=1)
-        answer = await supervisor.driver(JOB, ended)
+        answer = await supervisor.intake.driver(JOB, ended)
         assert answer.action is protocol.DriverAction.RELAUNCH
         assert answer.resume_from == str(root / "checkpoint-20")
         [(path, why)] = answer.quarantine
@@ -817,8 +823,8 @@ def test_a_relaunch_names_the_rejected_newer_checkpoints_and_their_quarantine_be
             JOB, protocol.DriverPhase.RELAUNCHED, attempt=2, action_id=answer.action_id, ok=True,
             quarantined=moved,
         )  # fmt: skip
-        await supervisor.driver(JOB, confirm)
-        await supervisor.driver(JOB, confirm)  # a retried report is one event
+        await supervisor.intake.driver(JOB, confirm)
+        await supervisor.intake.driver(JOB, confirm)  # a retried report is one event
         [event] = supervisor.store.events_for(JOB, kinds=["checkpoint_quarantined"])
         assert event.payload == {
             "checkpoint": "checkpoint-40", "moved_to": moved[0][1], "attempt": 2,
@@ -841,8 +847,8 @@ def test_a_rollback_moves_aside_the_valid_checkpoints_past_its_point(tmp_path: P
 
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         write_job_dir(supervisor.config.jobs_path, JOB, replace(spec(), ckpt_root=str(root)))
-        await supervisor.poll()
-        await supervisor.settle()
+        await supervisor.polling.poll()
+        await supervisor.deciding.settle()
         agents = {node: f"00000000000000d{i}" for i, node in enumerate(NODES)}
         for rank, (node, incarnation) in enumerate(agents.items()):
             steps = [
@@ -850,19 +856,19 @@ def test_a_rollback_moves_aside_the_valid_checkpoints_past_its_point(tmp_path: P
                  **({"non_finite": "nan"} if step >= 45 else {})}
                 for step in range(30, 50)
             ]  # fmt: skip
-            supervisor.accept_events(JOB, [
+            supervisor.intake.accept_events(JOB, [
                 started(node, incarnation, 1),
                 event(EventKind.STEP_LOSSES, node, incarnation, 2,
                       {"global_rank": rank, "steps": steps}),
             ])  # fmt: skip
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         clock[0] += 30.0
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         record = supervisor.jobs[JOB].record
         assert record.rollbacks == 1 and record.state is JobState.RELAUNCHING, record
         ended = protocol.DriverRequest(JOB, protocol.DriverPhase.ENDED, attempt=1, exit_code=1)
-        answer = await supervisor.driver(JOB, ended)
+        answer = await supervisor.intake.driver(JOB, ended)
         assert answer.action is protocol.DriverAction.RELAUNCH
         assert answer.resume_from == str(root / "checkpoint-20")
         assert answer.aside_after_step == 20  # and what the stopped run saves meanwhile
@@ -875,7 +881,7 @@ def test_a_rollback_moves_aside_the_valid_checkpoints_past_its_point(tmp_path: P
             JOB, protocol.DriverPhase.RELAUNCHED, attempt=2, action_id=answer.action_id, ok=True,
             quarantined=moved,
         )  # fmt: skip
-        await supervisor.driver(JOB, confirm)
+        await supervisor.intake.driver(JOB, confirm)
         [seen] = supervisor.store.events_for(JOB, kinds=["checkpoint_quarantined"])
         assert seen.payload["past_rollback"] is True
         assert seen.payload["reason"] == aside[str(root / "checkpoint-60")]
@@ -888,16 +894,16 @@ def test_the_ranks_a_job_may_report_about_grow_with_what_its_heartbeats_list(
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
-        assert supervisor.ranks(JOB) == (4, 1)  # 4 nodes, 1 rank each as submitted
+        assert supervisor.intake.ranks(JOB) == (4, 1)  # 4 nodes, 1 rank each as submitted
         # A wrapper script hid torchrun's --nproc-per-node 2 from `resurgo submit`.
         ranks = tuple(
             protocol.RankStatus(rank, rank % 2, 100 + rank, 5, "train", NOW, 1.0, 1.1, 1.0, 5)
             for rank in (2, 3)
         )
         report = protocol.HeartbeatReport(JOB, "node2", NOW, ranks, "00000000000000e1", 1)
-        supervisor.accept_heartbeat(JOB, report)
-        assert supervisor.ranks(JOB) == (8, 2)
-        assert supervisor.ranks("999") is None
+        supervisor.intake.accept_heartbeat(JOB, report)
+        assert supervisor.intake.ranks(JOB) == (8, 2)
+        assert supervisor.intake.ranks("999") is None
 
     run(body, tmp_path)
 
@@ -912,10 +918,10 @@ def test_observe_only_decides_and_records_what_it_would_do_and_does_nothing(
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         _node3_killed(supervisor, "f")
-        await supervisor.settle()
+        await supervisor.deciding.settle()
         clock[0] += 30.0
-        await supervisor.tick()
-        await supervisor.settle()
+        await supervisor.timers.tick()
+        await supervisor.deciding.settle()
         store = supervisor.store
         assert slurm.calls == []  # no drain, no requeue, no cancel
         done = store.list_actions(JOB)
@@ -939,9 +945,9 @@ def test_observe_only_decides_and_records_what_it_would_do_and_does_nothing(
         job.record = replace(decided, state=JobState.FAILED)
         for record in (decided, job.record):
             job.record = record
-            answer = await supervisor.driver(JOB, running)
+            answer = await supervisor.intake.driver(JOB, running)
             assert answer.action is protocol.DriverAction.WAIT and not answer.check_spares
-        start = await supervisor.driver(
+        start = await supervisor.intake.driver(
             JOB, protocol.DriverRequest(JOB, protocol.DriverPhase.START)
         )
         assert start.action is protocol.DriverAction.LAUNCH
@@ -951,6 +957,6 @@ def test_observe_only_decides_and_records_what_it_would_do_and_does_nothing(
         answer = await _step_ended(supervisor, 137)
         assert answer.action is protocol.DriverAction.STOP
         assert "observe-only" in answer.reason and "exit code 137" in answer.reason
-        assert supervisor.public_facts()["observe_only"] is True
+        assert supervisor.polling.public_facts()["observe_only"] is True
 
     run(body, tmp_path, observe_only=True)

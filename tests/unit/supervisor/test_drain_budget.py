@@ -100,21 +100,21 @@ async def three_jobs_each_lose_a_rank_at_once(supervisor: Supervisor) -> None:
     decision task runs: the faults are decided one after another, with no poll between."""
     for job_id in JOBS:
         write_job_dir(supervisor.config.jobs_path, job_id, replace(spec(), nodes=2, min_nodes=1))
-    await supervisor.poll()
-    await supervisor.settle()
+    await supervisor.polling.poll()
+    await supervisor.deciding.settle()
     for job_id, nodes in JOBS.items():
         for rank, name in enumerate(nodes):
             payload = {"agent_version": "1", "pid": 10, "argv": ["x"], "nnodes": 2,
                        "node_rank": rank, "attempt": 1}  # fmt: skip
-            supervisor.accept_events(job_id, [_event(job_id, name, EventKind.AGENT_STARTED, 1,
-                                                     payload)])  # fmt: skip
-    await supervisor.settle()
+            started = _event(job_id, name, EventKind.AGENT_STARTED, 1, payload)
+            supervisor.intake.accept_events(job_id, [started])
+    await supervisor.deciding.settle()
     for job_id, name in KILLED.items():
         payload = {"global_rank": 1, "local_rank": 0, "pid": 99, "exit_code": None, "signal": 9,
                    "signal_name": "SIGKILL", "last_step": 8, "phase": "train"}  # fmt: skip
-        supervisor.accept_events(job_id, [_event(job_id, name, EventKind.RANK_EXITED, 2,
+        supervisor.intake.accept_events(job_id, [_event(job_id, name, EventKind.RANK_EXITED, 2,
                                                  payload)])  # fmt: skip
-    await supervisor.settle()
+    await supervisor.deciding.settle()
 
 
 def drains(cluster: Cluster) -> list[str]:

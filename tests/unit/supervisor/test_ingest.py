@@ -27,8 +27,8 @@ from agent.wire.protocol import (
     Reply,
 )
 from supervisor.core.model import new_record
-from supervisor.intake import TrackedJob
 from supervisor.jobs import JobSpec
+from supervisor.jobtable import TrackedJob
 from supervisor.store import Store
 from tests.fakes.slurm import JOB as DAEMON_JOB
 from tests.fakes.slurm import NODES as DAEMON_NODES
@@ -389,16 +389,16 @@ def test_a_ranks_compute_median_is_replaced_when_it_changes(tmp_path: Path) -> N
     async def body(supervisor: Any, slurm: Any, clock: list[float]) -> None:
         await registered_and_running(supervisor)
         job = supervisor.jobs[DAEMON_JOB]
-        supervisor.accept_heartbeat(DAEMON_JOB, report(DAEMON_NODES[0], 0.2, 12))
+        supervisor.intake.accept_heartbeat(DAEMON_JOB, report(DAEMON_NODES[0], 0.2, 12))
         first = job.compute[0]
-        supervisor.accept_heartbeat(DAEMON_JOB, report(DAEMON_NODES[0], 0.2, 12))
+        supervisor.intake.accept_heartbeat(DAEMON_JOB, report(DAEMON_NODES[0], 0.2, 12))
         assert job.compute[0] is first  # the same sample again: kept
         for node, compute_s, observed in (
             (DAEMON_NODES[0], 0.3, 12),
             (DAEMON_NODES[0], 0.3, 13),
             (DAEMON_NODES[1], 0.3, 13),
         ):
-            supervisor.accept_heartbeat(DAEMON_JOB, report(node, compute_s, observed))
+            supervisor.intake.accept_heartbeat(DAEMON_JOB, report(node, compute_s, observed))
             sample = job.compute[0]
             assert (sample.node, sample.p50_s, sample.observed) == (node, compute_s, observed)
 

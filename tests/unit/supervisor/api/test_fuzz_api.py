@@ -621,9 +621,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Api, Any,
     supervisor = Supervisor(config, Policy(), slurm=Slurm(), clock=lambda: float(NOW))  # type: ignore[arg-type]
     spec = JobSpec(name="toy", nodes=4, command=("true",), ckpt_root="/nonexistent", min_nodes=2)
     directory = write_job_dir(config.jobs_path, DAEMON_JOB, spec)
-    asyncio.run(supervisor.poll())
-    assert supervisor.allocation(DAEMON_JOB)
-    api = Api(build_app(supervisor, clock=lambda: NOW, max_body_bytes=MAX_BODY_BYTES))
+    asyncio.run(supervisor.polling.poll())
+    assert supervisor.intake.allocation(DAEMON_JOB)
+    api = Api(build_app(supervisor.intake, clock=lambda: NOW, max_body_bytes=MAX_BODY_BYTES))
     try:
         yield api, supervisor, read_secret(directory)
     finally:
@@ -640,7 +640,7 @@ def test_a_refused_request_leaves_the_daemons_store_and_leases_as_they_were(
     ways = ["mis-signed", "stale", "other job", "garbage", "mutated", "oversized"]
     way = data.draw(st.sampled_from(ways + ([] if path == protocol.DRIVER_PATH else ["foreign"])))
     job = "4242"
-    node = sorted(supervisor.allocation(job))[0]
+    node = sorted(supervisor.intake.allocation(job))[0]
     body = {
         protocol.EVENTS_PATH: events_body(job=job, node=node),
         protocol.HEARTBEAT_PATH: heartbeat_body(job=job, node=node),

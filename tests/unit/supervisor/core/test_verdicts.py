@@ -148,12 +148,12 @@ def test_the_poll_records_a_drain_an_admin_lifted_and_the_cluster_view_forgets_t
         try:
             drained_twice(supervisor.store, "node3")
             slurm.nodes_by_name["node3"] = node("node3", drained=True, reason=OURS)
-            await supervisor.poll()
-            assert supervisor.cluster.lemons == {"node3"}
-            assert supervisor.cluster.lemon_blames == (("node3", 2),)
+            await supervisor.polling.poll()
+            assert supervisor.cluster.view.lemons == {"node3"}
+            assert supervisor.cluster.view.lemon_blames == (("node3", 2),)
             slurm.nodes_by_name["node3"] = node("node3")  # scontrol ... state=resume
-            await supervisor.poll()
-            assert supervisor.cluster.lemons == frozenset()
+            await supervisor.polling.poll()
+            assert supervisor.cluster.view.lemons == frozenset()
             assert supervisor.store.blame_history("node3")[-1].undrained_by is Actor.OUTSIDE
         finally:
             supervisor.store.close()
@@ -173,7 +173,9 @@ def test_a_node_resurgo_itself_is_resuming_is_not_taken_for_an_outside_resume(
             resume = ResumeNode("7", 1, "node3")
             supervisor.store.plan_action(resume.action_id, "7", KIND_OF[ResumeNode],
                                          args_of(resume), NOW)  # fmt: skip
-            await supervisor.poll()  # the fake shows node3 resumed, the executor not done yet
+            await (
+                supervisor.polling.poll()
+            )  # the fake shows node3 resumed, the executor not done yet
             assert [d.node for d in supervisor.store.open_drains()] == ["node3"]
         finally:
             supervisor.store.close()
