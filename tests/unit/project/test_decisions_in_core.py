@@ -20,13 +20,10 @@ error too, so the list cannot go stale.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from tests.paths import REPO
 from tests.unit.decision_rules import Finding, decisions
-
-REPO = Path(__file__).resolve().parents[2]
 
 # The daemon's component modules, and the API (every module of it, one added tomorrow too).
 CHECKED = tuple(
