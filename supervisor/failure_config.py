@@ -161,7 +161,9 @@ def _pattern(table: dict[str, Any], where: str) -> re.Pattern[str] | None:
     try:
         return re.compile(text)
     except re.error as error:
-        raise ConfigError(f"{where}: match_log {text!r} is no regular expression: {error}") from None
+        raise ConfigError(
+            f"{where}: match_log {text!r} is no regular expression: {error}"
+        ) from None
 
 
 def rules_table(rules: Sequence[Rule]) -> str:
@@ -181,12 +183,12 @@ def _matches(rule: Rule) -> str:
     if rule.exit_codes:
         parts.append(f"exit {sorted(rule.exit_codes)}")
     if rule.signals:
-        parts.append("signal " + ",".join(signals.Signals(s).name for s in sorted(rule.signals)
-                                          if s in signals.Signals.__members__.values()))  # fmt: skip
+        parts.append("signal " + ",".join(_signal_name(number) for number in sorted(rule.signals)))
     if rule.exceptions:
         parts.append("exception " + ",".join(sorted(rule.exceptions)))
     if rule.errnos:
-        parts.append("errno " + ",".join(errnos.errorcode.get(n, str(n)) for n in sorted(rule.errnos)))
+        names = (errnos.errorcode.get(number, str(number)) for number in sorted(rule.errnos))
+        parts.append("errno " + ",".join(names))
     if rule.oom_kill:
         parts.append("kernel OOM kill")
     if rule.xid:
@@ -196,3 +198,10 @@ def _matches(rule: Rule) -> str:
     if rule.at_start:
         parts.append("before the first step")
     return "; ".join(parts)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signals.Signals(number).name
+    except ValueError:
+        return str(number)
