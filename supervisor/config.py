@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.wire.errors import ConfigError
-from agent.wire.settings import add_flags, layered, read_toml
+from agent.wire.settings import add_flags, add_version, layered, read_toml
 from supervisor.core.policy import Policy
 
 ENV_PREFIX = "RESURGO_SUPERVISOR_"
@@ -285,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
             "environment variables, then these flags."
         ),
     )
+    add_version(parser)
     parser.add_argument(
         "--config", type=Path, help="TOML file, the policy in a [policy] table (default: none)"
     )

@@ -24,7 +24,7 @@ from typing import Any
 from agent.node.hang import HangConfig
 from agent.skips import SampleRange, parse_skip_samples
 from agent.wire.errors import ConfigError
-from agent.wire.settings import add_flags, layered, read_toml
+from agent.wire.settings import add_flags, add_version, layered, read_toml
 
 ENV_PREFIX = "RESURGO_AGENT_"
 
@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
             "torchrun --nproc-per-node=8 train.py ..."
         ),
     )
+    add_version(parser)
     parser.add_argument("--config", type=Path, help="TOML file with agent settings (default: none)")
     add_flags(parser, AgentConfig)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")

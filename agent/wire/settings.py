@@ -24,7 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agent import __version__
 from agent.wire.errors import ConfigError
+from agent.wire.protocol.constants import PROTOCOL_VERSION
 
 _T = TypeVar("_T")
 
@@ -189,6 +191,16 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, flag_prefix: str = "")
             # argparse %-formats help: a literal % must be doubled.
             help=f"{sentence} (default: {show_default(default)})".replace("%", "%%"),
         )
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the program, Resurgo's release and the wire protocol version it
+    speaks; agents and a supervisor work together while the protocol versions agree."""
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{parser.prog} {__version__} (wire protocol {PROTOCOL_VERSION})",
+    )
 
 
 def read_toml(path: Path, owner: str) -> dict[str, Any]:

@@ -24,7 +24,8 @@ def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [
         action
         for action in parser._actions
-        if action.option_strings and not isinstance(action, argparse._HelpAction)
+        if action.option_strings
+        and not isinstance(action, argparse._HelpAction | argparse._VersionAction)
     ]
 
 
