@@ -3,5 +3,3 @@
 The supervisor depends on ``agent`` for the checkpoint format and the wire
 protocol; ``agent`` never imports ``supervisor``.
 """
-
-__version__ = "0.1.0"

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.wire.errors import ConfigError
-from agent.wire.settings import add_flags, layered, read_toml
+from agent.wire.settings import add_flags, add_version, layered, read_toml
 from supervisor.core.policy import Policy
 
 ENV_PREFIX = "RESURGO_SUPERVISOR_"
@@ -89,7 +89,9 @@ class SupervisorConfig:
       state directory is then 2750 and the store's files 0640 (empty: 0700
       and 0600; ``supervisor/store/modes.py``; set at every start, whatever
       the umask).
-    - ``listen_host``/``listen_port``: where the API listens (port 0: any).
+    - ``listen_host``: the address the API listens on (``0.0.0.0``: every
+      interface).
+    - ``listen_port``: the TCP port the API listens on (0: one the system picks).
     - ``url``: how agents and drivers reach the API (empty:
       ``http://<hostname>:<port>``).
     - ``poll_s``: Slurm polling period (``squeue``/``sinfo``).
@@ -106,8 +108,8 @@ class SupervisorConfig:
     - ``straggler_check_s``: how often each running job's ranks are compared
       for a straggler (their compute times, from the agents' heartbeats).
     - ``slurm_timeout_s``: the limit on every Slurm command.
-    - ``log_json``: one JSON object per log line (default: only when stderr
-      is not a terminal).
+    - ``log_json``: ``yes``: one JSON object per log line; ``no``: plain text;
+      ``auto``: JSON only when stderr is not a terminal (journald, a log file).
     - ``body_timeout_s``: how long a request's body may take to arrive; a
       slower one is answered 408 and its connection closed.
     - ``header_timeout_s``: how long a connection may take to send a request's
@@ -116,10 +118,13 @@ class SupervisorConfig:
     - ``events_per_minute``: the events one job may send a minute (at least;
       120 per rank of its world when that is more); beyond it a batch is
       refused 429 and its agent sends it again later (0: no budget).
-    - ``event_quota`` / ``event_quota_mib``: the most agent events (and bytes of
-      their payloads) the store keeps of one job; past either, the job's oldest
-      reports are deleted down to 90% of both, in one go with one log line
-      (events a decision names and the supervisor's own records stay).
+    - ``event_quota``: the most agent events the store keeps of one job; past it
+      (or past ``event_quota_mib``), the job's oldest reports are deleted down to
+      90% of both, in one go with one log line (events a decision names and the
+      supervisor's own records stay).
+    - ``event_quota_mib``: the most MiB of agent event payloads the store keeps of
+      one job; past it (or past ``event_quota``), the job's oldest reports are
+      deleted down to 90% of both.
     - ``unauthenticated_buffer_bytes``: the most bytes the bodies of requests
       not yet authenticated may hold together (more: 503, retried later).
     - ``metrics_listen``: ``host:port`` of a listener of its own for
@@ -150,11 +155,15 @@ class SupervisorConfig:
       queue; one that has not started by then has no verdict (nothing drained).
     - ``node_check_time_s``: how long each of the check's checks may run (the
       Slurm job's time limit is a minute more).
-    - ``validation_memory_mib`` / ``validation_cpu_s`` / ``validation_timeout_s``: what
-      validating one checkpoint may take (memory beyond the validator's
-      imports, CPU time, wall clock). Validation runs in a process of its own
-      (a checkpoint is its owner's data); a checkpoint past a limit is
-      invalid, and the next older one is tried (``supervisor/act/validation.py``).
+    - ``validation_memory_mib``: the memory validating one checkpoint may use beyond
+      the validator's imports. Validation runs in a process of its own (a
+      checkpoint is its owner's data); a checkpoint past this limit or the next
+      two is invalid, and the next older one is tried
+      (``supervisor/act/validation.py``).
+    - ``validation_cpu_s``: the CPU time validating one checkpoint may take; a
+      checkpoint past it is invalid, and the next older one is tried.
+    - ``validation_timeout_s``: the wall-clock time validating one checkpoint may
+      take; a checkpoint past it is invalid, and the next older one is tried.
     """
 
     state_dir: str = DEFAULT_STATE_DIR
@@ -276,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
             "environment variables, then these flags."
         ),
     )
+    add_version(parser)
     parser.add_argument(
         "--config", type=Path, help="TOML file, the policy in a [policy] table (default: none)"
     )

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent import __version__
 from agent.checkpoint.catalog import newest_committed_step
 from agent.node.ckptscan import SCAN_S, CheckpointScan
 from agent.node.commands import (
@@ -77,7 +78,6 @@ from agent.wire.periodic import every
 
 log = logging.getLogger(__name__)
 
-AGENT_VERSION = "0.1.0"
 # Socket receive buffer: heartbeats from every local rank must never be
 # dropped for want of space while the loop is busy for a moment.
 RCVBUF_BYTES = 4 << 20
@@ -198,7 +198,7 @@ class NodeAgent:
         await self.events.emit(
             protocol.EventKind.AGENT_STARTED,
             {
-                "agent_version": AGENT_VERSION,
+                "agent_version": __version__,
                 "pid": os.getpid(),
                 "argv": [protocol.clip_text(arg, 4096) for arg in self._plan.argv][:1024],
                 "nnodes": self.config.nnodes,

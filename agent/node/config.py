@@ -24,7 +24,7 @@ from typing import Any
 from agent.node.hang import HangConfig
 from agent.skips import SampleRange, parse_skip_samples
 from agent.wire.errors import ConfigError
-from agent.wire.settings import add_flags, layered, read_toml
+from agent.wire.settings import add_flags, add_version, layered, read_toml
 
 ENV_PREFIX = "RESURGO_AGENT_"
 
@@ -35,11 +35,13 @@ class AgentConfig:
 
     - ``job_id``: the Slurm job this agent serves (from SLURM_JOB_ID under srun).
     - ``node``: this node's name (from SLURMD_NODENAME, else the host name).
-    - ``nnodes`` / ``node_rank``: the step's node count and this node's place in it
-      (SLURM_STEP_NUM_NODES, SLURM_NODEID).
+    - ``nnodes``: the step's node count (from SLURM_STEP_NUM_NODES under srun).
+    - ``node_rank``: this node's place in the step, 0 to ``nnodes`` - 1 (from
+      SLURM_NODEID under srun).
     - ``procs_per_node``: how many ranks a per-rank command (``srun python train.py``,
       ``python train.py``) runs on each node; srun's own ``--ntasks-per-node`` wins.
-    - ``master_addr`` / ``master_port``: where the launch's rendezvous store listens.
+    - ``master_addr``: the host whose rendezvous store the launch's ranks meet at.
+    - ``master_port``: the TCP port of that rendezvous store.
     - ``restart_count``: Slurm's requeue count of the job (SLURM_RESTART_COUNT).
     - ``launch_nonce``: tells this launch's agents from an earlier one's on the same node.
     - ``attempt``: the supervisor's attempt number this launch belongs to (0: the first,
@@ -69,10 +71,11 @@ class AgentConfig:
     - ``stack_timeout_s``: how long an unchanged stack inside a collective is tolerated.
     - ``health_check``: a command run on the node every ``health_check_interval_s``; a
       non-zero exit reports the node unhealthy (empty: none).
-    - ``health_check_interval_s`` / ``health_check_timeout_s``: how often the health check
-      runs, and how long it may take.
+    - ``health_check_interval_s``: how often ``health_check`` runs.
+    - ``health_check_timeout_s``: how long one run of ``health_check`` may take; one that
+      takes longer reports the node unhealthy.
     - ``health_builtin_timeout_s``: how long each built-in check of the health gate before
-      the launch may take (:mod:`agent.node.healthchecks`; they run at once).
+      the launch may take (they run at once; ``agent/node/healthchecks.py``).
     - ``health_min_free_gb``: the free space (10^9 bytes) the gate wants under ``ckpt_root``
       (0: not checked).
     - ``stop_grace_s``: SIGTERM to SIGKILL when the ranks are stopped.
@@ -194,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
             "torchrun --nproc-per-node=8 train.py ..."
         ),
     )
+    add_version(parser)
     parser.add_argument("--config", type=Path, help="TOML file with agent settings (default: none)")
     add_flags(parser, AgentConfig)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")

@@ -24,7 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agent import __version__
 from agent.wire.errors import ConfigError
+from agent.wire.protocol.constants import PROTOCOL_VERSION
 
 _T = TypeVar("_T")
 
@@ -79,21 +81,44 @@ def _show(value: Any) -> str:
     return text if len(text) <= 200 else f"{text[:200]}..."
 
 
-def field_help(cls: type) -> dict[str, str]:
-    """Each field's sentence from the bullets of ``cls``'s docstring, as plain text.
+def plain_text(text: str) -> str:
+    """``text`` without reStructuredText markup, as ``--help`` shows it: a role
+    (:mod:`a.b`, :func:`~a.b`) becomes its target, double backquotes go."""
+    return _ROLE.sub(_role_target, text).replace("``", "")
 
-    A bullet is ``- ``name``: text`` (or ``- ``a`` / ``b``: text`` for fields
-    described together), continued by indented lines: the docstring is the one
-    place a setting is described, and ``--help`` shows it.
+
+def _role_target(role: re.Match[str]) -> str:
+    """What Sphinx shows of a role: its target, only the last part after ``~``."""
+    target = role.group(1)
+    return target.rpartition(".")[2] if target.startswith("~") else target
+
+
+_ROLE = re.compile(r":[\w:]+:`([^`]+)`")
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's sentence from its bullet in ``cls``'s docstring, as plain text.
+
+    A bullet is ``- ``name``: text``, continued by indented lines: the docstring
+    is the one place a setting is described, and ``--help`` shows it. So that
+    every flag's help says what that flag sets, and says its default once, the
+    docstring must give every field a bullet of its own (no ``- ``a`` / ``b``:``
+    bullet shared by two), no two fields the same sentence, and no sentence the
+    word "default" (:func:`add_flags` appends the default); a ValueError names
+    the first field that breaks a rule.
     """
     found: dict[str, str] = {}
     names: list[str] = []
     text: list[str] = []
 
     def flush() -> None:
-        sentence = " ".join(" ".join(text).replace("``", "").split())
-        for name in names:
-            found[name] = sentence
+        if len(names) > 1:
+            raise ValueError(
+                f"{cls.__name__}'s docstring describes {' and '.join(names)} in one bullet: "
+                "give each its own, so that each flag's --help says what it sets"
+            )
+        if names:
+            found[names[0]] = " ".join(plain_text(" ".join(text)).split())
 
     for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
         bullet = _BULLET.match(line)
@@ -107,10 +132,35 @@ def field_help(cls: type) -> dict[str, str]:
             flush()
             names, text = [], []
     flush()
+    _check_sentences(cls, found)
     return found
 
 
 _BULLET = re.compile(r"^- ((?:``\w+``(?: ?/ ?)?)+): (.*)$")
+
+
+def _check_sentences(cls: type, found: dict[str, str]) -> None:
+    """The rules of :func:`field_help` that concern the sentences found."""
+    fields = [field.name for field in dataclasses.fields(cls)]
+    seen: dict[str, str] = {}
+    for name in fields:
+        sentence = found.get(name)
+        if not sentence:
+            raise ValueError(f"{cls.__name__}'s docstring has no bullet for {name}")
+        if sentence in seen:
+            raise ValueError(
+                f"{cls.__name__}'s docstring says the same of {seen[sentence]} and {name}: "
+                "say what each sets"
+            )
+        if re.search(r"\bdefault\b", sentence, re.IGNORECASE):
+            raise ValueError(
+                f"{cls.__name__}'s bullet for {name} speaks of a default: --help appends the "
+                "field's own, and two would disagree"
+            )
+        seen[sentence] = name
+    stale = sorted(set(found) - set(fields))
+    if stale:
+        raise ValueError(f"{cls.__name__}'s docstring describes no field of it: {stale}")
 
 
 def show_default(value: Any) -> str:
@@ -126,11 +176,12 @@ def show_default(value: Any) -> str:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, flag_prefix: str = "") -> None:
     """Add ``--<flag_prefix><field>`` for every field of dataclass ``cls`` (default None),
-    each with its sentence from ``cls``'s docstring (:func:`field_help`) and its default."""
+    each with its sentence from ``cls``'s docstring (:func:`field_help`, which refuses a
+    docstring that would give two flags one text) and then its default, once."""
     described = field_help(cls)
     for field in dataclasses.fields(cls):
         default = field.default
-        sentence = described.get(field.name, "")
+        sentence = described[field.name]
         parser.add_argument(
             f"--{flag_prefix}{field.name.replace('_', '-')}",
             dest=f"{flag_prefix.replace('-', '_')}{field.name}",
@@ -138,8 +189,18 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, flag_prefix: str = "")
             metavar=type(default).__name__.upper() if not isinstance(default, enum.Enum) else None,
             choices=[m.value for m in type(default)] if isinstance(default, enum.Enum) else None,
             # argparse %-formats help: a literal % must be doubled.
-            help=f"{sentence} (default: {show_default(default)})".strip().replace("%", "%%"),
+            help=f"{sentence} (default: {show_default(default)})".replace("%", "%%"),
         )
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the program, Resurgo's release and the wire protocol version it
+    speaks; agents and a supervisor work together while the protocol versions agree."""
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{parser.prog} {__version__} (wire protocol {PROTOCOL_VERSION})",
+    )
 
 
 def read_toml(path: Path, owner: str) -> dict[str, Any]:

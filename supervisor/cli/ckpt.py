@@ -82,7 +82,12 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=lambda _args: _usage(parser))
     commands = parser.add_subparsers(dest="ckpt_command", metavar="COMMAND")
 
-    check = commands.add_parser("validate", help="validate one checkpoint")
+    check = commands.add_parser(
+        "validate",
+        help="validate one checkpoint",
+        description="Validate one checkpoint and print why it is invalid, if it is. Exit "
+        "status 0: valid; 1: invalid; 2: no such checkpoint.",
+    )
     check.add_argument(
         "dir", metavar="CKPT", help="a checkpoint: step-N/, checkpoint-N/, a .ckpt or .pt file"
     )
@@ -96,25 +101,46 @@ def register(subparsers: Any) -> None:
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(func=_validate)
 
-    newest = commands.add_parser("newest", help="print the newest valid checkpoint")
+    newest = commands.add_parser(
+        "newest",
+        help="print the newest valid checkpoint",
+        description="Print the path of the newest checkpoint under a root that passes "
+        "validation, and on stderr why each newer one was rejected. Exit status 0: found; "
+        "1: none valid; 2: no such root.",
+    )
     newest.add_argument("root", metavar="ROOT", help="the checkpoint root")
     _add_level(newest)
     newest.add_argument("--json", action="store_true", help="print the result as JSON")
     newest.set_defaults(func=_newest)
 
-    listing = commands.add_parser("list", help="list checkpoints with size, age, save stats")
+    listing = commands.add_parser(
+        "list",
+        help="list checkpoints with size, age, save stats",
+        description="List the checkpoints under a root, newest first, of every layout, with "
+        "their size, age, save statistics and a quick validation; and the filesystem they "
+        "are on, with a warning where it suits checkpoints badly.",
+    )
     listing.add_argument("root", metavar="ROOT", help="the checkpoint root")
     listing.add_argument("--json", action="store_true", help="print the rows as JSON")
     listing.set_defaults(func=_list)
 
     held = commands.add_parser(
-        "quarantined", help="list the checkpoints moved into quarantine under a root"
+        "quarantined",
+        help="list the checkpoints moved into quarantine under a root",
+        description="List the checkpoints moved into ROOT/.resurgo-quarantine/ because they "
+        "failed validation before a relaunch, with where each was.",
     )
     held.add_argument("root", metavar="ROOT", help="the checkpoint root")
     held.add_argument("--json", action="store_true", help="print the moves as JSON")
     held.set_defaults(func=_quarantined)
 
-    back = commands.add_parser("release", help="move a quarantined checkpoint back")
+    back = commands.add_parser(
+        "release",
+        help="move a quarantined checkpoint back",
+        description="Move a quarantined checkpoint back to where it was, so that a resume may "
+        "pick it again. Exit status 1: nothing by that name is held, or its place is taken "
+        "(the message says what to do).",
+    )
     back.add_argument("root", metavar="ROOT", help="the checkpoint root")
     back.add_argument("name", metavar="NAME", help="its name before the move (checkpoint-40)")
     back.set_defaults(func=_release)

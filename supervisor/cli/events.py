@@ -23,7 +23,12 @@ from supervisor.views import documents as views
 def register(subparsers: Any) -> None:
     """Add the `events` subcommand."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "events", help="a job's timeline: events, decisions and actions, with stack dumps"
+        "events",
+        help="a job's timeline: events, decisions and actions, with stack dumps",
+        description="What happened to one job, when and why: each agent event, supervisor "
+        "observation, decision (with its explanation) and action on a line; a run of "
+        "identical lines is printed once with its count. Stack dumps of hang reports show "
+        "one line per rank unless --stacks.",
     )
     parser.add_argument("job", metavar="JOB")
     parser.add_argument("--json", action="store_true", help="the documented JSON document")

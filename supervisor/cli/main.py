@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from supervisor import __version__
+from agent.wire.settings import add_version
 from supervisor.cli import ckpt, events, interval, nodes, report, simulate, status, store, submit
 from supervisor.logs import TextFormatter
 
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
             "hung ranks, drains the bad node, and resumes from the newest valid checkpoint."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"resurgo {__version__}")
+    add_version(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.register(subparsers)

@@ -43,7 +43,13 @@ OPERATOR_RIGHTS = (
 def register(subparsers: Any) -> None:
     """Add the `nodes` subcommand."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "nodes", help="drained nodes with reasons, blame history, the lemon list; undrain"
+        "nodes",
+        help="drained nodes with reasons, blame history, the lemon list; undrain",
+        description="The nodes drained in Slurm (by Resurgo or anyone) with their reasons, "
+        "open drain tickets, the supervisor's own checks of blamed nodes, every node's blame "
+        "history and the lemon list. undrain NODE returns a node to service (Slurm operator "
+        "rights needed); forgive NODE withdraws Resurgo's verdicts against it, so they no "
+        "longer count towards the lemon list.",
     )
     parser.add_argument(
         "action",

@@ -19,7 +19,11 @@ from supervisor.errors import StoreError
 def register(subparsers: Any) -> None:
     """Add the `report` subcommand."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "report", help="a self-contained HTML report of one job, with plots"
+        "report",
+        help="a self-contained HTML report of one job, with plots",
+        description="Write one HTML file about a job, with no external resources: its "
+        "timeline (steps over time with checkpoints, faults, drains and relaunches marked; "
+        "world size over time), the goodput breakdown and the event table.",
     )
     parser.add_argument("job", metavar="JOB")
     parser.add_argument("-o", "--output", type=Path, required=True, help="the HTML file to write")

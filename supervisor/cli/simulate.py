@@ -107,9 +107,14 @@ def register(subparsers: Any) -> None:
         ),
     )
     add = parser.add_argument
-    add("--preset", choices=sorted(PRESETS), default="llama3", help="defaults (llama3)")
+    add(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="llama3",
+        help="the run whose values unset flags take (default: llama3)",
+    )
     add("--gpus", metavar="N", help="GPUs of the job (a multiple of --gpus-per-node)")
-    add("--gpus-per-node", metavar="N", help="GPUs per node (8)")
+    add("--gpus-per-node", metavar="N", help="GPUs per node (default: the preset's, 8)")
     add("--days", metavar="D", help="simulated days")
     add("--gpu-mtbf-h", metavar="H", help="hours between interruptions per GPU, all causes")
     add("--mix", metavar="NAME=SHARE,...", help="cause mix over the preset's components")
@@ -122,7 +127,7 @@ def register(subparsers: Any) -> None:
         "--spares",
         dest="job_spares",
         metavar="K",
-        help="hot spares allocated besides the world (0)",
+        help="hot spares allocated besides the world (default: the preset's, 0 in llama3)",
     )
     add("--swap-s", metavar="S", help="decision -> first step when a spare takes over "
         "(default: each component's relaunch time)")  # fmt: skip
@@ -131,12 +136,26 @@ def register(subparsers: Any) -> None:
     add("--unit-nodes", metavar="N", help="the job's size stays a multiple of this")
     add("--queue-median-s", metavar="S", help="median queue wait of a requeue (log-normal)")
     add("--queue-sigma", metavar="X", help="log-normal shape of the queue wait")
-    add("--interval-policy", choices=[p.value for p in IntervalPolicy], help="(daly)")
+    add(
+        "--interval-policy",
+        choices=[p.value for p in IntervalPolicy],
+        help="how the checkpoint interval is chosen (default: the preset's, daly)",
+    )
     add("--interval-s", metavar="S", help="interval of the fixed policy; adaptive's first")
-    add("--seed", metavar="N", default="0", help="random seed (0)")
+    add("--seed", metavar="N", default="0", help="random seed (default: 0)")
     add("--plot", metavar="PATH", type=Path, help="write a PNG of goodput against interval")
-    add("--sweep-points", metavar="N", default="25", help="intervals in the --plot sweep (25)")
-    add("--sweep-seeds", metavar="N", default="4", help="runs per interval in the sweep (4)")
+    add(
+        "--sweep-points",
+        metavar="N",
+        default="25",
+        help="intervals in the --plot sweep (default: 25)",
+    )
+    add(
+        "--sweep-seeds",
+        metavar="N",
+        default="4",
+        help="runs per interval in the sweep (default: 4)",
+    )
     add("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 

@@ -30,7 +30,12 @@ REASON_CHARS = 60
 def register(subparsers: Any) -> None:
     """Add the `status` subcommand."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "status", help="supervised jobs: state, size, restarts, goodput, checkpoints"
+        "status",
+        help="supervised jobs: state, size, restarts, goodput, checkpoints",
+        description="Every supervised job at a glance: state, world size (and hot spares), "
+        "newest step, restarts by cause, goodput, newest checkpoint and the nodes drained "
+        "for it. Read from the supervisor's store, so it works while the supervisor is down "
+        "(showing what it last knew).",
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job ids (default: all)")
     parser.add_argument("--json", action="store_true", help="the documented JSON document")

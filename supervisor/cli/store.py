@@ -20,7 +20,11 @@ from supervisor.errors import StoreError
 def register(subparsers: Any) -> None:
     """Add the `store` subcommand."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "store", help="back up the supervisor's SQLite store while it runs"
+        "store",
+        help="back up the supervisor's SQLite store while it runs",
+        description="store backup DEST writes a consistent, openable copy of the supervisor's "
+        "store (SQLite's online backup) even while the supervisor writes to it. To restore, "
+        "see docs/operations.md.",
     )
     parser.add_argument("action", choices=["backup"])
     parser.add_argument("dest", type=Path, metavar="DEST", help="the backup file to write")

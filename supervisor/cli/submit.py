@@ -39,6 +39,7 @@ from typing import Any
 from agent.node.launch import Shape, launch_shape, split_srun, srun_tasks_per_node
 from agent.node.launch import refusal as launch_refusal
 from agent.wire.errors import ConfigError
+from agent.wire.settings import plain_text
 from supervisor.cli.common import ENV_JOBS_DIR, add_state_dir, jobs_dir
 from supervisor.config import DEFAULT_PORT
 from supervisor.errors import SlurmParseError
@@ -56,6 +57,7 @@ from supervisor.slurm import SlurmClient
 from supervisor.slurm.parse import compress_hostlist, expand_hostlist
 
 USAGE = "resurgo submit [resurgo options] [sbatch options...] -- COMMAND..."
+DESCRIPTION = plain_text(__doc__ or "")
 ENV_URL = "RESURGO_URL"
 ENV_CKPT_ROOT = "RESURGO_CKPT_ROOT"
 # A few of the supervisor's Slurm polls (2 s by default), each with its squeue.
@@ -65,7 +67,7 @@ REGISTER_WAIT_S = 15.0
 def build_parser() -> argparse.ArgumentParser:
     """Resurgo's own submit options; everything else goes to sbatch."""
     parser = argparse.ArgumentParser(
-        prog="resurgo submit", usage=USAGE, description=__doc__, allow_abbrev=False,
+        prog="resurgo submit", usage=USAGE, description=DESCRIPTION, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument(
@@ -74,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where the job saves checkpoints (absolute; default ${ENV_CKPT_ROOT})",
     )
     parser.add_argument("--min-nodes", type=int, help="smallest size after faults (or -N MIN-MAX)")
-    parser.add_argument("--unit", type=int, default=1, help="world size must be a multiple")
+    parser.add_argument(
+        "--unit", type=int, default=1, help="the world size stays a multiple of this (default: 1)"
+    )
     parser.add_argument(
         "--spares",
         type=int,
@@ -110,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
 def register(subparsers: Any) -> None:
     """List `submit` in `resurgo --help`; :func:`main` parses its arguments itself."""
     subparsers.add_parser(
-        "submit", help="sbatch a training job under supervision", usage=USAGE, add_help=False
+        "submit",
+        help="sbatch a training job under supervision",
+        description=DESCRIPTION,
+        usage=USAGE,
+        add_help=False,
     )
 
 

@@ -34,16 +34,23 @@ class Policy:
       on a small cluster the share rounds down to none (0.1 of 4 nodes), and a
       policy that can never drain only alerts.
     - ``drain_confidence``: the least blame confidence that drains a node.
-    - ``straggler_drain`` / ``straggler_reports_to_drain``: drain a straggler's
-      node after that many reports (off by default: slow is not broken).
-    - ``straggler_factor`` / ``straggler_min_steps``: a rank whose median
-      compute time over at least that many steps exceeds the factor x the
-      other ranks' median is a straggler (:mod:`supervisor.core.stragglers`); the
-      daemon reports it at each straggler check while it lasts.
+    - ``straggler_drain``: drain a straggler's node once it was reported
+      ``straggler_reports_to_drain`` times (false: stragglers are only
+      reported, since slow is not broken).
+    - ``straggler_reports_to_drain``: the straggler reports of one node after
+      which it is drained, when ``straggler_drain`` is on.
+    - ``straggler_factor``: a rank whose median compute time exceeds this
+      factor x the other ranks' median is a straggler
+      (:mod:`supervisor.core.stragglers`); the daemon reports it at each
+      straggler check while it lasts.
+    - ``straggler_min_steps``: the fewest steps a rank's median compute time is
+      taken over before the rank can be judged a straggler.
     - ``max_restarts_without_progress``: consecutive restarts with no newer
       committed checkpoint before the job is stopped as FAILED.
-    - ``backoff_base_s`` / ``backoff_max_s``: the wait before a relaunch,
-      doubled per restart without progress.
+    - ``backoff_base_s``: the wait before the first relaunch without progress,
+      doubled for each further one in a row (up to ``backoff_max_s``).
+    - ``backoff_max_s``: the longest wait before a relaunch, however many
+      restarts without progress came before it.
     - ``user_exception_retries``: relaunches after a Python exception.
     - ``stop_grace_s``: SIGTERM to SIGKILL when stopping ranks.
     - ``validation_level``: how deep a checkpoint is validated before resuming.
@@ -58,16 +65,22 @@ class Policy:
       (absolute) and the resume still counts as verified (0: exact).
     - ``probation_s``: a node drained once for a transient fault returns to
       service this long after its drain, once its health check passes.
-    - ``lemon_blames`` / ``lemon_window_s``: a node blamed that often within
-      the window (across jobs) is a lemon: it stays out and no job uses it.
-    - ``lemon_users``: ... and only when the blames came from jobs of at
-      least this many Slurm users: one user's jobs, buggy or hostile, cannot
-      keep a node from everyone.
-    - ``user_flag_share`` / ``user_flag_min_nodes``: a user whose jobs blamed
-      that share of the cluster's nodes (at least that many) within the
-      lemon window is flagged: the jobs, not the nodes, are the likelier
+    - ``lemon_blames``: a node blamed this often within ``lemon_window_s``
+      (across jobs) is a lemon: it stays out and no job uses it.
+    - ``lemon_window_s``: how far back a node's blames count towards
+      ``lemon_blames``, and a user's towards ``user_flag_share``.
+    - ``lemon_users``: a node is a lemon only when its blames came from jobs
+      of at least this many Slurm users (or it failed the supervisor's own
+      check): one user's jobs, buggy or hostile, cannot keep a node from
+      everyone.
+    - ``user_flag_share``: a user whose jobs blamed this share of the
+      cluster's nodes (rounded down, at least ``user_flag_min_nodes``) within
+      ``lemon_window_s`` is flagged: the jobs, not the nodes, are the likelier
       cause, and their blames drain and ticket nothing more (one critical
-      alert; ``user_flag_min_nodes`` 0: never flag).
+      alert).
+    - ``user_flag_min_nodes``: the fewest distinct nodes a user's jobs must
+      have blamed before the user is flagged, however small the share makes
+      it (0: never flag).
     - ``max_user_drain_share``: the share of the hourly drain limit (rounded
       down, at least one) that one Slurm user's jobs may take, drains and
       drain tickets alike: past it their blames exclude the node from the job
@@ -78,22 +91,27 @@ class Policy:
       the node, after the job has left it) fails, or at once when jobs of
       another user blamed it too or Slurm itself reports it not responding
       (:mod:`supervisor.core.drains`). False: drain on one job's evidence.
-    - ``storm_nodes`` / ``storm_jobs`` / ``storm_window_s``: the storm brake.
-      Blames of at least ``storm_nodes`` distinct nodes from at least
-      ``storm_jobs`` jobs within the window point at a shared cause (storage,
-      the network, the scheduler) rather than at the nodes: no node is drained
-      or ticketed while that holds, the jobs go on without the nodes they
-      blamed, and one critical alert is raised (``storm_nodes`` 0: no brake).
+    - ``storm_nodes``: the storm brake. Blames of at least this many distinct
+      nodes from at least ``storm_jobs`` jobs within ``storm_window_s`` point at
+      a shared cause (storage, the network, the scheduler) rather than at the
+      nodes: no node is drained or ticketed while that holds, the jobs go on
+      without the nodes they blamed, and one critical alert is raised (0: no
+      brake).
+    - ``storm_jobs``: the fewest distinct jobs whose blames make a storm (with
+      ``storm_nodes`` nodes within ``storm_window_s``).
+    - ``storm_window_s``: how far back blames count towards a storm.
     - ``grow_back``: a job running below its original size is requeued at a
       larger one from a checkpoint it just committed when idle nodes allow it.
     - ``relaunch_start_timeout_s``: a relaunched step none of whose agents
       called in by then never started (Slurm kept its nodes busy): the job
       falls back to the requeue path.
-    - ``silence_share`` / ``silence_min_agents``: when at least this share of
-      all agents (and at least that many) go silent within one lease, or every
+    - ``silence_share``: when at least this share of all agents go silent
+      within one lease (there being at least ``silence_min_agents``), or every
       agent of a job does, the silence has a common cause (the supervisor was
       away, the network, the job ended): no node is blamed for it, and Slurm's
       view decides (:mod:`supervisor.core.silence`).
+    - ``silence_min_agents``: the fewest agents, all jobs together, among
+      which ``silence_share`` of them going silent counts as a common cause.
     - ``spare_check_interval_s``: how often the health gate runs on a job's idle
       hot spares (0: only when a spare is swapped in); a spare that fails it is
       released and kept out of the job (:mod:`agent.node.sparecheck`).
@@ -104,22 +122,31 @@ class Policy:
       train on) or ``off`` (no detection) (:mod:`supervisor.core.rollback`).
     - ``anomaly_margin_steps``: a rollback resumes from the newest valid
       checkpoint at least this many steps before the onset's step - 1.
-    - ``anomaly_skip_batches`` / ``anomaly_skip_lead_batches``: a rollback
-      skips that many global batches, starting the lead before the onset batch.
+    - ``anomaly_skip_batches``: how many global batches a rollback skips,
+      from ``anomaly_skip_lead_batches`` before the onset batch on (0: none).
+    - ``anomaly_skip_lead_batches``: how many batches before the onset batch
+      the skipped ones start.
     - ``anomaly_max_rollbacks``: rollbacks a job may make; one more stops it.
     - ``anomaly_recurrence_steps``: an anomaly within this many steps after
       the last one's onset is a recurrence: on fresh data a crash loop, unless
       one node's ranks alone went bad both times (silent data corruption:
       that node is blamed and drained).
-    - ``anomaly_window_steps`` / ``anomaly_warmup_steps``: each rank's
-      trailing window a spike is judged against, and the steps it must hold
-      before any spike is judged.
-    - ``anomaly_spike_score`` / ``anomaly_spike_min_ratio``: a loss that many
-      robust standard deviations above the window's median and that many
-      times it is a spiking step (:class:`supervisor.core.anomaly.WatchPolicy`).
+    - ``anomaly_window_steps``: the steps of each rank's trailing window a
+      loss spike is judged against.
+    - ``anomaly_warmup_steps``: the steps a rank's window must hold before any
+      spike is judged.
+    - ``anomaly_spike_score``: a loss at least this many robust standard
+      deviations above its window's median (and ``anomaly_spike_min_ratio``
+      times it) is a spiking step (:class:`supervisor.core.anomaly.WatchPolicy`).
+    - ``anomaly_spike_min_ratio``: a spiking step's loss is also at least this
+      many times its window's median (with ``anomaly_spike_score``).
     - ``anomaly_spike_steps``: spiking steps in a row that make a spike.
-    - ``anomaly_grad_score`` / ``anomaly_grad_min_ratio``: the same bars for
-      a reported grad norm: a grad-norm explosion.
+    - ``anomaly_grad_score``: a grad norm at least this many robust standard
+      deviations above its window's median (and ``anomaly_grad_min_ratio``
+      times it) marks a step of a grad-norm explosion
+      (``anomaly_spike_steps`` in a row make one).
+    - ``anomaly_grad_min_ratio``: an exploding grad norm is also at least this
+      many times its window's median (with ``anomaly_grad_score``).
 
     Job sizes (original, minimum, unit) are the job's, on its record.
     """

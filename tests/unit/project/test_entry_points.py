@@ -1,4 +1,4 @@
-"""The three console scripts exist and answer --help; a module run as a program
+"""The three console scripts exist and answer --help and --version; a module run as a program
 (``python -m agent.driver``) has its ``__main__`` block last, since anything
 defined after it does not exist yet when main() runs."""
 
@@ -8,10 +8,12 @@ import ast
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from agent.wire.protocol import PROTOCOL_VERSION
 from tests.paths import REPO
 
 SCRIPTS = ("resurgo", "resurgo-supervisor", "resurgo-agent")
@@ -27,6 +29,19 @@ def test_console_script_help_exits_zero(script: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert f"usage: {script}" in done.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_console_script_version_names_itself_and_the_release(script: str) -> None:
+    path = Path(sys.executable).parent / script
+    executable = str(path) if path.exists() else shutil.which(script)
+    assert executable, f"{script} is not installed: run deploy/setup"
+    done = subprocess.run(
+        [executable, "--version"], capture_output=True, text=True, timeout=60, check=False
+    )
+    release = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{script} {release} (wire protocol {PROTOCOL_VERSION})\n"
 
 
 def test_resurgo_without_a_command_prints_help_and_exits_two() -> None:

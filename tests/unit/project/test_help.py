@@ -24,7 +24,8 @@ def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [
         action
         for action in parser._actions
-        if action.option_strings and not isinstance(action, argparse._HelpAction)
+        if action.option_strings
+        and not isinstance(action, argparse._HelpAction | argparse._VersionAction)
     ]
 
 
@@ -54,21 +55,3 @@ def test_the_default_shown_is_the_fields_own() -> None:
     assert shown["policy_lemon_window_s"].endswith("(default: 604800)")
     assert shown["policy_validation_level"].endswith("(default: full)")
     assert shown["policy_grow_back"].endswith("(default: true)")
-
-
-def test_a_field_its_class_does_not_describe_has_no_sentence() -> None:
-    @dataclasses.dataclass(frozen=True)
-    class Settings:
-        """Two settings.
-
-        - ``told``: a setting the docstring describes.
-        """
-
-        told: int = 1
-        untold: float = 2.5
-
-    parser = argparse.ArgumentParser()
-    add_flags(parser, Settings)
-    shown = {action.dest: action.help for action in options(parser)}
-    assert shown["told"] == "a setting the docstring describes. (default: 1)"
-    assert shown["untold"] == "(default: 2.5)"
