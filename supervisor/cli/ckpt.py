@@ -7,11 +7,18 @@ Commands and exit status (2 is a usage error, as in argparse)::
     resurgo ckpt newest ROOT   [--level quick|full|load] [--json]
         prints the newest valid checkpoint's path on stdout and, on stderr, why
         each newer one was rejected; 0 found, 1 none valid, 2 ROOT missing
-    resurgo ckpt list ROOT     [--json]
+    resurgo ckpt list ROOT     [--level quick|full|load] [--json]
         one row per checkpoint, newest first, of every layout: Resurgo's and
         plain DCP step-N/ (COMMITTED "plain": a complete DCP save without
         Resurgo's manifest), Hugging Face checkpoint-N/, DeepSpeed
-        global_stepN/, Lightning *.ckpt, a torch.save file; 0, or 2 ROOT missing
+        global_stepN/, Lightning *.ckpt, a torch.save file; 0, or 2 ROOT missing.
+        VALID is checked as ``newest`` checks: at --level (default full),
+        newest first, down to the first valid checkpoint, which is the one
+        ``newest`` prints; so ``list`` and ``newest`` never disagree. Older
+        rows get the quick check only (reading every byte of every old
+        checkpoint could take hours): VALID says ``unchecked`` when they pass
+        it, as a flipped byte passes a quick check, and ``NO`` when they fail
+        it. WHY says why a row is invalid.
     resurgo ckpt quarantined ROOT [--json]
         the checkpoints moved into ROOT/.resurgo-quarantine/ because they failed
         validation before a relaunch (:mod:`agent.checkpoint.quarantine`)
@@ -34,12 +41,14 @@ JSON output (``--json``; one document on stdout; keys are stable, enums by value
 - ``newest``: ``{"root": str, "newest": report|null, "rejected": [report...]}``,
   rejected newest first.
 
-- ``list``: ``{"root": str, "filesystem": str, "warnings": [str...],
+- ``list``: ``{"root": str, "level": level, "filesystem": str, "warnings": [str...],
   "checkpoints": [row...]}`` (``filesystem`` by statfs magic, e.g. "ext4",
   "nfs", "lustre"; ``warnings`` e.g. many ranks writing shards to NFS), each row::
 
     {"name": str, "layout": "resurgo"|"dcp"|"huggingface"|"deepspeed"|"lightning"|
      "torch_save", "step": int|null, "path": str, "committed": bool, "has_manifest": bool,
+     "valid": bool|null (null: unchecked, passed the quick check only),
+     "checked_level": level, "reason": str|null, "newest_valid": bool,
      "valid_quick": bool, "quick_reason": str|null, "total_bytes": int, "mtime_unix_s": float,
      "age_s": float, "stats": null | {"stall_s": float, "write_s": float,
      "total_bytes": int, "filesystem": str, "mode": str,
@@ -49,12 +58,15 @@ JSON output (``--json``; one document on stdout; keys are stable, enums by value
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor.cli.common import duration, print_json, size, table
+from supervisor.text import one_line
 
 if TYPE_CHECKING:
     from agent.checkpoint.catalog import Entry
@@ -69,6 +81,13 @@ EXIT_USAGE = 2
 # checkpoint modules import torch, which takes seconds: they are imported only
 # when a ckpt command runs, so every other `resurgo` command starts fast.
 LEVELS = ("quick", "full", "load")
+# A rejection reason longer than this is shortened at a word in the list's WHY column
+# (the last, so a long one runs off to the right rather than pushing columns apart);
+# `--json` has it whole.
+WHY_CHARS = 160
+# A checksum's hex digest, kept to its first 8 digits in the WHY column: enough to
+# tell two apart by eye.
+_DIGEST = re.compile(r"\b([0-9a-f]{8})[0-9a-f]{16,}\b")
 
 
 def register(subparsers: Any) -> None:
@@ -79,7 +98,11 @@ def register(subparsers: Any) -> None:
         description="Validate, pick and list checkpoints: Resurgo's, plain DCP, Hugging Face, "
         "DeepSpeed, Lightning and torch.save files.",
     )
-    parser.set_defaults(func=lambda _args: _usage(parser))
+    parser.set_defaults(
+        func=lambda _args: parser.error(
+            "which command? validate, newest, list, quarantined or release (--help says more)"
+        )
+    )
     commands = parser.add_subparsers(dest="ckpt_command", metavar="COMMAND")
 
     check = commands.add_parser(
@@ -115,12 +138,14 @@ def register(subparsers: Any) -> None:
 
     listing = commands.add_parser(
         "list",
-        help="list checkpoints with size, age, save stats",
+        help="list checkpoints with validity, size, age, save stats",
         description="List the checkpoints under a root, newest first, of every layout, with "
-        "their size, age, save statistics and a quick validation; and the filesystem they "
-        "are on, with a warning where it suits checkpoints badly.",
+        "their validity (the newest checked as `ckpt newest` checks, older ones quickly), size, "
+        "age and save statistics; and the filesystem they are on, with a warning where it "
+        "suits checkpoints badly.",
     )
     listing.add_argument("root", metavar="ROOT", help="the checkpoint root")
+    _add_level(listing)
     listing.add_argument("--json", action="store_true", help="print the rows as JSON")
     listing.set_defaults(func=_list)
 
@@ -154,11 +179,6 @@ def _add_level(parser: argparse.ArgumentParser) -> None:
         help="quick: files, sizes, metadata; full: + checksums; load: + test-load "
         "every item, no NaN/Inf (default: full)",
     )
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return EXIT_USAGE
 
 
 def _missing_directory(command: str, path: str, what: str) -> int | None:
@@ -246,26 +266,35 @@ def _list(args: argparse.Namespace) -> int:
     now_s = time.time()
     rows = []
     reports = []
+    newest: str | None = None
     for found in layouts.find_all(args.root):
-        quick = _check(Path(found.path), "quick")
+        # Down to the first valid one at the asked level, as `newest` goes; past it,
+        # the quick check only.
+        level = args.level if newest is None else "quick"
+        report = _check(Path(found.path), level)
+        if newest is None and report.valid:
+            newest = found.name
         entry = None
         if found.layout in ("resurgo", "dcp") and found.step is not None:
             entry = describe(Path(found.path), found.step)
-            reports.append((entry, quick))
-        rows.append(_row(found, entry, quick, now_s))
+            reports.append((entry, report))
+        rows.append(_row(found, entry, report, args.level, now_s, newest=newest == found.name))
     filesystem = filesystem_of(Path(args.root))
     warnings = _storage_warnings(filesystem, reports)
     if args.json:
         print_json(
             {
                 "root": args.root,
+                "level": args.level,
                 "filesystem": filesystem.value,
                 "warnings": warnings,
                 "checkpoints": rows,
             }
         )
     else:
-        print(_table(rows) if rows else f"no checkpoints under {args.root}")
+        print(_table(rows, args.level) if rows else f"no checkpoints under {args.root}")
+        for line in _legend(rows, args.level):
+            print(line)
         print(f"filesystem: {filesystem.value}")
         for warning in warnings:
             print(f"warning: {warning}")
@@ -334,7 +363,13 @@ def _report_line(report: Report) -> str:
     return f"invalid at {report.failed_level.value}: {name}: {report.reason}"
 
 
-def _row(found: Found, entry: Entry | None, quick: Report, now_s: float) -> dict[str, Any]:
+def _row(
+    found: Found, entry: Entry | None, report: Report, level: str, now_s: float, *, newest: bool
+) -> dict[str, Any]:
+    """One checkpoint's row; ``report`` is at ``level``, or quick for rows past the newest
+    valid one (``valid`` None: unchecked)."""
+    from agent.checkpoint.report import Level
+
     stats: dict[str, Any] | None = None
     if entry is not None and entry.stats is not None:
         write_s = entry.stats.write_s
@@ -346,6 +381,7 @@ def _row(found: Found, entry: Entry | None, quick: Report, now_s: float) -> dict
             "mode": entry.stats.mode,
             "throughput_bytes_per_s": entry.stats.total_bytes / write_s if write_s > 0 else None,
         }
+    quick_failed = report.failed_level is Level.QUICK
     return {
         "name": found.name,
         "layout": found.layout,
@@ -353,8 +389,12 @@ def _row(found: Found, entry: Entry | None, quick: Report, now_s: float) -> dict
         "path": found.path,
         "committed": entry.committed if entry is not None else found.complete,
         "has_manifest": entry.has_manifest if entry is not None else False,
-        "valid_quick": quick.valid,
-        "quick_reason": quick.reason,
+        "valid": None if report.valid and report.level.value != level else report.valid,
+        "checked_level": report.level.value,
+        "reason": report.reason,
+        "newest_valid": newest,
+        "valid_quick": not quick_failed,
+        "quick_reason": report.reason if quick_failed else None,
         "total_bytes": found.total_bytes,
         "mtime_unix_s": found.mtime_s,
         "age_s": max(0.0, now_s - found.mtime_s),
@@ -362,12 +402,12 @@ def _row(found: Found, entry: Entry | None, quick: Report, now_s: float) -> dict
     }
 
 
-_COLUMNS = ("CHECKPOINT", "LAYOUT", "STEP", "COMMITTED", "VALID(quick)", "SIZE", "AGE", "STALL",
-            "WRITE", "THROUGHPUT")  # fmt: skip
+_COLUMNS = ("CHECKPOINT", "LAYOUT", "STEP", "COMMITTED", "VALID", "SIZE", "AGE", "STALL", "WRITE",
+            "THROUGHPUT", "WHY")  # fmt: skip
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    cells = [_COLUMNS]
+def _table(rows: list[dict[str, Any]], level: str) -> str:
+    cells = [tuple(f"VALID({level})" if name == "VALID" else name for name in _COLUMNS)]
     for row in rows:
         stats = row["stats"]
         throughput = None if stats is None else stats["throughput_bytes_per_s"]
@@ -377,15 +417,45 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 row["layout"],
                 "?" if row["step"] is None else str(row["step"]),
                 _committed_cell(row),
-                "yes" if row["valid_quick"] else "NO",
+                {True: "yes", False: "NO", None: "unchecked"}[row["valid"]],
                 size(row["total_bytes"]),
                 duration(row["age_s"]),
                 "-" if stats is None else f"{stats['stall_s']:.2f}s",
                 "-" if stats is None else f"{stats['write_s']:.2f}s",
                 "-" if throughput is None else f"{size(throughput)}/s",
+                _why(row),
             )
         )
     return table(cells[0], cells[1:])
+
+
+def _why(row: dict[str, Any]) -> str:
+    """The rejection reason, on one line and shortened; "-" for a row not rejected."""
+    if row["valid"] is not False or not row["reason"]:
+        return "-"
+    # The row names the checkpoint: its path inside the reason only repeats it.
+    reason = one_line(row["reason"].replace(f"{row['path']}/", ""))
+    reason = _DIGEST.sub(r"\1...", reason)
+    return textwrap.shorten(f"{row['checked_level']}: {reason}", WHY_CHARS, placeholder=" ...")
+
+
+def _legend(rows: list[dict[str, Any]], level: str) -> list[str]:
+    """What the VALID column's words mean for this listing, only where they appear."""
+    lines = []
+    newest = next((row for row in rows if row["newest_valid"]), None)
+    if newest is not None:
+        lines.append(
+            f"newest valid at {level}: {newest['name']} (what `resurgo ckpt newest` picks)"
+        )
+    elif rows:
+        lines.append(f"no checkpoint is valid at {level}")
+    if any(row["valid"] is None for row in rows):
+        lines.append(
+            "unchecked: older than the newest valid one, so given the quick check only "
+            "(files, sizes, metadata; a flipped byte passes it); "
+            f"`resurgo ckpt validate PATH --level {level}` checks one"
+        )
+    return lines
 
 
 def _committed_cell(row: dict[str, Any]) -> str:

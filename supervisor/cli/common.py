@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,8 +25,11 @@ class BadInput(Exception):
     """One flag's value is unusable; the message names the flag and what is valid."""
 
 
-def number(flag: str, text: str, *, positive: bool) -> float:
-    """``text`` as a finite number, >0 when ``positive`` else >=0; BadInput otherwise."""
+def number(
+    flag: str, text: str, *, positive: bool, least: float | None = None, most: float | None = None
+) -> float:
+    """``text`` as a finite number, >0 when ``positive`` else >=0, and from ``least`` to
+    ``most`` where given; BadInput otherwise."""
     try:
         value = float(text)
     except ValueError:
@@ -33,7 +37,34 @@ def number(flag: str, text: str, *, positive: bool) -> float:
     if not math.isfinite(value) or (value <= 0 if positive else value < 0):
         wanted = "a positive number" if positive else "a number >= 0"
         raise BadInput(f"{flag} must be {wanted}, got {text!r}")
+    if least is not None and value < least:
+        raise BadInput(f"{flag} must be at least {least:g}, got {text!r}")
+    if most is not None and value > most:
+        raise BadInput(f"{flag} must be at most {most:g}, got {text!r}")
     return value
+
+
+def watch_seconds(text: str) -> float:
+    """An argparse ``type=`` for a redraw period (``status --watch S``): a finite number of
+    seconds, at least 0.1 (a tighter loop only burns the store's readers' CPU)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0.1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a redraw period: give seconds, at least 0.1 (e.g. --watch 2)"
+        )
+    return value
+
+
+def fine_duration(value: float) -> str:
+    """An interval for people, precise at every size: 26.8 min (1608 s), 42.5 s, 4.6 ms."""
+    if value >= 60:
+        return f"{value / 60:.1f} min ({value:.0f} s)"
+    if value >= 1 or value == 0:
+        return f"{value:.3g} s"
+    return f"{value * 1000:.3g} ms"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: bool = False) -> str:
@@ -112,6 +143,16 @@ def open_store(state_dir: str, *, write: bool = False) -> Store:
     (an operator in the supervisor's ``state_group``) can still use every view.
     """
     path = Path(state_dir) / "resurgo.db"
+    if Path(state_dir).is_file():
+        raise StoreError(
+            f"--state-dir {state_dir} is a file: pass the directory holding resurgo.db "
+            f"({Path(state_dir).parent}, if that file is the store)"
+        )
+    if path.is_dir():
+        raise StoreError(
+            f"{path} is a directory, not a Resurgo store: pass the supervisor's --state-dir "
+            f"(the directory holding its resurgo.db file)"
+        )
     try:
         if not path.exists():
             raise StoreError(
@@ -124,4 +165,11 @@ def open_store(state_dir: str, *, write: bool = False) -> Store:
         raise StoreError(
             f"cannot read the store at {path} ({error.strerror}): run as the supervisor's "
             "user, or as a member of its state_group"
+        ) from error
+    except (OSError, sqlite3.Error) as error:
+        # Store.open turns damage into StoreCorrupt; what is left is the OS or SQLite
+        # refusing the file itself (a special file, a full disk, an I/O error).
+        raise StoreError(
+            f"cannot open the store at {path} ({error}): check the path is the supervisor's "
+            "resurgo.db file"
         ) from error

@@ -3,6 +3,10 @@
 Each subcommand module exposes ``register(subparsers)``, which adds its parser
 and sets ``func`` to a callable taking the parsed namespace and returning the
 exit status. Exit status 2 is reserved for usage errors, as in argparse.
+
+A usage error prints argparse's form: the usage of the command that was
+mistyped (``resurgo ckpt list``'s, not the top level's) and one line
+``resurgo ckpt list: error: ...``; every other error is one line.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import argparse
 import io
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from agent.wire.settings import add_version
 from supervisor.cli import ckpt, events, interval, nodes, report, simulate, status, store, submit
@@ -33,7 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.register(subparsers)
+    for command in _commands(parser):
+        # The deepest command parsed sets it last: its parser reports a stray word.
+        command.set_defaults(command_parser=command)
     return parser
+
+
+def _commands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """Every subcommand's parser under ``parser``, nested ones (``ckpt list``) included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in dict.fromkeys(action.choices.values()):
+                yield command
+                yield from _commands(command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,7 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # sbatch's options pass through untouched: submit parses its own words.
         return submit.main(words[1:])
     parser = build_parser()
-    args = parser.parse_args(words)
+    # A stray word reaches the top level, which would print the top level's usage:
+    # the command it was meant for says it instead, with its own usage.
+    args, stray = parser.parse_known_args(words)
+    if stray:
+        owner: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        owner.error(f"unrecognized arguments: {' '.join(stray)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

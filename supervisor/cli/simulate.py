@@ -2,20 +2,22 @@
 
     resurgo simulate                                   # Llama 3's 54 days on 16,384 GPUs
     resurgo simulate --interval-policy fixed --interval-s 1560 --json
-    resurgo simulate --preset opt175b --plot goodput.png
-    resurgo simulate --spares 16 --spare-nodes 0         # the 16 nodes held as hot spares
+    resurgo simulate --preset opt175b --plot goodput.svg
+    resurgo simulate --spares 16 --idle-nodes 0          # the 16 nodes held as hot spares
 
 A flag left out takes the preset's value (``--preset llama3`` by default; the
 defaults and their sources are in :mod:`supervisor.core.simulate`). ``--plot``
 sweeps fixed intervals on the same failures and draws goodput against the
-interval, Young's and Daly's optima marked. ``--json`` prints one object:
+interval, Young's and Daly's optima marked, as PNG, SVG or PDF by the file's
+suffix. ``--json`` prints one object:
 ``goodput``, ``interval_s`` (the mean interval in force), ``interruptions``
 (the count) and ``interruptions_by_cause``, ``badput_s`` (seconds by badput
 kind: lost_work, detection, recovery, checkpoint_stall, startup, queue_wait)
 and ``badput_by_cause_s`` (the fault-related badput by restart cause), among
 others; with ``--plot``, the ``sweep`` points and ``best_interval_s`` too.
 ``--spares K`` gives the job K hot spares besides its world (``resurgo submit
---spares``; ``--spare-nodes`` stays the partition's idle nodes): ``swaps``,
+--spares``; ``--idle-nodes`` are the partition's idle nodes, ``spare_nodes`` in
+the JSON; ``--spare-nodes`` is its old spelling, still read): ``swaps``,
 ``spare_faults``, ``spare_share`` (the spares' share of the allocation) and
 ``allocation_goodput`` (goodput against the whole allocation) report them.
 """
@@ -29,8 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint.interval import recommended_interval_s
-from supervisor.cli.common import BadInput, fail, number
+from agent.checkpoint.interval import WRITE_HEADROOM, recommended_interval_s
+from supervisor.cli.common import BadInput, fail, fine_duration, number
 from supervisor.core.simulate import (
     HOUR_S,
     PRESETS,
@@ -50,16 +52,30 @@ _USAGE_ERROR = 2
 _JSON_VERSION = 1
 # The sweep behind --plot: intervals from a quarter to four times the recommended one.
 _SWEEP_SPAN = 4.0
+# What --plot can write, by the file's suffix (matplotlib's Agg, SVG and PDF backends).
+_PLOT_FORMATS = ("png", "svg", "pdf")
 
 
-def _integer(flag: str, text: str, *, least: int) -> int:
-    """``text`` as an integer >= ``least``."""
+# Bounds on the inputs: beyond any real cluster or job, near enough that no product
+# overflows and a run ends (1e308 days would run forever, a GPU MTBF of 1e-320 h
+# never gets past its first failure, 1e11 GPUs would not fit in memory).
+_MOST_COUNT = 1_000_000  # GPUs, nodes
+_MOST_S = 1e7  # durations in seconds: 116 days
+_MOST_H = 1e7  # hours: a GPU MTBF of 1,100 years
+_LEAST_MTBF_H = 1e-3
+_MOST_DAYS = 3650.0
+_MOST_SIGMA = 5.0  # log-normal shape: e^5 is a 150-fold spread already
+_MOST_SWEEP = 200
+
+
+def _integer(flag: str, text: str, *, least: int, most: int = _MOST_COUNT) -> int:
+    """``text`` as an integer from ``least`` to ``most``."""
     try:
         value = int(text)
     except ValueError:
-        raise BadInput(f"{flag} must be a whole number >= {least}, got {text!r}") from None
-    if value < least:
-        raise BadInput(f"{flag} must be a whole number >= {least}, got {text!r}")
+        value = least - 1
+    if not least <= value <= most:
+        raise BadInput(f"{flag} must be a whole number from {least} to {most:,}, got {text!r}")
     return value
 
 
@@ -67,12 +83,12 @@ def _at_least(least: int) -> Callable[[str, str], int]:
     return lambda flag, text: _integer(flag, text, least=least)
 
 
-def _positive(flag: str, text: str) -> float:
-    return number(flag, text, positive=True)
+def _positive(most: float, least: float | None = None) -> Callable[[str, str], float]:
+    return lambda flag, text: number(flag, text, positive=True, least=least, most=most)
 
 
-def _non_negative(flag: str, text: str) -> float:
-    return number(flag, text, positive=False)
+def _non_negative(most: float) -> Callable[[str, str], float]:
+    return lambda flag, text: number(flag, text, positive=False, most=most)
 
 
 def _mix(text: str, preset: Params) -> tuple[Component, ...]:
@@ -86,7 +102,7 @@ def _mix(text: str, preset: Params) -> tuple[Component, ...]:
             raise BadInput(
                 f"--mix: unknown component {name!r}; the components are {', '.join(known)}"
             )
-        shares[name] = _non_negative("--mix", share.strip())
+        shares[name] = number("--mix", share.strip(), positive=False)
     total = sum(shares.values())
     if total <= 0:
         raise BadInput("--mix: the shares must not all be 0")
@@ -122,7 +138,10 @@ def register(subparsers: Any) -> None:
     add("--recover-s", metavar="S", help="decision -> first step after relaunch, every component")
     add("--save-stall-s", metavar="S", help="seconds each save blocks training")
     add("--write-s", metavar="S", help="seconds the background write runs after the stall")
-    add("--spare-nodes", metavar="N", help="idle nodes in the partition the job can requeue onto")
+    add("--idle-nodes", dest="spare_nodes", metavar="N",
+        help="idle nodes in the partition the job can requeue onto")  # fmt: skip
+    # The name before --idle-nodes: beside --spares it read as the same thing.
+    add("--spare-nodes", dest="spare_nodes", help=argparse.SUPPRESS)
     add(
         "--spares",
         dest="job_spares",
@@ -143,19 +162,16 @@ def register(subparsers: Any) -> None:
     )
     add("--interval-s", metavar="S", help="interval of the fixed policy; adaptive's first")
     add("--seed", metavar="N", default="0", help="random seed (default: 0)")
-    add("--plot", metavar="PATH", type=Path, help="write a PNG of goodput against interval")
+    add("--plot", metavar="PATH", type=Path,
+        help="plot goodput against interval into PATH: .png, .svg or .pdf")  # fmt: skip
     add(
         "--sweep-points",
         metavar="N",
         default="25",
-        help="intervals in the --plot sweep (default: 25)",
+        help="intervals in the --plot sweep, 4 or more (default: 25)",
     )
-    add(
-        "--sweep-seeds",
-        metavar="N",
-        default="4",
-        help="runs per interval in the sweep (default: 4)",
-    )
+    add("--sweep-seeds", metavar="N", default="4",
+        help="runs per interval in the sweep (default: 4)")  # fmt: skip
     add("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -164,18 +180,18 @@ def register(subparsers: Any) -> None:
 _FIELDS: tuple[tuple[str, str, Callable[[str, str], float]], ...] = (
     ("--gpus", "gpus", _at_least(1)),
     ("--gpus-per-node", "gpus_per_node", _at_least(1)),
-    ("--days", "days", _positive),
-    ("--gpu-mtbf-h", "gpu_mtbf_h", _positive),
-    ("--save-stall-s", "save_stall_s", _positive),
-    ("--write-s", "write_s", _non_negative),
-    ("--spare-nodes", "spare_nodes", _at_least(0)),
+    ("--days", "days", _positive(_MOST_DAYS)),
+    ("--gpu-mtbf-h", "gpu_mtbf_h", _positive(_MOST_H, _LEAST_MTBF_H)),
+    ("--save-stall-s", "save_stall_s", _positive(_MOST_S)),
+    ("--write-s", "write_s", _non_negative(_MOST_S)),
+    ("--idle-nodes", "spare_nodes", _at_least(0)),
     ("--spares", "job_spares", _at_least(0)),
-    ("--swap-s", "swap_s", _non_negative),
+    ("--swap-s", "swap_s", _non_negative(_MOST_S)),
     ("--min-nodes", "min_nodes", _at_least(1)),
     ("--unit-nodes", "unit_nodes", _at_least(1)),
-    ("--queue-median-s", "queue_median_s", _positive),
-    ("--queue-sigma", "queue_sigma", _non_negative),
-    ("--interval-s", "interval_s", _positive),
+    ("--queue-median-s", "queue_median_s", _positive(_MOST_S)),
+    ("--queue-sigma", "queue_sigma", _non_negative(_MOST_SIGMA)),
+    ("--interval-s", "interval_s", _positive(_MOST_S)),
 )
 # The flag behind each Params field, for the checks only the whole set can make.
 _FLAG_OF = {field: flag for flag, field, _ in _FIELDS} | {"mix": "--mix", "repair_s": "--repair-h"}
@@ -190,21 +206,27 @@ def _params(args: argparse.Namespace) -> Params:
         if getattr(args, field) is not None
     }
     if args.repair_h is not None:
-        given["repair_s"] = _non_negative("--repair-h", args.repair_h) * HOUR_S
+        repair_h = number("--repair-h", args.repair_h, positive=False, most=_MOST_H)
+        given["repair_s"] = repair_h * HOUR_S
     if args.interval_policy is not None:
         given["interval_policy"] = IntervalPolicy(args.interval_policy)
     mix = preset.mix if args.mix is None else _mix(args.mix, preset)
     if args.detect_s is not None:
-        detect = _non_negative("--detect-s", args.detect_s)
+        detect = number("--detect-s", args.detect_s, positive=False, most=_MOST_S)
         mix = tuple(replace(component, detect_s=detect) for component in mix)
     if args.recover_s is not None:
-        recover = _non_negative("--recover-s", args.recover_s)
+        recover = number("--recover-s", args.recover_s, positive=False, most=_MOST_S)
         mix = tuple(replace(component, recover_s=recover) for component in mix)
     return replace(preset, mix=mix, **given)
 
 
-def _hours(seconds: float) -> str:
-    return f"{seconds / HOUR_S:.1f} h"
+def _hours(span_s: float) -> str:
+    return f"{span_s / HOUR_S:.1f} h"
+
+
+def _mtbf(span_s: float) -> str:
+    """Hours, or finer where an hour would round to 0.0 h."""
+    return _hours(span_s) if span_s >= HOUR_S else fine_duration(span_s)
 
 
 def _summary(params: Params, outcome: Outcome, seed: int) -> dict[str, Any]:
@@ -258,10 +280,10 @@ def _human(summary: dict[str, Any]) -> str:
         f"{summary['days']:g} days of {summary['gpus']:,} GPUs ({summary['nodes']:,} nodes, "
         f"{spares} hot spare{'' if spares == 1 else 's'}, {summary['spare_nodes']} idle in "
         f"the partition), seed {summary['seed']}",
-        f"job MTBF {_hours(summary['job_mtbf_s'])}; save stall {summary['save_stall_s']:g} s, "
+        f"job MTBF {_mtbf(summary['job_mtbf_s'])}; save stall {summary['save_stall_s']:g} s, "
         f"background write {summary['write_s']:g} s",
-        f"interval ({summary['interval_policy']}) {summary['interval_s'] / 60:.1f} min; "
-        f"Young {summary['young_s'] / 60:.1f} min, Daly {summary['daly_s'] / 60:.1f} min",
+        f"interval ({summary['interval_policy']}) {fine_duration(summary['interval_s'])}; "
+        f"Young {fine_duration(summary['young_s'])}, Daly {fine_duration(summary['daly_s'])}",
         f"interruptions {summary['interruptions']}: {causes}",
         f"goodput {summary['goodput']:.1%} "
         f"(useful work at full size {summary['useful_work_share']:.1%})",
@@ -281,7 +303,7 @@ def _human(summary: dict[str, Any]) -> str:
         )
     if "best_interval_s" in summary:
         lines.append(
-            f"sweep: best interval {summary['best_interval_s'] / 60:.1f} min; "
+            f"sweep: best interval {fine_duration(summary['best_interval_s'])}; "
             f"plot written to {summary['plot']}"
         )
     return "\n".join(lines)
@@ -294,7 +316,8 @@ def _tick(value: float, _position: int) -> str:
 
 
 def _plot(path: Path, params: Params, points: list[SweepPoint], best: float, chosen: float) -> None:
-    """Goodput against the checkpoint interval, the optima marked, as a PNG at ``path``."""
+    """Goodput against the checkpoint interval, the optima marked, at ``path`` in the format
+    its suffix names (one of :data:`_PLOT_FORMATS`)."""
     # matplotlib is loaded only by this flag; a bare Figure keeps pyplot's global state out.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -329,7 +352,30 @@ def _plot(path: Path, params: Params, points: list[SweepPoint], best: float, cho
     )
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(loc="lower center", fontsize="small")
-    figure.savefig(path, format="png", dpi=100, bbox_inches="tight")
+    figure.savefig(path, format=path.suffix[1:].lower(), dpi=100, bbox_inches="tight")
+
+
+def _check_plot(path: Path) -> None:
+    """BadInput unless ``path`` names a file of a format :func:`_plot` writes, in a folder
+    that exists: said before the simulation runs, not after."""
+    if path.is_dir():
+        raise BadInput(f"--plot {path} is a directory: name the file to write in it")
+    if path.suffix[1:].lower() not in _PLOT_FORMATS:
+        raise BadInput(
+            f"--plot {path}: name a .png, .svg or .pdf file (the suffix picks the format)"
+        )
+    if not path.parent.is_dir():
+        raise BadInput(f"--plot {path}: the folder {path.parent} does not exist: create it first")
+
+
+def _sweep_intervals(params: Params, count: int) -> list[float]:
+    """``count`` intervals evenly spaced on a log scale, from a quarter to four times the
+    recommended one, but all above the background write: below it saves queue behind
+    each other, and :func:`best_interval_s` leaves those points out of its fit."""
+    middle = recommended_interval_s(params.save_stall_s, params.write_s, params.job_mtbf_s())
+    low = max(middle / _SWEEP_SPAN, WRITE_HEADROOM * params.write_s)
+    high = middle * _SWEEP_SPAN
+    return [low * (high / low) ** (i / (count - 1)) for i in range(count)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -337,10 +383,12 @@ def run(args: argparse.Namespace) -> int:
     # Values are parsed here rather than by argparse so that bad input gives one
     # line naming the flag, not argparse's usage block.
     try:
-        seed = _integer("--seed", args.seed, least=0)
-        points_n = _integer("--sweep-points", args.sweep_points, least=4)
-        seeds_n = _integer("--sweep-seeds", args.sweep_seeds, least=1)
+        seed = _integer("--seed", args.seed, least=0, most=2**32 - 1)
+        points_n = _integer("--sweep-points", args.sweep_points, least=4, most=_MOST_SWEEP)
+        seeds_n = _integer("--sweep-seeds", args.sweep_seeds, least=1, most=_MOST_SWEEP)
         params = _params(args)
+        if args.plot is not None:
+            _check_plot(args.plot)
     except BadInput as error:
         return fail("simulate", str(error), _USAGE_ERROR)
     except BadParameter as error:
@@ -348,9 +396,7 @@ def run(args: argparse.Namespace) -> int:
     outcome = simulate(params, seed)
     summary = _summary(params, outcome, seed)
     if args.plot is not None:
-        middle = recommended_interval_s(params.save_stall_s, params.write_s, params.job_mtbf_s())
-        # Evenly spaced on a log scale, from middle / span to middle * span.
-        intervals = [middle * _SWEEP_SPAN ** (2 * i / (points_n - 1) - 1) for i in range(points_n)]
+        intervals = _sweep_intervals(params, points_n)
         points = sweep(params, intervals, range(seed, seed + seeds_n))
         try:
             best = best_interval_s(points, above_s=params.write_s)

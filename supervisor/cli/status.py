@@ -15,7 +15,15 @@ import textwrap
 import time
 from typing import Any
 
-from supervisor.cli.common import add_state_dir, duration, fail, open_store, print_json, table
+from supervisor.cli.common import (
+    add_state_dir,
+    duration,
+    fail,
+    open_store,
+    print_json,
+    table,
+    watch_seconds,
+)
 from supervisor.errors import StoreError
 from supervisor.text import one_line
 from supervisor.views import documents as views
@@ -39,7 +47,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job ids (default: all)")
     parser.add_argument("--json", action="store_true", help="the documented JSON document")
-    parser.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="S",
+    parser.add_argument("--watch", type=watch_seconds, nargs="?", const=2.0, metavar="S",
                         help="redraw every S seconds (default 2) until interrupted")  # fmt: skip
     add_state_dir(parser)
     parser.set_defaults(func=run)

@@ -8,7 +8,8 @@ Every option Resurgo does not know is an sbatch option and passes to sbatch
 unchanged (so do the ``#SBATCH`` lines of ``--script FILE``); Resurgo adds only
 ``--requeue``, one agent task per node (unless you set task counts) and a
 ``USR1`` warning before the time limit. ``--nodes=2-4`` starts the job on 4
-nodes and lets it shrink down to 2 after faults. ``--spares 1`` allocates one
+nodes and lets it shrink down to 2 after faults; ``--unit-nodes 2`` keeps its
+size a multiple of 2 (``--unit``, the old spelling, still works). ``--spares 1`` allocates one
 node more than the world and keeps it ready: after a fault it takes the
 blamed node's place, so the world keeps its size (the job shrinks only when
 no healthy spare is left). The job id is printed as
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import pwd
 import shlex
@@ -77,7 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--min-nodes", type=int, help="smallest size after faults (or -N MIN-MAX)")
     parser.add_argument(
-        "--unit", type=int, default=1, help="the world size stays a multiple of this (default: 1)"
+        "--unit-nodes",
+        type=int,
+        default=1,
+        help="the world size stays a multiple of this (default: 1)",
+    )
+    # The name before --unit-nodes (simulate's): scripts still use it.
+    parser.add_argument(
+        "--unit", dest="unit_nodes", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--spares",
@@ -97,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--register-wait-s",
-        type=float,
+        type=_wait_seconds,
         default=REGISTER_WAIT_S,
         help=f"how long the held job waits for the supervisor to register it before it is "
         f"cancelled (default {REGISTER_WAIT_S:g})",
@@ -109,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default ${ENV_JOBS_DIR} or STATE_DIR/jobs)",
     )
     return parser
+
+
+def _wait_seconds(text: str) -> float:
+    """``--register-wait-s``: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"give seconds > 0 (default {REGISTER_WAIT_S:g}), not {text!r}"
+        )
+    return value
 
 
 def register(subparsers: Any) -> None:
@@ -177,6 +199,12 @@ def spec_from(args: argparse.Namespace, sbatch_args: list[str], command: list[st
                 f"{option}={pattern}: the folder {folder} does not exist, and Slurm would "
                 "fail the job at its start (JobLaunchFailure): create it first"
             )
+    if args.unit_nodes < 1 or request.nodes % args.unit_nodes:
+        raise ConfigError(
+            f"--unit-nodes {args.unit_nodes} must divide the job's node count {request.nodes} (-N)"
+        )
+    if args.procs_per_node is not None and args.procs_per_node < 1:
+        raise ConfigError(f"--procs-per-node must be 1 or more, got {args.procs_per_node}")
     if not args.ckpt_root:
         raise ConfigError(
             f"where should checkpoints go? pass --ckpt-root DIR or set {ENV_CKPT_ROOT}"
@@ -188,7 +216,7 @@ def spec_from(args: argparse.Namespace, sbatch_args: list[str], command: list[st
         command=tuple(command),
         ckpt_root=os.path.abspath(args.ckpt_root),
         min_nodes=args.min_nodes if args.min_nodes is not None else request.min_nodes,
-        unit=args.unit,
+        unit=args.unit_nodes,
         spares=args.spares,
         procs_per_node=args.procs_per_node or ranks_per_node(command, request),
         supervisor_url=args.supervisor.rstrip("/"),

@@ -290,8 +290,9 @@ class StoreCore:
     def backup(self, dest: str | Path) -> None:
         """Write a consistent, openable copy of the store to ``dest`` (online backup API).
 
-        Leases are flushed first. ``dest`` is replaced atomically. Not allowed
-        inside a transaction (the copy would miss its uncommitted writes).
+        Leases are flushed first. ``dest`` is replaced atomically and gets the
+        store file's permission bits. Not allowed inside a transaction (the copy
+        would miss its uncommitted writes).
         """
         dest = Path(dest)
         if self._depth:
@@ -300,7 +301,7 @@ class StoreCore:
             raise StoreError(f"backup destination {dest} is the store itself; pick another path")
         if not self.read_only:
             self.flush_leases(renewals=True)
-        schema.copy_database(self._db, dest)
+        schema.copy_database(self._db, dest, self.path.stat().st_mode & 0o777)
 
     # ------------------------------------------------------------------
     # Heartbeat leases: in memory, written out in batches (see store.py's docstring).

@@ -366,7 +366,7 @@ def migrate(db: sqlite3.Connection, path: Path, migrations: Sequence[str] = MIGR
         return latest
     if version is not None:
         backup = path.with_name(f"{path.name}.schema-v{version}.bak")
-        copy_database(db, backup)
+        copy_database(db, backup, path.stat().st_mode & 0o777)
         logger.info(
             "store %s: migrating schema %d -> %d (backup at %s)", path, version, latest, backup
         )
@@ -386,21 +386,35 @@ def migrate(db: sqlite3.Connection, path: Path, migrations: Sequence[str] = MIGR
     return latest
 
 
-def copy_database(db: sqlite3.Connection, dest: Path) -> None:
+def copy_database(db: sqlite3.Connection, dest: Path, mode: int) -> None:
     """Write a consistent copy of ``db`` to ``dest`` (online backup API), atomically.
 
     The copy goes to a temporary file that is fsynced and renamed over
     ``dest``, so ``dest`` is always either the old file or a complete copy.
+    It gets permission bits ``mode`` (pass the store's own: a copy of a 0600
+    store holds the same jobs and secrets, and stays as private).
     """
     tmp = dest.with_name(f"{dest.name}.tmp")
     tmp.unlink(missing_ok=True)
-    target = sqlite3.connect(tmp)
+    # Made empty with its mode before SQLite writes a byte into it, so no one the
+    # store shuts out can open the copy meanwhile; then fchmod, since the umask
+    # may have narrowed os.open's mode.
+    handle = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        db.backup(target)
+        os.fchmod(handle, mode)
     finally:
-        target.close()
-    with tmp.open("rb") as file:
-        os.fsync(file.fileno())
+        os.close(handle)
+    try:
+        target = sqlite3.connect(tmp)
+        try:
+            db.backup(target)
+        finally:
+            target.close()
+        with tmp.open("rb") as file:
+            os.fsync(file.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, dest)
     directory = os.open(dest.parent, os.O_RDONLY)
     try:

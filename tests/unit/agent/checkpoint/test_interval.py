@@ -114,7 +114,7 @@ def test_interval_module_imports_nothing_that_touches_the_os_or_clock() -> None:
 def test_cli_prints_young_and_daly_in_minutes_with_overhead(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["interval", "--save-s", "300", "--mtbf-h", "24"]) == 0
+    assert main(["interval", "--save-stall-s", "300", "--mtbf-h", "24"]) == 0
     out = capsys.readouterr().out
     assert "Young        120.0 min (7200 s)" in out
     assert "Daly         116.7 min (7001 s)" in out
@@ -124,6 +124,7 @@ def test_cli_prints_young_and_daly_in_minutes_with_overhead(
 def test_cli_json_has_inputs_young_daly_and_recommended(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # --save-s: the old spelling of --save-stall-s, kept for scripts.
     assert main(["interval", "--save-s", "8", "--write-s", "2400", "--mtbf-h", "3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["young_s"] == pytest.approx(young_interval_s(8.0, 3 * HOUR))
@@ -135,11 +136,11 @@ def test_cli_json_has_inputs_young_daly_and_recommended(
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
-        (["--save-s", "-1", "--mtbf-h", "3"], "--save-s"),
-        (["--save-s", "abc", "--mtbf-h", "3"], "--save-s"),
-        (["--save-s", "10", "--mtbf-h", "0"], "--mtbf-h"),
-        (["--save-s", "10", "--mtbf-h", "nan"], "--mtbf-h"),
-        (["--save-s", "10", "--mtbf-h", "3", "--write-s", "-5"], "--write-s"),
+        (["--save-stall-s", "-1", "--mtbf-h", "3"], "--save-stall-s"),
+        (["--save-stall-s", "abc", "--mtbf-h", "3"], "--save-stall-s"),
+        (["--save-stall-s", "10", "--mtbf-h", "0"], "--mtbf-h"),
+        (["--save-stall-s", "10", "--mtbf-h", "nan"], "--mtbf-h"),
+        (["--save-stall-s", "10", "--mtbf-h", "3", "--write-s", "-5"], "--write-s"),
     ],
 )
 def test_cli_bad_input_is_one_stderr_line_and_exit_2(

@@ -123,16 +123,38 @@ def test_list_shows_a_row_per_checkpoint_with_save_stats(
     lines = out.splitlines()
     assert status == 0
     assert lines[0].split() == [
-        "CHECKPOINT", "LAYOUT", "STEP", "COMMITTED", "VALID(quick)", "SIZE", "AGE", "STALL",
-        "WRITE", "THROUGHPUT",
+        "CHECKPOINT", "LAYOUT", "STEP", "COMMITTED", "VALID(full)", "SIZE", "AGE", "STALL",
+        "WRITE", "THROUGHPUT", "WHY",
     ]  # fmt: skip
     assert [line.split()[:5] for line in lines[1:4]] == [
         ["step-3", "resurgo", "3", "yes", "NO"], ["step-2", "resurgo", "2", "yes", "yes"],
-        ["step-1", "resurgo", "1", "yes", "yes"],
+        ["step-1", "resurgo", "1", "yes", "unchecked"],
     ]  # fmt: skip
-    assert lines[3].split()[-4:] == ["0.25s", "2.00s", "4.0", "MiB/s"]
-    assert lines[4] == f"filesystem: {filesystem_of(root).value}"
-    assert len(lines) == 5  # a local filesystem: no storage warning
+    assert "truncated" in lines[1]
+    assert lines[3].split()[-5:] == ["0.25s", "2.00s", "4.0", "MiB/s", "-"]
+    assert lines[4].startswith("newest valid at full: step-2")
+    assert lines[5].startswith("unchecked: ")
+    assert lines[6] == f"filesystem: {filesystem_of(root).value}"
+    assert len(lines) == 7  # a local filesystem: no storage warning
+
+
+def test_list_calls_a_checkpoint_with_flipped_bytes_invalid_as_newest_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A quick check cannot see changed bytes; the default list checks as `newest` does."""
+    make_committed_checkpoint(tmp_path, 1)
+    shard = data_files(make_committed_checkpoint(tmp_path, 2))[0]
+    data = bytearray(shard.read_bytes())
+    data[100:104] = bytes(byte ^ 0xFF for byte in data[100:104])
+    shard.write_bytes(bytes(data))
+    _, out, _ = _run(capsys, "list", str(tmp_path))
+    step_2, step_1 = out.splitlines()[1:3]
+    assert step_2.split()[4] == "NO" and "checksum" in step_2 and str(tmp_path) not in step_2
+    assert step_1.split()[4] == "yes"
+    _, newest, _ = _run(capsys, "newest", str(tmp_path))
+    assert newest.strip() == str(tmp_path / "step-1")
+    _, out, _ = _run(capsys, "list", str(tmp_path), "--level", "quick")
+    assert [line.split()[4] for line in out.splitlines()[1:3]] == ["yes", "yes"]
 
 
 def test_list_warns_when_many_ranks_wrote_shards_to_nfs(tmp_path: Path) -> None:
@@ -152,6 +174,8 @@ def test_list_json_rows_carry_throughput(root: Path, capsys: pytest.CaptureFixtu
     assert status == 0
     assert [row["step"] for row in rows] == [3, 2, 1]
     assert rows[0]["valid_quick"] is False and rows[0]["quick_reason"]
+    assert [row["valid"] for row in rows] == [False, True, None]
+    assert [row["newest_valid"] for row in rows] == [False, True, False]
     assert rows[2]["stats"]["throughput_bytes_per_s"] == (8 << 20) / 2.0
     assert rows[1]["stats"] is None
 
@@ -168,11 +192,13 @@ def test_resurgo_help_does_not_import_torch() -> None:
     assert result.stdout.strip() == "False"
 
 
-def test_ckpt_without_a_command_prints_help_and_exits_2(
+def test_ckpt_without_a_command_names_the_commands_and_exits_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    status, _, err = _run(capsys)
-    assert status == 2 and "validate" in err
+    with pytest.raises(SystemExit) as exited:
+        main(["ckpt"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "validate" in err.splitlines()[-1]
 
 
 def test_installed_resurgo_validate_exit_codes(root: Path, tmp_path: Path) -> None:

@@ -420,7 +420,9 @@ def test_cli_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str
         (["--days", "0"], "--days"),
         (["--save-stall-s", "nan"], "--save-stall-s"),
         (["--write-s", "-1"], "--write-s"),
-        (["--spare-nodes", "-1"], "--spare-nodes"),
+        (["--idle-nodes", "-1"], "--idle-nodes"),
+        # --spare-nodes: the old spelling of --idle-nodes, kept for scripts.
+        (["--spare-nodes", "-1"], "--idle-nodes"),
         (["--mix", "gpu=-0.5"], "--mix"),
         (["--mix", "cosmic=1"], "--mix"),
         (["--min-nodes", "4096"], "--min-nodes"),
