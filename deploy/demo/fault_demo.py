@@ -57,6 +57,7 @@ def summary(state: Path, job: str) -> str:
     from supervisor.metrics import recovery_durations
     from supervisor.store import Store
     from supervisor.views.timeline import goodput_of, timeline_of
+    from supervisor.views.words import goodput_line
 
     with Store.open(state / "resurgo.db", create=False) as store:
         now = time.time()
@@ -77,7 +78,8 @@ def summary(state: Path, job: str) -> str:
     lines.append("fault to first step after resume: " + ", ".join(f"{s:.1f} s" for s in recover))
     lines.append(f"drained: {', '.join(drains) or 'none'}")
     lines.append(f"world size by attempt: {' -> '.join(str(len(a.nodes)) for a in attempts)}")
-    lines.append(f"goodput: {goodput.ratio * 100:.1f}% of {goodput.wall_s:.0f} s")
+    # Where the rest went, by kind: a short demo's goodput is mostly its start-up.
+    lines.append(f"goodput: {goodput_line(goodput)}")
     return "\n".join(lines)
 
 

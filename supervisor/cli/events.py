@@ -77,9 +77,9 @@ def render(document: dict[str, Any], *, full_stacks: bool) -> str:
                 lines.append(f"    rank {one_line(rank)} stack:")
                 lines.extend(f"      {line}" for line in stack)
             else:
-                top = stack[-1].strip() if stack else ""
+                innermost = one_line(entry.get("innermost", {}).get(rank, ""))
                 lines.append(
-                    f"    rank {one_line(rank)}: {len(stack)} lines, innermost: {top[:100]}"
+                    f"    rank {one_line(rank)}: {len(stack)} lines, innermost: {innermost[:100]}"
                 )
     if not full_stacks and any(entry["stacks"] for entry in document["entries"]):
         lines.append("(stack dumps collapsed: --stacks prints them in full)")

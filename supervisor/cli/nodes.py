@@ -29,11 +29,13 @@ from supervisor.slurm import Slurm, SlurmClient
 from supervisor.store import Actor, Store
 from supervisor.text import one_line
 from supervisor.views import documents as views
+from supervisor.views import words
 
 # What scontrol prints when slurmctld refuses a caller without operator
 # rights (22.05: "Invalid user id" for a uid it does not know,
 # "Access/permission denied" for one it knows).
 _NOT_PERMITTED = ("access/permission denied", "invalid user id", "access denied")
+ACTIONS = ("undrain", "forgive")
 OPERATOR_RIGHTS = (
     "Slurm refused: returning a node to service needs Slurm operator rights "
     "(root, the SlurmUser, or AdminLevel=Administrator); run it as one, or ask an admin"
@@ -54,7 +56,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "action",
         nargs="?",
-        choices=["undrain", "forgive"],
+        metavar="{undrain,forgive}",
+        # Checked in run(), not by choices: `resurgo nodes node3` is a node named
+        # where an action was due, and the answer should say which action fits.
         help="undrain NODE: return it to service; forgive NODE: Resurgo's verdicts were wrong",
     )
     parser.add_argument("node", nargs="?", metavar="NODE")
@@ -147,9 +151,28 @@ def render(document: dict[str, Any], now_s: float) -> str:
     lines.append("")
     lines.append(
         "lemons: "
-        + (one_line(", ".join(f"{x['node']} ({x['drains']} drains)" for x in lemons)) or "none")
+        + (
+            one_line(
+                ", ".join(f"{x['node']} ({words.plural(x['drains'], 'drain')})" for x in lemons)
+            )
+            or "none"
+        )
     )
     return "\n".join(lines)
+
+
+def _not_an_action(word: str, node: str | None) -> str:
+    """What to type instead of ``resurgo nodes WORD [NODE]``: a node named without an
+    action is most likely one to return to service."""
+    if node is None:
+        return (
+            f"{word!r} is not an action of resurgo nodes; to return {word} to service: "
+            f"resurgo nodes undrain {word} (resurgo nodes forgive {word} withdraws Resurgo's "
+            "verdicts on it; resurgo nodes lists every node)"
+        )
+    return (
+        f"{word!r} is not an action: resurgo nodes undrain {node}, or resurgo nodes forgive {node}"
+    )
 
 
 def _of(user: str | None) -> str:
@@ -159,6 +182,8 @@ def _of(user: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Show the nodes, undrain one, or forgive one."""
+    if args.action is not None and args.action not in ACTIONS:
+        return fail("nodes", _not_an_action(args.action, args.node), 2)
     if args.action and not args.node:
         return fail("nodes", f"which node? resurgo nodes {args.action} NODE", 2)
     if args.wrong and args.action != "undrain":
@@ -178,8 +203,9 @@ def run(args: argparse.Namespace) -> int:
                 return fail("nodes", f"could not forgive {args.node}: {_read_only(store)}")
             withdrawn = store.withdraw_blames(args.node, now_s=time.time())
             print(
-                f"{args.node}: {withdrawn} verdict(s) withdrawn (drain tickets closed); they no "
-                "longer count towards lemon status, and your next jobs may use the node"
+                f"{args.node}: {words.plural(withdrawn, 'verdict')} withdrawn (drain tickets "
+                "closed); they no longer count towards lemon status, and your next jobs may "
+                "use the node"
                 if withdrawn
                 else f"{args.node}: no standing verdict of Resurgo's to withdraw"
             )
@@ -247,5 +273,8 @@ def _withdraw(store: Store, node: str) -> int:
     if store.read_only:
         return fail("nodes", f"could not withdraw the verdicts on {node}: {_read_only(store)}")
     withdrawn = store.withdraw_blames(node, now_s=time.time())
-    print(f"{node}: {withdrawn} verdict(s) withdrawn; they no longer count towards lemon status")
+    print(
+        f"{node}: {words.plural(withdrawn, 'verdict')} withdrawn; they no longer count towards "
+        "lemon status"
+    )
     return 0

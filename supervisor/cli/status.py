@@ -13,6 +13,7 @@ import argparse
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from supervisor.cli.common import (
@@ -27,12 +28,15 @@ from supervisor.cli.common import (
 from supervisor.errors import StoreError
 from supervisor.text import one_line
 from supervisor.views import documents as views
+from supervisor.views import words
 
 HEADERS = (
     "JOB", "NAME", "STATE", "NODES", "STEP", "RESTARTS", "GOODPUT", "CHECKPOINT", "DRAINED",
 )  # fmt: skip
 # A final reason longer than this is shortened at a word, with an ellipsis.
 REASON_CHARS = 60
+# An unknown job id is answered with the newest this many known ones.
+KNOWN_SHOWN = 10
 
 
 def register(subparsers: Any) -> None:
@@ -66,17 +70,19 @@ def row_cells(job: dict[str, Any]) -> list[str]:
         "-" if job.get("step") is None else str(job["step"]),
         (restarts or "-") + _skipped_cell(job),
         f"{job['goodput'] * 100:.1f}%",
-        "-" if checkpoint is None else _checkpoint_cell(checkpoint),
+        "-" if checkpoint is None else _checkpoint_cell(checkpoint, job.get("ended_s")),
         one_line(",".join(job["drained_nodes"])) or "-",
     ]
 
 
-def render(document: dict[str, Any]) -> str:
-    """The status table, plus a line per unknown job id."""
+def render(document: dict[str, Any], known: Sequence[str] = ()) -> str:
+    """The status table, plus a line per unknown job id that names the ``known`` ones."""
     lines = [table(HEADERS, [row_cells(job) for job in document["jobs"]])]
     if not document["jobs"]:
-        lines = ["no supervised jobs"]
+        lines = [] if document["unknown"] else ["no supervised jobs"]
     lines.extend(f"job {job_id}: not known to the supervisor" for job_id in document["unknown"])
+    if document["unknown"]:
+        lines.append(_known_jobs(known))
     supervisor = document.get("supervisor")
     if supervisor is not None and supervisor.get("observe_only"):
         lines.append(
@@ -102,13 +108,23 @@ def run(args: argparse.Namespace) -> int:
             else:
                 if args.watch:
                     sys.stdout.write("\x1b[H\x1b[2J")  # clear the terminal, like watch(1)
-                print(render(document), flush=True)
+                known = [row.job_id for row in store.list_jobs()] if document["unknown"] else []
+                print(render(document, known), flush=True)
             if not args.watch:
                 return 1 if document["unknown"] else 0
             try:
                 time.sleep(args.watch)
             except KeyboardInterrupt:
                 return 0
+
+
+def _known_jobs(known: Sequence[str]) -> str:
+    """Which jobs the store does know, the newest few: where an unknown id should point."""
+    if not known:
+        return "the supervisor knows no job yet (resurgo submit starts one under it)"
+    shown = ", ".join(one_line(job_id) for job_id in known[-KNOWN_SHOWN:])
+    more = f" and {len(known) - KNOWN_SHOWN} older" if len(known) > KNOWN_SHOWN else ""
+    return f"known jobs: {shown}{more} (resurgo status lists them all)"
 
 
 def _shortened(reason: str) -> str:
@@ -122,7 +138,7 @@ def _spares_cell(job: dict[str, Any]) -> str:
     if not wanted:
         return ""
     swaps = sum(job.get("swaps", {}).values())
-    swapped = f", {swaps} swap(s)" if swaps else ""
+    swapped = f", {words.plural(swaps, 'swap')}" if swaps else ""
     return f" +{len(job.get('spare_nodes', []))}/{wanted} spare{swapped}"
 
 
@@ -132,10 +148,15 @@ def _skipped_cell(job: dict[str, Any]) -> str:
     return f", {skipped} samples skipped" if skipped else ""
 
 
-def _checkpoint_cell(checkpoint: dict[str, Any]) -> str:
+def _checkpoint_cell(checkpoint: dict[str, Any], ended_s: float | None) -> str:
     """Step and age; a script's own file or DCP directory by its name (its step as
-    counted or named, if known)."""
-    age = f"{duration(checkpoint['age_s'])} ago"
+    counted or named, if known). An ended job's age is before its end: time since
+    then says nothing about the job."""
+    committed_s = checkpoint.get("committed_s")
+    if ended_s is not None and committed_s is not None:
+        age = f"{duration(max(0.0, ended_s - committed_s))} before the end"
+    else:
+        age = f"{duration(checkpoint['age_s'])} ago"
     if checkpoint.get("kind") != "resurgo":
         name = one_line(str(checkpoint["path"]).rsplit("/", 1)[-1])
         step = checkpoint.get("step")

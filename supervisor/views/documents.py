@@ -16,9 +16,11 @@ from typing import Any
 from supervisor.core.model import at_step
 from supervisor.slurm.parse import SlurmNode
 from supervisor.store import Store
-from supervisor.views.timeline import goodput_of
+from supervisor.views import words
+from supervisor.views.timeline import CHECKPOINT_STATS_KIND, goodput_of
 
 STATUS_VERSION = 1
+TERMINAL_STATES = frozenset({"completed", "failed", "cancelled"})
 STACK_PREVIEW_LINES = 3
 # `resurgo nodes` lists the newest blames of the lemon window, at most this many.
 MAX_BLAMES_SHOWN = 200
@@ -36,6 +38,7 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
     drained = sorted(d.node for d in store.open_drains() if d.job_id == job_id)
     goodput = goodput_of(store, job_id, now_s)
     progress = store.latest_progress(job_id)
+    ended = ended_at(store, job_id)
     return {
         "job_id": job_id,
         "name": row.name,
@@ -65,12 +68,23 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
             "step": newest.step,
             "path": newest.path,
             "age_s": round(now_s - newest.committed_s, 1),
+            "committed_s": newest.committed_s,
             "kind": "resurgo",
         },
         "drained_nodes": drained,
         "final_reason": record.get("final_reason", ""),
         "updated_s": row.updated_s,
+        # When the job ended (None while it lives): an ended job's ages count to this.
+        "ended_s": ended,
     }
+
+
+def ended_at(store: Store, job_id: str) -> float | None:
+    """When the job reached a terminal state (its first such decision), or None."""
+    for decision in store.decisions_for(job_id):
+        if decision.to_state in TERMINAL_STATES:
+            return decision.decided_s
+    return None
 
 
 def _anomaly(seen: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +110,7 @@ def _newest_written(store: Store, job_id: str, now_s: float) -> dict[str, Any] |
         "step": newest.payload.get("step"),
         "path": path,
         "age_s": round(now_s - newest.time_s, 1),
+        "committed_s": newest.time_s,
         "kind": written_kind(path),
     }
 
@@ -141,10 +156,10 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
         return f"rank {payload.get('global_rank')} ended ({how}) {at_step(step)}"
     if kind == "hang":
         ranks = [str(h.get("global_rank")) for h in payload.get("hung", [])]
-        return f"ranks {', '.join(ranks)} hung"
+        return f"{'rank' if len(ranks) == 1 else 'ranks'} {words.listed(ranks)} hung"
     if kind == "checkpoint_written":
         written = payload.get("total_bytes")
-        how_big = "" if not isinstance(written, int) else f", {written:,} bytes"
+        how_big = "" if not isinstance(written, int) else f", {words.size(written)}"
         return (
             f"the script saved {payload.get('path')} at step {payload.get('step')}{how_big} "
             "(its own checkpoint)"
@@ -153,9 +168,13 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
         return f"checkpoint step {payload.get('step')} committed: {payload.get('path')}"
     if kind == "step_losses":
         steps = payload.get("steps", [])
-        return f"{len(steps)} step report(s)" + (
+        return words.plural(len(steps), "step report") + (
             f" up to step {steps[-1].get('step')}" if steps else ""
         )
+    if kind == CHECKPOINT_STATS_KIND:
+        return _save_cost(payload)
+    if kind in ("resume_verification", "nondeterministic_resume"):
+        return _resume_check(payload)
     if kind == "alert":
         return f"ALERT ({payload.get('severity')}): {payload.get('message')}"
     if kind == "checkpoint_quarantined":
@@ -195,9 +214,39 @@ def _summary(kind: str, payload: dict[str, Any]) -> str:
             )
         except (KeyError, TypeError, ValueError):
             pass  # not the supervisor's shape: the generic line below
-    return ", ".join(
-        f"{k}={v}" for k, v in sorted(payload.items()) if not isinstance(v, dict | list)
-    )[:300]
+    return words.fields(payload)[:300]
+
+
+def _save_cost(payload: dict[str, Any]) -> str:
+    """``checkpoint step 24 cost 11.4 ms of training and 37.3 ms written in the
+    background, 183 kB``: what the manifest said a save cost."""
+    try:
+        stall, write = float(payload["stall_s"]), float(payload["write_s"])
+    except (KeyError, TypeError, ValueError):
+        return words.fields(payload)[:300]
+    written = payload.get("bytes")
+    how_big = f", {words.size(written)}" if isinstance(written, int) else ""
+    mode = f" ({payload['mode']})" if payload.get("mode") else ""
+    return (
+        f"checkpoint step {payload.get('step')}{mode}: training stalled "
+        f"{words.seconds(stall)}, written in {words.seconds(write)}{how_big}"
+    )
+
+
+def _resume_check(payload: dict[str, Any]) -> str:
+    """What comparing a resumed attempt's replayed steps with the reports before found."""
+    attempt, step = payload.get("attempt"), payload.get("resume_step")
+    diverged = payload.get("first_diverging_step")
+    if payload.get("verified"):
+        verdict = "replayed the steps as before"
+    elif diverged is None:
+        verdict = "could not be compared"
+    else:
+        verdict = f"diverged from step {diverged}"
+    reason = payload.get("reason")
+    return f"attempt {attempt} resumed from step {step}: {verdict}" + (
+        f" ({reason})" if reason else ""
+    )
 
 
 def stacks_of(payload: dict[str, Any]) -> dict[str, str]:
@@ -228,6 +277,11 @@ def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[st
                 "node": event.node,
                 "summary": _summary(event.kind, event.payload),
                 "stacks": stacks_of(event.payload),
+                # The frame each rank was in: py-spy lists it first, not last.
+                "innermost": {
+                    rank: words.innermost_frame(text)
+                    for rank, text in stacks_of(event.payload).items()
+                },
                 "payload": {k: v for k, v in event.payload.items() if k != "stacks"},
             }
         )
@@ -242,6 +296,7 @@ def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[st
                 "summary": decision.detail.get("explanation", ""),
                 "cause": decision.cause,
                 "stacks": {},
+                "innermost": {},
                 "payload": decision.detail,
             }
         )
@@ -256,6 +311,7 @@ def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[st
                 "summary": f"{action.action_id}: {action.state.value}"
                 + (f" ({action.error})" if action.error else ""),
                 "stacks": {},
+                "innermost": {},
                 "payload": {"args": action.args, "result": action.result, "starts": action.starts},
             }
         )

@@ -42,7 +42,8 @@ def recovered_state_dir(tmp_path: Path) -> Path:
             {"hung": [{"global_rank": 2, "local_rank": 0, "pid": 7, "last_step": 20,
                        "phase": "train", "seconds_since_progress": 30.0, "timeout_s": 25.0,
                        "detector": "heartbeat"}],
-             "stacks": {"2": "Thread 7 (idle)\n  train (train.py:40)\n  all_reduce (c10d.py:9)"}},
+             "stacks": {"2": 'Thread 7 (idle): "MainThread"\n    all_reduce (c10d.py:9)\n'
+                             "    train (train.py:40)"}},
         )  # fmt: skip
         store.record_events(JOB, [hang], now_s=now + 90)
         store.record_decision(JOB, hang.event_id, "running", "recovering", "hang",

@@ -54,7 +54,7 @@ def test_events_collapse_stacks_per_rank_and_expand_them_on_request(
     state_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _, out, _ = run(capsys, "events", JOB, "--state-dir", str(state_dir))
-    assert "ranks 2 hung" in out
+    assert "rank 2 hung" in out
     assert "rank 2: 3 lines, innermost: all_reduce (c10d.py:9)" in out
     assert "train (train.py:40)" not in out
     assert "decision running->recovering" in out and "[hang]" in out
@@ -119,7 +119,7 @@ def test_the_report_is_one_html_file_with_both_plots_and_the_events(
     assert page.count("<svg") == 2
     assert '<figure id="timeline">' in page and '<figure id="goodput">' in page
     assert "drain node3" in page and "attempt 2: 2 nodes, from step 10" in page
-    assert "<details><summary>rank 2 stack (3 lines)</summary>" in page
+    assert "<details><summary>rank 2 stack (3 lines), innermost: all_reduce (c10d.py:9)" in page
     assert "http://" not in page.split("<svg", 1)[0]  # nothing fetched from elsewhere
 
 

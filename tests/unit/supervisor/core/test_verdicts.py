@@ -241,7 +241,7 @@ def test_undrain_wrong_and_forgive_take_the_node_off_the_lemon_list(
 
     assert lemons() == ["node2"]
     assert main(["nodes", "undrain", "node2", "--wrong", "--state-dir", str(state_dir)]) == 0
-    assert "2 verdict(s) withdrawn" in capsys.readouterr().out
+    assert "2 verdicts withdrawn" in capsys.readouterr().out
     assert lemons() == []
     history = main(["nodes", "--state-dir", str(state_dir)])
     assert history == 0 and "verdict withdrawn" in capsys.readouterr().out
