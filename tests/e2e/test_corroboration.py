@@ -50,6 +50,7 @@ def drain_reasons(cluster: LiveCluster) -> dict[str, str]:
     }
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_job_that_kills_its_own_rank_loses_the_node_and_a_failed_check_alone_drains(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:

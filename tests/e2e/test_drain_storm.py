@@ -47,6 +47,7 @@ def rank_pid(run: Run) -> int | None:
     return None
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_three_jobs_faults_at_once_drain_one_node_and_raise_one_storm(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:

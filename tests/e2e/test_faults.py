@@ -97,6 +97,7 @@ def test_an_uninstrumented_hang_is_found_from_stacks(
     [("node3", False), ("node1", True)],  # node1 runs the batch script: the requeue path
     ids=["compute-node", "batch-host"],
 )
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_lost_node_is_excluded_and_the_job_resumes_without_it(
     slurm_cluster: LiveCluster,
     supervisor: SupervisorProcess,
@@ -147,6 +148,7 @@ def test_a_python_exception_once_is_retried_on_the_same_nodes_bitwise(
         assert [c.payload["verified"] for c in checks] == [True], checks
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_two_faults_in_a_row_shrink_the_job_twice(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, reference: Run, tmp_path: Path
 ) -> None:

@@ -1,9 +1,9 @@
 """Supervisor outages on the live 4-node cluster: one recovery for one fault, none for silence.
 
-A supervisor SIGKILLed just before a rank dies comes back after 60 s or
-120 s: the agents kept the rank's exit spooled (their ranks gone, they wait
-to deliver it), so exactly the culprit's node is drained, as without the
-outage, and the job resumes from its newest committed checkpoint. A
+A supervisor SIGKILLed just before a rank dies comes back after 60 s: the
+agents kept the rank's exit spooled (their ranks gone, they wait to deliver
+it), so exactly the culprit's node is drained, as without the outage, and the
+job resumes from its newest committed checkpoint. A
 supervisor paused for 60 s while training goes on hears nothing from any
 agent: one common silence, no drain, no restart.
 """
@@ -40,6 +40,12 @@ from tests.supervisor_harness import SupervisorProcess, rank_pids
 pytestmark = [pytest.mark.slurm, pytest.mark.long]
 
 VICTIM = "node2"
+# Longer than every window an outage could cross: the agents' longest wait between
+# two tries (agent.wire.protocol.RETRY_MAX_S, 10 s), the lease (8 s here), the exit
+# evidence window (20 s). What would end the wait comes much later: the driver's
+# wait for an answer (600 s) and the agents' drain timeout (30 min). A longer outage
+# (120 s was also run) crosses no further window, so it proves nothing more.
+OUTAGE_S = 60
 
 
 @pytest.fixture
@@ -105,9 +111,8 @@ def wait_training(cluster: LiveCluster, run: Run, step: int) -> None:
     )
 
 
-@pytest.mark.parametrize("outage_s", [60, 120])
 def test_a_rank_killed_while_the_supervisor_is_down_drains_only_its_node(
-    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path, outage_s: int
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
     run = submit(supervisor, tmp_path, "--step-s", "1")
     wait_training(slurm_cluster, run, 4)
@@ -117,7 +122,7 @@ def test_a_rank_killed_while_the_supervisor_is_down_drains_only_its_node(
     os.kill(ranks_of(run, VICTIM)[0], signal.SIGKILL)
     time.sleep(3)  # the rank's peers fail their collective; nothing more is committed
     newest = committed_steps(run)[-1]
-    time.sleep(max(0.0, outage_s - (time.monotonic() - killed_at)))
+    time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - killed_at)))  # time is the subject
     supervisor.stop()  # closes the log the killed process had open
     supervisor.start()
     job = finish(slurm_cluster, supervisor, run)

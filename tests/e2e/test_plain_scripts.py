@@ -36,6 +36,7 @@ def submit_plain(supervisor: SupervisorProcess, where: Path, *script_args: str) 
     return submit_job(supervisor, where, [*command, *script_args])
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
@@ -222,6 +223,7 @@ def test_a_wrapper_whose_torchrun_keeps_its_own_world_is_stopped_at_once(
     assert "done at iter 400" not in text
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_rank_stopped_before_an_all_reduce_is_blamed_and_the_script_resumes_itself(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:

@@ -95,6 +95,7 @@ def lose_a_node(cluster: LiveCluster, run: Run, node: str) -> None:
     ],
     ids=["sigkill", "hang", "kill-node"],
 )
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_the_spare_takes_the_blamed_nodes_place_and_the_run_is_bitwise_unfaulted(
     slurm_cluster: LiveCluster,
     supervisor: SupervisorProcess,
@@ -141,6 +142,7 @@ def test_the_spare_takes_the_blamed_nodes_place_and_the_run_is_bitwise_unfaulted
     assert f'resurgo_job_spare_nodes{{job_id="{run.job_id}"}} 0.0' in metrics
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_second_fault_with_no_spare_left_shrinks_the_job(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
@@ -162,6 +164,7 @@ def test_a_second_fault_with_no_spare_left_shrinks_the_job(
 FAILS_ON_THE_SPARE = f"sh -c 'test \"$SLURMD_NODENAME\" != {SPARE}'"
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_an_idle_spare_that_fails_its_health_check_is_released_while_the_job_trains(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:

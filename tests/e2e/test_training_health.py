@@ -133,6 +133,7 @@ def test_a_nan_that_comes_back_on_fresh_data_is_a_crash_loop_and_drains_nothing(
     assert drained(supervisor, run.job_id) == [], story(supervisor, run)
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_nan_that_follows_one_node_across_different_data_drains_that_node(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:

@@ -131,6 +131,7 @@ def _start_idle_job(
     return job_id, output, ckpt
 
 
+@pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nodes(
     slurm_cluster: LiveCluster,
     supervisor: SupervisorProcess,
