@@ -24,14 +24,17 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import dataclass, replace
 
-from agent.wire.protocol import EventKind
 from supervisor.core.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect, at_step
 from supervisor.core.observations import (
-    AgentEvent,
+    AgentReport,
+    HangReported,
+    HealthCheckFailed,
     LeaseExpired,
     Observation,
+    RankExited,
     SlurmNodeSeen,
     SpareCheckFailed,
+    StragglerReported,
 )
 
 # Deaths that come from the machine, not from Python: bad memory, a bus error,
@@ -84,7 +87,7 @@ class Blame:
     hardware: bool = False
 
 
-def suspects_of(event: AgentEvent) -> tuple[Suspect, ...]:
+def suspects_of(event: HangReported) -> tuple[Suspect, ...]:
     """A HANG event's culprits as :class:`Suspect` values with an absolute stop time."""
     return tuple(
         Suspect(
@@ -99,7 +102,7 @@ def suspects_of(event: AgentEvent) -> tuple[Suspect, ...]:
     )
 
 
-def exit_seen(event: AgentEvent) -> ExitSeen:
+def exit_seen(event: RankExited) -> ExitSeen:
     """A RANK_EXITED event as an :class:`ExitSeen`, dead at its exit time (else the event's);
     its uncaught exception and when it raised it, if it raised one."""
     return ExitSeen(
@@ -301,7 +304,7 @@ def blame(
     result = _blame(observation, record)
     if result.cause is not Cause.HANG:
         return _with_lemon(result, lemons)
-    if isinstance(observation, AgentEvent):
+    if isinstance(observation, HangReported):
         earlier = record.recovery.suspects if record.recovery else ()
         return blame_hang((*earlier, *suspects_of(observation)), lemons, record.nodes)
     return result
@@ -346,27 +349,37 @@ def _blame(observation: Observation, record: JobRecord) -> Blame:
             (f"Slurm reports {observation.node} {'+'.join(states)}",),
             hardware=True,
         )
-    if not isinstance(observation, AgentEvent):
-        return Blame(None, Cause.OPERATOR, 0.0, ("not a fault observation",))
-    if observation.kind is EventKind.RANK_EXITED:
+    if isinstance(observation, RankExited):
         return _rank_exit(exit_seen(observation), record)
-    if observation.kind is EventKind.HANG:
+    if isinstance(observation, HangReported):
         return Blame(None, Cause.HANG, 0.0, ())
-    if observation.kind is EventKind.HEALTH_CHECK_FAILED:
-        failed = observation.failed_checks
-        evidence = f"health check failed on {observation.node}: {observation.detail}".strip()
-        if failed and SHARED_CHECKS.issuperset(failed):
-            shared = (
-                f"{', '.join(failed)} failed: something the nodes share (checkpoint root, "
-                "rendezvous address), not the node; fix it, the job retries within its budget"
-            )
-            return Blame(None, Cause.HEALTH_CHECK, CONFIDENCE_SHARED_CHECK, (shared, evidence))
-        return Blame(observation.node, Cause.HEALTH_CHECK, CONFIDENCE_HEALTH_CHECK, (evidence,))
-    if observation.kind is EventKind.STRAGGLER:
-        return Blame(
-            observation.node,
-            Cause.STRAGGLER,
-            CONFIDENCE_STRAGGLER,
-            (f"straggler on {observation.node}: {observation.detail}".strip(),),
+    if isinstance(observation, HealthCheckFailed):
+        return health_check(observation)
+    if isinstance(observation, StragglerReported):
+        return straggler(observation)
+    if isinstance(observation, AgentReport):
+        return Blame(None, Cause.OPERATOR, 0.0, (f"{observation.KIND.value} is not a fault",))
+    return Blame(None, Cause.OPERATOR, 0.0, ("not a fault observation",))
+
+
+def health_check(report: HealthCheckFailed) -> Blame:
+    """A failed health gate: its node, unless only the checks of what nodes share failed."""
+    failed = report.failed_checks
+    evidence = f"health check failed on {report.node}: {report.detail}".strip()
+    if failed and SHARED_CHECKS.issuperset(failed):
+        shared = (
+            f"{', '.join(failed)} failed: something the nodes share (checkpoint root, "
+            "rendezvous address), not the node; fix it, the job retries within its budget"
         )
-    return Blame(None, Cause.OPERATOR, 0.0, (f"{observation.kind.value} is not a fault",))
+        return Blame(None, Cause.HEALTH_CHECK, CONFIDENCE_SHARED_CHECK, (shared, evidence))
+    return Blame(report.node, Cause.HEALTH_CHECK, CONFIDENCE_HEALTH_CHECK, (evidence,))
+
+
+def straggler(report: StragglerReported) -> Blame:
+    """A straggler's node: slow is a fact, not yet a fault (:data:`CONFIDENCE_STRAGGLER`)."""
+    return Blame(
+        report.node,
+        Cause.STRAGGLER,
+        CONFIDENCE_STRAGGLER,
+        (f"straggler on {report.node}: {report.detail}".strip(),),
+    )

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import assert_never
 
-from agent.wire.protocol import EventKind
 from supervisor.core import clean_end, drains, follow_slurm, planned_stop, recovery, rollback, skips
 from supervisor.core.blame import (
     Blame,
@@ -69,11 +69,17 @@ from supervisor.core.model import (
     at_step,
 )
 from supervisor.core.observations import (
-    AgentEvent,
+    AgentReport,
+    AgentStopped,
     CancelRequested,
+    CheckpointCommitted,
     CheckpointValidated,
+    HangReported,
+    HealthCheckFailed,
+    LauncherExited,
     LeaseExpired,
     Observation,
+    RankExited,
     RelaunchFinished,
     RequeueFailed,
     SilenceShared,
@@ -82,8 +88,12 @@ from supervisor.core.observations import (
     SpareCheckFailed,
     StepEnded,
     StepProgress,
+    StragglerReported,
+    Tick,
     TimeLimitNear,
+    TimeLimitNoticed,
     TrainingAnomaly,
+    WorldMismatched,
 )
 
 __all__ = ["ClusterView", "Decision", "Policy", "decide", "permits"]
@@ -139,8 +149,29 @@ def decide(
     if record.state.terminal:
         return _nothing(record, f"job already {record.state.value}")
     match observation:
-        case AgentEvent():
-            return _on_agent_event(record, observation, now_s, policy, cluster)
+        case CheckpointCommitted():
+            return _on_commit(record, observation, now_s, policy, cluster)
+        case TimeLimitNoticed(time_left_s=left):
+            return planned_stop.on_notice(record, left, False, now_s, policy, cluster)
+        case WorldMismatched():
+            return _on_world_mismatch(record, observation, now_s)
+        case RankExited() | HangReported() if record.time_limit_end_s is not None:
+            what = f"{observation.KIND.value} on {observation.node}"
+            return planned_stop.during_stop(record, what)
+        case RankExited():
+            return _on_rank_exit(record, observation, now_s, policy, cluster)
+        case HangReported():
+            return _on_hang(record, observation, now_s, policy, cluster)
+        case HealthCheckFailed(node=node) if node in record.nodes:
+            return _on_node_fault(
+                record, blame(observation, record, cluster), now_s, policy, cluster
+            )
+        case LauncherExited() | AgentStopped():
+            return _on_launcher_end(record, observation, now_s, policy, cluster)
+        case StragglerReported() if record.state is JobState.RUNNING:
+            return _on_straggler(record, observation, now_s, policy, cluster)
+        case HealthCheckFailed() | StragglerReported():
+            return _idle(record, observation)
         case LeaseExpired() | SlurmNodeSeen():
             return _on_node(record, observation, now_s, policy, cluster)
         case SpareCheckFailed(node=node):
@@ -174,8 +205,12 @@ def decide(
         case CancelRequested(reason=reason):
             why = reason or "cancelled on request"
             return recovery.stop(record, now_s, JobState.CANCELLED, Cause.OPERATOR, why)
-        case _:
+        case Tick():
             return _on_tick(record, now_s, policy, cluster)
+        case _:
+            # Every observation type has its case above: mypy flags a missing one
+            # here, and at run time an unknown value is a bug, never a tick.
+            assert_never(observation)
 
 
 def _nothing(record: JobRecord, why: str) -> Decision:
@@ -194,40 +229,27 @@ def _on_progress(record: JobRecord, now_s: float) -> Decision:
     return _nothing(record, "progress noted")
 
 
-def _on_agent_event(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
-    kind = event.kind
-    if kind is EventKind.CHECKPOINT_COMMITTED:
-        return _on_commit(record, event, now_s, policy, cluster)
-    if kind is EventKind.TIME_LIMIT_NEAR:
-        return planned_stop.on_notice(record, event.time_left_s, False, now_s, policy, cluster)
-    if kind is EventKind.WORLD_MISMATCH:
-        # Each node training alone writes over the others' checkpoints: no restart
-        # fixes the command, and a run that "completes" this way is not the job.
-        reason = (
-            f"{event.detail}: the launch command set its own node count (torchrun "
-            "--standalone or --nnodes inside a wrapper script?). Give torchrun to resurgo "
-            "submit directly, or drop those options from the wrapper"
-        )
-        return recovery.stop(record, now_s, JobState.FAILED, Cause.WORLD_MISMATCH, reason)
-    if record.time_limit_end_s is not None and kind in (EventKind.RANK_EXITED, EventKind.HANG):
-        return planned_stop.during_stop(record, f"{kind.value} on {event.node}")
-    if kind is EventKind.RANK_EXITED:
-        return _on_rank_exit(record, event, now_s, policy, cluster)
-    if kind is EventKind.HANG:
-        return _on_hang(record, event, now_s, policy, cluster)
-    if kind is EventKind.HEALTH_CHECK_FAILED and event.node in record.nodes:
-        return _on_node_fault(record, blame(event, record, cluster), now_s, policy, cluster)
-    if kind in (EventKind.LAUNCHER_EXITED, EventKind.AGENT_STOPPED):
-        return _on_launcher_end(record, event, now_s, policy, cluster)
-    if kind is EventKind.STRAGGLER and record.state is JobState.RUNNING:
-        return _on_straggler(record, event, now_s, policy, cluster)
-    return _nothing(record, f"{kind.value} from {event.node} needs no action now")
+def _idle(record: JobRecord, report: AgentReport) -> Decision:
+    return _nothing(record, f"{report.KIND.value} from {report.node} needs no action now")
+
+
+def _on_world_mismatch(record: JobRecord, report: WorldMismatched, now_s: float) -> Decision:
+    # Each node training alone writes over the others' checkpoints: no restart
+    # fixes the command, and a run that "completes" this way is not the job.
+    reason = (
+        f"{report.detail}: the launch command set its own node count (torchrun "
+        "--standalone or --nnodes inside a wrapper script?). Give torchrun to resurgo "
+        "submit directly, or drop those options from the wrapper"
+    )
+    return recovery.stop(record, now_s, JobState.FAILED, Cause.WORLD_MISMATCH, reason)
 
 
 def _on_commit(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+    record: JobRecord,
+    event: CheckpointCommitted,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
 ) -> Decision:
     if event.step is None or (record.last_step is not None and event.step <= record.last_step):
         return _nothing(record, "checkpoint already known")
@@ -245,7 +267,7 @@ def _on_commit(
 
 
 def _on_rank_exit(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+    record: JobRecord, event: RankExited, now_s: float, policy: Policy, cluster: ClusterView
 ) -> Decision:
     seen = exit_seen(event)
     rank = f"rank {seen.global_rank} on {seen.node}"
@@ -297,11 +319,15 @@ def _open_exit_window(
 
 
 def _on_launcher_end(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+    record: JobRecord,
+    event: LauncherExited | AgentStopped,
+    now_s: float,
+    policy: Policy,
+    cluster: ClusterView,
 ) -> Decision:
     """A node's launcher ended: its ranks' exits are all reported; maybe every node's are."""
     pending = record.recovery
-    idle = f"{event.kind.value} from {event.node} needs no action now"
+    idle = f"{event.KIND.value} from {event.node} needs no action now"
     if record.state is not JobState.RECOVERING or pending is None or not pending.collecting_exits:
         return _nothing(record, idle)
     if event.node not in record.nodes or event.node in pending.settled:
@@ -395,7 +421,7 @@ def _on_exception(
 
 
 def _on_hang(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+    record: JobRecord, event: HangReported, now_s: float, policy: Policy, cluster: ClusterView
 ) -> Decision:
     pending = record.recovery
     if record.state in LIVE:
@@ -441,7 +467,7 @@ def _blame_hang(record: JobRecord, now_s: float, policy: Policy, cluster: Cluste
 
 
 def _on_straggler(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+    record: JobRecord, event: StragglerReported, now_s: float, policy: Policy, cluster: ClusterView
 ) -> Decision:
     counts = dict(record.straggler_reports)
     counts[event.node] = counts.get(event.node, 0) + 1
