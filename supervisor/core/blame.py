@@ -295,19 +295,21 @@ def blame(
 ) -> Blame:
     """Attribute ``observation`` to a node, or to none.
 
-    For a HANG event the suspects already collected in ``record.recovery`` from
-    other nodes are compared with this event's. The repeat offenders (and the
+    For a hang report the suspects already collected in ``record.recovery`` from
+    other nodes are compared with this report's. The repeat offenders (and the
     nodes this user's jobs ticketed: :meth:`ClusterView.avoided_by`) raise the
     confidence against a node already among them.
     """
     lemons = cluster.avoided_by(record.slurm_user) if cluster is not None else frozenset()
-    result = _blame(observation, record)
-    if result.cause is not Cause.HANG:
-        return _with_lemon(result, lemons)
+    if isinstance(observation, RankExited):
+        return of_rank_exit(observation, record, lemons)
     if isinstance(observation, HangReported):
-        earlier = record.recovery.suspects if record.recovery else ()
-        return blame_hang((*earlier, *suspects_of(observation)), lemons, record.nodes)
-    return result
+        return of_hang(observation, record, lemons)
+    if isinstance(observation, HealthCheckFailed):
+        return of_health_check(observation, record, lemons)
+    if isinstance(observation, StragglerReported):
+        return of_straggler(observation, record, lemons)
+    return _with_lemon(_blame(observation), lemons)
 
 
 def _with_lemon(result: Blame, lemons: frozenset[str]) -> Blame:
@@ -320,7 +322,40 @@ def _with_lemon(result: Blame, lemons: frozenset[str]) -> Blame:
     )
 
 
-def _blame(observation: Observation, record: JobRecord) -> Blame:
+def of_rank_exit(report: RankExited, record: JobRecord, lemons: frozenset[str]) -> Blame:
+    """A rank's exit alone (see :func:`blame_exits` for several): a node signal blames
+    its node, an exception or an exit code the user's code."""
+    return _with_lemon(_rank_exit(exit_seen(report), record), lemons)
+
+
+def of_hang(report: HangReported, record: JobRecord, lemons: frozenset[str]) -> Blame:
+    """A hang report compared with the suspects other nodes already reported
+    (:func:`blame_hang`)."""
+    earlier = record.recovery.suspects if record.recovery else ()
+    return blame_hang((*earlier, *suspects_of(report)), lemons, record.nodes)
+
+
+def of_health_check(report: HealthCheckFailed, record: JobRecord, lemons: frozenset[str]) -> Blame:
+    """A failed health gate: its node, unless only the checks of what nodes share failed."""
+    failed = report.failed_checks
+    evidence = f"health check failed on {report.node}: {report.detail}".strip()
+    if failed and SHARED_CHECKS.issuperset(failed):
+        shared = (
+            f"{', '.join(failed)} failed: something the nodes share (checkpoint root, "
+            "rendezvous address), not the node; fix it, the job retries within its budget"
+        )
+        return Blame(None, Cause.HEALTH_CHECK, CONFIDENCE_SHARED_CHECK, (shared, evidence))
+    verdict = Blame(report.node, Cause.HEALTH_CHECK, CONFIDENCE_HEALTH_CHECK, (evidence,))
+    return _with_lemon(verdict, lemons)
+
+
+def of_straggler(report: StragglerReported, record: JobRecord, lemons: frozenset[str]) -> Blame:
+    """A straggler's node: slow is a fact, not yet a fault (:data:`CONFIDENCE_STRAGGLER`)."""
+    evidence = (f"straggler on {report.node}: {report.detail}".strip(),)
+    return _with_lemon(Blame(report.node, Cause.STRAGGLER, CONFIDENCE_STRAGGLER, evidence), lemons)
+
+
+def _blame(observation: Observation) -> Blame:
     if isinstance(observation, LeaseExpired):
         return Blame(
             observation.node,
@@ -349,37 +384,6 @@ def _blame(observation: Observation, record: JobRecord) -> Blame:
             (f"Slurm reports {observation.node} {'+'.join(states)}",),
             hardware=True,
         )
-    if isinstance(observation, RankExited):
-        return _rank_exit(exit_seen(observation), record)
-    if isinstance(observation, HangReported):
-        return Blame(None, Cause.HANG, 0.0, ())
-    if isinstance(observation, HealthCheckFailed):
-        return health_check(observation)
-    if isinstance(observation, StragglerReported):
-        return straggler(observation)
     if isinstance(observation, AgentReport):
         return Blame(None, Cause.OPERATOR, 0.0, (f"{observation.KIND.value} is not a fault",))
     return Blame(None, Cause.OPERATOR, 0.0, ("not a fault observation",))
-
-
-def health_check(report: HealthCheckFailed) -> Blame:
-    """A failed health gate: its node, unless only the checks of what nodes share failed."""
-    failed = report.failed_checks
-    evidence = f"health check failed on {report.node}: {report.detail}".strip()
-    if failed and SHARED_CHECKS.issuperset(failed):
-        shared = (
-            f"{', '.join(failed)} failed: something the nodes share (checkpoint root, "
-            "rendezvous address), not the node; fix it, the job retries within its budget"
-        )
-        return Blame(None, Cause.HEALTH_CHECK, CONFIDENCE_SHARED_CHECK, (shared, evidence))
-    return Blame(report.node, Cause.HEALTH_CHECK, CONFIDENCE_HEALTH_CHECK, (evidence,))
-
-
-def straggler(report: StragglerReported) -> Blame:
-    """A straggler's node: slow is a fact, not yet a fault (:data:`CONFIDENCE_STRAGGLER`)."""
-    return Blame(
-        report.node,
-        Cause.STRAGGLER,
-        CONFIDENCE_STRAGGLER,
-        (f"straggler on {report.node}: {report.detail}".strip(),),
-    )
