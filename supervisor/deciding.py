@@ -37,6 +37,7 @@ from supervisor.core.drains import (
     user_flagged,
     user_over_share,
 )
+from supervisor.core.faults import REPLAYED_KINDS
 from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
 from supervisor.core.model import JobRecord, JobState, record_to_json
 from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
@@ -127,7 +128,7 @@ class Deciding:
             if job.record.state.terminal:
                 continue
             named = {row.event_id for row in self.store.decisions_for(job_id) if row.event_id}
-            events = self.store.events_for(job_id, kinds=_REPLAYED_KINDS)
+            events = self.store.events_for(job_id, kinds=REPLAYED_KINDS)
             cursor = max((row.seq for row in events if row.event_id in named), default=0)
             for row in events:
                 if row.seq <= cursor or row.source is not EventSource.AGENT:
@@ -356,16 +357,6 @@ _RECONCILE = _Reconcile()
 # A requeue touched the job once it started: started, done or failed.
 _REQUEUE_TOUCHED = (ActionState.STARTED, ActionState.DONE, ActionState.FAILED)
 _Item = tuple[str, Observation, str | None] | _Reconcile | _Act | _Sighting
-# Agents' events the core decides on, replayed after a restart (replay_undecided).
-_REPLAYED_KINDS = (
-    EventKind.RANK_EXITED,
-    EventKind.HANG,
-    EventKind.HEALTH_CHECK_FAILED,
-    EventKind.CHECKPOINT_COMMITTED,
-    EventKind.LAUNCHER_EXITED,
-    EventKind.AGENT_STOPPED,
-    EventKind.WORLD_MISMATCH,
-)
 
 
 def record_document(record: JobRecord) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from supervisor.core.driver_answer import (
     PastRollback,
     quarantine_wanted,
 )
+from supervisor.core.faults import DECIDED_KINDS
 from supervisor.core.goodput import Goodput
 from supervisor.core.hang_hold import BusyRank, Heard
 from supervisor.core.intents import ValidateCheckpoints
@@ -164,7 +165,7 @@ class Intake:
             if event.kind is EventKind.RANK_EXITED and job.watch is not None:
                 # A script that raises on a NaN: its anomaly is the cause, decided first.
                 self._hand_anomaly(job_id, job.watch.due(now, force=True), now)
-            if event.kind in _DECIDED_KINDS:
+            if event.kind in DECIDED_KINDS:
                 self.decisions.enqueue(job_id, from_event(event), event.event_id)
         return accepted
 
@@ -602,21 +603,6 @@ class Intake:
 
 
 _UNKNOWN_ASIDE = Aside("failed validation", False)
-
-
-_DECIDED_KINDS = frozenset(
-    {
-        EventKind.RANK_EXITED,
-        EventKind.HANG,
-        EventKind.HEALTH_CHECK_FAILED,
-        EventKind.STRAGGLER,
-        EventKind.CHECKPOINT_COMMITTED,
-        EventKind.LAUNCHER_EXITED,  # closes an exit window early
-        EventKind.AGENT_STOPPED,
-        EventKind.TIME_LIMIT_NEAR,  # the ranks stop for the time limit: no fault
-        EventKind.WORLD_MISMATCH,  # the ranks train a world that is not the job's
-    }
-)
 
 
 def _goodput_doc(goodput: Goodput) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from supervisor.core.decision import Policy
 from supervisor.core.goodput import mtbf_estimate
 from supervisor.core.intents import DRAIN_REASON_PREFIX
 from supervisor.core.leases import expire, leases_count
-from supervisor.core.observations import AgentEvent, RelaunchFinished, SilenceShared
+from supervisor.core.observations import RelaunchFinished, SilenceShared, StragglerReported
 from supervisor.core.periodic import (
     compares_ranks,
     interval_due,
@@ -280,8 +280,7 @@ class Timers:
                     job_id, EventKind.STRAGGLER.value, payload, now, node=straggler.node
                 )
                 log.warning("job %s: straggler on %s: %s", job_id, straggler.node, straggler.detail)
-                seen = AgentEvent(
-                    EventKind.STRAGGLER,
+                seen = StragglerReported(
                     straggler.node,
                     row.event_id,
                     now,

@@ -36,7 +36,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ from supervisor.act.reconcile import (
 )
 from supervisor.act.ticket_hook import TicketHook
 from supervisor.act.validation import Limits, ValidationProcess
+from supervisor.act.wording import ticket_doc, ticket_message, would_do
 from supervisor.core.intents import (
     Alert,
     CheckNode,
@@ -126,6 +127,10 @@ _EFFECTS = (
 )  # fmt: skip
 
 
+_Result = tuple[dict[str, Any], list[Observation]]
+"""What carrying an intent out gives: the action's result document and the
+observations for the decision core."""
+
 _VALIDATOR_IMPORT = threading.Lock()
 
 
@@ -180,6 +185,7 @@ class Executor:
         self._clock = clock
         self._ticket_hook = ticket_hook
         self.observe_only = observe_only
+        self._handlers = self._handler_table()
 
     # ------------------------------------------------------------------
     # Plan and execute.
@@ -363,56 +369,87 @@ class Executor:
         _log_transition(intent, "started", "done", _brief(result))
         return _Outcome(observations)
 
-    async def _carry_out(self, intent: Intent) -> tuple[dict[str, Any], list[Observation]]:
+    async def _carry_out(self, intent: Intent) -> _Result:
         """Run the side effect; the store writes that go with it happen in :meth:`_finish`."""
-        now_s = self._clock()
-        if isinstance(intent, DrainNode):
-            await self._slurm.drain(intent.node, intent.slurm_reason)
-            return {"node": intent.node, "reason": intent.slurm_reason}, []
-        if isinstance(intent, ResumeNode):
-            await self._slurm.resume(intent.node)
-            return {"node": intent.node}, []
-        if isinstance(intent, DrainTicket):
-            hook = "" if self._ticket_hook is None else await self._ticket_hook(ticket_doc(intent))
-            return {"node": intent.node, "hook": hook}, []
-        if isinstance(intent, CheckNode):
-            # Recorded in _finish; supervisor.act.node_checks submits it once the job
-            # has left the node.
-            return {"node": intent.node}, []
-        if isinstance(intent, StopRanks | PushInterval):
-            command = command_for(intent)
-            new = self._store.queue_command(intent.job_id, None, command, now_s)
-            return {"command_id": command.command_id, "new": new}, []
-        if isinstance(intent, ValidateCheckpoints):
-            checked, past = await self._validate_checkpoints(intent)
-            result: dict[str, Any] = {"checked": [validated_doc(seen) for seen in checked]}
-            if past:
-                result["past_rollback"] = past
-            return result, list(checked)
-        if isinstance(intent, ShrinkAllocation):
-            await self._slurm.shrink(slurm_job_id(intent.job_id), intent.keep_nodes)
-            return {"nodes": list(intent.keep_nodes)}, []
-        if isinstance(intent, RequeueSmaller):
-            await self._slurm.requeue_smaller(
-                slurm_job_id(intent.job_id), intent.n_nodes, intent.n_nodes, intent.exclude
-            )
-            return {"n_nodes": intent.n_nodes, "exclude": list(intent.exclude)}, []
-        if isinstance(intent, Alert):
-            level = logging.ERROR if intent.severity is Severity.CRITICAL else logging.WARNING
-            log.log(level, "ALERT job=%s: %s", intent.job_id, intent.message)
-            return {"severity": intent.severity.value}, []
-        if isinstance(intent, StopJob) and intent.status is JobState.COMPLETED:
+        return await self._handlers[type(intent)](intent)
+
+    def _handler_table(self) -> dict[type[Intent], Callable[[Any], Awaitable[_Result]]]:
+        """The handler of each intent type: one entry per type of
+        :data:`~supervisor.core.intents.Intent` (tests/unit/test_executor.py checks)."""
+        return {
+            DrainNode: self._drain,
+            ResumeNode: self._resume,
+            DrainTicket: self._ticket,
+            CheckNode: self._check,
+            StopRanks: self._queue_command,
+            PushInterval: self._queue_command,
+            ValidateCheckpoints: self._validation,
+            ShrinkAllocation: self._shrink,
+            RequeueSmaller: self._requeue,
+            Alert: self._alert,
+            StopJob: self._stop_job,
+            RelaunchStep: self._by_the_driver,
+        }
+
+    async def _drain(self, intent: DrainNode) -> _Result:
+        await self._slurm.drain(intent.node, intent.slurm_reason)
+        return {"node": intent.node, "reason": intent.slurm_reason}, []
+
+    async def _resume(self, intent: ResumeNode) -> _Result:
+        await self._slurm.resume(intent.node)
+        return {"node": intent.node}, []
+
+    async def _ticket(self, intent: DrainTicket) -> _Result:
+        hook = "" if self._ticket_hook is None else await self._ticket_hook(ticket_doc(intent))
+        return {"node": intent.node, "hook": hook}, []
+
+    async def _check(self, intent: CheckNode) -> _Result:
+        # Recorded in _finish; supervisor.act.node_checks submits it once the job
+        # has left the node.
+        return {"node": intent.node}, []
+
+    async def _queue_command(self, intent: StopRanks | PushInterval) -> _Result:
+        command = command_for(intent)
+        new = self._store.queue_command(intent.job_id, None, command, self._clock())
+        return {"command_id": command.command_id, "new": new}, []
+
+    async def _validation(self, intent: ValidateCheckpoints) -> _Result:
+        checked, past = await self._validate_checkpoints(intent)
+        result: dict[str, Any] = {"checked": [validated_doc(seen) for seen in checked]}
+        if past:
+            result["past_rollback"] = past
+        return result, list(checked)
+
+    async def _shrink(self, intent: ShrinkAllocation) -> _Result:
+        await self._slurm.shrink(slurm_job_id(intent.job_id), intent.keep_nodes)
+        return {"nodes": list(intent.keep_nodes)}, []
+
+    async def _requeue(self, intent: RequeueSmaller) -> _Result:
+        await self._slurm.requeue_smaller(
+            slurm_job_id(intent.job_id), intent.n_nodes, intent.n_nodes, intent.exclude
+        )
+        return {"n_nodes": intent.n_nodes, "exclude": list(intent.exclude)}, []
+
+    async def _alert(self, intent: Alert) -> _Result:
+        level = logging.ERROR if intent.severity is Severity.CRITICAL else logging.WARNING
+        log.log(level, "ALERT job=%s: %s", intent.job_id, intent.message)
+        return {"severity": intent.severity.value}, []
+
+    async def _stop_job(self, intent: StopJob) -> _Result:
+        if intent.status is JobState.COMPLETED:
             # The run completed: its driver is told so and exits 0, and Slurm records
             # the job COMPLETED; a cancel would make it CANCELLED.
             return {"cancelled": False, "left_to_driver": True}, []
-        if isinstance(intent, StopJob):
-            job = await self._slurm.job(slurm_job_id(intent.job_id))
-            if job is None or job.state.finished:
-                state = "not listed" if job is None else job.state_raw
-                return {"cancelled": False, "slurm": state}, []
-            await self._slurm.cancel(slurm_job_id(intent.job_id))
-            return {"cancelled": True, "slurm": job.state_raw}, []
-        raise TypeError(f"the executor cannot carry out {intent!r}")  # RelaunchStep: the driver
+        job = await self._slurm.job(slurm_job_id(intent.job_id))
+        if job is None or job.state.finished:
+            state = "not listed" if job is None else job.state_raw
+            return {"cancelled": False, "slurm": state}, []
+        await self._slurm.cancel(slurm_job_id(intent.job_id))
+        return {"cancelled": True, "slurm": job.state_raw}, []
+
+    async def _by_the_driver(self, intent: RelaunchStep) -> _Result:
+        # _run hands a relaunch to the in-job driver before it reaches the table.
+        raise TypeError(f"the executor cannot carry out {intent!r}: the in-job driver does")
 
     def _finish(
         self, intent: Intent, result: dict[str, Any], observations: list[Observation]
@@ -580,60 +617,6 @@ class Executor:
             attempts = [int(row.args.get("attempt", 0)) for row in self._store.list_actions(job_id)]
             cache[job_id] = max(attempts, default=0)
         return cache[job_id]
-
-
-def would_do(intent: Intent) -> str:
-    """What carrying ``intent`` out does, in words (``would ...`` in observe-only mode)."""
-    match intent:
-        case DrainNode():
-            return f"drain {intent.node} ({intent.cause.value}): {intent.slurm_reason}"
-        case ResumeNode():
-            return f"resume {intent.node}"
-        case DrainTicket():
-            return f"raise a drain ticket for {intent.node} ({intent.cause.value})"
-        case CheckNode():
-            return f"check {intent.node} with a Slurm job of its own before draining it"
-        case StopRanks():
-            return f"stop every rank of the job (SIGTERM, SIGKILL after {intent.grace_s:g} s)"
-        case PushInterval():
-            return f"set the checkpoint interval to {intent.interval_s:.0f} s"
-        case ShrinkAllocation():
-            return f"shrink the allocation to {','.join(intent.keep_nodes)}"
-        case RequeueSmaller():
-            without = f" without {','.join(intent.exclude)}" if intent.exclude else ""
-            return f"requeue the job on {intent.n_nodes} node(s){without}"
-        case RelaunchStep():
-            source = intent.resume_from or "no checkpoint"
-            return f"relaunch on {','.join(intent.nodes)} from {source}"
-        case StopJob():
-            return f"stop the job ({intent.status.value}): {intent.reason}"
-    return kind_of(intent)
-
-
-def ticket_doc(intent: DrainTicket) -> dict[str, Any]:
-    """The JSON object the operator hook receives for a ticket."""
-    return {
-        "kind": "resurgo_drain_ticket",
-        "node": intent.node,
-        "cause": intent.cause.value,
-        "job_id": intent.job_id,
-        "user": intent.user,
-        "attempt": intent.attempt,
-        "evidence": intent.evidence,
-        "ticket": intent.action_id,
-        "asks": f'scontrol update nodename={intent.node} state=drain reason="..."',
-    }
-
-
-def ticket_message(intent: DrainTicket) -> str:
-    """The alert that goes with a ticket, in words."""
-    return (
-        f"drain ticket for {intent.node} ({intent.cause.value}: {intent.evidence}): this "
-        f"supervisor has no Slurm operator rights, so job {intent.job_id}"
-        f"{f' of {intent.user}' if intent.user else ''} goes on without "
-        f"{intent.node} and your later jobs leave it out; an admin should drain and check it "
-        f"(`resurgo nodes` lists the ticket; `resurgo nodes forgive {intent.node}` clears it)"
-    )
 
 
 def _retryable(error: SlurmError) -> bool:

@@ -24,14 +24,17 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import dataclass, replace
 
-from agent.wire.protocol import EventKind
 from supervisor.core.model import Cause, ClusterView, ExitSeen, JobRecord, Suspect, at_step
 from supervisor.core.observations import (
-    AgentEvent,
+    AgentReport,
+    HangReported,
+    HealthCheckFailed,
     LeaseExpired,
     Observation,
+    RankExited,
     SlurmNodeSeen,
     SpareCheckFailed,
+    StragglerReported,
 )
 
 # Deaths that come from the machine, not from Python: bad memory, a bus error,
@@ -84,7 +87,7 @@ class Blame:
     hardware: bool = False
 
 
-def suspects_of(event: AgentEvent) -> tuple[Suspect, ...]:
+def suspects_of(event: HangReported) -> tuple[Suspect, ...]:
     """A HANG event's culprits as :class:`Suspect` values with an absolute stop time."""
     return tuple(
         Suspect(
@@ -99,7 +102,7 @@ def suspects_of(event: AgentEvent) -> tuple[Suspect, ...]:
     )
 
 
-def exit_seen(event: AgentEvent) -> ExitSeen:
+def exit_seen(event: RankExited) -> ExitSeen:
     """A RANK_EXITED event as an :class:`ExitSeen`, dead at its exit time (else the event's);
     its uncaught exception and when it raised it, if it raised one."""
     return ExitSeen(
@@ -292,19 +295,21 @@ def blame(
 ) -> Blame:
     """Attribute ``observation`` to a node, or to none.
 
-    For a HANG event the suspects already collected in ``record.recovery`` from
-    other nodes are compared with this event's. The repeat offenders (and the
+    For a hang report the suspects already collected in ``record.recovery`` from
+    other nodes are compared with this report's. The repeat offenders (and the
     nodes this user's jobs ticketed: :meth:`ClusterView.avoided_by`) raise the
     confidence against a node already among them.
     """
     lemons = cluster.avoided_by(record.slurm_user) if cluster is not None else frozenset()
-    result = _blame(observation, record)
-    if result.cause is not Cause.HANG:
-        return _with_lemon(result, lemons)
-    if isinstance(observation, AgentEvent):
-        earlier = record.recovery.suspects if record.recovery else ()
-        return blame_hang((*earlier, *suspects_of(observation)), lemons, record.nodes)
-    return result
+    if isinstance(observation, RankExited):
+        return of_rank_exit(observation, record, lemons)
+    if isinstance(observation, HangReported):
+        return of_hang(observation, record, lemons)
+    if isinstance(observation, HealthCheckFailed):
+        return of_health_check(observation, record, lemons)
+    if isinstance(observation, StragglerReported):
+        return of_straggler(observation, record, lemons)
+    return _with_lemon(_blame(observation), lemons)
 
 
 def _with_lemon(result: Blame, lemons: frozenset[str]) -> Blame:
@@ -317,7 +322,40 @@ def _with_lemon(result: Blame, lemons: frozenset[str]) -> Blame:
     )
 
 
-def _blame(observation: Observation, record: JobRecord) -> Blame:
+def of_rank_exit(report: RankExited, record: JobRecord, lemons: frozenset[str]) -> Blame:
+    """A rank's exit alone (see :func:`blame_exits` for several): a node signal blames
+    its node, an exception or an exit code the user's code."""
+    return _with_lemon(_rank_exit(exit_seen(report), record), lemons)
+
+
+def of_hang(report: HangReported, record: JobRecord, lemons: frozenset[str]) -> Blame:
+    """A hang report compared with the suspects other nodes already reported
+    (:func:`blame_hang`)."""
+    earlier = record.recovery.suspects if record.recovery else ()
+    return blame_hang((*earlier, *suspects_of(report)), lemons, record.nodes)
+
+
+def of_health_check(report: HealthCheckFailed, record: JobRecord, lemons: frozenset[str]) -> Blame:
+    """A failed health gate: its node, unless only the checks of what nodes share failed."""
+    failed = report.failed_checks
+    evidence = f"health check failed on {report.node}: {report.detail}".strip()
+    if failed and SHARED_CHECKS.issuperset(failed):
+        shared = (
+            f"{', '.join(failed)} failed: something the nodes share (checkpoint root, "
+            "rendezvous address), not the node; fix it, the job retries within its budget"
+        )
+        return Blame(None, Cause.HEALTH_CHECK, CONFIDENCE_SHARED_CHECK, (shared, evidence))
+    verdict = Blame(report.node, Cause.HEALTH_CHECK, CONFIDENCE_HEALTH_CHECK, (evidence,))
+    return _with_lemon(verdict, lemons)
+
+
+def of_straggler(report: StragglerReported, record: JobRecord, lemons: frozenset[str]) -> Blame:
+    """A straggler's node: slow is a fact, not yet a fault (:data:`CONFIDENCE_STRAGGLER`)."""
+    evidence = (f"straggler on {report.node}: {report.detail}".strip(),)
+    return _with_lemon(Blame(report.node, Cause.STRAGGLER, CONFIDENCE_STRAGGLER, evidence), lemons)
+
+
+def _blame(observation: Observation) -> Blame:
     if isinstance(observation, LeaseExpired):
         return Blame(
             observation.node,
@@ -346,27 +384,6 @@ def _blame(observation: Observation, record: JobRecord) -> Blame:
             (f"Slurm reports {observation.node} {'+'.join(states)}",),
             hardware=True,
         )
-    if not isinstance(observation, AgentEvent):
-        return Blame(None, Cause.OPERATOR, 0.0, ("not a fault observation",))
-    if observation.kind is EventKind.RANK_EXITED:
-        return _rank_exit(exit_seen(observation), record)
-    if observation.kind is EventKind.HANG:
-        return Blame(None, Cause.HANG, 0.0, ())
-    if observation.kind is EventKind.HEALTH_CHECK_FAILED:
-        failed = observation.failed_checks
-        evidence = f"health check failed on {observation.node}: {observation.detail}".strip()
-        if failed and SHARED_CHECKS.issuperset(failed):
-            shared = (
-                f"{', '.join(failed)} failed: something the nodes share (checkpoint root, "
-                "rendezvous address), not the node; fix it, the job retries within its budget"
-            )
-            return Blame(None, Cause.HEALTH_CHECK, CONFIDENCE_SHARED_CHECK, (shared, evidence))
-        return Blame(observation.node, Cause.HEALTH_CHECK, CONFIDENCE_HEALTH_CHECK, (evidence,))
-    if observation.kind is EventKind.STRAGGLER:
-        return Blame(
-            observation.node,
-            Cause.STRAGGLER,
-            CONFIDENCE_STRAGGLER,
-            (f"straggler on {observation.node}: {observation.detail}".strip(),),
-        )
-    return Blame(None, Cause.OPERATOR, 0.0, (f"{observation.kind.value} is not a fault",))
+    if isinstance(observation, AgentReport):
+        return Blame(None, Cause.OPERATOR, 0.0, (f"{observation.KIND.value} is not a fault",))
+    return Blame(None, Cause.OPERATOR, 0.0, ("not a fault observation",))

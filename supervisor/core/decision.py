@@ -16,9 +16,9 @@ from dataclasses import dataclass, fields
 from agent.wire.errors import ConfigError
 from supervisor.core.anomaly import AnomalyAction, WatchPolicy
 from supervisor.core.intents import Intent, ValidationLevel
-from supervisor.core.model import Cause, JobRecord, JobState
+from supervisor.core.model import Cause, ClusterView, JobRecord, JobState
 
-__all__ = ["LIVE", "Decision", "Policy", "decision"]
+__all__ = ["LIVE", "Context", "Decision", "Policy", "decision"]
 
 # States in which ranks run (or are being started): a fault there starts a recovery.
 LIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RELAUNCHING})
@@ -274,6 +274,17 @@ class Decision:
     intents: tuple[Intent, ...]
     cause: Cause | None
     explanation: str
+
+
+@dataclass(frozen=True)
+class Context:
+    """What one decision is made in, built once by :func:`~supervisor.core.policy.decide`
+    and passed down: the time (``now_s``, never read from a clock), the operator's
+    policy, and the cluster as last seen."""
+
+    now_s: float
+    policy: Policy
+    cluster: ClusterView
 
 
 def decision(

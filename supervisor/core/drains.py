@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from supervisor.core.blame import Blame
-from supervisor.core.decision import Policy
+from supervisor.core.decision import Context, Policy
 from supervisor.core.intents import (
     Alert,
     CheckNode,
@@ -169,15 +169,11 @@ def storm_holds(policy: Policy, blames: Iterable[tuple[str, str]]) -> bool:
 
 
 def exclude_and_drain(
-    record: JobRecord,
-    blame: Blame,
-    policy: Policy,
-    cluster: ClusterView,
-    slurm_took_it: bool,
+    record: JobRecord, blame: Blame, ctx: Context, slurm_took_it: bool
 ) -> tuple[JobRecord, tuple[Intent, ...], str]:
     """Exclude and (rate limit permitting) drain the blamed node; what was done, in words.
 
-    A supervisor without Slurm operator rights (``cluster.may_drain`` False)
+    A supervisor without Slurm operator rights (``ctx.cluster.may_drain`` False)
     raises a drain ticket for the admins instead: the node is kept out of the
     job all the same.
     """
@@ -186,13 +182,13 @@ def exclude_and_drain(
         if blame.cause is Cause.TIME_LIMIT:
             return record, (), "a planned stop for the time limit: no node is at fault"
         return record, (), "no node blamed: the evidence names none"
-    if blame.confidence < policy.drain_confidence:
+    if blame.confidence < ctx.policy.drain_confidence:
         return (
             record,
             (),
             (
                 f"no node blamed with enough confidence ({blame.confidence:.2f}, "
-                f"drain_confidence {policy.drain_confidence:g})"
+                f"drain_confidence {ctx.policy.drain_confidence:g})"
             ),
         )
     recovery = record.recovery
@@ -203,43 +199,44 @@ def exclude_and_drain(
         blamed_nodes=tuple(sorted({*record.blamed_nodes, node})),
     )
     evidence = "; ".join(blame.evidence)
-    if slurm_took_it or node in cluster.drained or node in cluster.down:
+    if slurm_took_it or node in ctx.cluster.drained or node in ctx.cluster.down:
         return excluded, (), f"{node} excluded; Slurm already took it out of service"
-    held = _held_back(policy, cluster, record, node)
+    held = _held_back(ctx.policy, ctx.cluster, record, node)
     if held is not None:
         why, message = held
         alerts: tuple[Intent, ...] = ()
         if message is not None:
             alerts = (Alert(record.job_id, record.attempt, Severity.CRITICAL, message),)
         return excluded, alerts, f"{node} excluded, not drained: {why}: {evidence}"
-    if cluster.may_drain and drains_allowed(policy, cluster) < 1:
-        limit = drain_limit(policy, cluster.size)
+    if ctx.cluster.may_drain and drains_allowed(ctx.policy, ctx.cluster) < 1:
+        limit = drain_limit(ctx.policy, ctx.cluster.size)
         message = (
             f"job {record.job_id}: {node} was not drained ({blame.cause.value}: {evidence}): "
-            f"{cluster.drains_last_hour} drain(s) in the last hour (done or decided) use the "
-            f"{limit} the policy allows on {cluster.size} nodes (max_drain_share_per_hour "
-            f"{policy.max_drain_share_per_hour:g}, at least min_drains_per_hour "
-            f"{policy.min_drains_per_hour}). The job goes on without {node}; a person should "
+            f"{ctx.cluster.drains_last_hour} drain(s) in the last hour (done or decided) use the "
+            f"{limit} the policy allows on {ctx.cluster.size} nodes (max_drain_share_per_hour "
+            f"{ctx.policy.max_drain_share_per_hour:g}, at least min_drains_per_hour "
+            f"{ctx.policy.min_drains_per_hour}). The job goes on without {node}; a person should "
             f"look at it. To let Resurgo drain more, raise either setting."
         )
         alert = Alert(record.job_id, record.attempt, Severity.CRITICAL, message)
         return excluded, (alert,), f"{node} excluded, not drained: hourly drain share reached"
-    used = user_over_share(policy, cluster, record.slurm_user)
+    used = user_over_share(ctx.policy, ctx.cluster, record.slurm_user)
     if used is not None:
-        verb = "drained" if cluster.may_drain else "ticketed"
+        verb = "drained" if ctx.cluster.may_drain else "ticketed"
+        limit = drain_limit(ctx.policy, ctx.cluster.size)
         message = (
             f"job {record.job_id}: {node} was not {verb} ({blame.cause.value}: {evidence}): "
             f"jobs of {record.slurm_user} had {used} node(s) drained or ticketed in the last "
             f"hour, the most one user's jobs may take (max_user_drain_share "
-            f"{policy.max_user_drain_share:g} of the {drain_limit(policy, cluster.size)} "
-            f"drain(s) an hour on {cluster.size} nodes). The job goes on without {node}; "
+            f"{ctx.policy.max_user_drain_share:g} of the {limit} "
+            f"drain(s) an hour on {ctx.cluster.size} nodes). The job goes on without {node}; "
             f"one user's jobs cannot take the whole share."
         )
         alert = Alert(record.job_id, record.attempt, Severity.WARNING, message)
         why = f"{record.slurm_user}'s share of the drains is used"
         return excluded, (alert,), f"{node} excluded, not {verb}: {why}"
-    at_once = drain_at_once(policy, cluster, blame, record.slurm_user)
-    if at_once is None or not cluster.may_drain:
+    at_once = drain_at_once(ctx.policy, ctx.cluster, blame, record.slurm_user)
+    if at_once is None or not ctx.cluster.may_drain:
         # One job's word: the supervisor checks the node first. No rights: the admins drain.
         ask = CheckNode if at_once is None else DrainTicket
         done = (

@@ -17,8 +17,8 @@ from dataclasses import replace
 
 from supervisor.core import recovery
 from supervisor.core.blame import Blame
-from supervisor.core.decision import LIVE, Decision, Policy, decision
-from supervisor.core.model import MAX_LOST_REQUEUES, Cause, ClusterView, JobRecord, JobState
+from supervisor.core.decision import LIVE, Context, Decision, decision
+from supervisor.core.model import MAX_LOST_REQUEUES, Cause, JobRecord, JobState
 from supervisor.core.observations import SlurmJobSeen
 
 # Slurm job states that mean the job ended and will not come back by itself.
@@ -30,9 +30,7 @@ def _nothing(record: JobRecord, why: str) -> Decision:
     return decision(record, (), None, why)
 
 
-def on_job_seen(
-    record: JobRecord, seen: SlurmJobSeen, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def on_job_seen(record: JobRecord, seen: SlurmJobSeen, ctx: Context) -> Decision:
     """The next record for a ``squeue`` sighting of the job (see the module docstring)."""
     state = seen.state.upper()
     requeued_by_slurm = seen.restart_count > record.slurm_restart_count
@@ -44,7 +42,7 @@ def on_job_seen(
         if record.state in (JobState.SUBMITTED, JobState.REQUEUED):
             world, spares = recovery.split_allocation(record, seen.nodes)
             started = replace(
-                recovery.to_state(record, JobState.STARTING, now_s),
+                recovery.to_state(record, JobState.STARTING, ctx.now_s),
                 nodes=world,
                 spare_nodes=spares,
             )
@@ -54,7 +52,7 @@ def on_job_seen(
             # Slurm requeued and restarted it between two sightings (the supervisor
             # was down, or the queue wait was shorter than a poll): adopt the
             # requeue; the next sighting starts the job on its new allocation.
-            return _adopt(record, seen, now_s, policy, cluster)
+            return _adopt(record, seen, ctx)
         return _nothing(record, "running")
     pending = record.recovery
     if record.state is JobState.REQUEUED and pending is not None and not pending.requeue_seen:
@@ -63,30 +61,30 @@ def on_job_seen(
             return _nothing(record, f"Slurm shows {state} from before the requeue took effect")
         record = replace(record, recovery=replace(pending, requeue_seen=True))
     if state in _SLURM_FAILED and not requeued_by_slurm and _requeue_pending(record):
-        return _requeue_lost(record, seen, now_s, cluster)
+        return _requeue_lost(record, seen, ctx)
     # After `scontrol requeue` from inside the job (Lightning's auto-requeue, the
     # driver's own), Slurm 22.05 shows COMPLETING with the new restart count first.
     if state in _SLURM_QUEUED or (state == "COMPLETING" and requeued_by_slurm):
         if requeued_by_slurm and record.state not in (JobState.SUBMITTED, JobState.REQUEUED):
-            return _adopt(record, seen, now_s, policy, cluster)
+            return _adopt(record, seen, ctx)
         return _nothing(record, "pending in Slurm's queue")
     if state in ("PREEMPTED", "TIMEOUT") and record.state is not JobState.SUBMITTED:
         cause = Cause.PREEMPTED if state == "PREEMPTED" else Cause.TIME_LIMIT
         verdict = Blame(None, cause, 0.0, (f"Slurm: {state} {seen.reason}".strip(),))
-        return _restart_requeued(record, verdict, now_s, policy, cluster)
+        return _restart_requeued(record, verdict, ctx)
     if state == "NODE_FAIL":
         verdict = Blame(None, Cause.NODE_LOST, 0.0, (f"Slurm: NODE_FAIL{_because(seen)}",))
-        return _restart_requeued(record, verdict, now_s, policy, cluster)
+        return _restart_requeued(record, verdict, ctx)
     if state == "COMPLETED":
-        done = replace(recovery.to_state(record, JobState.COMPLETED, now_s), recovery=None)
+        done = replace(recovery.to_state(record, JobState.COMPLETED, ctx.now_s), recovery=None)
         return decision(done, (), Cause.SLURM_ENDED, "Slurm reports the job completed")
     if state == "CANCELLED":
-        ended = replace(recovery.to_state(record, JobState.CANCELLED, now_s), recovery=None)
+        ended = replace(recovery.to_state(record, JobState.CANCELLED, ctx.now_s), recovery=None)
         reason = f"cancelled in Slurm{_because(seen)}"
         return decision(replace(ended, final_reason=reason), (), Cause.OPERATOR, reason)
     if state in _SLURM_FAILED:
         reason = f"Slurm ended the job: {state}{_because(seen)}"
-        failed = replace(recovery.to_state(record, JobState.FAILED, now_s), recovery=None)
+        failed = replace(recovery.to_state(record, JobState.FAILED, ctx.now_s), recovery=None)
         return decision(replace(failed, final_reason=reason), (), Cause.SLURM_ENDED, reason)
     # Not acted on: a restart count that rose stays to be seen with the next sighting.
     return _nothing(
@@ -105,9 +103,7 @@ def _requeue_pending(record: JobRecord) -> bool:
     )
 
 
-def _requeue_lost(
-    record: JobRecord, seen: SlurmJobSeen, now_s: float, cluster: ClusterView
-) -> Decision:
+def _requeue_lost(record: JobRecord, seen: SlurmJobSeen, ctx: Context) -> Decision:
     """Slurm showed the requeued job queued, then ended, before it ran again.
 
     Seen on Slurm 22.05: a requeue made while the batch script still ended
@@ -128,7 +124,7 @@ def _requeue_lost(
             f"again; resubmit it with `resurgo submit` and the same --ckpt-root: it "
             f"resumes from {resume}"
         )
-        failed = replace(recovery.to_state(record, JobState.FAILED, now_s), recovery=None)
+        failed = replace(recovery.to_state(record, JobState.FAILED, ctx.now_s), recovery=None)
         return decision(replace(failed, final_reason=reason), (), Cause.SLURM_ENDED, reason)
     again = replace(
         record,
@@ -137,27 +133,21 @@ def _requeue_lost(
             pending, requeue=True, requeue_seen=False, requeues_lost=pending.requeues_lost + 1
         ),
     )
-    planned = recovery.relaunch(again, now_s, cluster)
+    planned = recovery.relaunch(again, ctx)
     why = f"{ended} after the requeue took, before it ran again: requeue again; "
     return replace(planned, explanation=why + planned.explanation)
 
 
-def _restart_requeued(
-    record: JobRecord, verdict: Blame, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _restart_requeued(record: JobRecord, verdict: Blame, ctx: Context) -> Decision:
     """Slurm ended the allocation: recover through the requeue path."""
     if record.state not in LIVE and record.state is not JobState.RECOVERING:
         return _nothing(record, f"{verdict.cause.value} while {record.state.value}: nothing runs")
     if record.state is JobState.RECOVERING and record.recovery is not None:
-        return recovery.add_fault(
-            record, policy, cluster, verdict, requeue=True, slurm_took_it=True
-        )
-    return recovery.start(record, now_s, policy, cluster, verdict, requeue=True)
+        return recovery.add_fault(record, ctx, verdict, requeue=True, slurm_took_it=True)
+    return recovery.start(record, ctx, verdict, requeue=True)
 
 
-def _adopt(
-    record: JobRecord, seen: SlurmJobSeen, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _adopt(record: JobRecord, seen: SlurmJobSeen, ctx: Context) -> Decision:
     """Slurm requeued the job itself: follow it into REQUEUED; never requeue on top of it."""
     preempted = "preempt" in seen.reason.lower()
     cause = Cause.PREEMPTED if preempted else Cause.SLURM_REQUEUE
@@ -174,7 +164,7 @@ def _adopt(
         # Our own recovery of the same fault is under way: Slurm's requeue replaces
         # its relaunch, and the restart was already counted against the budget.
         adopted = replace(
-            recovery.to_state(record, JobState.REQUEUED, now_s),
+            recovery.to_state(record, JobState.REQUEUED, ctx.now_s),
             nodes=(),
             spare_nodes=(),
             not_before_s=None,
@@ -186,14 +176,12 @@ def _adopt(
     # While hang or exit evidence is collected no restart was counted yet: Slurm's
     # requeue is the restart, and the ranks it ended are no longer evidence.
     verdict = Blame(None, cause, 0.0, (f"Slurm requeued the job{_because(seen)}",))
-    started = recovery.start(
-        record, now_s, policy, cluster, verdict, requeue=True, stop_ranks=False
-    )
+    started = recovery.start(record, ctx, verdict, requeue=True, stop_ranks=False)
     if started.record.state is not JobState.RECOVERING:
         return started  # the budget ran out: the job stops
     assert started.record.recovery is not None
     adopted = replace(
-        recovery.to_state(started.record, JobState.REQUEUED, now_s),
+        recovery.to_state(started.record, JobState.REQUEUED, ctx.now_s),
         nodes=(),
         spare_nodes=(),
         not_before_s=None,

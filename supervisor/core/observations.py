@@ -1,6 +1,7 @@
 """What the decision core consumes: observations, each a frozen value.
 
-The daemon turns what it hears into these: agent events (:func:`from_event`),
+The daemon turns what it hears into these: agent events (:func:`from_event`,
+one type per kind the core decides on, each with only that kind's fields),
 Slurm polls, lease expiries, the executor's reports (a checkpoint validated, a
 relaunch started) and a periodic :class:`Tick` that releases waits (hang and
 rank exit evidence windows, restart backoff). Pure: no clock, no OS.
@@ -8,8 +9,9 @@ rank exit evidence windows, restart backoff). Pure: no clock, no OS.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from agent.wire.protocol import Event, EventKind
 
@@ -26,41 +28,139 @@ class Culprit:
 
 
 @dataclass(frozen=True)
-class AgentEvent:
-    """An :class:`agent.wire.protocol.Event` reduced to the fields the core decides on.
+class AgentReport:
+    """What every agent report the core decides on carries: the reporting node, the
+    event's id, and when it was sent (``time_s``, by the node's clock).
 
-    ``step`` is the rank's last step (RANK_EXITED), the committed step
-    (CHECKPOINT_COMMITTED) or None. ``error_digest`` is a hash of the exception
-    type and message when the agent sent one (payload ``error_digest``).
-    ``detail`` is human text for explanations (health-check output tail,
-    straggler numbers). ``exit_time_s`` is when a rank died (RANK_EXITED
-    payload ``exit_time_unix_s``, by the clock of its node; None when not sent).
+    Each kind of report is a subclass naming its :class:`EventKind` (``KIND``)
+    and holding only the fields that kind has; :func:`from_event` builds the
+    right one from a decoded event.
     """
 
-    kind: EventKind
+    KIND: ClassVar[EventKind]
+
     node: str
     event_id: str
     time_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankExited(AgentReport):
+    """One rank process ended (``rank_exited``).
+
+    ``step`` is the rank's last step. ``error_digest`` is a hash of the
+    exception type and message when the agent sent one. ``exit_time_s`` is when
+    the rank died (payload ``exit_time_unix_s``, by the clock of its node; None
+    when not sent). ``raised``/``raised_time_s``: the rank's uncaught exception
+    type and when it reached the top (agent.wire.raised), if it raised one.
+    ``script_ended``: the rank's script ran to its end before it exited (a
+    signal after that came in its teardown).
+    """
+
+    KIND: ClassVar[EventKind] = EventKind.RANK_EXITED
+
     global_rank: int | None = None
     exit_code: int | None = None
     signal: int | None = None
     step: int | None = None
-    path: str | None = None
-    culprits: tuple[Culprit, ...] = ()
     error_digest: str | None = None
-    detail: str = ""
     exit_time_s: float | None = None
-    time_left_s: float | None = None  # TIME_LIMIT_NEAR: until Slurm ends the job
-    # HEALTH_CHECK_FAILED: the checks that failed (the operator's command, or
-    # ``builtin:NAME`` for the agent's own, agent.node.healthchecks).
-    failed_checks: tuple[str, ...] = ()
-    # RANK_EXITED: the rank's uncaught exception type and when it reached the top
-    # (payload ``raised``/``raised_time_unix_s``, agent.wire.raised), if it raised one.
     raised: str | None = None
     raised_time_s: float | None = None
-    # RANK_EXITED: the rank's script ran to its end before it exited (a signal after
-    # that came in its teardown).
     script_ended: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangReported(AgentReport):
+    """A node's ranks made no progress for longer than their timeout (``hang``);
+    ``culprits`` most suspect first."""
+
+    KIND: ClassVar[EventKind] = EventKind.HANG
+
+    culprits: tuple[Culprit, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthCheckFailed(AgentReport):
+    """The node failed its health gate before a launch (``health_check_failed``).
+
+    ``detail``: the output's tail; ``failed_checks``: the checks that failed
+    (the operator's command, or ``builtin:NAME`` for the agent's own,
+    agent.node.healthchecks).
+    """
+
+    KIND: ClassVar[EventKind] = EventKind.HEALTH_CHECK_FAILED
+
+    detail: str = ""
+    failed_checks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerReported(AgentReport):
+    """One rank's step time is an outlier (``straggler``); ``detail`` its numbers."""
+
+    KIND: ClassVar[EventKind] = EventKind.STRAGGLER
+
+    global_rank: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointCommitted(AgentReport):
+    """A checkpoint's commit marker is durable (``checkpoint_committed``)."""
+
+    KIND: ClassVar[EventKind] = EventKind.CHECKPOINT_COMMITTED
+
+    step: int | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class LauncherExited(AgentReport):
+    """torchrun (or the user's command) ended on the node (``launcher_exited``): every
+    exit of its ranks is reported."""
+
+    KIND: ClassVar[EventKind] = EventKind.LAUNCHER_EXITED
+
+
+@dataclass(frozen=True)
+class AgentStopped(AgentReport):
+    """The node's agent is about to exit (``agent_stopped``)."""
+
+    KIND: ClassVar[EventKind] = EventKind.AGENT_STOPPED
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeLimitNoticed(AgentReport):
+    """An agent's word that the time limit is near (``time_limit_near``); ``time_left_s``
+    until Slurm ends the job (None: unknown). The driver's is :class:`TimeLimitNear`."""
+
+    KIND: ClassVar[EventKind] = EventKind.TIME_LIMIT_NEAR
+
+    time_left_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldMismatched(AgentReport):
+    """A rank's torchrun world is not the job's (``world_mismatch``); ``detail`` says how."""
+
+    KIND: ClassVar[EventKind] = EventKind.WORLD_MISMATCH
+
+    detail: str = ""
+
+
+AgentObservation = (
+    RankExited
+    | HangReported
+    | HealthCheckFailed
+    | StragglerReported
+    | CheckpointCommitted
+    | LauncherExited
+    | AgentStopped
+    | TimeLimitNoticed
+    | WorldMismatched
+)
+"""An agent report the core decides on, one type per :class:`EventKind`."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +300,15 @@ class Tick:
 
 
 Observation = (
-    AgentEvent
+    RankExited
+    | HangReported
+    | HealthCheckFailed
+    | StragglerReported
+    | CheckpointCommitted
+    | LauncherExited
+    | AgentStopped
+    | TimeLimitNoticed
+    | WorldMismatched
     | LeaseExpired
     | SilenceShared
     | StepEnded
@@ -245,62 +353,117 @@ def _culprits(payload: dict[str, Any]) -> tuple[Culprit, ...]:
     )
 
 
-def from_event(event: Event) -> AgentEvent:
-    """The observation for a decoded, valid agent event."""
+def from_event(event: Event) -> AgentObservation:
+    """The observation for a decoded, valid agent event of a kind the core decides on.
+
+    Raises :class:`ValueError` for any other kind (``agent_started``,
+    ``step_losses``, ...): the daemon keeps those and decides nothing on them.
+    """
+    reading = _READINGS.get(event.kind)
+    if reading is None:
+        raise ValueError(f"the decision core takes no {event.kind.value} event")
+    return reading(event)
+
+
+def _rank_exited(event: Event) -> RankExited:
     payload = event.payload
-    detail = ""
-    if event.kind is EventKind.HEALTH_CHECK_FAILED:
-        detail = str(payload.get("output_tail", ""))[-500:]
-    elif event.kind is EventKind.WORLD_MISMATCH:
-        nnodes, local = payload.get("nnodes"), payload.get("local_world_size")
-        detail = (
-            f"rank {payload.get('global_rank')} on {event.node} is in a world of "
-            f"{payload.get('world_size')} ranks; the job's is {nnodes} nodes x {local} = "
-            f"{nnodes * local if isinstance(nnodes, int) and isinstance(local, int) else '?'}"
-        )
-    elif event.kind is EventKind.STRAGGLER:
-        detail = (
-            f"rank {payload.get('global_rank')} p50 {payload.get('step_time_p50_s')}s vs "
-            f"node median {payload.get('node_median_step_time_s')}s"
-        )
-    step = _opt_int(payload, "last_step")
-    if event.kind is EventKind.CHECKPOINT_COMMITTED:
-        step = _opt_int(payload, "step")
-    digest = payload.get("error_digest")
-    return AgentEvent(
-        kind=event.kind,
-        node=event.node,
-        event_id=event.event_id,
-        time_s=event.time_unix_s,
+    digest, raised = payload.get("error_digest"), payload.get("raised")
+    return RankExited(
+        event.node,
+        event.event_id,
+        event.time_unix_s,
         global_rank=_opt_int(payload, "global_rank"),
         exit_code=_opt_int(payload, "exit_code"),
         signal=_opt_int(payload, "signal"),
-        step=step,
-        path=payload.get("path") if isinstance(payload.get("path"), str) else None,
-        culprits=_culprits(payload) if event.kind is EventKind.HANG else (),
+        step=_opt_int(payload, "last_step"),
         error_digest=digest if isinstance(digest, str) else None,
-        detail=detail,
         exit_time_s=_opt_float(payload, "exit_time_unix_s"),
-        time_left_s=_time_left(event),
-        failed_checks=_failed_checks(event),
-        raised=payload.get("raised") if isinstance(payload.get("raised"), str) else None,
+        raised=raised if isinstance(raised, str) else None,
         raised_time_s=_opt_float(payload, "raised_time_unix_s"),
         script_ended=payload.get("script_ended") is True,
     )
 
 
-def _failed_checks(event: Event) -> tuple[str, ...]:
-    """A failed health gate's checks, by name (payload ``command``)."""
+def _hang(event: Event) -> HangReported:
+    return HangReported(
+        event.node, event.event_id, event.time_unix_s, culprits=_culprits(event.payload)
+    )
+
+
+def _health_check_failed(event: Event) -> HealthCheckFailed:
     names = event.payload.get("command")
-    if event.kind is not EventKind.HEALTH_CHECK_FAILED or not isinstance(names, list):
-        return ()
-    return tuple(str(name) for name in names)
+    return HealthCheckFailed(
+        event.node,
+        event.event_id,
+        event.time_unix_s,
+        detail=str(event.payload.get("output_tail", ""))[-500:],
+        # The failed checks, by name (payload ``command``).
+        failed_checks=tuple(str(name) for name in names) if isinstance(names, list) else (),
+    )
 
 
-def _time_left(event: Event) -> float | None:
-    """Seconds from the event to the job's end, both by the agent's clock (so the
-    supervisor's own clock needs no agreement with the node's)."""
+def _straggler(event: Event) -> StragglerReported:
+    payload = event.payload
+    detail = (
+        f"rank {payload.get('global_rank')} p50 {payload.get('step_time_p50_s')}s vs "
+        f"node median {payload.get('node_median_step_time_s')}s"
+    )
+    return StragglerReported(
+        event.node,
+        event.event_id,
+        event.time_unix_s,
+        global_rank=_opt_int(payload, "global_rank"),
+        detail=detail,
+    )
+
+
+def _checkpoint_committed(event: Event) -> CheckpointCommitted:
+    path = event.payload.get("path")
+    return CheckpointCommitted(
+        event.node,
+        event.event_id,
+        event.time_unix_s,
+        step=_opt_int(event.payload, "step"),
+        path=path if isinstance(path, str) else None,
+    )
+
+
+def _time_limit_noticed(event: Event) -> TimeLimitNoticed:
+    # Seconds from the event to the job's end, both by the agent's clock (so the
+    # supervisor's own clock needs no agreement with the node's).
     end = _opt_float(event.payload, "end_unix_s")
-    if event.kind is not EventKind.TIME_LIMIT_NEAR or end is None:
-        return None
-    return max(0.0, end - event.time_unix_s)
+    left = None if end is None else max(0.0, end - event.time_unix_s)
+    return TimeLimitNoticed(event.node, event.event_id, event.time_unix_s, time_left_s=left)
+
+
+def _world_mismatched(event: Event) -> WorldMismatched:
+    payload = event.payload
+    nnodes, local = payload.get("nnodes"), payload.get("local_world_size")
+    detail = (
+        f"rank {payload.get('global_rank')} on {event.node} is in a world of "
+        f"{payload.get('world_size')} ranks; the job's is {nnodes} nodes x {local} = "
+        f"{nnodes * local if isinstance(nnodes, int) and isinstance(local, int) else '?'}"
+    )
+    return WorldMismatched(event.node, event.event_id, event.time_unix_s, detail=detail)
+
+
+def _bare(kind: type[LauncherExited | AgentStopped]) -> Callable[[Event], AgentObservation]:
+    def read(event: Event) -> AgentObservation:
+        return kind(event.node, event.event_id, event.time_unix_s)
+
+    return read
+
+
+# How each kind the core decides on is read from its event; a kind added to
+# AgentObservation needs its reading here (tests/unit/test_faults.py checks).
+_READINGS: dict[EventKind, Callable[[Event], AgentObservation]] = {
+    EventKind.RANK_EXITED: _rank_exited,
+    EventKind.HANG: _hang,
+    EventKind.HEALTH_CHECK_FAILED: _health_check_failed,
+    EventKind.STRAGGLER: _straggler,
+    EventKind.CHECKPOINT_COMMITTED: _checkpoint_committed,
+    EventKind.LAUNCHER_EXITED: _bare(LauncherExited),
+    EventKind.AGENT_STOPPED: _bare(AgentStopped),
+    EventKind.TIME_LIMIT_NEAR: _time_limit_noticed,
+    EventKind.WORLD_MISMATCH: _world_mismatched,
+}

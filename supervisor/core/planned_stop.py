@@ -24,8 +24,8 @@ from dataclasses import replace
 
 from supervisor.core import recovery
 from supervisor.core.blame import Blame
-from supervisor.core.decision import LIVE, Decision, Policy, decision
-from supervisor.core.model import Cause, ClusterView, JobRecord, JobState
+from supervisor.core.decision import LIVE, Context, Decision, decision
+from supervisor.core.model import Cause, JobRecord, JobState
 
 # Requeue no later than this long before Slurm ends the job when the ranks'
 # stop was never reported: requeuehold, resize and release take about 2 s
@@ -36,21 +36,16 @@ UNKNOWN_END_S = 60.0
 
 
 def on_notice(
-    record: JobRecord,
-    time_left_s: float | None,
-    stopped: bool,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
+    record: JobRecord, time_left_s: float | None, stopped: bool, ctx: Context
 ) -> Decision:
     """The time limit is near (``stopped``: and the ranks stopped for it)."""
     left = UNKNOWN_END_S if time_left_s is None else time_left_s
-    end_s = now_s + left
+    end_s = ctx.now_s + left
     if record.state in LIVE:
         known = record.time_limit_end_s
         record = replace(record, time_limit_end_s=end_s if known is None else min(known, end_s))
         if stopped:
-            return requeue(record, now_s, policy, cluster, "the ranks stopped for the time limit")
+            return requeue(record, ctx, "the ranks stopped for the time limit")
         if known is not None:
             return decision(record, (), None, "planned stop for the time limit under way")
         return decision(
@@ -74,21 +69,15 @@ def during_stop(record: JobRecord, what: str) -> Decision:
     return decision(record, (), None, f"{what} during the planned stop for the time limit")
 
 
-def on_tick(
-    record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision | None:
+def on_tick(record: JobRecord, ctx: Context) -> Decision | None:
     """Requeue when the end is close and the ranks' stop was never reported; else None."""
     end_s = record.time_limit_end_s
-    if end_s is None or record.state not in LIVE or now_s < end_s - REQUEUE_MARGIN_S:
+    if end_s is None or record.state not in LIVE or ctx.now_s < end_s - REQUEUE_MARGIN_S:
         return None
-    return requeue(
-        record, now_s, policy, cluster, f"{max(0.0, end_s - now_s):.0f} s left of the time limit"
-    )
+    return requeue(record, ctx, f"{max(0.0, end_s - ctx.now_s):.0f} s left of the time limit")
 
 
-def requeue(
-    record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView, why: str
-) -> Decision:
+def requeue(record: JobRecord, ctx: Context, why: str) -> Decision:
     """Requeue at the job's size from the newest committed checkpoint; no fault."""
     verdict = Blame(None, Cause.TIME_LIMIT, 0.0, (why,))
-    return recovery.start(record, now_s, policy, cluster, verdict, requeue=True, stop_ranks=False)
+    return recovery.start(record, ctx, verdict, requeue=True, stop_ranks=False)

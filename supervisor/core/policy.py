@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import assert_never
 
-from agent.wire.protocol import EventKind
 from supervisor.core import clean_end, drains, follow_slurm, planned_stop, recovery, rollback, skips
 from supervisor.core.blame import (
     Blame,
@@ -55,7 +55,7 @@ from supervisor.core.blame import (
     is_failure,
     suspects_of,
 )
-from supervisor.core.decision import LIVE, Decision, Policy
+from supervisor.core.decision import LIVE, Context, Decision, Policy
 from supervisor.core.intents import Alert, Severity, ValidateCheckpoints
 from supervisor.core.model import (
     MAX_EXITS,
@@ -69,11 +69,17 @@ from supervisor.core.model import (
     at_step,
 )
 from supervisor.core.observations import (
-    AgentEvent,
+    AgentReport,
+    AgentStopped,
     CancelRequested,
+    CheckpointCommitted,
     CheckpointValidated,
+    HangReported,
+    HealthCheckFailed,
+    LauncherExited,
     LeaseExpired,
     Observation,
+    RankExited,
     RelaunchFinished,
     RequeueFailed,
     SilenceShared,
@@ -82,8 +88,12 @@ from supervisor.core.observations import (
     SpareCheckFailed,
     StepEnded,
     StepProgress,
+    StragglerReported,
+    Tick,
     TimeLimitNear,
+    TimeLimitNoticed,
     TrainingAnomaly,
+    WorldMismatched,
 )
 
 __all__ = ["ClusterView", "Decision", "Policy", "decide", "permits"]
@@ -138,115 +148,116 @@ def decide(
     """
     if record.state.terminal:
         return _nothing(record, f"job already {record.state.value}")
+    ctx = Context(now_s, policy, cluster)
     match observation:
-        case AgentEvent():
-            return _on_agent_event(record, observation, now_s, policy, cluster)
+        case CheckpointCommitted():
+            return _on_commit(record, observation, ctx)
+        case TimeLimitNoticed(time_left_s=left):
+            return planned_stop.on_notice(record, left, False, ctx)
+        case WorldMismatched():
+            return _on_world_mismatch(record, observation, ctx)
+        case RankExited() | HangReported() if record.time_limit_end_s is not None:
+            what = f"{observation.KIND.value} on {observation.node}"
+            return planned_stop.during_stop(record, what)
+        case RankExited():
+            return _on_rank_exit(record, observation, ctx)
+        case HangReported():
+            return _on_hang(record, observation, ctx)
+        case HealthCheckFailed(node=node) if node in record.nodes:
+            return _on_node_fault(record, blame(observation, record, ctx.cluster), ctx)
+        case LauncherExited() | AgentStopped():
+            return _on_launcher_end(record, observation, ctx)
+        case StragglerReported() if record.state is JobState.RUNNING:
+            return _on_straggler(record, observation, ctx)
+        case HealthCheckFailed() | StragglerReported():
+            return _idle(record, observation)
         case LeaseExpired() | SlurmNodeSeen():
-            return _on_node(record, observation, now_s, policy, cluster)
+            return _on_node(record, observation, ctx)
         case SpareCheckFailed(node=node):
             if node not in record.spare_nodes:
                 return _nothing(record, f"{node} failed a spare check but is no spare now")
-            return recovery.lose_spare(record, blame(observation, record, cluster), blame=True)
+            return recovery.lose_spare(record, blame(observation, record, ctx.cluster), blame=True)
         case SilenceShared(nodes=nodes, reason=reason):
             # Lease expiry alone blames no node here: Slurm's next reading
             # (the job ended, a node DOWN) is what decides.
             return _nothing(record, f"agents on {', '.join(nodes)} silent: {reason}; asking Slurm")
         case StepEnded():
-            return _on_step_ended(record, observation, now_s, policy, cluster)
+            return _on_step_ended(record, observation, ctx)
         case SlurmJobSeen():
-            return follow_slurm.on_job_seen(record, observation, now_s, policy, cluster)
+            return follow_slurm.on_job_seen(record, observation, ctx)
         case CheckpointValidated():
-            return _on_checkpoint(record, observation, now_s, policy, cluster)
+            return _on_checkpoint(record, observation, ctx)
         case RelaunchFinished():
-            return _on_relaunch(record, observation, now_s, cluster)
+            return _on_relaunch(record, observation, ctx)
         case StepProgress():
-            return _on_progress(record, now_s)
+            return _on_progress(record, ctx)
         case RequeueFailed():
-            return _on_requeue_failed(record, observation, now_s)
+            return _on_requeue_failed(record, observation, ctx)
         case TimeLimitNear(attempt=attempt) if attempt is not None and attempt != record.attempt:
             return _nothing(record, f"time-limit report of attempt {attempt} is stale")
         case TimeLimitNear():
-            return planned_stop.on_notice(
-                record, observation.time_left_s, observation.stopped, now_s, policy, cluster
-            )
+            return planned_stop.on_notice(record, observation.time_left_s, observation.stopped, ctx)
         case TrainingAnomaly():
-            return rollback.on_anomaly(record, observation, now_s, policy, cluster)
+            return rollback.on_anomaly(record, observation, ctx)
         case CancelRequested(reason=reason):
             why = reason or "cancelled on request"
-            return recovery.stop(record, now_s, JobState.CANCELLED, Cause.OPERATOR, why)
+            return recovery.stop(record, ctx.now_s, JobState.CANCELLED, Cause.OPERATOR, why)
+        case Tick():
+            return _on_tick(record, ctx)
         case _:
-            return _on_tick(record, now_s, policy, cluster)
+            # Every observation type has its case above: mypy flags a missing one
+            # here, and at run time an unknown value is a bug, never a tick.
+            assert_never(observation)
 
 
 def _nothing(record: JobRecord, why: str) -> Decision:
     return Decision(record, (), None, why)
 
 
-def _on_progress(record: JobRecord, now_s: float) -> Decision:
+def _on_progress(record: JobRecord, ctx: Context) -> Decision:
     pending = record.recovery
     if record.state is JobState.REQUEUED and pending is not None and not pending.requeue_seen:
         # A grow requeues running ranks: they train on until the stop reaches
         # them, and their steps are not the requeued job's.
         return _nothing(record, "progress from before the requeue took effect")
     if record.state in (JobState.STARTING, JobState.RELAUNCHING, JobState.REQUEUED):
-        running = replace(recovery.to_state(record, JobState.RUNNING, now_s), recovery=None)
+        running = replace(recovery.to_state(record, JobState.RUNNING, ctx.now_s), recovery=None)
         return _nothing(running, "training steps again")
     return _nothing(record, "progress noted")
 
 
-def _on_agent_event(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
-    kind = event.kind
-    if kind is EventKind.CHECKPOINT_COMMITTED:
-        return _on_commit(record, event, now_s, policy, cluster)
-    if kind is EventKind.TIME_LIMIT_NEAR:
-        return planned_stop.on_notice(record, event.time_left_s, False, now_s, policy, cluster)
-    if kind is EventKind.WORLD_MISMATCH:
-        # Each node training alone writes over the others' checkpoints: no restart
-        # fixes the command, and a run that "completes" this way is not the job.
-        reason = (
-            f"{event.detail}: the launch command set its own node count (torchrun "
-            "--standalone or --nnodes inside a wrapper script?). Give torchrun to resurgo "
-            "submit directly, or drop those options from the wrapper"
-        )
-        return recovery.stop(record, now_s, JobState.FAILED, Cause.WORLD_MISMATCH, reason)
-    if record.time_limit_end_s is not None and kind in (EventKind.RANK_EXITED, EventKind.HANG):
-        return planned_stop.during_stop(record, f"{kind.value} on {event.node}")
-    if kind is EventKind.RANK_EXITED:
-        return _on_rank_exit(record, event, now_s, policy, cluster)
-    if kind is EventKind.HANG:
-        return _on_hang(record, event, now_s, policy, cluster)
-    if kind is EventKind.HEALTH_CHECK_FAILED and event.node in record.nodes:
-        return _on_node_fault(record, blame(event, record, cluster), now_s, policy, cluster)
-    if kind in (EventKind.LAUNCHER_EXITED, EventKind.AGENT_STOPPED):
-        return _on_launcher_end(record, event, now_s, policy, cluster)
-    if kind is EventKind.STRAGGLER and record.state is JobState.RUNNING:
-        return _on_straggler(record, event, now_s, policy, cluster)
-    return _nothing(record, f"{kind.value} from {event.node} needs no action now")
+def _idle(record: JobRecord, report: AgentReport) -> Decision:
+    return _nothing(record, f"{report.KIND.value} from {report.node} needs no action now")
 
 
-def _on_commit(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _on_world_mismatch(record: JobRecord, report: WorldMismatched, ctx: Context) -> Decision:
+    # Each node training alone writes over the others' checkpoints: no restart
+    # fixes the command, and a run that "completes" this way is not the job.
+    reason = (
+        f"{report.detail}: the launch command set its own node count (torchrun "
+        "--standalone or --nnodes inside a wrapper script?). Give torchrun to resurgo "
+        "submit directly, or drop those options from the wrapper"
+    )
+    return recovery.stop(record, ctx.now_s, JobState.FAILED, Cause.WORLD_MISMATCH, reason)
+
+
+def _on_commit(record: JobRecord, event: CheckpointCommitted, ctx: Context) -> Decision:
     if event.step is None or (record.last_step is not None and event.step <= record.last_step):
         return _nothing(record, "checkpoint already known")
     record = replace(record, last_step=event.step, last_checkpoint_path=event.path)
     if record.state in (JobState.STARTING, JobState.RELAUNCHING):
-        record = replace(recovery.to_state(record, JobState.RUNNING, now_s), recovery=None)
+        record = replace(recovery.to_state(record, JobState.RUNNING, ctx.now_s), recovery=None)
     committed = _nothing(record, f"checkpoint committed at step {event.step}")
-    if not policy.grow_back or record.state is not JobState.RUNNING or event.path is None:
+    if not ctx.policy.grow_back or record.state is not JobState.RUNNING or event.path is None:
         return committed
     if record.time_limit_end_s is not None:
         return committed  # the planned stop requeues the job anyway
     # Right after a commit a restart loses no work: the moment to grow back.
-    grown = recovery.grow(record, now_s, policy, cluster, event.path, event.step)
+    grown = recovery.grow(record, ctx, event.path, event.step)
     return grown or committed
 
 
-def _on_rank_exit(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _on_rank_exit(record: JobRecord, event: RankExited, ctx: Context) -> Decision:
     seen = exit_seen(event)
     rank = f"rank {seen.global_rank} on {seen.node}"
     if not is_failure(seen):
@@ -255,9 +266,9 @@ def _on_rank_exit(
         if seen.script_ended:  # stopped in its teardown: its training had ended
             finished = clean_end.finished(record, seen)
             return _nothing(finished, f"{rank} was stopped after its script ran to its end")
-        return _nothing(record, "; ".join(blame(event, record, cluster).evidence))
+        return _nothing(record, "; ".join(blame(event, record, ctx.cluster).evidence))
     if record.state in LIVE:
-        return _open_exit_window(record, seen, now_s, policy, cluster)
+        return _open_exit_window(record, seen, ctx)
     pending = record.recovery
     if record.state is not JobState.RECOVERING or pending is None:
         return _nothing(record, f"{rank} exited while {record.state.value}")
@@ -275,20 +286,18 @@ def _on_rank_exit(
     return Decision(record, (), cause, f"{rank} failed too: evidence for the root cause")
 
 
-def _open_exit_window(
-    record: JobRecord, seen: ExitSeen, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _open_exit_window(record: JobRecord, seen: ExitSeen, ctx: Context) -> Decision:
     """The first rank failed: its peers' exits follow; the root cause waits for them."""
-    window = policy.exit_evidence_window_s
+    window = ctx.policy.exit_evidence_window_s
     cause = blame_exits((seen,), record)[1].cause
     record = replace(
-        recovery.to_state(record, JobState.RECOVERING, now_s),
+        recovery.to_state(record, JobState.RECOVERING, ctx.now_s),
         recovery=Recovery(
-            cause=cause, started_s=now_s, evidence_until_s=now_s + window, exits=(seen,)
+            cause=cause, started_s=ctx.now_s, evidence_until_s=ctx.now_s + window, exits=(seen,)
         ),
     )
     if window == 0:
-        return _decide_exits(record, now_s, policy, cluster)
+        return _decide_exits(record, ctx)
     explanation = (
         f"rank {seen.global_rank} on {seen.node} failed: "
         f"collecting the other ranks' exits for {window:g}s"
@@ -297,11 +306,11 @@ def _open_exit_window(
 
 
 def _on_launcher_end(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
+    record: JobRecord, event: LauncherExited | AgentStopped, ctx: Context
 ) -> Decision:
     """A node's launcher ended: its ranks' exits are all reported; maybe every node's are."""
     pending = record.recovery
-    idle = f"{event.kind.value} from {event.node} needs no action now"
+    idle = f"{event.KIND.value} from {event.node} needs no action now"
     if record.state is not JobState.RECOVERING or pending is None or not pending.collecting_exits:
         return _nothing(record, idle)
     if event.node not in record.nodes or event.node in pending.settled:
@@ -310,13 +319,11 @@ def _on_launcher_end(
     record = replace(record, recovery=replace(pending, settled=settled))
     waiting = [node for node in record.nodes if node not in settled]
     if not waiting:
-        return _decide_exits(record, now_s, policy, cluster)
+        return _decide_exits(record, ctx)
     return _nothing(record, f"launcher on {event.node} ended; exits still due from {waiting}")
 
 
-def _on_step_ended(
-    record: JobRecord, ended: StepEnded, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _on_step_ended(record: JobRecord, ended: StepEnded, ctx: Context) -> Decision:
     """The driver saw the attempt's step fail while the job still runs; no agent told why.
 
     Its agents' reports were lost (they exited while the supervisor was away)
@@ -339,33 +346,24 @@ def _on_step_ended(
         (f"the driver saw attempt {ended.attempt}'s step end (exit {ended.exit_code}) "
          "with no rank's exit reported; no node is named",),
     )  # fmt: skip
-    return recovery.start(record, now_s, policy, cluster, verdict)
+    return recovery.start(record, ctx, verdict)
 
 
-def _decide_exits(
-    record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _decide_exits(record: JobRecord, ctx: Context) -> Decision:
     """The exit window closed: recover from the root cause alone."""
     assert record.recovery is not None
     ended_clean = clean_end.why(record)
     if ended_clean is not None:
-        return recovery.stop(record, now_s, JobState.COMPLETED, Cause.SLURM_ENDED, ended_clean)
+        return recovery.stop(record, ctx.now_s, JobState.COMPLETED, Cause.SLURM_ENDED, ended_clean)
     root, verdict = blame_exits(
-        record.recovery.exits, record, cluster.avoided_by(record.slurm_user)
+        record.recovery.exits, record, ctx.cluster.avoided_by(record.slurm_user)
     )
     if verdict.cause is Cause.USER_EXCEPTION:
-        return _on_exception(record, root, now_s, policy, cluster, verdict)
-    return recovery.start(record, now_s, policy, cluster, verdict)
+        return _on_exception(record, root, ctx, verdict)
+    return recovery.start(record, ctx, verdict)
 
 
-def _on_exception(
-    record: JobRecord,
-    root: ExitSeen,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
-    verdict: Blame,
-) -> Decision:
+def _on_exception(record: JobRecord, root: ExitSeen, ctx: Context, verdict: Blame) -> Decision:
     # A raised exception is named the same whether the rank then exited 1 or was
     # stopped while it unwound: the same crash reads as the same crash.
     digest = root.error_digest or (
@@ -377,16 +375,16 @@ def _on_exception(
             f"crash loop: {signature.digest} {at_step(signature.step)} again "
             f"(rank {root.global_rank} on {root.node}); not a node fault, no drain"
         )
-        return recovery.stop(record, now_s, JobState.FAILED, Cause.CRASH_LOOP, reason)
+        return recovery.stop(record, ctx.now_s, JobState.FAILED, Cause.CRASH_LOOP, reason)
     retries = 0 if recovery.made_progress(record) else record.user_retries_without_progress
-    if retries >= policy.user_exception_retries:
+    if retries >= ctx.policy.user_exception_retries:
         reason = (
             f"user exception ({signature.digest} {at_step(signature.step)}) after "
             f"{retries} retr{'y' if retries == 1 else 'ies'} without progress"
         )
-        return recovery.stop(record, now_s, JobState.FAILED, Cause.USER_EXCEPTION, reason)
+        return recovery.stop(record, ctx.now_s, JobState.FAILED, Cause.USER_EXCEPTION, reason)
     record = replace(recovery.remember(record, signature), user_retries_without_progress=retries)
-    started = recovery.start(record, now_s, policy, cluster, verdict)
+    started = recovery.start(record, ctx, verdict)
     if started.record.state is JobState.RECOVERING:
         started = replace(
             started, record=replace(started.record, user_retries_without_progress=retries + 1)
@@ -394,17 +392,15 @@ def _on_exception(
     return started
 
 
-def _on_hang(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _on_hang(record: JobRecord, event: HangReported, ctx: Context) -> Decision:
     pending = record.recovery
     if record.state in LIVE:
         record = replace(
-            recovery.to_state(record, JobState.RECOVERING, now_s),
+            recovery.to_state(record, JobState.RECOVERING, ctx.now_s),
             recovery=Recovery(
                 cause=Cause.HANG,
-                started_s=now_s,
-                evidence_until_s=now_s + policy.hang_evidence_window_s,
+                started_s=ctx.now_s,
+                evidence_until_s=ctx.now_s + ctx.policy.hang_evidence_window_s,
                 suspects=suspects_of(event),
             ),
         )
@@ -416,8 +412,8 @@ def _on_hang(
         # In an exit window ranks already died: whatever hangs now waits on
         # them, and their exits name the root cause.
         return _nothing(record, f"hang report from {event.node} during recovery: evidence only")
-    if policy.hang_evidence_window_s == 0 or _every_node_reported(record):
-        return _blame_hang(record, now_s, policy, cluster)
+    if ctx.policy.hang_evidence_window_s == 0 or _every_node_reported(record):
+        return _blame_hang(record, ctx)
     return Decision(record, (), Cause.HANG, f"hang on {event.node}: collecting evidence")
 
 
@@ -432,43 +428,37 @@ def _every_node_reported(record: JobRecord) -> bool:
     return bool(record.nodes) and reported.issuperset(record.nodes)
 
 
-def _blame_hang(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:
+def _blame_hang(record: JobRecord, ctx: Context) -> Decision:
     assert record.recovery is not None
     verdict = blame_hang(
-        record.recovery.suspects, cluster.avoided_by(record.slurm_user), record.nodes
+        record.recovery.suspects, ctx.cluster.avoided_by(record.slurm_user), record.nodes
     )
-    return recovery.start(record, now_s, policy, cluster, verdict)
+    return recovery.start(record, ctx, verdict)
 
 
-def _on_straggler(
-    record: JobRecord, event: AgentEvent, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def _on_straggler(record: JobRecord, event: StragglerReported, ctx: Context) -> Decision:
     counts = dict(record.straggler_reports)
     counts[event.node] = counts.get(event.node, 0) + 1
     record = replace(record, straggler_reports=tuple(sorted(counts.items())))
     count = counts[event.node]
     message = f"job {record.job_id}: straggler on {event.node} ({count}x): "
     alert = Alert(record.job_id, record.attempt, Severity.WARNING, message + event.detail)
-    if not policy.straggler_drain or count < policy.straggler_reports_to_drain:
+    if not ctx.policy.straggler_drain or count < ctx.policy.straggler_reports_to_drain:
         # One alert per node; a straggler that lasts is reported again, and counted.
         alerts = (alert,) if count == 1 else ()
         why = f"straggler on {event.node} reported ({count}x), not drained: {event.detail}"
         return Decision(record, alerts, Cause.STRAGGLER, why)
-    verdict = blame(event, record, cluster)
+    verdict = blame(event, record, ctx.cluster)
     # Persistent and configured: treat as a fault of the node, whatever the score.
-    verdict = replace(verdict, confidence=max(verdict.confidence, policy.drain_confidence))
-    started = recovery.start(record, now_s, policy, cluster, verdict)
+    verdict = replace(verdict, confidence=max(verdict.confidence, ctx.policy.drain_confidence))
+    started = recovery.start(record, ctx, verdict)
     return replace(started, intents=(alert, *started.intents))
 
 
 def _on_node(
-    record: JobRecord,
-    observation: LeaseExpired | SlurmNodeSeen,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
+    record: JobRecord, observation: LeaseExpired | SlurmNodeSeen, ctx: Context
 ) -> Decision:
-    verdict = blame(observation, record, cluster)
+    verdict = blame(observation, record, ctx.cluster)
     if verdict.node is not None and verdict.node in record.spare_nodes:
         return recovery.lose_spare(record, verdict)
     if verdict.node is None or verdict.node not in record.nodes:
@@ -476,47 +466,32 @@ def _on_node(
     return _on_node_fault(
         record,
         verdict,
-        now_s,
-        policy,
-        cluster,
+        ctx,
         # Slurm marks a DOWN node unusable by itself: draining it too adds nothing.
         slurm_took_it=isinstance(observation, SlurmNodeSeen),
     )
 
 
 def _on_node_fault(
-    record: JobRecord,
-    verdict: Blame,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
-    slurm_took_it: bool = False,
+    record: JobRecord, verdict: Blame, ctx: Context, slurm_took_it: bool = False
 ) -> Decision:
     lost_batch_host = verdict.cause is Cause.NODE_LOST and verdict.node == record.batch_host
     if record.state in LIVE:
         return recovery.start(
             record,
-            now_s,
-            policy,
-            cluster,
+            ctx,
             verdict,
             requeue=lost_batch_host,
             slurm_took_it=slurm_took_it,
         )
     if record.state is JobState.RECOVERING and record.recovery is not None:
         return recovery.add_fault(
-            record, policy, cluster, verdict, requeue=lost_batch_host, slurm_took_it=slurm_took_it
+            record, ctx, verdict, requeue=lost_batch_host, slurm_took_it=slurm_took_it
         )
     return _nothing(record, f"{verdict.cause.value} on {verdict.node} while {record.state.value}")
 
 
-def _on_checkpoint(
-    record: JobRecord,
-    seen: CheckpointValidated,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
-) -> Decision:
+def _on_checkpoint(record: JobRecord, seen: CheckpointValidated, ctx: Context) -> Decision:
     pending = record.recovery
     # While evidence is collected no validation was asked for: a report is stale.
     if (
@@ -534,46 +509,48 @@ def _on_checkpoint(
         rejected = (*pending.rejected, seen.path)
         record = replace(record, recovery=replace(pending, rejected=rejected))
         retry = ValidateCheckpoints(
-            record.job_id, record.attempt, policy.validation_level, rejected, pending.resume_before
+            record.job_id,
+            record.attempt,
+            ctx.policy.validation_level,
+            rejected,
+            pending.resume_before,
         )
         return Decision(record, (retry,), pending.cause, f"{seen.path} invalid: {seen.reason}")
     if seen.path is None and record.last_step is not None:
         reason = (
-            f"no checkpoint passed {policy.validation_level.value} validation "
+            f"no checkpoint passed {ctx.policy.validation_level.value} validation "
             f"(rejected: {', '.join(pending.rejected) or 'none found'})"
         )
         if pending.resume_before is not None:
-            reason = rollback.nothing_before(pending.resume_before, pending.rejected, policy)
-        return recovery.stop(record, now_s, JobState.FAILED, Cause.NO_CHECKPOINT, reason)
+            reason = rollback.nothing_before(pending.resume_before, pending.rejected, ctx.policy)
+        return recovery.stop(record, ctx.now_s, JobState.FAILED, Cause.NO_CHECKPOINT, reason)
     chosen = replace(pending, validated=True, resume_from=seen.path, resume_step=seen.step)
-    record = skips.with_skip(replace(record, recovery=chosen), policy)
+    record = skips.with_skip(replace(record, recovery=chosen), ctx.policy)
     if record.state is JobState.REQUEUED:
         return Decision(record, (), pending.cause, f"the requeued job resumes from {seen.path}")
-    return recovery.relaunch(record, now_s, cluster)
+    return recovery.relaunch(record, ctx)
 
 
-def _on_relaunch(
-    record: JobRecord, seen: RelaunchFinished, now_s: float, cluster: ClusterView
-) -> Decision:
+def _on_relaunch(record: JobRecord, seen: RelaunchFinished, ctx: Context) -> Decision:
     relaunched = record.state is JobState.STARTING and recovery.fast_path_started(record)
     if seen.attempt != record.attempt or not (record.state is JobState.RELAUNCHING or relaunched):
         return _nothing(record, f"report on attempt {seen.attempt} is stale")
     if seen.ok:
         if relaunched:
             return _nothing(record, "new step already started")
-        return _nothing(recovery.to_state(record, JobState.STARTING, now_s), "new step started")
+        return _nothing(recovery.to_state(record, JobState.STARTING, ctx.now_s), "new step started")
     assert record.recovery is not None
     # The fast path failed (or its step never started: its agents never called
     # in): fall back to the requeue path with the same checkpoint.
     failing = replace(
-        recovery.to_state(record, JobState.RECOVERING, now_s),
+        recovery.to_state(record, JobState.RECOVERING, ctx.now_s),
         recovery=replace(record.recovery, requeue=True),
     )
-    fallback = recovery.relaunch(failing, now_s, cluster)
+    fallback = recovery.relaunch(failing, ctx)
     return replace(fallback, cause=Cause.RELAUNCH_FAILED)
 
 
-def _on_requeue_failed(record: JobRecord, seen: RequeueFailed, now_s: float) -> Decision:
+def _on_requeue_failed(record: JobRecord, seen: RequeueFailed, ctx: Context) -> Decision:
     """The requeue cannot happen (the job left Slurm): end the job saying how to go on,
     rather than show it requeued forever."""
     if seen.attempt != record.attempt or record.state is not JobState.REQUEUED:
@@ -583,23 +560,23 @@ def _on_requeue_failed(record: JobRecord, seen: RequeueFailed, now_s: float) -> 
         f"Slurm could not requeue the job ({seen.reason}); resubmit it with `resurgo submit` "
         f"and the same --ckpt-root: it resumes from {resume}"
     )
-    return recovery.stop(record, now_s, JobState.FAILED, Cause.RELAUNCH_FAILED, reason)
+    return recovery.stop(record, ctx.now_s, JobState.FAILED, Cause.RELAUNCH_FAILED, reason)
 
 
-def _on_tick(record: JobRecord, now_s: float, policy: Policy, cluster: ClusterView) -> Decision:
-    deadline = planned_stop.on_tick(record, now_s, policy, cluster)
+def _on_tick(record: JobRecord, ctx: Context) -> Decision:
+    deadline = planned_stop.on_tick(record, ctx)
     if deadline is not None:
         return deadline
     pending = record.recovery
     if record.state is not JobState.RECOVERING or pending is None:
         return _nothing(record, "nothing waits")
     if pending.evidence_until_s is not None:
-        if now_s < pending.evidence_until_s:
+        if ctx.now_s < pending.evidence_until_s:
             collecting = "rank exits" if pending.exits else "hang evidence"
             return _nothing(record, f"collecting {collecting}")
         if pending.exits:
-            return _decide_exits(record, now_s, policy, cluster)
-        return _blame_hang(record, now_s, policy, cluster)
+            return _decide_exits(record, ctx)
+        return _blame_hang(record, ctx)
     if pending.validated:
-        return recovery.relaunch(record, now_s, cluster)
+        return recovery.relaunch(record, ctx)
     return _nothing(record, "waiting for checkpoint validation")

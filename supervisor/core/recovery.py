@@ -15,7 +15,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 from supervisor.core.blame import Blame
-from supervisor.core.decision import Decision, Policy, decision
+from supervisor.core.decision import Context, Decision, decision
 from supervisor.core.drains import exclude_and_drain
 from supervisor.core.intents import (
     Intent,
@@ -170,9 +170,7 @@ def stop(record: JobRecord, now_s: float, status: JobState, cause: Cause, reason
 
 def start(
     record: JobRecord,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
+    ctx: Context,
     blame: Blame,
     *,
     requeue: bool = False,
@@ -198,17 +196,17 @@ def start(
         without_progress = record.restarts_without_progress
     else:
         without_progress = 0 if progress else record.restarts_without_progress + 1
-        if without_progress > policy.max_restarts_without_progress:
+        if without_progress > ctx.policy.max_restarts_without_progress:
             reason = (
                 f"restart budget exhausted: {without_progress} restarts without a newer "
                 f"checkpoint than step {record.step_at_last_restart} (last: {cause.value})"
             )
-            return stop(record, now_s, JobState.FAILED, Cause.BUDGET_EXHAUSTED, reason)
-        backoff = policy.backoff_base_s * 2 ** max(0, without_progress - 1)
-        not_before = now_s + min(policy.backoff_max_s, backoff)
+            return stop(record, ctx.now_s, JobState.FAILED, Cause.BUDGET_EXHAUSTED, reason)
+        backoff = ctx.policy.backoff_base_s * 2 ** max(0, without_progress - 1)
+        not_before = ctx.now_s + min(ctx.policy.backoff_max_s, backoff)
     earlier = record.recovery
     record = replace(
-        to_state(record, JobState.RECOVERING, now_s).with_restart(cause),
+        to_state(record, JobState.RECOVERING, ctx.now_s).with_restart(cause),
         attempt=record.attempt + 1,
         restarts_without_progress=without_progress,
         step_at_last_restart=record.last_step,
@@ -216,37 +214,29 @@ def start(
         not_before_s=not_before,
         recovery=Recovery(
             cause=cause,
-            started_s=earlier.started_s if earlier else now_s,
+            started_s=earlier.started_s if earlier else ctx.now_s,
             suspects=earlier.suspects if earlier else (),
             exclude=earlier.exclude if earlier else (),
             requeue=requeue or (earlier.requeue if earlier else False),
             resume_before=resume_before,
         ),
     )
-    record, drain_intents, drained = exclude_and_drain(
-        record, blame, policy, cluster, slurm_took_it
-    )
+    record, drain_intents, drained = exclude_and_drain(record, blame, ctx, slurm_took_it)
     intents: list[Intent] = list(drain_intents)
     if stop_ranks and not requeue:
-        intents.append(StopRanks(record.job_id, record.attempt, policy.stop_grace_s))
+        intents.append(StopRanks(record.job_id, record.attempt, ctx.policy.stop_grace_s))
     # Before the time limit, a full read of a large checkpoint takes longer than the
     # time left, and healthy ranks just wrote it (supervisor.core.planned_stop).
-    level = ValidationLevel.QUICK if cause is Cause.TIME_LIMIT else policy.validation_level
+    level = ValidationLevel.QUICK if cause is Cause.TIME_LIMIT else ctx.policy.validation_level
     intents.append(ValidateCheckpoints(record.job_id, record.attempt, level, (), resume_before))
     return decision(record, tuple(intents), cause, f"{cause.value}: {drained}")
 
 
 def add_fault(
-    record: JobRecord,
-    policy: Policy,
-    cluster: ClusterView,
-    blame: Blame,
-    *,
-    requeue: bool,
-    slurm_took_it: bool,
+    record: JobRecord, ctx: Context, blame: Blame, *, requeue: bool, slurm_took_it: bool
 ) -> Decision:
     """A further node fault during a recovery: exclude (and drain) it too; nothing restarts."""
-    record, intents, drained = exclude_and_drain(record, blame, policy, cluster, slurm_took_it)
+    record, intents, drained = exclude_and_drain(record, blame, ctx, slurm_took_it)
     assert record.recovery is not None
     if requeue:
         record = replace(record, recovery=replace(record.recovery, requeue=True))
@@ -258,7 +248,7 @@ def remember(record: JobRecord, signature: CrashSignature) -> JobRecord:
     return replace(record, signatures=(*record.signatures, signature)[-MAX_SIGNATURES:])
 
 
-def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
+def relaunch(record: JobRecord, ctx: Context) -> Decision:
     """Relaunch once a checkpoint is chosen and the backoff passed, else wait.
 
     Fast path: the allocation's healthy nodes, batch host first, each blamed
@@ -281,20 +271,22 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     recovery = record.recovery
     assert recovery is not None and recovery.validated
     cause = recovery.cause
-    if record.not_before_s is not None and now_s < record.not_before_s:
-        return decision(record, (), cause, f"backing off {record.not_before_s - now_s:.0f} s more")
+    if record.not_before_s is not None and ctx.now_s < record.not_before_s:
+        return decision(
+            record, (), cause, f"backing off {record.not_before_s - ctx.now_s:.0f} s more"
+        )
     # Every node this job blamed stays out, not this fault's alone: a drain the
     # hourly share refused, or a spare that failed its health check, left it in
     # service and idle, where a larger size or a refill would take it again.
     blamed = {*recovery.exclude, *record.blamed_nodes}
-    avoided = cluster.avoided_by(record.slurm_user)
-    exclude = {*blamed, *avoided, *cluster.down, *cluster.drained}
+    avoided = ctx.cluster.avoided_by(record.slurm_user)
+    exclude = {*blamed, *avoided, *ctx.cluster.down, *ctx.cluster.drained}
     healthy = tuple(n for n in record.nodes if n not in exclude)
     world, spares, swapped = swap_in(record, exclude)
     size = world_size(len(world), record)
     ready = replace(record, not_before_s=None)
     fast = not recovery.requeue and size is not None and record.batch_host in healthy
-    grown = grown_size(record, world, cluster, exclude | set(spares)) if fast else None
+    grown = grown_size(record, world, ctx.cluster, exclude | set(spares)) if fast else None
     if fast and grown is None and size is not None:
         # Nodes the unit leaves over stay as spares as far as the job wants them.
         keep, spares = world[:size], (*spares, *world[size:])[: record.spares_wanted]
@@ -304,7 +296,7 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
             intents.append(ShrinkAllocation(record.job_id, record.attempt, (*keep, *spares)))
         intents.append(RelaunchStep(record.job_id, record.attempt, keep, recovery.resume_from))
         launched = replace(
-            to_state(ready, JobState.RELAUNCHING, now_s), nodes=keep, spare_nodes=spares
+            to_state(ready, JobState.RELAUNCHING, ctx.now_s), nodes=keep, spare_nodes=spares
         )
         for _ in swapped:
             launched = launched.with_swap(cause)
@@ -317,7 +309,7 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
         )
     why = ""
     # The allocation's own healthy nodes, spares included, and the cluster's usable ones.
-    usable = (cluster.usable - exclude) | set(world) | set(spares)
+    usable = (ctx.cluster.usable - exclude) | set(world) | set(spares)
     if grown is not None:
         why = f"idle nodes allow {grown} node(s) instead of {size}: "
         size = grown
@@ -328,16 +320,16 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
                 f"only {len(usable)} usable node(s); the job needs at least {record.min_nodes} "
                 f"in multiples of {record.unit}"
             )
-            return stop(record, now_s, JobState.FAILED, Cause.BELOW_MIN_NODES, reason)
+            return stop(record, ctx.now_s, JobState.FAILED, Cause.BELOW_MIN_NODES, reason)
     blocked = tuple(sorted({*blamed, *avoided}))
     # Spares only as far as nodes free now allow: a spare never holds the restart in the queue.
-    free_now = (cluster.idle - exclude) | set(world) | set(spares)
+    free_now = (ctx.cluster.idle - exclude) | set(world) | set(spares)
     asked = with_spares(record, size, len(free_now))
     requeue = RequeueSmaller(record.job_id, record.attempt, asked, blocked, recovery.resume_from)
-    queued = replace(to_state(ready, JobState.REQUEUED, now_s), nodes=(), spare_nodes=())
+    queued = replace(to_state(ready, JobState.REQUEUED, ctx.now_s), nodes=(), spare_nodes=())
     # This fault's cause names its nodes; with earlier ones among them, the job alone.
     when = f"in this job ({cause.value})" if blamed == set(recovery.exclude) else "in this job"
-    excluded = exclusions(blamed, when, record.nodes, cluster, record.slurm_user)
+    excluded = exclusions(blamed, when, record.nodes, ctx.cluster, record.slurm_user)
     return decision(
         queued,
         (requeue,),
@@ -346,14 +338,7 @@ def relaunch(record: JobRecord, now_s: float, cluster: ClusterView) -> Decision:
     )
 
 
-def grow(
-    record: JobRecord,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
-    checkpoint: str,
-    step: int,
-) -> Decision | None:
+def grow(record: JobRecord, ctx: Context, checkpoint: str, step: int) -> Decision | None:
     """Requeue a RUNNING job at a larger size from the checkpoint just committed, when
     idle nodes allow one; None when they do not (the job runs on as it is).
 
@@ -378,11 +363,11 @@ def grow(
     """
     if not record.nodes:
         return None
-    avoided = cluster.avoided_by(record.slurm_user)
-    exclude = {*record.blamed_nodes, *avoided, *cluster.down, *cluster.drained}
+    avoided = ctx.cluster.avoided_by(record.slurm_user)
+    exclude = {*record.blamed_nodes, *avoided, *ctx.cluster.down, *ctx.cluster.drained}
     kept = tuple(n for n in record.nodes if n not in exclude)
     spares = tuple(n for n in record.spare_nodes if n not in exclude)
-    idle = cluster.idle - exclude - set(kept) - set(spares)
+    idle = ctx.cluster.idle - exclude - set(kept) - set(spares)
     available = len(kept) + len(spares) + len(idle)
     size = world_size(available, record)
     if size is None or size < len(record.nodes):
@@ -394,14 +379,14 @@ def grow(
     attempt = record.attempt + 1
     blocked = tuple(sorted({*record.blamed_nodes, *avoided}))
     grown = replace(
-        to_state(record, JobState.REQUEUED, now_s).with_restart(Cause.GROW),
+        to_state(record, JobState.REQUEUED, ctx.now_s).with_restart(Cause.GROW),
         attempt=attempt,
         nodes=(),
         spare_nodes=(),
         not_before_s=None,
         recovery=Recovery(
             cause=Cause.GROW,
-            started_s=now_s,
+            started_s=ctx.now_s,
             exclude=blocked,
             requeue=True,
             validated=True,
@@ -410,7 +395,7 @@ def grow(
         ),
     )
     intents = (
-        StopRanks(record.job_id, attempt, policy.stop_grace_s),
+        StopRanks(record.job_id, attempt, ctx.policy.stop_grace_s),
         RequeueSmaller(record.job_id, attempt, asked, blocked, checkpoint),
     )
     if size > len(record.nodes):
@@ -418,7 +403,7 @@ def grow(
     else:
         larger = f"{asked - size} spare(s) instead of {len(record.spare_nodes)}"
     excluded = exclusions(
-        set(record.blamed_nodes), "in this job", record.nodes, cluster, record.slurm_user
+        set(record.blamed_nodes), "in this job", record.nodes, ctx.cluster, record.slurm_user
     )
     return decision(
         grown,

@@ -32,9 +32,9 @@ from dataclasses import replace
 from supervisor.core import recovery
 from supervisor.core.anomaly import AnomalyAction
 from supervisor.core.blame import Blame
-from supervisor.core.decision import LIVE, Decision, Policy, decision
+from supervisor.core.decision import LIVE, Context, Decision, Policy, decision
 from supervisor.core.intents import Alert, Severity
-from supervisor.core.model import AnomalySeen, Cause, ClusterView, JobRecord, JobState
+from supervisor.core.model import AnomalySeen, Cause, JobRecord, JobState
 from supervisor.core.observations import TrainingAnomaly
 from supervisor.core.skips import describe
 
@@ -42,9 +42,7 @@ from supervisor.core.skips import describe
 CORRUPTION_CONFIDENCE = 0.9
 
 
-def on_anomaly(
-    record: JobRecord, seen: TrainingAnomaly, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
+def on_anomaly(record: JobRecord, seen: TrainingAnomaly, ctx: Context) -> Decision:
     """The decision for a training anomaly of ``seen.attempt`` (see the module)."""
     if seen.attempt != record.attempt:
         return decision(record, (), None, f"anomaly report of attempt {seen.attempt} is stale")
@@ -58,24 +56,24 @@ def on_anomaly(
         seen.kind, seen.onset_step, seen.attempt, seen.nodes, seen.cursor, seen.batch,
         seen.detail, action="",
     )  # fmt: skip
-    if policy.anomaly_action is AnomalyAction.ALERT:
+    if ctx.policy.anomaly_action is AnomalyAction.ALERT:
         return _alert(record, entry)
     previous = _last_acted(record)
     if previous is not None and seen.onset_step <= (
-        previous.onset_step + policy.anomaly_recurrence_steps
+        previous.onset_step + ctx.policy.anomaly_recurrence_steps
     ):
-        return _recurrence(record, entry, previous, now_s, policy, cluster)
-    if record.rollbacks >= policy.anomaly_max_rollbacks:
+        return _recurrence(record, entry, previous, ctx)
+    if record.rollbacks >= ctx.policy.anomaly_max_rollbacks:
         reason = (
             f"{seen.detail}; {record.rollbacks} rollback(s) already, the most "
-            f"anomaly_max_rollbacks {policy.anomaly_max_rollbacks} allows: the data or the "
+            f"anomaly_max_rollbacks {ctx.policy.anomaly_max_rollbacks} allows: the data or the "
             "training recipe needs a person"
         )
         return recovery.stop(
             record.with_anomaly(replace(entry, action="crash_loop")),
-            now_s, JobState.FAILED, Cause.TRAINING_ANOMALY, reason,
+            ctx.now_s, JobState.FAILED, Cause.TRAINING_ANOMALY, reason,
         )  # fmt: skip
-    return _roll_back(record, entry, now_s, policy, cluster)
+    return _roll_back(record, entry, ctx)
 
 
 def _last_acted(record: JobRecord) -> AnomalySeen | None:
@@ -105,10 +103,8 @@ def _alert(record: JobRecord, entry: AnomalySeen) -> Decision:
     return decision(noted, (alert,), Cause.TRAINING_ANOMALY, f"{entry.detail}: alert only")
 
 
-def _roll_back(
-    record: JobRecord, entry: AnomalySeen, now_s: float, policy: Policy, cluster: ClusterView
-) -> Decision:
-    before = _before(entry, policy)
+def _roll_back(record: JobRecord, entry: AnomalySeen, ctx: Context) -> Decision:
+    before = _before(entry, ctx.policy)
     verdict = Blame(
         None, Cause.TRAINING_ANOMALY, 0.0,
         (f"{entry.detail}: a training anomaly blames no node",),
@@ -116,30 +112,25 @@ def _roll_back(
     marked = replace(
         record.with_anomaly(replace(entry, action="rollback")), rollbacks=record.rollbacks + 1
     )
-    started = recovery.start(marked, now_s, policy, cluster, verdict, resume_before=before)
+    started = recovery.start(marked, ctx, verdict, resume_before=before)
     if started.record.state is not JobState.RECOVERING:
         return started
     skip = (
-        f"skip {policy.anomaly_skip_batches} global batch(es) from "
-        f"{policy.anomaly_skip_lead_batches} before the onset"
+        f"skip {ctx.policy.anomaly_skip_batches} global batch(es) from "
+        f"{ctx.policy.anomaly_skip_lead_batches} before the onset"
         if entry.cursor is not None and entry.batch is not None
         else "no data cursor reported, so nothing can be skipped"
     )
     why = (
         f"{entry.detail}: roll back to the newest valid checkpoint at or before step {before} "
-        f"(onset {entry.onset_step}, margin {policy.anomaly_margin_steps}), {skip}; rollback "
-        f"{marked.rollbacks} of {policy.anomaly_max_rollbacks}"
+        f"(onset {entry.onset_step}, margin {ctx.policy.anomaly_margin_steps}), {skip}; rollback "
+        f"{marked.rollbacks} of {ctx.policy.anomaly_max_rollbacks}"
     )
     return replace(started, explanation=why)
 
 
 def _recurrence(
-    record: JobRecord,
-    entry: AnomalySeen,
-    previous: AnomalySeen,
-    now_s: float,
-    policy: Policy,
-    cluster: ClusterView,
+    record: JobRecord, entry: AnomalySeen, previous: AnomalySeen, ctx: Context
 ) -> Decision:
     again = (
         f"{entry.detail}, {entry.onset_step - previous.onset_step} step(s) after the "
@@ -153,7 +144,7 @@ def _recurrence(
             f"step {entry.onset_step}, or report a cursor (GlobalBatchSampler with "
             "TrainingSession), then resubmit: it resumes from the newest valid checkpoint"
         )
-        return _stop(record, entry, now_s, reason)
+        return _stop(record, entry, ctx.now_s, reason)
     if entry.cursor == previous.cursor:
         # The ranks were told to skip, and trained the same batch at the onset again.
         reason = (
@@ -161,7 +152,7 @@ def _recurrence(
             f"skip ({describe(previous)}) did not take effect. Give TrainingSession the "
             "GlobalBatchSampler (it reads RESURGO_SKIP_SAMPLES); not a node fault, no drain"
         )
-        return _stop(record, entry, now_s, reason)
+        return _stop(record, entry, ctx.now_s, reason)
     node = entry.nodes[0] if len(entry.nodes) == 1 else None
     if node is not None and previous.nodes == entry.nodes and node in record.nodes:
         verdict = Blame(
@@ -170,16 +161,14 @@ def _recurrence(
              "(suspected silent data corruption)",),
         )  # fmt: skip
         marked = record.with_anomaly(replace(entry, action="drain"))
-        return recovery.start(
-            marked, now_s, policy, cluster, verdict, resume_before=_before(entry, policy)
-        )
+        return recovery.start(marked, ctx, verdict, resume_before=_before(entry, ctx.policy))
     where = f"on {', '.join(entry.nodes)}" if entry.nodes else "on every reporting node"
     reason = (
         f"crash loop: {again}, on fresh data {where}: the training itself diverges, not the "
         "data or a node; no drain. Lower the learning rate or raise anomaly_margin_steps, "
         "then resubmit: it resumes from the newest valid checkpoint"
     )
-    return _stop(record, entry, now_s, reason)
+    return _stop(record, entry, ctx.now_s, reason)
 
 
 def _stop(record: JobRecord, entry: AnomalySeen, now_s: float, reason: str) -> Decision:

@@ -11,9 +11,15 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from agent.wire.protocol import EventKind
 from supervisor.core.model import TRANSITIONS, ClusterView, JobRecord, JobState, new_record
-from supervisor.core.observations import AgentEvent, Culprit, Observation
+from supervisor.core.observations import (
+    CheckpointCommitted,
+    Culprit,
+    HangReported,
+    Observation,
+    RankExited,
+    StragglerReported,
+)
 from supervisor.core.policy import Decision, Policy, decide
 
 NOW = 1_000_000.0
@@ -56,9 +62,8 @@ def rank_exit(
     exit_time: float | None = None,
     raised: tuple[str, float] | None = None,
     ended: bool = False,
-) -> AgentEvent:
-    return AgentEvent(
-        EventKind.RANK_EXITED,
+) -> RankExited:
+    return RankExited(
         node,
         f"42/{node}/abcdef01/1",
         at,
@@ -92,21 +97,19 @@ def run(
     return decisions
 
 
-def commit(step: int) -> AgentEvent:
+def commit(step: int) -> CheckpointCommitted:
     """Rank 0's agent: the checkpoint of ``step`` was committed (at ``/c/STEP``)."""
-    return AgentEvent(
-        EventKind.CHECKPOINT_COMMITTED, "node1", f"c{step}", NOW, step=step, path=f"/c/{step}"
-    )
+    return CheckpointCommitted("node1", f"c{step}", NOW, step=step, path=f"/c/{step}")
 
 
 def kinds(decision: Decision) -> list[type]:
     return [type(intent) for intent in decision.intents]
 
 
-def hang(node: str, rank: int, step: int, in_collective: bool, since: float) -> AgentEvent:
+def hang(node: str, rank: int, step: int, in_collective: bool, since: float) -> HangReported:
     culprit = Culprit(rank, step, in_collective, since, "behind")
-    return AgentEvent(EventKind.HANG, node, f"42/{node}/abcdef01/7", NOW, culprits=(culprit,))
+    return HangReported(node, f"42/{node}/abcdef01/7", NOW, culprits=(culprit,))
 
 
-def straggler(node: str = "node2") -> AgentEvent:
-    return AgentEvent(EventKind.STRAGGLER, node, "e", NOW, global_rank=1, detail="2x median")
+def straggler(node: str = "node2") -> StragglerReported:
+    return StragglerReported(node, "e", NOW, global_rank=1, detail="2x median")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -71,6 +72,13 @@ def executor(
         checkpoint_root_of=lambda job_id: root,
         validate_fn=validate_fn,
         clock=lambda: NOW + 1,
+    )
+
+
+def test_every_intent_type_has_exactly_one_handler(store: Store, slurm: FakeSlurm) -> None:
+    table = executor(store, slurm)._handlers
+    assert sorted(kind.__name__ for kind in table) == sorted(
+        kind.__name__ for kind in get_args(Intent)
     )
 
 

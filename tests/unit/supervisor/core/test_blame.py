@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 
-from agent.wire.protocol import EventKind
 from supervisor.core.blame import (
     CONFIDENCE_HANG_BEHIND,
     CONFIDENCE_HANG_FIRST_STOPPED,
@@ -21,7 +20,14 @@ from supervisor.core.blame import (
     is_failure,
 )
 from supervisor.core.model import Cause, ClusterView, ExitSeen, JobState, Suspect, new_record
-from supervisor.core.observations import AgentEvent, Culprit, LeaseExpired, SlurmNodeSeen
+from supervisor.core.observations import (
+    Culprit,
+    HangReported,
+    HealthCheckFailed,
+    LeaseExpired,
+    RankExited,
+    SlurmNodeSeen,
+)
 from supervisor.core.policy import Policy
 
 NOW = 1_000_000.0
@@ -30,10 +36,8 @@ RECORD = replace(
 )
 
 
-def exited(sig: int | None, code: int | None) -> AgentEvent:
-    return AgentEvent(
-        EventKind.RANK_EXITED, "b", "e", NOW, global_rank=3, exit_code=code, signal=sig, step=12
-    )
+def exited(sig: int | None, code: int | None) -> RankExited:
+    return RankExited("b", "e", NOW, global_rank=3, exit_code=code, signal=sig, step=12)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +70,7 @@ def test_lease_expiry_and_slurm_down_blame_the_node_with_certainty():
 
 
 def test_health_check_failure_blames_the_node():
-    event = AgentEvent(EventKind.HEALTH_CHECK_FAILED, "a", "e", NOW, detail="gpu lost")
+    event = HealthCheckFailed("a", "e", NOW, detail="gpu lost")
     verdict = blame(event, RECORD)
     assert verdict.node == "a" and verdict.cause is Cause.HEALTH_CHECK
     assert "gpu lost" in verdict.evidence[0]
@@ -83,9 +87,7 @@ def test_health_check_failure_blames_the_node():
     ids=["checkpoint root", "both shared", "shared and gpus", "operator's command"],
 )
 def test_a_failed_check_of_what_the_nodes_share_blames_no_node(failed, node):
-    event = AgentEvent(
-        EventKind.HEALTH_CHECK_FAILED, "a", "e", NOW, detail="FAIL", failed_checks=failed
-    )
+    event = HealthCheckFailed("a", "e", NOW, detail="FAIL", failed_checks=failed)
     verdict = blame(event, RECORD)
     assert verdict.node == node and verdict.cause is Cause.HEALTH_CHECK
     assert (verdict.confidence == 0.0) is (node is None)
@@ -124,9 +126,7 @@ def test_hang_event_is_compared_with_suspects_already_collected():
         RECORD,
         recovery=Recovery(Cause.HANG, NOW, NOW + 30, suspects=(s("a", 0, 10, True, NOW - 50),)),
     )
-    event = AgentEvent(
-        EventKind.HANG, "b", "e", NOW, culprits=(Culprit(2, 8, True, 60.0, "behind"),)
-    )
+    event = HangReported("b", "e", NOW, culprits=(Culprit(2, 8, True, 60.0, "behind"),))
     verdict = blame(event, record)
     assert verdict.node == "b" and verdict.cause is Cause.HANG
     assert "2 step(s) behind" in verdict.evidence[0]

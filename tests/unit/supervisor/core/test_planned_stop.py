@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 
-from agent.wire.protocol import EventKind
 from supervisor.core.intents import (
     DrainNode,
     RequeueSmaller,
@@ -24,12 +23,15 @@ from supervisor.core.model import (
     record_to_json,
 )
 from supervisor.core.observations import (
-    AgentEvent,
+    AgentReport,
+    CheckpointCommitted,
     CheckpointValidated,
+    HangReported,
     RequeueFailed,
     SlurmJobSeen,
     Tick,
     TimeLimitNear,
+    TimeLimitNoticed,
 )
 from supervisor.core.planned_stop import REQUEUE_MARGIN_S
 from supervisor.core.policy import Decision, decide
@@ -56,9 +58,7 @@ def test_a_notice_marks_the_job_stopping_and_plans_nothing() -> None:
 
 
 def test_an_agents_notice_counts_from_its_own_clock() -> None:
-    event = AgentEvent(
-        EventKind.TIME_LIMIT_NEAR, "node2", "42/node2/ab/1", NOW - 5000, time_left_s=90.0
-    )
+    event = TimeLimitNoticed("node2", "42/node2/ab/1", NOW - 5000, time_left_s=90.0)
     assert step(running(), event).record.time_limit_end_s == NOW + 90.0
 
 
@@ -67,11 +67,11 @@ def test_an_agents_notice_counts_from_its_own_clock() -> None:
     [
         rank_exit("node3", sig=signal.SIGTERM),
         rank_exit("node1", code=1),
-        AgentEvent(EventKind.HANG, "node2", "42/node2/ab/9", NOW),
+        HangReported("node2", "42/node2/ab/9", NOW),
     ],
     ids=["sigterm", "exit-1", "hang"],
 )
-def test_exits_and_hangs_during_the_stop_are_no_fault(observation: AgentEvent) -> None:
+def test_exits_and_hangs_during_the_stop_are_no_fault(observation: AgentReport) -> None:
     decision = step(noticed(), observation)
     assert decision.record.state is JobState.RUNNING
     assert decision.intents == ()
@@ -137,8 +137,8 @@ def test_a_notice_during_a_faults_recovery_turns_it_to_the_requeue_path() -> Non
 def test_no_grow_back_during_the_planned_stop() -> None:
     small = replace(noticed(), nodes=NODES[:2])
     idle = replace(CLUSTER, idle=frozenset({"node5", "node6"}))
-    commit = AgentEvent(
-        EventKind.CHECKPOINT_COMMITTED, "node1", "42/node1/ab/7", NOW, step=140,
+    commit = CheckpointCommitted(
+        "node1", "42/node1/ab/7", NOW, step=140,
         path="/ckpt/step-140",
     )  # fmt: skip
     decision = decide(small, commit, NOW, replace(STRICT, grow_back=True), idle)

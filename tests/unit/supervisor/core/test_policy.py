@@ -31,14 +31,16 @@ from supervisor.core.intents import (
 )
 from supervisor.core.model import Cause, ClusterView, JobState
 from supervisor.core.observations import (
-    AgentEvent,
     CancelRequested,
+    CheckpointCommitted,
     CheckpointValidated,
+    HealthCheckFailed,
     LeaseExpired,
     RelaunchFinished,
     SlurmNodeSeen,
     StepProgress,
     Tick,
+    WorldMismatched,
 )
 from supervisor.core.policy import Policy, decide, permits
 from tests.unit.policy_world import (
@@ -139,7 +141,7 @@ def test_exception_retries_again_after_a_newer_checkpoint():
         rank_exit(code=1, step=150, digest="a"),
         CheckpointValidated(100, CKPT, True),
         RelaunchFinished(2, True),
-        AgentEvent(EventKind.CHECKPOINT_COMMITTED, "node1", "e", NOW, step=200, path="/c/200"),
+        CheckpointCommitted("node1", "e", NOW, step=200, path="/c/200"),
         rank_exit(code=1, step=250, digest="b"),
     )
     assert commit.record.state is JobState.RUNNING
@@ -344,7 +346,7 @@ def test_slurm_down_node_is_excluded_without_a_drain_and_batch_host_loss_requeue
 
 
 def test_health_check_failure_drains_and_relaunches_without_the_node():
-    event = AgentEvent(EventKind.HEALTH_CHECK_FAILED, "node4", "e", NOW, detail="ECC errors")
+    event = HealthCheckFailed("node4", "e", NOW, detail="ECC errors")
     crash, chosen = run(running(), event, CheckpointValidated(100, CKPT, True))
     assert crash.cause is Cause.HEALTH_CHECK and isinstance(crash.intents[0], DrainNode)
     assert chosen.intents == (
@@ -491,8 +493,8 @@ def test_bad_policy_is_a_config_error_naming_the_field(field, value):
 
 
 def test_a_world_that_is_not_the_jobs_stops_the_job_as_failed_at_once_without_drain():
-    event = AgentEvent(
-        EventKind.WORLD_MISMATCH, "node2", "42/node2/abcdef01/3", NOW,
+    event = WorldMismatched(
+        "node2", "42/node2/abcdef01/3", NOW,
         detail="rank 0 on node2 is in a world of 1 ranks; the job's is 3 nodes x 1 = 3",
     )  # fmt: skip
     decision = decide(running(), event, NOW, POLICY, CLUSTER)
@@ -520,3 +522,17 @@ def test_a_world_mismatch_event_reads_as_what_the_rank_saw_against_the_job() -> 
     with pytest.raises(protocol.ProtocolError, match="world_size"):
         protocol.make_event(EventKind.WORLD_MISMATCH, "42", "node2", "abcdef0123456789", 3,
                             NOW, {**payload, "world_size": 0})  # fmt: skip
+
+
+def test_an_observation_of_no_known_type_is_a_bug_not_a_tick() -> None:
+    with pytest.raises(AssertionError):
+        decide(running(), object(), NOW, POLICY, CLUSTER)  # type: ignore[arg-type]
+
+
+def test_an_agent_event_the_core_takes_no_decision_on_is_refused_by_from_event() -> None:
+    from agent.wire import protocol
+    from supervisor.core.observations import from_event
+
+    event = protocol.Event(EventKind.AGENT_STARTED, "42", "node2", "42/node2/ab/1", 1, NOW, {})
+    with pytest.raises(ValueError, match="agent_started"):
+        from_event(event)

@@ -12,13 +12,14 @@ from dataclasses import replace
 
 import pytest
 
-from agent.wire.protocol import EventKind
 from supervisor.core.blame import EXIT_TIE_TOLERANCE_S
 from supervisor.core.intents import DrainNode, RelaunchStep, StopJob, StopRanks, ValidateCheckpoints
 from supervisor.core.model import MAX_EXITS, Cause, JobState, record_from_json, record_to_json
 from supervisor.core.observations import (
-    AgentEvent,
+    AgentStopped,
     CheckpointValidated,
+    LauncherExited,
+    RankExited,
     RelaunchFinished,
     StepProgress,
     Tick,
@@ -73,7 +74,7 @@ def test_a_sigkill_reported_after_its_peers_failures_is_the_root_cause_and_its_n
     assert chosen.intents[-1] == RelaunchStep("42", 2, ("node1", "node2", "node4"), CKPT)
 
 
-def _user_failure(now: float) -> tuple[AgentEvent, ...]:
+def _user_failure(now: float) -> tuple[RankExited, ...]:
     """Rank 0 raises; torchrun stops node2's rank, node3's rank fails in gloo (reported first)."""
     return (
         rank_exit("node3", code=1, digest="gloo", at=now - 1.8, exit_time=now - 1.7),
@@ -210,8 +211,10 @@ def test_the_exit_window_keeps_only_the_earliest_exits():
     assert kept == [NOW - i for i in range(MAX_EXITS + 5, 5, -1)]
 
 
-def launcher_ended(node: str, kind: EventKind = EventKind.LAUNCHER_EXITED) -> AgentEvent:
-    return AgentEvent(kind, node, f"42/{node}/abcdef01/9", NOW - 0.5)
+def launcher_ended(
+    node: str, kind: type[LauncherExited | AgentStopped] = LauncherExited
+) -> LauncherExited | AgentStopped:
+    return kind(node, f"42/{node}/abcdef01/9", NOW - 0.5)
 
 
 def test_the_exit_window_closes_once_every_nodes_launcher_ended():
@@ -220,7 +223,7 @@ def test_the_exit_window_closes_once_every_nodes_launcher_ended():
     observations = [
         *peers,
         launcher_ended("node1"),
-        launcher_ended("node1", EventKind.AGENT_STOPPED),  # the same node: still waiting
+        launcher_ended("node1", AgentStopped),  # the same node: still waiting
         launcher_ended("node2"),
         launcher_ended("node4"),  # its rank never failed: a clean launcher end settles it too
         rank_exit("node3", sig=KILL, exit_time=NOW - 3.0),
@@ -323,7 +326,7 @@ def test_a_rank_aborting_in_teardown_after_every_peer_finished_the_last_step_com
          "an exception of its own (a final save that raised)"),
     ],
 )  # fmt: skip
-def test_a_failure_that_is_no_clean_teardown_is_recovered_from(aborted: AgentEvent, why: str):
+def test_a_failure_that_is_no_clean_teardown_is_recovered_from(aborted: RankExited, why: str):
     finished = [rank_exit(n, code=0, step=120, at=NOW - 2.0) for n in ("node1", "node2", "node4")]
     *_, opened = run(running(), *finished, aborted, policy=WINDOW, cluster=FOUR)
     (closed,) = run(opened.record, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + 3)

@@ -12,12 +12,12 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.wire.protocol import EventKind
 from supervisor.core.intents import DrainNode, RequeueSmaller
 from supervisor.core.model import MAX_EXITS, TRANSITIONS, Cause, ClusterView, JobRecord
 from supervisor.core.observations import (
-    AgentEvent,
+    CheckpointCommitted,
     CheckpointValidated,
+    HealthCheckFailed,
     LeaseExpired,
     Observation,
     RelaunchFinished,
@@ -76,11 +76,9 @@ _observations = st.one_of(
         hang, _nodes, st.integers(0, 3), st.integers(90, 110), st.booleans(), st.floats(0, 100)
     ),
     st.just(straggler()),
-    st.just(AgentEvent(EventKind.HEALTH_CHECK_FAILED, "node2", "e", NOW)),
+    st.just(HealthCheckFailed("node2", "e", NOW)),
     st.builds(
-        lambda s: AgentEvent(
-            EventKind.CHECKPOINT_COMMITTED, "node1", "e", NOW, step=s, path=f"/c/{s}"
-        ),
+        lambda s: CheckpointCommitted("node1", "e", NOW, step=s, path=f"/c/{s}"),
         st.integers(90, 200),
     ),
     st.just(Tick()),

@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import pytest
 
-from agent.wire.protocol import EventKind
 from supervisor.core.intents import (
     DrainNode,
     RelaunchStep,
@@ -30,8 +29,8 @@ from supervisor.core.model import (
     record_to_json,
 )
 from supervisor.core.observations import (
-    AgentEvent,
     CheckpointValidated,
+    HealthCheckFailed,
     SlurmJobSeen,
     SlurmNodeSeen,
     SpareCheckFailed,
@@ -137,9 +136,7 @@ def test_a_spare_slurm_or_the_lemon_list_took_out_is_never_used(cluster):
 
 def test_a_spare_that_fails_its_health_check_is_blamed_and_the_job_shrinks():
     _, swapped = sigkill_on_node3(with_spares("node5"))
-    failed = AgentEvent(
-        EventKind.HEALTH_CHECK_FAILED, "node5", "h", NOW, detail="builtin:ckpt_root: read-only"
-    )
+    failed = HealthCheckFailed("node5", "h", NOW, detail="builtin:ckpt_root: read-only")
     fault, shrunk = run(swapped.record, failed, CheckpointValidated(100, CKPT, True))
     assert fault.cause is Cause.HEALTH_CHECK
     assert [i.node for i in fault.intents if isinstance(i, DrainNode)] == ["node5"]
@@ -215,8 +212,8 @@ def test_the_spares_survive_the_record_store_and_old_records_read_without_them()
 
 
 def test_a_shared_checkpoint_root_failing_the_health_gate_drains_nothing_and_swaps_nothing():
-    failed = AgentEvent(
-        EventKind.HEALTH_CHECK_FAILED, "node3", "h", NOW,
+    failed = HealthCheckFailed(
+        "node3", "h", NOW,
         detail="FAIL builtin:ckpt_root: no space left", failed_checks=("builtin:ckpt_root",),
     )  # fmt: skip
     fault, chosen = run(with_spares("node5"), failed, CheckpointValidated(100, CKPT, True))

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from supervisor.cli.main import main
 from supervisor.core import recovery
 from supervisor.core import simulate as sim
-from supervisor.core.decision import Policy
+from supervisor.core.decision import Context, Policy
 from supervisor.core.goodput import Badput
 from supervisor.core.intents import RequeueSmaller
 from supervisor.core.model import Cause, ClusterView, JobState, new_record
@@ -289,7 +289,7 @@ def _core_grow(params: Params, world: int, spares: int, idle: int) -> int | None
         spare_nodes=tuple(names[world : world + spares]),
     )  # fmt: skip
     cluster = ClusterView(usable=frozenset(names), idle=frozenset(names[world + spares :]))
-    grown = recovery.grow(record, 100.0, Policy(), cluster, "/ckpt/step-9", 9)
+    grown = recovery.grow(record, Context(100.0, Policy(), cluster), "/ckpt/step-9", 9)
     if grown is None:
         return None
     requeue = grown.intents[-1]

@@ -21,6 +21,7 @@ from supervisor.act.reconcile import KIND_OF, args_of
 from supervisor.cli import nodes as nodes_cli
 from supervisor.cli.main import main
 from supervisor.config import SupervisorConfig
+from supervisor.core.decision import Context
 from supervisor.core.intents import RequeueSmaller, ResumeNode
 from supervisor.core.model import Cause, ClusterView, JobState, Recovery, new_record
 from supervisor.core.policy import Policy
@@ -258,7 +259,7 @@ def test_a_requeue_decision_names_why_each_node_is_excluded() -> None:
     )  # fmt: skip
     cluster = replace(LEMONS, usable=frozenset({"node1", "node2", "node3", "node4", "node5"}),
                       drained=frozenset({"node4"}))  # fmt: skip
-    made = relaunch(recovering, NOW, cluster)
+    made = relaunch(recovering, Context(NOW, Policy(), cluster))
     (requeue,) = made.intents
     assert isinstance(requeue, RequeueSmaller) and requeue.exclude == ("node1", "node2")
     assert made.explanation == (
