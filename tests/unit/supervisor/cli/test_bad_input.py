@@ -94,8 +94,8 @@ ROWS = [
     case("nodes undrain --state-dir {state}", "which node", "undrain node"),
     case("nodes --wrong --state-dir {state}", "--wrong goes with undrain"),
     case("nodes --state-dir {dirstore}", "is a directory"),
-    case("nodes frobnicate --state-dir {state}", "invalid choice", "frobnicate",
-         argparse_form=True),
+    case("nodes frobnicate --state-dir {state}", "'frobnicate' is not an action",
+         "resurgo nodes undrain frobnicate"),
     # report
     case("report 999 -o {tmp}/r.html --state-dir {state}", "job 999", "not known"),
     case("report 4711 -o {tmp}/r.html --state-dir {tmp}/none", "no resurgo store"),
