@@ -35,7 +35,9 @@ from typing import Any
 
 from agent.wire.errors import ConfigError
 from agent.wire.settings import add_flags, add_version, layered, read_toml
+from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.policy import Policy
+from supervisor.failure_config import in_force, parse_rules
 
 ENV_PREFIX = "RESURGO_SUPERVISOR_"
 POLICY_ENV_PREFIX = "RESURGO_POLICY_"
@@ -289,15 +291,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--config", type=Path, help="TOML file, the policy in a [policy] table (default: none)"
     )
+    parser.add_argument(
+        "--print-rules",
+        action="store_true",
+        help="list the failure rules in force (the config's [[failure_rules]] first, then the "
+        "built-in ones) and exit (default: false)",
+    )
     add_flags(parser, SupervisorConfig)
     add_flags(parser, Policy, POLICY_FLAG_PREFIX)
     return parser
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``resurgo-supervisor`` is told: the daemon's settings, the policy, the
+    failure rules in force (the operator's first), and whether only to list those."""
+
+    config: SupervisorConfig
+    policy: Policy
+    rules: tuple[Rule, ...] = DEFAULT_RULES
+    print_rules: bool = False
 
 
 def load_config(
     argv: Sequence[str], environ: Mapping[str, str] | None = None
 ) -> tuple[SupervisorConfig, Policy]:
     """The daemon settings and the policy from ``--config``, the environment and flags."""
+    settings = load_settings(argv, environ)
+    return settings.config, settings.policy
+
+
+def load_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
+    """:class:`Settings` from ``--config``, the environment and flags."""
     env = os.environ if environ is None else environ
     args = build_parser().parse_args(list(argv))
     document: dict[str, Any] = {}
@@ -307,6 +332,7 @@ def load_config(
     if not isinstance(policy_doc, dict):
         raise ConfigError(f"[policy] in {args.config} must be a table")
     source = str(args.config)
+    operator_rules = parse_rules(document.pop("failure_rules", []), source)
     # The CLI's RESURGO_STATE_DIR names the same directory: one variable serves both.
     # Without it, a user who may not write the system path gets their own directory.
     shared = {"state_dir": env.get("RESURGO_STATE_DIR") or this_users_state_dir(env, write=True)}
@@ -332,7 +358,7 @@ def load_config(
         flags=args,
         flag_prefix=POLICY_FLAG_PREFIX,
     )
-    return config, policy
+    return Settings(config, policy, in_force(operator_rules), args.print_rules)
 
 
 def describe(config: SupervisorConfig, policy: Policy) -> dict[str, Any]:

@@ -63,11 +63,13 @@ from supervisor.act.ticket_hook import ticket_hook
 from supervisor.act.validation import Limits, ValidationProcess
 from supervisor.api import bound_port, build_app, build_metrics_app, serve, shutdown
 from supervisor.cluster import Cluster
-from supervisor.config import SupervisorConfig, describe, load_config
+from supervisor.config import SupervisorConfig, describe, load_settings
 from supervisor.core.drains import storm_holds
+from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.model import record_from_json
 from supervisor.core.policy import Policy
 from supervisor.deciding import Deciding
+from supervisor.failure_config import rules_table
 from supervisor.intake import Intake
 from supervisor.jobtable import JobTable, TrackedJob
 from supervisor.logs import setup_logging
@@ -105,9 +107,11 @@ class Supervisor:
         slurm: Slurm | None = None,
         validate_fn: Validator | None = None,
         clock: Callable[[], float] = time.time,
+        rules: tuple[Rule, ...] = DEFAULT_RULES,
     ) -> None:
         self.config = config
         self.policy = policy
+        self.rules = rules
         self.clock = clock
         self.slurm = slurm or SlurmClient(timeout_s=config.slurm_timeout_s)
         state_dir = Path(config.state_dir)
@@ -148,7 +152,9 @@ class Supervisor:
             clock,
         )
         self.cluster = Cluster(self.store, policy, observe_only=config.observe_only)
-        self.deciding = Deciding(self.jobs, self.store, self.executor, self.cluster, policy, clock)
+        self.deciding = Deciding(
+            self.jobs, self.store, self.executor, self.cluster, policy, clock, rules
+        )
         self.intake = Intake(
             self.jobs, self.store, self.executor, self.deciding, config, policy, clock
         )
@@ -372,10 +378,14 @@ def _return_freed_buffers() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``resurgo-supervisor``."""
     try:
-        config, policy = load_config(sys.argv[1:] if argv is None else list(argv))
+        settings = load_settings(sys.argv[1:] if argv is None else list(argv))
     except ConfigError as error:
         print(f"resurgo-supervisor: {error}", file=sys.stderr)
         return 2
+    if settings.print_rules:
+        print(rules_table(settings.rules))
+        return 0
+    config, policy = settings.config, settings.policy
     setup_logging(config.log_json)
     # The daemon holds ~10^5 long-lived objects per thousand agents; CPython's
     # default thresholds ran a full collection every few seconds, each a
@@ -384,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.set_threshold(50_000, 50, 1000)
     _return_freed_buffers()
     try:
-        supervisor = Supervisor(config, policy)
+        supervisor = Supervisor(config, policy, rules=settings.rules)
     except (ResurgoError, OSError) as error:
         print(f"resurgo-supervisor: {error}", file=sys.stderr)
         return 2

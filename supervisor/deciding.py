@@ -37,6 +37,7 @@ from supervisor.core.drains import (
     user_flagged,
     user_over_share,
 )
+from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.faults import REPLAYED_KINDS
 from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
 from supervisor.core.model import JobRecord, JobState, record_to_json
@@ -63,6 +64,7 @@ class Deciding:
         cluster: Cluster,
         policy: Policy,
         clock: Callable[[], float],
+        rules: tuple[Rule, ...] = DEFAULT_RULES,
     ) -> None:
         self.jobs = jobs
         self.store = store
@@ -70,6 +72,8 @@ class Deciding:
         self.cluster = cluster
         self.policy = policy
         self.clock = clock
+        # The failure rules in force, the operator's first (supervisor.core.failure_rules).
+        self.rules = rules
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
 
     def act(self, job_id: str, intents: tuple[Intent, ...]) -> None:
@@ -194,9 +198,11 @@ class Deciding:
             return
         before = job.record
         now = self.clock()
-        decision = decide(before, observation, now, self.policy, self.cluster.view)
+        decision = decide(before, observation, now, self.policy, self.cluster.view, self.rules)
         if set(decision.record.blamed_nodes) - set(before.blamed_nodes):
-            decision = decide(before, observation, now, self.policy, self.cluster.fresh(now))
+            decision = decide(
+                before, observation, now, self.policy, self.cluster.fresh(now), self.rules
+            )
         after = decision.record
         if after == before and not decision.intents:
             return

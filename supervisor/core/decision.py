@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 from agent.wire.errors import ConfigError
 from supervisor.core.anomaly import AnomalyAction, WatchPolicy
+from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.intents import Intent, ValidationLevel
 from supervisor.core.model import Cause, ClusterView, JobRecord, JobState
 
@@ -280,11 +281,13 @@ class Decision:
 class Context:
     """What one decision is made in, built once by :func:`~supervisor.core.policy.decide`
     and passed down: the time (``now_s``, never read from a clock), the operator's
-    policy, and the cluster as last seen."""
+    policy, the cluster as last seen, and the failure rules in force (the
+    operator's first, :mod:`supervisor.core.failure_rules`)."""
 
     now_s: float
     policy: Policy
     cluster: ClusterView
+    rules: tuple[Rule, ...] = DEFAULT_RULES
 
 
 def decision(

@@ -181,7 +181,8 @@ def exclude_and_drain(
     if node is None:
         if blame.cause is Cause.TIME_LIMIT:
             return record, (), "a planned stop for the time limit: no node is at fault"
-        return record, (), "no node blamed: the evidence names none"
+        said = "; ".join(blame.evidence) if blame.evidence else "the evidence names none"
+        return record, (), f"no node blamed: {said}"
     if blame.confidence < ctx.policy.drain_confidence:
         return (
             record,

@@ -146,6 +146,13 @@ class Cause(enum.Enum):
     # The same anomaly again on fresh data, from the ranks of one node only:
     # that node computes wrong (silent data corruption). A node fault.
     SILENT_CORRUPTION = "silent_corruption"
+    # What a failed rank's evidence says it was (supervisor.core.failure_rules): the
+    # script is wrong (it failed before its first step on every node), the script's
+    # memory (the kernel's OOM kill, a CUDA out-of-memory error), the node's
+    # hardware (a GPU Xid, an ECC error, an operator's hardware rule).
+    USER_ERROR = "user_error"
+    OOM = "oom"
+    HARDWARE = "hardware"
 
 
 # Causes that are no fault of the job's: the cluster's doing (preemption, the
@@ -163,6 +170,7 @@ NODE_FAULT_CAUSES = frozenset(
         Cause.HEALTH_CHECK,
         Cause.STRAGGLER,
         Cause.SILENT_CORRUPTION,
+        Cause.HARDWARE,
     }
 )
 # Anomalies kept on the record: enough to judge a recurrence and show the history.
@@ -244,6 +252,11 @@ class ExitSeen:
     raised: str | None = None
     raised_at_s: float | None = None
     script_ended: bool = False
+    # What failed (supervisor.core.failure_rules): the class's value, the rule that
+    # said so and the evidence line it matched; None: no rule (or not classified).
+    failure: str | None = None
+    rule: str | None = None
+    quote: str = ""
 
 
 # Requeues made again after Slurm reported the job ended before it ran again.
@@ -294,6 +307,9 @@ class Recovery:
     # A rollback after a training anomaly: only checkpoints of this step or
     # earlier are candidates (None: any).
     resume_before: int | None = None
+    # The exit window opened before the launch's first training step: its exits are
+    # judged as failures at start (supervisor.core.failures).
+    before_first_step: bool = False
 
     @property
     def collecting_exits(self) -> bool:
@@ -356,6 +372,9 @@ class JobRecord:
     finished_ranks: tuple[tuple[int, int, int | None], ...] = ()
     # Whose job it is, as Slurm said at registration: drains and tickets name them.
     slurm_user: str = ""
+    # Failures of the job's ranks, by failure class (supervisor.core.failure_rules):
+    # the root cause of each recovery counted once; a class's retry budget reads it.
+    failures: tuple[tuple[str, int], ...] = ()
 
     def with_anomaly(self, seen: AnomalySeen) -> JobRecord:
         """This record with ``seen`` as its newest anomaly (the oldest dropped past the cap)."""
@@ -366,6 +385,16 @@ class JobRecord:
         counts = dict(self.swaps)
         counts[cause] = counts.get(cause, 0) + 1
         return replace(self, swaps=tuple(sorted(counts.items(), key=lambda kv: kv[0].value)))
+
+    def with_failure(self, failure_class: str) -> JobRecord:
+        """This record with one more failure of ``failure_class`` counted."""
+        counts = dict(self.failures)
+        counts[failure_class] = counts.get(failure_class, 0) + 1
+        return replace(self, failures=tuple(sorted(counts.items())))
+
+    def failures_of(self, failure_class: str) -> int:
+        """How many failures of ``failure_class`` the job has had."""
+        return dict(self.failures).get(failure_class, 0)
 
     def restarts_for(self, cause: Cause) -> int:
         """How many restarts ``cause`` has caused so far."""
@@ -500,9 +529,12 @@ def _suspect(doc: Mapping[str, Any]) -> Suspect:
 
 
 def _exit_seen(doc: Mapping[str, Any]) -> ExitSeen:
-    later = ("script_ended",)  # not in records stored before it existed
-    values = {f.name: _get(doc, f.name) for f in fields(ExitSeen) if f.name not in later}
-    return ExitSeen(**values, script_ended=bool(doc.get("script_ended", False)))
+    # Not in records stored before they existed.
+    later = {"script_ended": False, "failure": None, "rule": None, "quote": ""}
+    values = {f.name: doc.get(f.name, later[f.name]) if f.name in later else _get(doc, f.name)
+              for f in fields(ExitSeen)}  # fmt: skip
+    values["script_ended"] = bool(values["script_ended"])
+    return ExitSeen(**values)
 
 
 def _anomaly(doc: Mapping[str, Any]) -> AnomalySeen:
@@ -518,9 +550,10 @@ def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
         return None
     # Records written before exit windows (or their early close) existed lack
     # ``exits`` (``settled``): none collected.
-    later = ("exits", "settled", "resume_before")
+    later = ("exits", "settled", "resume_before", "before_first_step")
     values = {f.name: _get(doc, f.name) for f in fields(Recovery) if f.name not in later}
     values["resume_before"] = doc.get("resume_before")
+    values["before_first_step"] = bool(doc.get("before_first_step", False))
     values["cause"] = Cause(values["cause"])
     values["suspects"] = tuple(_suspect(s) for s in values["suspects"])
     values["exits"] = tuple(_exit_seen(e) for e in doc.get("exits", ()))
@@ -553,6 +586,7 @@ def record_from_json(text: str) -> JobRecord:
         "rollbacks": 0,
         "finished_ranks": (),
         "slurm_user": "",
+        "failures": (),
     }
     values: dict[str, Any] = {
         f.name: doc.get(f.name, later[f.name]) if f.name in later else _get(doc, f.name)
@@ -574,6 +608,7 @@ def record_from_json(text: str) -> JobRecord:
         values["skipped_samples"] = tuple(
             (int(start), int(end)) for start, end in values["skipped_samples"]
         )
+        values["failures"] = tuple((str(c), int(n)) for c, n in values["failures"])
         values["finished_ranks"] = tuple(
             (int(attempt), int(rank), None if step is None else int(step))
             for attempt, rank, step in values["finished_ranks"]

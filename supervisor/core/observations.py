@@ -54,7 +54,10 @@ class RankExited(AgentReport):
     when not sent). ``raised``/``raised_time_s``: the rank's uncaught exception
     type and when it reached the top (agent.wire.raised), if it raised one.
     ``script_ended``: the rank's script ran to its end before it exited (a
-    signal after that came in its teardown).
+    signal after that came in its teardown). The evidence of what failed, each
+    "" or None when not sent: ``message`` and ``errno`` of the exception,
+    ``stderr_tail`` (its last lines on standard error), ``oom_kill`` and ``xid``
+    (the kernel's lines), as :mod:`supervisor.core.failure_rules` reads them.
     """
 
     KIND: ClassVar[EventKind] = EventKind.RANK_EXITED
@@ -68,6 +71,11 @@ class RankExited(AgentReport):
     raised: str | None = None
     raised_time_s: float | None = None
     script_ended: bool = False
+    message: str = ""
+    errno: int | None = None
+    stderr_tail: str = ""
+    oom_kill: str | None = None
+    xid: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,6 +339,11 @@ def _opt_int(payload: dict[str, Any], key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _opt_str(payload: dict[str, Any], key: str) -> str | None:
+    value = payload.get(key)
+    return value if isinstance(value, str) else None
+
+
 def _opt_float(payload: dict[str, Any], key: str) -> float | None:
     value = payload.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -381,6 +394,11 @@ def _rank_exited(event: Event) -> RankExited:
         raised=raised if isinstance(raised, str) else None,
         raised_time_s=_opt_float(payload, "raised_time_unix_s"),
         script_ended=payload.get("script_ended") is True,
+        message=_opt_str(payload, "raised_message") or "",
+        errno=_opt_int(payload, "errno"),
+        stderr_tail=_opt_str(payload, "stderr_tail") or "",
+        oom_kill=_opt_str(payload, "oom_kill"),
+        xid=_opt_str(payload, "xid"),
     )
 
 

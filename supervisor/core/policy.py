@@ -45,7 +45,16 @@ import math
 from dataclasses import replace
 from typing import assert_never
 
-from supervisor.core import clean_end, drains, follow_slurm, planned_stop, recovery, rollback, skips
+from supervisor.core import (
+    clean_end,
+    drains,
+    failures,
+    follow_slurm,
+    planned_stop,
+    recovery,
+    rollback,
+    skips,
+)
 from supervisor.core.blame import (
     Blame,
     blame,
@@ -56,6 +65,7 @@ from supervisor.core.blame import (
     suspects_of,
 )
 from supervisor.core.decision import LIVE, Context, Decision, Policy
+from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.intents import Alert, Severity, ValidateCheckpoints
 from supervisor.core.model import (
     MAX_EXITS,
@@ -141,14 +151,16 @@ def decide(
     now_s: float,
     policy: Policy,
     cluster: ClusterView,
+    rules: tuple[Rule, ...] = DEFAULT_RULES,
 ) -> Decision:
-    """The next record and intents for ``observation`` (see the module docstring).
+    """The next record and intents for ``observation`` (see the module docstring);
+    ``rules``: the failure rules in force (:mod:`supervisor.core.failure_rules`).
 
     Raises :class:`~supervisor.core.model.IllegalTransition` only on a bug in the core.
     """
     if record.state.terminal:
         return _nothing(record, f"job already {record.state.value}")
-    ctx = Context(now_s, policy, cluster)
+    ctx = Context(now_s, policy, cluster, rules)
     match observation:
         case CheckpointCommitted():
             return _on_commit(record, observation, ctx)
@@ -258,7 +270,7 @@ def _on_commit(record: JobRecord, event: CheckpointCommitted, ctx: Context) -> D
 
 
 def _on_rank_exit(record: JobRecord, event: RankExited, ctx: Context) -> Decision:
-    seen = exit_seen(event)
+    seen = failures.classified(exit_seen(event), event, record, ctx)
     rank = f"rank {seen.global_rank} on {seen.node}"
     if not is_failure(seen):
         if seen.signal is None:
@@ -293,7 +305,11 @@ def _open_exit_window(record: JobRecord, seen: ExitSeen, ctx: Context) -> Decisi
     record = replace(
         recovery.to_state(record, JobState.RECOVERING, ctx.now_s),
         recovery=Recovery(
-            cause=cause, started_s=ctx.now_s, evidence_until_s=ctx.now_s + window, exits=(seen,)
+            cause=cause,
+            started_s=ctx.now_s,
+            evidence_until_s=ctx.now_s + window,
+            exits=(seen,),
+            before_first_step=failures.before_first_step(record),
         ),
     )
     if window == 0:
@@ -358,6 +374,10 @@ def _decide_exits(record: JobRecord, ctx: Context) -> Decision:
     root, verdict = blame_exits(
         record.recovery.exits, record, ctx.cluster.avoided_by(record.slurm_user)
     )
+    record, by_class = failures.by_class(record, root, record.recovery.exits, ctx)
+    if by_class is not None:
+        return by_class
+    verdict = failures.annotated(verdict, root, ctx)
     if verdict.cause is Cause.USER_EXCEPTION:
         return _on_exception(record, root, ctx, verdict)
     return recovery.start(record, ctx, verdict)

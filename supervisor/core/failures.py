@@ -1,0 +1,132 @@
+"""A failed rank's class decides the recovery: the glue between the rule table and the core.
+
+:mod:`supervisor.core.failure_rules` says what a rank's evidence is; this
+module gives each collected exit its class (:func:`classified`) and, once the
+exit window closed and the root cause is chosen, turns the root cause's class
+into the recovery (:func:`by_class`):
+
+- ``stop`` (``user_error``): the job ends FAILED at once, no node blamed,
+  when the script failed this way before its first step on every node of the
+  attempt (one node alone failing so is that node's environment, not the
+  script, and is decided as before);
+- ``retry`` (``oom``): relaunched with no node blamed while the class's
+  failures stay within the rule's budget, then stopped FAILED with the
+  kernel's or the framework's words;
+- ``blame_node`` (``hardware``): the root cause's node is blamed with the
+  rule's confidence (drained or ticketed as the policy and corroboration say);
+- ``wait_storage`` and ``default``: decided as by how the rank ended (the
+  storage wait is not built yet: a storage failure is, for now, a user
+  exception that blames no node).
+
+Every recovery counts its root cause's class on the record (``failures``).
+Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from supervisor.core import recovery
+from supervisor.core.blame import Blame
+from supervisor.core.decision import Context, Decision
+from supervisor.core.failure_rules import Action, Classified, Evidence, FailureClass, classify
+from supervisor.core.model import Cause, ExitSeen, JobRecord, JobState
+from supervisor.core.observations import RankExited
+
+# The states of a launch that has not made a training step yet.
+BEFORE_FIRST_STEP = frozenset({JobState.STARTING, JobState.RELAUNCHING, JobState.REQUEUED})
+
+
+def evidence_of(event: RankExited, at_start: bool) -> Evidence:
+    """What the rank's ``rank_exited`` says about its failure."""
+    return Evidence(
+        exit_code=event.exit_code,
+        signal=event.signal,
+        raised=event.raised,
+        message=event.message,
+        errno=event.errno,
+        stderr_tail=event.stderr_tail,
+        oom_kill=event.oom_kill,
+        xid=event.xid,
+        at_start=at_start,
+    )
+
+
+def before_first_step(record: JobRecord) -> bool:
+    """The launch has not made a training step: it is starting, or its exit window
+    opened while it was."""
+    pending = record.recovery
+    return record.state in BEFORE_FIRST_STEP or (
+        record.state is JobState.RECOVERING and pending is not None and pending.before_first_step
+    )
+
+
+def classified(seen: ExitSeen, event: RankExited, record: JobRecord, ctx: Context) -> ExitSeen:
+    """``seen`` with its class, rule and quoted evidence line (no rule: class ``unknown``)."""
+    found = classify(evidence_of(event, before_first_step(record)), ctx.rules)
+    return replace(seen, failure=found.failure_class.value, rule=found.rule, quote=found.evidence)
+
+
+def class_of(seen: ExitSeen, ctx: Context) -> Classified:
+    """The classification ``seen`` carries, with its rule's action and budget."""
+    failure = FailureClass(seen.failure) if seen.failure else FailureClass.UNKNOWN
+    rule = next((r for r in ctx.rules if r.name == seen.rule), None)
+    if rule is None:
+        return Classified(failure, Action.DEFAULT)
+    return Classified(failure, rule.action, rule.name, seen.quote, rule.budget,
+                      rule.confidence, rule.operator)  # fmt: skip
+
+
+def by_class(
+    record: JobRecord, root: ExitSeen, exits: tuple[ExitSeen, ...], ctx: Context
+) -> tuple[JobRecord, Decision | None]:
+    """The record with the root cause's class counted, and the decision its class makes
+    (None: decide as by how the rank ended)."""
+    found = class_of(root, ctx)
+    record = record.with_failure(found.failure_class.value)
+    rank = f"rank {root.global_rank} on {root.node}"
+    words = found.words()
+    match found.action:
+        case Action.STOP:
+            every = {seen.node for seen in exits if seen.rule == root.rule}
+            if every < set(record.nodes):
+                return record, None  # one node's environment, not the script
+            reason = (
+                f"{words} on every node ({rank} first), before the first step: no retry can "
+                "help; fix the script and submit again"
+            )
+            return record, recovery.stop(record, ctx.now_s, JobState.FAILED, Cause.USER_ERROR,
+                                         reason)  # fmt: skip
+        case Action.RETRY:
+            count = record.failures_of(found.failure_class.value)
+            if count > found.budget:
+                reason = (
+                    f"{words}: {rank}; {count} such failures, the rule allows "
+                    f"{found.budget} retr{'y' if found.budget == 1 else 'ies'}: the script needs "
+                    "more memory than its nodes give it (a smaller batch, more nodes, or a "
+                    "larger allocation)"
+                )
+                return record, recovery.stop(record, ctx.now_s, JobState.FAILED,
+                                             _cause(found), reason)  # fmt: skip
+            verdict = Blame(None, _cause(found), 0.0, (
+                f"{rank}: {words}; retry {count} of {found.budget}, no node blamed",))  # fmt: skip
+            return record, recovery.start(record, ctx, verdict)
+        case Action.BLAME_NODE:
+            verdict = Blame(root.node, Cause.HARDWARE, found.confidence, (f"{rank}: {words}",))
+            return record, recovery.start(record, ctx, verdict)
+        case Action.WAIT_STORAGE | Action.DEFAULT:
+            return record, None
+
+
+def _cause(found: Classified) -> Cause:
+    return Cause.OOM if found.failure_class is FailureClass.OOM else Cause.USER_EXCEPTION
+
+
+def annotated(verdict: Blame, root: ExitSeen, ctx: Context) -> Blame:
+    """A verdict decided as before, its evidence naming the root cause's class when a rule
+    gave one (``network``, ``storage``, or an operator's ``default`` rule)."""
+    found = class_of(root, ctx)
+    if found.rule is None:
+        return verdict
+    first, *rest = verdict.evidence or ("",)
+    return replace(verdict, evidence=(f"{first}; {found.words()}", *rest))

@@ -1,0 +1,119 @@
+"""A failed rank's class decides the recovery (supervisor.core.failures), on the core's world.
+
+Each test feeds real-looking ``rank_exited`` evidence through ``decide`` and
+checks what the recovery does: a script error before the first step on every
+node stops the job; an OOM kill retries within its budget and blames no node;
+a hardware rule blames the node; everything else is decided as before, with
+the class named.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import replace
+
+from supervisor.core.failure_rules import DEFAULT_RULES, Action, FailureClass, Rule
+from supervisor.core.intents import DrainNode, StopJob
+from supervisor.core.model import Cause, JobState, record_from_json, record_to_json
+from supervisor.core.observations import RankExited, Tick
+from supervisor.core.policy import decide
+from tests.unit.policy_world import CLUSTER, NODES, NOW, POLICY, kinds, running
+
+OOM_LINE = "Memory cgroup out of memory: Killed process 689 (python3) total-vm:82356kB"
+
+
+def _exit(node: str, **evidence: object) -> RankExited:
+    return RankExited(node, f"42/{node}/abcdef01/{len(evidence)}", NOW - 1,
+                      global_rank=int(node[-1]) - 1, step=150, **evidence)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _import_error(node: str) -> RankExited:
+    return _exit(node, exit_code=1, raised="ModuleNotFoundError",
+                 message="No module named 'tansformers'")  # fmt: skip
+
+
+def _decide_all(record, events, rules=DEFAULT_RULES, policy=POLICY):  # type: ignore[no-untyped-def]
+    decisions = []
+    for event in events:
+        decided = decide(record, event, NOW, policy, CLUSTER, rules)
+        decisions.append(decided)
+        record = decided.record
+    return decisions
+
+
+def test_an_import_error_on_every_node_before_the_first_step_stops_the_job_at_once() -> None:
+    starting = running(state=JobState.STARTING)
+    window = replace(POLICY, exit_evidence_window_s=30.0)
+    *_, last = _decide_all(starting, [_import_error(node) for node in NODES], policy=window)
+    assert last.record.state is JobState.RECOVERING  # all four collected, window open
+    closed = decide(last.record, Tick(), NOW + 31, window, CLUSTER)
+    assert closed.record.state is JobState.FAILED and closed.cause is Cause.USER_ERROR
+    assert kinds(closed) == [StopJob] and not any(isinstance(i, DrainNode) for i in closed.intents)
+    assert "ModuleNotFoundError: No module named 'tansformers'\"" in closed.explanation
+    assert (
+        "on every node" in closed.explanation
+        and "(rule script-error-at-start)" in closed.explanation
+    )
+    assert closed.record.failures == (("user_error", 1),)
+
+
+def test_the_same_error_on_one_node_only_is_that_nodes_and_decided_as_before() -> None:
+    starting = running(state=JobState.STARTING)
+    (decided,) = _decide_all(starting, [_import_error("node3")])
+    assert decided.record.state is JobState.RECOVERING
+    assert decided.cause is Cause.USER_EXCEPTION  # retried once, as any exception
+    assert decided.record.failures == (("user_error", 1),)
+
+
+def test_after_training_began_an_import_error_is_no_script_error() -> None:
+    (decided,) = _decide_all(running(), [_import_error(node) for node in ("node1",)])
+    assert decided.cause is Cause.USER_EXCEPTION
+    assert decided.record.failures == (("unknown", 1),)
+
+
+def test_an_oom_kill_retries_without_blame_then_stops_with_the_kernels_words() -> None:
+    killed = _exit("node2", signal=signal.SIGKILL, oom_kill=OOM_LINE)
+    (first,) = _decide_all(running(), [killed])
+    assert first.cause is Cause.OOM and first.record.state is JobState.RECOVERING
+    assert not any(isinstance(i, DrainNode) for i in first.intents)
+    assert "retry 1 of 1, no node blamed" in first.explanation
+    again = replace(first.record, state=JobState.RUNNING, recovery=None)
+    (second,) = _decide_all(again, [replace(killed, event_id="42/node2/abcdef01/9")])
+    assert second.record.state is JobState.FAILED and second.cause is Cause.OOM
+    assert OOM_LINE in second.explanation and "2 such failures" in second.explanation
+    # Without the kernel's word the same SIGKILL blames the node, as before.
+    (plain,) = _decide_all(running(), [_exit("node2", signal=signal.SIGKILL)])
+    assert plain.cause is Cause.RANK_SIGNAL and DrainNode in kinds(plain)
+
+
+def test_an_operators_hardware_rule_blames_the_node_and_names_the_rule() -> None:
+    rule = Rule("bad-hbm", FailureClass.HARDWARE, Action.BLAME_NODE, confidence=0.9,
+                pattern=re.compile(r"HBM uncorrectable"), operator=True)  # fmt: skip
+    tail = "step 80\nRuntimeError: HBM uncorrectable error on bank 3"
+    failed = _exit("node3", exit_code=1, raised="RuntimeError", stderr_tail=tail)
+    (decided,) = _decide_all(running(), [failed], rules=(rule, *DEFAULT_RULES))
+    assert decided.cause is Cause.HARDWARE
+    (drain,) = [i for i in decided.intents if isinstance(i, DrainNode)]
+    assert drain.node == "node3" and "rule bad-hbm" in drain.reason
+    # Without the rule it is the user's exception: no node blamed.
+    (plain,) = _decide_all(running(), [failed])
+    assert plain.cause is Cause.USER_EXCEPTION and DrainNode not in kinds(plain)
+
+
+def test_a_network_error_keeps_todays_decision_and_says_its_class() -> None:
+    said = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    gloo = _exit("node1", exit_code=1, raised="RuntimeError", message=said)
+    (decided,) = _decide_all(running(), [gloo])
+    assert decided.cause is Cause.USER_EXCEPTION
+    assert "network (rule collective-network)" in decided.explanation
+    assert decided.record.failures == (("network", 1),)
+
+
+def test_a_record_with_classified_exits_reads_back_and_an_old_one_still_reads() -> None:
+    window = replace(POLICY, exit_evidence_window_s=30.0)
+    (open_,) = _decide_all(running(), [_exit("node2", signal=9, oom_kill=OOM_LINE)], policy=window)
+    assert record_from_json(record_to_json(open_.record)) == open_.record
+    assert open_.record.recovery is not None and open_.record.recovery.exits[0].failure == "oom"
+    text = record_to_json(open_.record).replace('"failure": "oom", ', "")
+    assert record_from_json(text).recovery.exits[0].failure is None  # type: ignore[union-attr]
