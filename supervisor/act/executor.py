@@ -43,6 +43,7 @@ from typing import Any
 
 from agent.checkpoint import layouts
 from agent.checkpoint.report import Level
+from supervisor.act import storage
 from supervisor.act.reconcile import (
     KIND_OF,
     Verdict,
@@ -82,6 +83,7 @@ from supervisor.core.observations import (
     Observation,
     RelaunchFinished,
     RequeueFailed,
+    StorageUnavailable,
 )
 from supervisor.errors import (
     SlurmError,
@@ -414,6 +416,13 @@ class Executor:
         return {"command_id": command.command_id, "new": new}, []
 
     async def _validation(self, intent: ValidateCheckpoints) -> _Result:
+        if intent.storage_probe:
+            seen = await storage.look(self._checkpoint_root_of(intent.job_id))
+            log.info("job %s: storage look %d: %s", intent.job_id, intent.storage_probe,
+                     seen.detail)  # fmt: skip
+            if not seen.usable:
+                unusable = StorageUnavailable(intent.attempt, seen.detail)
+                return {"storage": seen.detail}, [unusable]
         checked, past = await self._validate_checkpoints(intent)
         result: dict[str, Any] = {"checked": [validated_doc(seen) for seen in checked]}
         if past:

@@ -106,6 +106,10 @@ class Policy:
     - ``relaunch_start_timeout_s``: a relaunched step none of whose agents
       called in by then never started (Slurm kept its nodes busy): the job
       falls back to the requeue path.
+    - ``storage_wait_s``: after a storage failure (a full disk, a quota, an
+      I/O error or a stale handle on the checkpoint root), the longest the
+      relaunch waits for the root to take a checkpoint again before the job
+      is stopped as FAILED (:mod:`supervisor.core.failures`).
     - ``silence_share``: when at least this share of all agents go silent
       within one lease (there being at least ``silence_min_agents``), or every
       agent of a job does, the silence has a common cause (the supervisor was
@@ -184,6 +188,7 @@ class Policy:
     storm_window_s: float = 600.0
     grow_back: bool = True
     relaunch_start_timeout_s: float = 300.0
+    storage_wait_s: float = 3600.0
     silence_share: float = 0.5
     silence_min_agents: int = 4
     spare_check_interval_s: float = 300.0

@@ -14,9 +14,15 @@ into the recovery (:func:`by_class`):
   kernel's or the framework's words;
 - ``blame_node`` (``hardware``): the root cause's node is blamed with the
   rule's confidence (drained or ticketed as the policy and corroboration say);
-- ``wait_storage`` and ``default``: decided as by how the rank ended (the
-  storage wait is not built yet: a storage failure is, for now, a user
-  exception that blames no node).
+- ``wait_storage`` (``storage``): no node blamed; the checkpoints are
+  validated, and the job relaunched, only once the checkpoint root takes a
+  checkpoint again. The executor looks before it validates; each look that
+  finds the root still unusable
+  (:class:`~supervisor.core.observations.StorageUnavailable`) schedules the
+  next one with a doubling backoff (:data:`STORAGE_BACKOFF_S` up to
+  :data:`STORAGE_BACKOFF_MAX_S`), and once ``storage_wait_s`` has passed the
+  job stops as FAILED with what was last seen;
+- ``default``: decided as by how the rank ended, the class named.
 
 Every recovery counts its root cause's class on the record (``failures``).
 Pure.
@@ -30,8 +36,13 @@ from supervisor.core import recovery
 from supervisor.core.blame import Blame
 from supervisor.core.decision import Context, Decision
 from supervisor.core.failure_rules import Action, Classified, Evidence, FailureClass, classify
+from supervisor.core.intents import ValidateCheckpoints
 from supervisor.core.model import Cause, ExitSeen, JobRecord, JobState
-from supervisor.core.observations import RankExited
+from supervisor.core.observations import RankExited, StorageUnavailable
+
+# The storage wait's looks: the first right away, then after 5, 10, 20, 40, 60, 60 ... s.
+STORAGE_BACKOFF_S = 5.0
+STORAGE_BACKOFF_MAX_S = 60.0
 
 # The states of a launch that has not made a training step yet.
 BEFORE_FIRST_STEP = frozenset({JobState.STARTING, JobState.RELAUNCHING, JobState.REQUEUED})
@@ -114,8 +125,70 @@ def by_class(
         case Action.BLAME_NODE:
             verdict = Blame(root.node, Cause.HARDWARE, found.confidence, (f"{rank}: {words}",))
             return record, recovery.start(record, ctx, verdict)
-        case Action.WAIT_STORAGE | Action.DEFAULT:
+        case Action.WAIT_STORAGE:
+            verdict = Blame(None, Cause.STORAGE, 0.0, (
+                f"{rank}: {words}; waiting up to {ctx.policy.storage_wait_s:g} s for the "
+                "checkpoint root to take a checkpoint again",))  # fmt: skip
+            return record, _waiting_for_storage(recovery.start(record, ctx, verdict), ctx)
+        case Action.DEFAULT:
             return record, None
+
+
+def _waiting_for_storage(started: Decision, ctx: Context) -> Decision:
+    """The recovery's validation looks at the storage first, and the wait's clock starts."""
+    pending = started.record.recovery
+    if pending is None or started.record.state is not JobState.RECOVERING:
+        return started  # stopped (the restart budget): nothing to wait for
+    until = ctx.now_s + ctx.policy.storage_wait_s
+    waiting = replace(pending, storage_until_s=until, storage_probes=1)
+    record = replace(started.record, recovery=waiting)
+    intents = tuple(
+        replace(intent, storage_probe=1) if isinstance(intent, ValidateCheckpoints) else intent
+        for intent in started.intents
+    )
+    return replace(started, record=record, intents=intents)
+
+
+def on_storage_unavailable(record: JobRecord, seen: StorageUnavailable, ctx: Context) -> Decision:
+    """A look found the checkpoint root still unusable: look again later, or give up."""
+    pending = record.recovery
+    if (
+        seen.attempt != record.attempt
+        or record.state is not JobState.RECOVERING
+        or pending is None
+        or pending.storage_until_s is None
+    ):
+        return Decision(record, (), None, f"storage report of attempt {seen.attempt} is stale")
+    if ctx.now_s >= pending.storage_until_s:
+        reason = (
+            f"the checkpoint root did not take a checkpoint again within "
+            f"{ctx.policy.storage_wait_s:g} s: {seen.detail}; free space on it (or fix the "
+            "mount) and submit again"
+        )
+        return recovery.stop(record, ctx.now_s, JobState.FAILED, Cause.STORAGE, reason)
+    delay = min(STORAGE_BACKOFF_MAX_S, STORAGE_BACKOFF_S * 2 ** max(pending.storage_probes - 1, 0))
+    record = replace(record, recovery=replace(pending, storage_next_s=ctx.now_s + delay))
+    left = pending.storage_until_s - ctx.now_s
+    return Decision(record, (), Cause.STORAGE,
+                    f"storage not usable yet ({seen.detail}); looking again in {delay:g} s, "
+                    f"{left:.0f} s of the wait left")  # fmt: skip
+
+
+def storage_look_due(record: JobRecord, ctx: Context) -> Decision | None:
+    """On a tick: the next look at the storage, once it is due (None: none is)."""
+    pending = record.recovery
+    if (
+        record.state is not JobState.RECOVERING
+        or pending is None
+        or pending.storage_next_s is None
+        or ctx.now_s < pending.storage_next_s
+    ):
+        return None
+    probes = pending.storage_probes + 1
+    record = replace(record, recovery=replace(pending, storage_probes=probes, storage_next_s=None))
+    look = ValidateCheckpoints(record.job_id, record.attempt, ctx.policy.validation_level, (),
+                               pending.resume_before, storage_probe=probes)  # fmt: skip
+    return Decision(record, (look,), Cause.STORAGE, f"looking at the storage again ({probes})")
 
 
 def _cause(found: Classified) -> Cause:

@@ -175,18 +175,24 @@ class ValidateCheckpoints(_Action):
     stopping at the first valid one; report ``path=None`` when none is left.
     ``skip`` lists paths already rejected in this recovery; ``before_step``
     (a rollback past a training anomaly) leaves out every checkpoint of a
-    later step.
+    later step. ``storage_probe`` (after a storage failure, the how-manieth
+    look): first check that the checkpoint root takes a checkpoint again, and
+    report :class:`~supervisor.core.observations.StorageUnavailable` instead of
+    validating if it does not (0: no check).
     """
 
     level: ValidationLevel
     skip: tuple[str, ...] = ()
     before_step: int | None = None
+    storage_probe: int = 0
 
     KIND: ClassVar[str] = "validate"
 
     def target(self) -> str:
-        """How many paths are skipped: a retry after a rejection runs again."""
-        return str(len(self.skip))
+        """How many paths are skipped: a retry after a rejection runs again; and each look
+        at the storage is an action of its own."""
+        skipped = str(len(self.skip))
+        return skipped if not self.storage_probe else f"{skipped}.storage{self.storage_probe}"
 
 
 @dataclass(frozen=True)

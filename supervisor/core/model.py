@@ -149,10 +149,13 @@ class Cause(enum.Enum):
     # What a failed rank's evidence says it was (supervisor.core.failure_rules): the
     # script is wrong (it failed before its first step on every node), the script's
     # memory (the kernel's OOM kill, a CUDA out-of-memory error), the node's
-    # hardware (a GPU Xid, an ECC error, an operator's hardware rule).
+    # hardware (a GPU Xid, an ECC error, an operator's hardware rule), the storage.
     USER_ERROR = "user_error"
     OOM = "oom"
     HARDWARE = "hardware"
+    # The checkpoint root's storage failed (full, a quota, an I/O error, a stale
+    # handle): no node is at fault; the relaunch waits for the storage.
+    STORAGE = "storage"
 
 
 # Causes that are no fault of the job's: the cluster's doing (preemption, the
@@ -310,6 +313,11 @@ class Recovery:
     # The exit window opened before the launch's first training step: its exits are
     # judged as failures at start (supervisor.core.failures).
     before_first_step: bool = False
+    # A storage failure's wait (supervisor.core.failures): until when the checkpoint
+    # root may take to come back, how many looks so far, when the next one is due.
+    storage_until_s: float | None = None
+    storage_probes: int = 0
+    storage_next_s: float | None = None
 
     @property
     def collecting_exits(self) -> bool:
@@ -550,14 +558,15 @@ def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
         return None
     # Records written before exit windows (or their early close) existed lack
     # ``exits`` (``settled``): none collected.
-    later = ("exits", "settled", "resume_before", "before_first_step")
+    later = {"exits": (), "settled": (), "resume_before": None, "before_first_step": False,
+             "storage_until_s": None, "storage_probes": 0, "storage_next_s": None}  # fmt: skip
     values = {f.name: _get(doc, f.name) for f in fields(Recovery) if f.name not in later}
-    values["resume_before"] = doc.get("resume_before")
-    values["before_first_step"] = bool(doc.get("before_first_step", False))
+    values.update({name: doc.get(name, default) for name, default in later.items()})
+    values["before_first_step"] = bool(values["before_first_step"])
     values["cause"] = Cause(values["cause"])
     values["suspects"] = tuple(_suspect(s) for s in values["suspects"])
-    values["exits"] = tuple(_exit_seen(e) for e in doc.get("exits", ()))
-    values["settled"] = tuple(doc.get("settled", ()))
+    values["exits"] = tuple(_exit_seen(e) for e in values["exits"])
+    values["settled"] = tuple(values["settled"])
     values["exclude"] = tuple(values["exclude"])
     values["rejected"] = tuple(values["rejected"])
     return Recovery(**values)

@@ -240,6 +240,15 @@ class CheckpointValidated:
 
 
 @dataclass(frozen=True)
+class StorageUnavailable:
+    """The checkpoint root did not take a checkpoint again within the storage wait of
+    ``attempt``'s recovery; ``detail`` says what was last seen (full, read-only, ...)."""
+
+    attempt: int
+    detail: str
+
+
+@dataclass(frozen=True)
 class RelaunchFinished:
     """The executor's report on a :class:`~supervisor.core.intents.RelaunchStep` of ``attempt``."""
 
@@ -325,6 +334,7 @@ Observation = (
     | SpareCheckFailed
     | CheckpointValidated
     | RelaunchFinished
+    | StorageUnavailable
     | RequeueFailed
     | StepProgress
     | CancelRequested

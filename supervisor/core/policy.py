@@ -98,6 +98,7 @@ from supervisor.core.observations import (
     SpareCheckFailed,
     StepEnded,
     StepProgress,
+    StorageUnavailable,
     StragglerReported,
     Tick,
     TimeLimitNear,
@@ -199,6 +200,8 @@ def decide(
             return follow_slurm.on_job_seen(record, observation, ctx)
         case CheckpointValidated():
             return _on_checkpoint(record, observation, ctx)
+        case StorageUnavailable():
+            return failures.on_storage_unavailable(record, observation, ctx)
         case RelaunchFinished():
             return _on_relaunch(record, observation, ctx)
         case StepProgress():
@@ -584,6 +587,9 @@ def _on_requeue_failed(record: JobRecord, seen: RequeueFailed, ctx: Context) -> 
 
 
 def _on_tick(record: JobRecord, ctx: Context) -> Decision:
+    look = failures.storage_look_due(record, ctx)
+    if look is not None:
+        return look
     deadline = planned_stop.on_tick(record, ctx)
     if deadline is not None:
         return deadline

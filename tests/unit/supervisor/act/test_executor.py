@@ -36,7 +36,7 @@ from supervisor.core.intents import (
     ValidationLevel,
 )
 from supervisor.core.model import JobState
-from supervisor.core.observations import CheckpointValidated, RelaunchFinished
+from supervisor.core.observations import CheckpointValidated, RelaunchFinished, StorageUnavailable
 from supervisor.errors import (
     SlurmCommandFailed,
     SlurmNotSettled,
@@ -458,3 +458,22 @@ def test_slurm_refusing_a_shrink_falls_back_to_the_requeue_path(store: Store) ->
 
     seen = run_execute(executor(store, Refusing()), [SHRINK, RELAUNCH])
     assert [type(s) for s in seen] == [RelaunchFinished] and not seen[0].ok
+
+
+def test_a_look_at_unusable_storage_reports_it_instead_of_validating(
+    store: Store, slurm: FakeSlurm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor.act import storage
+    from tests.ckpt_helpers import make_committed_checkpoint
+
+    root = tmp_path / "ckpt"
+    make_committed_checkpoint(root, 100)
+    look = ValidateCheckpoints(JOB, 2, ValidationLevel.FULL, storage_probe=1)
+    monkeypatch.setattr(storage, "MIN_FREE_BYTES", 1 << 60)  # more than any disk has free
+    (seen,) = run_execute(executor(store, slurm, root), [look])
+    assert isinstance(seen, StorageUnavailable) and seen.attempt == 2
+    assert "the newest checkpoint needs" in seen.detail
+    monkeypatch.undo()
+    again = ValidateCheckpoints(JOB, 2, ValidationLevel.FULL, storage_probe=2)
+    seen_again = run_execute(executor(store, slurm, root), [again])
+    assert [(s.step, s.valid) for s in seen_again] == [(100, True)]  # type: ignore[attr-defined]

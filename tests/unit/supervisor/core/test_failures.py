@@ -14,9 +14,14 @@ import signal
 from dataclasses import replace
 
 from supervisor.core.failure_rules import DEFAULT_RULES, Action, FailureClass, Rule
-from supervisor.core.intents import DrainNode, StopJob
+from supervisor.core.intents import DrainNode, RelaunchStep, StopJob, ValidateCheckpoints
 from supervisor.core.model import Cause, JobState, record_from_json, record_to_json
-from supervisor.core.observations import RankExited, Tick
+from supervisor.core.observations import (
+    CheckpointValidated,
+    RankExited,
+    StorageUnavailable,
+    Tick,
+)
 from supervisor.core.policy import decide
 from tests.unit.policy_world import CLUSTER, NODES, NOW, POLICY, kinds, running
 
@@ -117,3 +122,39 @@ def test_a_record_with_classified_exits_reads_back_and_an_old_one_still_reads() 
     assert open_.record.recovery is not None and open_.record.recovery.exits[0].failure == "oom"
     text = record_to_json(open_.record).replace('"failure": "oom", ', "")
     assert record_from_json(text).recovery.exits[0].failure is None  # type: ignore[union-attr]
+
+
+def test_a_full_disk_blames_nobody_and_the_relaunch_waits_for_the_storage() -> None:
+    policy = replace(POLICY, storage_wait_s=100.0)
+    full = _exit("node2", exit_code=1, raised="OSError", errno=28,
+                 message="[Errno 28] No space left on device: '/ckpt/step-30/shard-1'")  # fmt: skip
+    first = decide(running(), full, NOW, policy, CLUSTER)
+    assert first.cause is Cause.STORAGE and DrainNode not in kinds(first)
+    (look,) = [i for i in first.intents if isinstance(i, ValidateCheckpoints)]
+    assert look.storage_probe == 1 and "(rule disk-full)" in first.explanation
+    # Still full: the next look waits 5 s, then 10 s, ...
+    still = decide(first.record, StorageUnavailable(first.record.attempt, "0 B free"), NOW + 1,
+                   policy, CLUSTER)  # fmt: skip
+    assert still.intents == () and "looking again in 5 s" in still.explanation
+    assert decide(still.record, Tick(), NOW + 3, policy, CLUSTER).intents == ()
+    again = decide(still.record, Tick(), NOW + 6, policy, CLUSTER)
+    (second,) = again.intents
+    assert isinstance(second, ValidateCheckpoints) and second.storage_probe == 2
+    assert second.action_id != look.action_id  # each look is carried out once
+    later = decide(again.record, StorageUnavailable(again.record.attempt, "0 B free"), NOW + 7,
+                   policy, CLUSTER)  # fmt: skip
+    assert "looking again in 10 s" in later.explanation
+    # The wait runs out: FAILED with what was last seen.
+    ended = decide(later.record, StorageUnavailable(later.record.attempt, "0 B free"), NOW + 101,
+                   policy, CLUSTER)  # fmt: skip
+    assert ended.record.state is JobState.FAILED and ended.cause is Cause.STORAGE
+    assert "within 100 s: 0 B free" in ended.explanation
+    assert ended.record.failures == (("storage", 1),)
+
+
+def test_once_the_storage_takes_writes_the_recovery_goes_on_as_ever() -> None:
+    full = _exit("node2", exit_code=1, stderr_tail="OSError: [Errno 28] No space left on device")
+    first = decide(running(), full, NOW, POLICY, CLUSTER)
+    valid = decide(first.record, CheckpointValidated(100, "/ckpt/step-100", True), NOW + 1,
+                   POLICY, CLUSTER)  # fmt: skip
+    assert RelaunchStep in kinds(valid)

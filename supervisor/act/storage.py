@@ -1,0 +1,110 @@
+"""Whether a job's checkpoint root can take a checkpoint again, after a storage failure.
+
+The supervisor's user may not write the job's checkpoint root (it belongs to
+the job's user), so the look writes nothing: the root must list (a stale NFS
+handle or an I/O error fails that), its file system must not be read-only,
+and its free space must hold the newest checkpoint again with a margin (at
+least :data:`MIN_FREE_BYTES`). A file system that does not answer within
+:data:`LOOK_S` (a hung mount) is not usable. Never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+# The least free space a usable root has, whatever the newest checkpoint's size.
+MIN_FREE_BYTES = 16 << 20
+# The newest checkpoint's size is needed again, with this margin.
+MARGIN = 1.2
+# The longest one look may take: a hung mount never answers at all.
+LOOK_S = 10.0
+# At most this many files are summed for the newest checkpoint's size.
+MAX_FILES = 100_000
+
+
+@dataclass(frozen=True)
+class Look:
+    """What one look saw: usable or not, and why, in words for the verdict."""
+
+    usable: bool
+    detail: str
+
+
+def look_now(root: Path) -> Look:
+    """Look at ``root`` (blocking; see :func:`look`)."""
+    try:
+        names = os.listdir(root)
+        stat = os.statvfs(root)
+    except OSError as error:
+        return Look(False, f"{root}: {error.strerror or error}")
+    if stat.f_flag & os.ST_RDONLY:
+        return Look(False, f"{root} is on a read-only file system")
+    free = stat.f_bavail * stat.f_frsize
+    need = max(MIN_FREE_BYTES, int(MARGIN * _newest_size(root, names)))
+    if free < need:
+        return Look(
+            False, f"{root} has {_size(free)} free, the newest checkpoint needs {_size(need)}"
+        )
+    return Look(True, f"{root} has {_size(free)} free")
+
+
+async def look(root: Path | None) -> Look:
+    """Look at ``root`` in a thread of its own, for at most :data:`LOOK_S`."""
+    if root is None:
+        return Look(False, "no checkpoint directory is known")
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Look] = loop.create_future()
+
+    def settle(seen: Look) -> None:
+        if not done.done():
+            done.set_result(seen)
+
+    def run() -> None:
+        seen = look_now(root)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(settle, seen)
+
+    # A daemon thread, not the loop's executor: a call stuck in a hung mount cannot be
+    # cancelled, and the executor's threads are joined at exit.
+    threading.Thread(target=run, name="resurgo-storage-look", daemon=True).start()
+    try:
+        return await asyncio.wait_for(done, LOOK_S)
+    except TimeoutError:
+        return Look(False, f"{root} did not answer within {LOOK_S:g} s (a hung mount?)")
+
+
+def _newest_size(root: Path, names: list[str]) -> int:
+    """The bytes of the newest entry under ``root`` (by modification time), files summed."""
+    newest: tuple[float, Path] | None = None
+    for name in names:
+        if name.startswith("."):
+            continue
+        with contextlib.suppress(OSError):
+            mtime = (root / name).stat().st_mtime
+            if newest is None or mtime > newest[0]:
+                newest = (mtime, root / name)
+    if newest is None:
+        return 0
+    if newest[1].is_file():
+        return newest[1].stat().st_size
+    total, counted = 0, 0
+    for folder, _dirs, files in os.walk(newest[1]):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(folder, name)).st_size
+            counted += 1
+            if counted >= MAX_FILES:
+                return total
+    return total
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} B"
