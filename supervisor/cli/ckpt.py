@@ -65,8 +65,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from supervisor.cli.common import duration, print_json, size, table
+from supervisor.cli.common import duration, print_json, table
 from supervisor.text import one_line
+from supervisor.views.words import seconds, size
 
 if TYPE_CHECKING:
     from agent.checkpoint.catalog import Entry
@@ -420,8 +421,8 @@ def _table(rows: list[dict[str, Any]], level: str) -> str:
                 {True: "yes", False: "NO", None: "unchecked"}[row["valid"]],
                 size(row["total_bytes"]),
                 duration(row["age_s"]),
-                "-" if stats is None else f"{stats['stall_s']:.2f}s",
-                "-" if stats is None else f"{stats['write_s']:.2f}s",
+                "-" if stats is None else seconds(stats["stall_s"]),
+                "-" if stats is None else seconds(stats["write_s"]),
                 "-" if throughput is None else f"{size(throughput)}/s",
                 _why(row),
             )

@@ -81,15 +81,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: bool 
     )
 
 
-def size(count: float) -> str:
-    """Bytes for people: 512 B, 1.5 KiB, ..."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if count < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
-
-
 def duration(seconds: float) -> str:
     """Seconds for people: 42s, 17m, 3.5h, 2.0d."""
     if seconds < 120:

@@ -237,7 +237,8 @@ def _on_progress(record: JobRecord, ctx: Context) -> Decision:
         return _nothing(record, "progress from before the requeue took effect")
     if record.state in (JobState.STARTING, JobState.RELAUNCHING, JobState.REQUEUED):
         running = replace(recovery.to_state(record, JobState.RUNNING, ctx.now_s), recovery=None)
-        return _nothing(running, "training steps again")
+        first = record.state is JobState.STARTING and record.attempt == 1
+        return _nothing(running, "training started" if first else "training steps again")
     return _nothing(record, "progress noted")
 
 

@@ -119,7 +119,7 @@ def _completed(job: _Recorder) -> None:
     job.observe(33.2, "checkpoint_stats", {"step": 5, "stall_s": 0.011354302999990296,
                                            "write_s": 0.03732607900002449, "bytes": 183210,
                                            "mode": "async"})  # fmt: skip
-    job.decide(28.5, "starting", "running", "none", "training steps again")
+    job.decide(28.5, "starting", "running", "none", "training started")
     job.event(34, EventKind.RANK_EXITED, "node4", _exited(3, 6, signal=9))
     job.decide(34.2, "running", "recovering", "none", "rank 3 ended: waiting for the others")
     job.decide(36, "recovering", "recovering", "rank_signal", "rank 3 was killed (SIGKILL)")

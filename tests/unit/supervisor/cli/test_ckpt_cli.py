@@ -131,7 +131,7 @@ def test_list_shows_a_row_per_checkpoint_with_save_stats(
         ["step-1", "resurgo", "1", "yes", "unchecked"],
     ]  # fmt: skip
     assert "truncated" in lines[1]
-    assert lines[3].split()[-5:] == ["0.25s", "2.00s", "4.0", "MiB/s", "-"]
+    assert lines[3].split()[-7:] == ["250", "ms", "2", "s", "4.19", "MB/s", "-"]
     assert lines[4].startswith("newest valid at full: step-2")
     assert lines[5].startswith("unchecked: ")
     assert lines[6] == f"filesystem: {filesystem_of(root).value}"

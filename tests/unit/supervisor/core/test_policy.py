@@ -536,3 +536,12 @@ def test_an_agent_event_the_core_takes_no_decision_on_is_refused_by_from_event()
     event = protocol.Event(EventKind.AGENT_STARTED, "42", "node2", "42/node2/ab/1", 1, NOW, {})
     with pytest.raises(ValueError, match="agent_started"):
         from_event(event)
+
+
+def test_the_first_steps_of_a_job_read_as_a_start_and_after_a_relaunch_as_a_return() -> None:
+    from supervisor.core.observations import StepProgress
+
+    (first,) = run(running(state=JobState.STARTING, attempt=1), StepProgress(1))
+    assert (first.record.state, first.explanation) == (JobState.RUNNING, "training started")
+    (back,) = run(running(state=JobState.RELAUNCHING, attempt=2), StepProgress(101))
+    assert back.explanation == "training steps again"
