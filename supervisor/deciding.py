@@ -30,6 +30,7 @@ from agent.wire.protocol import Event, EventKind
 from supervisor.act.executor import Executor
 from supervisor.act.reconcile import KIND_OF, intent_of
 from supervisor.cluster import Cluster
+from supervisor.core import faults
 from supervisor.core.decision import Decision, Policy
 from supervisor.core.drains import (
     drain_storm,
@@ -41,7 +42,7 @@ from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.faults import REPLAYED_KINDS
 from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
 from supervisor.core.model import JobRecord, JobState, record_to_json
-from supervisor.core.observations import Observation, SlurmJobSeen, Tick, from_event
+from supervisor.core.observations import Observation, SlurmJobSeen, Tick
 from supervisor.core.periodic import next_deadline
 from supervisor.core.policy import decide
 from supervisor.jobtable import JobTable
@@ -142,7 +143,7 @@ class Deciding:
                     row.agent_seq or 0, row.time_s, row.payload,
                 )  # fmt: skip
                 if job.current(event.incarnation):
-                    await self.apply(job_id, from_event(event), row.event_id)
+                    await self.apply(job_id, faults.read(event), row.event_id)
 
     def enqueue(self, job_id: str, observation: Observation, ref: str | None = None) -> None:
         """Have ``observation`` decided on, after everything queued before it."""

@@ -42,7 +42,7 @@ from supervisor import manifests
 from supervisor.act.executor import ALERT_KIND, Executor
 from supervisor.act.reconcile import KIND_OF, command_attempt
 from supervisor.config import SupervisorConfig
-from supervisor.core import driver_answer, hang_hold
+from supervisor.core import driver_answer, faults, hang_hold
 from supervisor.core.anomaly import AnomalyAction
 from supervisor.core.decision import Policy
 from supervisor.core.driver_answer import (
@@ -57,7 +57,7 @@ from supervisor.core.goodput import Goodput
 from supervisor.core.hang_hold import BusyRank, Heard
 from supervisor.core.intents import ValidateCheckpoints
 from supervisor.core.model import JobRecord
-from supervisor.core.observations import TrainingAnomaly, from_event
+from supervisor.core.observations import TrainingAnomaly
 from supervisor.core.steps import note_step_end, progress_news, step_end_fallback
 from supervisor.core.stragglers import ComputeSample
 from supervisor.core.verify import check_resume
@@ -166,7 +166,7 @@ class Intake:
                 # A script that raises on a NaN: its anomaly is the cause, decided first.
                 self._hand_anomaly(job_id, job.watch.due(now, force=True), now)
             if event.kind in DECIDED_KINDS:
-                self.decisions.enqueue(job_id, from_event(event), event.event_id)
+                self.decisions.enqueue(job_id, faults.read(event), event.event_id)
         return accepted
 
     def _keep_within_quota(self, job_id: str, batch: int, now: float) -> None:
@@ -256,7 +256,7 @@ class Intake:
                 continue  # a report of an attempt that has ended meanwhile
             if not self._hold_hang(job_id, job, event, now):
                 self._release_held(job_id, job)
-                self.decisions.enqueue(job_id, from_event(event), event.event_id)
+                self.decisions.enqueue(job_id, faults.read(event), event.event_id)
 
     def settle_hangs(self) -> None:
         """Decide on the hang reports that waited a lease for heartbeats (a tick)."""
@@ -269,7 +269,7 @@ class Intake:
         """Decide on the held hang reports of the current attempt now."""
         held, job.held_hangs, job.idle_since_s = job.held_hangs, [], None
         for event in hang_hold.released(held, job.record):
-            self.decisions.enqueue(job_id, from_event(event), event.event_id)
+            self.decisions.enqueue(job_id, faults.read(event), event.event_id)
 
     def _settle_held(self, job_id: str, job: TrackedJob, now: float, step: int) -> None:
         """After a heartbeat report: drop held hang reports once a rank stepped past them;

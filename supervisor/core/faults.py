@@ -7,10 +7,19 @@ its decision, the ``cause`` label values it is counted under on ``/metrics``,
 and what it means in words. :data:`DECIDED_KINDS` (what the intake hands the
 decision task) and :data:`REPLAYED_KINDS` (what the decision task decides on
 again after a restart) are derived from it. ``tests/unit/test_faults.py`` holds
-the table to the rest of the core: every decided kind has a reading and a case
-in :func:`~supervisor.core.policy.decide`, every rule is the one
-:func:`~supervisor.core.blame.blame` applies, every knob is a :class:`Policy`
-field. docs/architecture.md, "Adding a fault kind", walks through adding one.
+the table to the rest of the core: every decided kind has a reading and a
+decision, every rule is the one :func:`~supervisor.core.blame.blame` applies,
+every knob is a :class:`Policy` field.
+
+A kind is decided in one of two ways. The kinds the core has grown up with
+have a case of their own in :func:`~supervisor.core.policy.decide` and their
+reading in :mod:`supervisor.core.observations`. A new kind needs neither: its
+entry carries its reading (``read``: the wire event to its observation, a
+subclass of :class:`~supervisor.core.observations.AgentReport` defined beside
+the entry) and its decision (``decide``), and ``decide``'s last case hands
+every such report to :func:`decide_reported`. Adding one is then this module
+(and the wire protocol's declaration of the event, which the agent sends).
+docs/architecture.md, "Adding a fault kind", walks through it.
 """
 
 from __future__ import annotations
@@ -19,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.wire.protocol import EventKind
+from agent.wire.protocol import Event, EventKind
 from supervisor.core import blame
+from supervisor.core.decision import Context, Decision
 from supervisor.core.model import Cause, JobRecord
 from supervisor.core.observations import (
     AgentReport,
@@ -33,10 +43,15 @@ from supervisor.core.observations import (
     StragglerReported,
     TimeLimitNoticed,
     WorldMismatched,
+    from_event,
 )
 
 BlameRule = Callable[[Any, JobRecord, frozenset[str]], blame.Blame]
 """``(report, record, lemons) -> Blame``: which node a report of the kind points at."""
+Reader = Callable[[Event], AgentReport]
+"""The observation of a decoded, valid wire event of the kind."""
+Decider = Callable[[JobRecord, Any, Context], Decision]
+"""``(record, report, context) -> Decision``: the decision on a report of the kind."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,10 @@ class Fault:
     causes: tuple[Cause, ...]
     replayed: bool
     text: str
+    # A kind decided through this table alone: its reading and its decision (None: the
+    # kind's reading is in supervisor.core.observations and its case in decide).
+    read: Reader | None = None
+    decide: Decider | None = None
 
 
 FAULTS: tuple[Fault, ...] = (
@@ -157,7 +176,32 @@ FAULTS: tuple[Fault, ...] = (
 )
 
 BY_KIND: dict[EventKind, Fault] = {fault.kind: fault for fault in FAULTS}
+BY_TYPE: dict[type[AgentReport], Fault] = {fault.observation: fault for fault in FAULTS}
 DECIDED_KINDS: frozenset[EventKind] = frozenset(BY_KIND)
 """The agent event kinds the intake hands the decision core (others are stored only)."""
 REPLAYED_KINDS: tuple[EventKind, ...] = tuple(fault.kind for fault in FAULTS if fault.replayed)
 """The kinds decided on again from the store after a restart, in the table's order."""
+
+
+def read(event: Event) -> AgentReport:
+    """The observation of a decoded, valid agent event of a decided kind (ValueError for
+    any other kind: the daemon keeps those and decides nothing on them)."""
+    fault = BY_KIND.get(event.kind)
+    if fault is not None and fault.read is not None:
+        return fault.read(event)
+    return from_event(event)
+
+
+def decide_reported(record: JobRecord, report: AgentReport, ctx: Context) -> Decision:
+    """The decision on a report of a kind decided through this table (``Fault.decide``).
+
+    A report of no kind here, or of one without a decision, is a bug in the
+    core (a kind added halfway), never something to pass over in silence.
+    """
+    fault = BY_TYPE.get(type(report))
+    if fault is None or fault.decide is None:
+        raise TypeError(
+            f"{type(report).__name__} has no decision: give its Fault in "
+            "supervisor/core/faults.py a decide, or decide gives it a case"
+        )
+    return fault.decide(record, report, ctx)

@@ -341,6 +341,9 @@ Observation = (
     | TimeLimitNear
     | TrainingAnomaly
     | Tick
+    # A kind decided through its entry in supervisor.core.faults alone (its own
+    # type, reading and decision there): the last case of decide.
+    | AgentReport
 )
 
 

@@ -49,6 +49,7 @@ from supervisor.core import (
     clean_end,
     drains,
     failures,
+    faults,
     follow_slurm,
     planned_stop,
     recovery,
@@ -219,6 +220,8 @@ def decide(
             return recovery.stop(record, ctx.now_s, JobState.CANCELLED, Cause.OPERATOR, why)
         case Tick():
             return _on_tick(record, ctx)
+        case AgentReport():
+            return faults.decide_reported(record, observation, ctx)
         case _:
             # Every observation type has its case above: mypy flags a missing one
             # here, and at run time an unknown value is a bug, never a tick.
