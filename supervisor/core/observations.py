@@ -317,15 +317,7 @@ class Tick:
 
 
 Observation = (
-    RankExited
-    | HangReported
-    | HealthCheckFailed
-    | StragglerReported
-    | CheckpointCommitted
-    | LauncherExited
-    | AgentStopped
-    | TimeLimitNoticed
-    | WorldMismatched
+    AgentObservation
     | LeaseExpired
     | SilenceShared
     | StepEnded
