@@ -64,11 +64,14 @@ class SupervisorProcess:
         policy: dict[str, str],
         extra_env: dict[str, str] | None = None,
         user: LocalUser | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         """``extra_env`` reaches the daemon and, through ``resurgo submit``, the job;
         ``user`` runs the daemon and every ``resurgo`` command as that local user,
-        with the interpreter it can run (the test runs as root)."""
+        with the interpreter it can run (the test runs as root); ``args`` are the
+        daemon's command-line arguments (``--config FILE``)."""
         self.extra_env = dict(extra_env or {})
+        self.args = args
         self.user = user
         self.python = sys.executable if user is None else user.python
         self.cluster = cluster
@@ -100,7 +103,7 @@ class SupervisorProcess:
         }
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [self.python, "-m", "supervisor.daemon"],
+            [self.python, "-m", "supervisor.daemon", *self.args],
             env={**env, **self._user_env()},
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -93,6 +93,7 @@ def by_class(
 ) -> tuple[JobRecord, Decision | None]:
     """The record with the root cause's class counted, and the decision its class makes
     (None: decide as by how the rank ended)."""
+    root = unechoed(root, exits)
     found = class_of(root, ctx)
     record = record.with_failure(found.failure_class.value)
     rank = f"rank {root.global_rank} on {root.node}"
@@ -189,6 +190,25 @@ def storage_look_due(record: JobRecord, ctx: Context) -> Decision | None:
     look = ValidateCheckpoints(record.job_id, record.attempt, ctx.policy.validation_level, (),
                                pending.resume_before, storage_probe=probes)  # fmt: skip
     return Decision(record, (look,), Cause.STORAGE, f"looking at the storage again ({probes})")
+
+
+def unechoed(root: ExitSeen, exits: tuple[ExitSeen, ...]) -> ExitSeen:
+    """``root``, unless all it says is that it lost a peer: then the earliest exit of a
+    class of its own.
+
+    A closed connection (``network``) is what the peers of a failed rank say,
+    and they can say it before that rank is seen dead: a rank that prints its
+    fault and exits closes its gloo connections while Python shuts down, a
+    second or more before its exit, and its peers' exceptions come first
+    (:func:`supervisor.core.blame.root_cause` counts a raise when it was).
+    An exit with a class of its own (neither ``network`` nor ``unknown``) is
+    the failure they echo.
+    """
+    if root.failure != FailureClass.NETWORK.value:
+        return root
+    echoed = (FailureClass.NETWORK.value, FailureClass.UNKNOWN.value, None)
+    own = [seen for seen in exits if seen.failure not in echoed]
+    return min(own, key=lambda seen: seen.died_at_s, default=root)
 
 
 def _cause(found: Classified) -> Cause:

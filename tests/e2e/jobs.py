@@ -5,7 +5,7 @@ policy, daemon and agent settings that shorten the windows a test is not about
 (``POLICY``, ``DAEMON``, ``AGENTS``); ``submit`` and ``finish`` for a demo
 job; what the supervisor's store says about it (``drained``, ``attempts``,
 ``story``); the unfaulted reference run and the checks against it; and
-``submit_job`` and ``status`` for a job of any command.
+``submit_job``, ``ended``, ``status`` and ``victim_of`` for a job of any command.
 """
 
 from __future__ import annotations
@@ -207,3 +207,26 @@ def status(supervisor: SupervisorProcess, job_id: int) -> dict:  # type: ignore[
     assert done.returncode == 0, done.stderr
     (job,) = json.loads(done.stdout)["jobs"]
     return job  # type: ignore[no-any-return]
+
+
+def victim_of(output: Path, what: str) -> str:
+    """The node named in the script's own fault line (``rank R <what> ... on nodeK``)."""
+    found = re.findall(rf"rank \d+ {what} .* on (node\d) ", output.read_text(errors="replace"))
+    assert found, output.read_text(errors="replace")[-3000:]
+    return str(found[0])
+
+
+def ended(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, job_id: int, output: Path
+) -> tuple[dict, str]:  # type: ignore[type-arg]
+    """Slurm's record of the job once it ended for good, and its output. The supervisor's
+    end comes first: while a requeue takes the job back (a killed rank on the batch
+    host), Slurm may show the old run as ended for a moment."""
+    slurm_cluster.wait_for(
+        "the supervisor to record the job's end",
+        lambda: supervisor_state(supervisor, job_id) in ("completed", "failed", "cancelled"),
+        timeout_s=300,
+    )
+    # A job stopped for good is left 30 s to its driver (exit 93), then cancelled.
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=120)
+    return job, output.read_text(errors="replace")

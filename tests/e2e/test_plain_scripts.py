@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ENDED, LiveCluster
-from tests.e2e.jobs import attempts, drained, status, story_of, submit_job, supervisor_state
+from tests.e2e.jobs import attempts, drained, ended, status, story_of, submit_job, victim_of
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess
 
 pytestmark = pytest.mark.slurm
@@ -108,29 +108,6 @@ def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
     assert newest["path"] == str(tmp_path / "out" / "ckpt.pt"), newest
     shown = supervisor.resurgo("status", str(job_id))
     assert f"ckpt.pt (step {ITERS}," in shown.stdout, shown.stdout
-
-
-def victim_of(output: Path, what: str) -> str:
-    """The node named in the script's own fault line (``rank R <what> ... on nodeK``)."""
-    found = re.findall(rf"rank \d+ {what} .* on (node\d) ", output.read_text(errors="replace"))
-    assert found, output.read_text(errors="replace")[-3000:]
-    return str(found[0])
-
-
-def ended(
-    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, job_id: int, output: Path
-) -> tuple[dict, str]:  # type: ignore[type-arg]
-    """Slurm's record of the job once it ended for good, and its output. The supervisor's
-    end comes first: while a requeue takes the job back (a killed rank on the batch
-    host), Slurm may show the old run as ended for a moment."""
-    slurm_cluster.wait_for(
-        "the supervisor to record the job's end",
-        lambda: supervisor_state(supervisor, job_id) in ("completed", "failed", "cancelled"),
-        timeout_s=300,
-    )
-    # A job stopped for good is left 30 s to its driver (exit 93), then cancelled.
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=120)
-    return job, output.read_text(errors="replace")
 
 
 def test_a_wrapper_scripts_torchrun_gets_the_jobs_world_and_a_killed_rank_is_recovered(

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agent.wire.protocol import EventKind
+from tests.cgroups import memory_cgroup
 from tests.integration.agent_harness import RunningAgent
 
 
@@ -67,28 +67,6 @@ def test_a_full_disk_reaches_the_exit_with_its_errno_message_and_traceback(run_s
     assert "oom_kill" not in failed and "errno" not in exits[0]
 
 
-def _memory_cgroup(limit_bytes: int) -> Path | None:
-    """A fresh memory cgroup limited to ``limit_bytes`` with no swap (cgroup v1 or v2), or
-    None where this machine has no memory controller to make one in."""
-    name = f"resurgo-test-{uuid.uuid4().hex[:8]}"
-    v1 = {"memory.limit_in_bytes": limit_bytes, "memory.memsw.limit_in_bytes": limit_bytes}
-    v2 = {"memory.max": limit_bytes, "memory.swap.max": 0}
-    for folder, limits in ((Path("/sys/fs/cgroup/memory") / name, v1),
-                           (Path("/sys/fs/cgroup") / name, v2)):  # fmt: skip
-        try:
-            folder.mkdir()
-        except OSError:
-            continue
-        if not (folder / next(iter(limits))).exists():
-            folder.rmdir()
-            continue
-        for limit, value in limits.items():
-            if (folder / limit).exists():
-                (folder / limit).write_text(str(value))
-        return folder
-    return None
-
-
 # Rank 1 joins a cgroup limited to 200 MiB and allocates past it.
 OOM = """
 import os, sys, time
@@ -105,7 +83,7 @@ time.sleep(60)
 def test_a_rank_killed_for_memory_carries_the_kernels_line(run_script, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     if os.geteuid() != 0:
         pytest.skip("making a memory cgroup needs root")
-    cgroup = _memory_cgroup(200 << 20)
+    cgroup = memory_cgroup(200 << 20)
     assert cgroup is not None, "no memory cgroup controller writable on this machine"
     try:
         exits = run_script(OOM.replace("sys.argv[1]", repr(str(cgroup))))

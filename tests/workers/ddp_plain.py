@@ -20,7 +20,13 @@ read them. It keeps its own checkpoint, ``OUT_DIR/ckpt.pt``
 - ``--kill-at N`` / ``--raise-at N`` / ``--stop-at N`` with ``--fault-rank R``:
   rank R SIGKILLs itself, raises a RuntimeError, or SIGSTOPs itself in iteration
   N; ``--stop-at`` stops it just before the iteration's ``all_reduce`` of the loss
-  (``--reduce-loss``, for logging, as public examples do), where its peers wait.
+  (``--reduce-loss``, for logging, as public examples do), where its peers wait;
+- ``--oom-at N --oom-cgroup DIR`` with ``--fault-rank R``: rank R moves itself into
+  the memory cgroup DIR (made and limited by the test, as root) and allocates
+  until the kernel's out-of-memory killer ends it;
+- ``--exit-at N --exit-words TEXT`` with ``--fault-rank R``: rank R prints TEXT to
+  standard error and exits with status 1, the way a site's own check or a
+  vendor library reports a fault it found.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -47,6 +54,15 @@ class SlowToPickle:
         return int, (0,)
 
 
+def exhaust_memory(cgroup: str) -> None:
+    """Join the memory cgroup ``cgroup`` and allocate until its limit's OOM kill."""
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
+        procs.write(str(os.getpid()))
+    hoard = []
+    while True:
+        hoard.append(bytearray(16 << 20))  # zero-filled: every page is touched
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", required=True)
@@ -63,6 +79,10 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--raise-at", type=int, default=-1)
     parser.add_argument("--stop-at", type=int, default=-1)
+    parser.add_argument("--oom-at", type=int, default=-1)
+    parser.add_argument("--oom-cgroup", default="")
+    parser.add_argument("--exit-at", type=int, default=-1)
+    parser.add_argument("--exit-words", default="")
     parser.add_argument("--fault-rank", type=int, default=-1)
     args = parser.parse_args()
 
@@ -117,6 +137,17 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if faulty and iter_num == args.raise_at:
             raise RuntimeError(f"rank {rank} fails in iter {iter_num}")
+        if faulty and iter_num == args.oom_at:
+            node = os.environ.get("SLURMD_NODENAME", "this node")
+            print(f"rank {rank} running out of memory in iter {iter_num} on {node} "
+                  f"({time.time():.3f})", flush=True)  # fmt: skip
+            exhaust_memory(args.oom_cgroup)
+        if faulty and iter_num == args.exit_at:
+            node = os.environ.get("SLURMD_NODENAME", "this node")
+            print(f"rank {rank} exiting in iter {iter_num} on {node} ({time.time():.3f})",
+                  flush=True)  # fmt: skip
+            print(args.exit_words, file=sys.stderr, flush=True)
+            sys.exit(1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

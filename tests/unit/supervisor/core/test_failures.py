@@ -106,6 +106,30 @@ def test_an_operators_hardware_rule_blames_the_node_and_names_the_rule() -> None
     assert plain.cause is Cause.USER_EXCEPTION and DrainNode not in kinds(plain)
 
 
+def test_peers_that_lose_a_rank_before_it_is_seen_dead_do_not_hide_its_hardware_rule() -> None:
+    """Found live (tests/e2e/test_failure_classes.py): a rank printed the site's fault and
+    exited 1; its peers raised on its closed connections while it shut down, before its
+    exit, and the earliest raise was taken for the root cause."""
+    rule = Rule("site-gpu-fault", FailureClass.HARDWARE, Action.BLAME_NODE,
+                pattern=re.compile(r"SITE GPU FAULT"), operator=True)  # fmt: skip
+    said = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    faulted = _exit("node3", exit_code=1, stderr_tail="SITE GPU FAULT on bank 3",
+                    exit_time_s=NOW - 1.0)  # fmt: skip
+    peers = [
+        _exit(node, exit_code=1, raised="RuntimeError", message=said, raised_time_s=NOW - 2.3,
+              exit_time_s=NOW - 0.5)
+        for node in ("node1", "node2", "node4")
+    ]  # fmt: skip
+    window = replace(POLICY, exit_evidence_window_s=30.0)
+    *_, last = _decide_all(running(), [*peers, faulted], rules=(rule, *DEFAULT_RULES),
+                           policy=window)  # fmt: skip
+    closed = decide(last.record, Tick(), NOW + 31, window, CLUSTER, (rule, *DEFAULT_RULES))
+    assert closed.cause is Cause.HARDWARE, closed.explanation
+    (drain,) = [i for i in closed.intents if isinstance(i, DrainNode)]
+    assert drain.node == "node3" and "rule site-gpu-fault" in drain.reason
+    assert closed.record.failures == (("hardware", 1),)
+
+
 def test_a_network_error_keeps_todays_decision_and_says_its_class() -> None:
     said = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"
     gloo = _exit("node1", exit_code=1, raised="RuntimeError", message=said)
