@@ -13,9 +13,10 @@ runs in the tests).
 
 Per job (label ``job_id``, plus ``name`` on ``resurgo_job_info``): state,
 goodput ratio, productive and badput seconds by cause, restarts by cause,
-time-to-detect and time-to-recover histograms, world size now and original,
-last committed step and checkpoint age, save stall and background write
-seconds of the newest checkpoint, the recommended checkpoint interval.
+failures by class (``resurgo_failures_total``), time-to-detect and
+time-to-recover histograms, world size now and original, last committed
+step and checkpoint age, save stall and background write seconds of the
+newest checkpoint, the recommended checkpoint interval.
 Cluster: drains by cause, nodes drained by Resurgo, the per-node MTBF
 estimate, connected agents, whether the supervisor may drain and its open
 drain tickets by node, and ``resurgo_up`` (the supervisor answers).
@@ -41,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from supervisor.core.anomaly import AnomalyKind
 from supervisor.core.goodput import Fact, RecoveryDurations, mtbf_estimate, recommended_interval
+from supervisor.failure_config import CLASS_ACTIONS
 from supervisor.store import Store, TicketRow
 from supervisor.views.documents import skipped_count
 from supervisor.views.timeline import CHECKPOINT_STATS_KIND, JobTimeline, node_faults
@@ -52,6 +54,8 @@ STATES = (
 TERMINAL = {"completed", "failed", "cancelled"}
 # The node checks' results on /metrics, each from zero (and "open": not ended yet).
 CHECK_RESULTS = ("passed", "failed", "expired", "open")
+# The failure classes a rank's death is counted under, each from zero for every job.
+FAILURE_CLASSES = tuple(failure_class.value for failure_class in CLASS_ACTIONS)
 # Detection is seconds; recovery (validation, backoff, srun, checkpoint load) minutes.
 DETECT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECOVER_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
@@ -161,6 +165,11 @@ class StoreCollector(Collector):
             "restarts": CounterMetricFamily("resurgo_job_restarts",
                                             "Restarts of the job, by cause.",
                                             labels=["job_id", "cause"]),
+            "failures": CounterMetricFamily(
+                "resurgo_failures",
+                "Recoveries by their root cause's failure class (user_error, oom, storage, "
+                "network, hardware, unknown).",
+                labels=["job_id", "class"]),
             "world": gauge("resurgo_job_world_size_nodes", "Nodes the job runs on now.", job),
             "original": gauge("resurgo_job_original_world_size_nodes",
                               "Nodes the job was submitted with.", job),
@@ -223,6 +232,12 @@ class StoreCollector(Collector):
             families["badput"].add_metric([job_id, kind.value], seconds)
         for cause, count in record.get("restarts", []):
             families["restarts"].add_metric([job_id, cause], float(count))
+        # Every class from zero, as for the node checks: a dashboard's increase() needs
+        # a first sample of 0 to see the job's first failure of a class.
+        failures = dict.fromkeys(FAILURE_CLASSES, 0.0)
+        failures.update((name, float(count)) for name, count in record.get("failures", []))
+        for name, count in sorted(failures.items()):
+            families["failures"].add_metric([job_id, name], count)
         # Every node of the job from the start (at 0): a counter's first report
         # is then an increase that rate() and increase() can see.
         reports = {node: 0.0 for node in record.get("nodes", [])}

@@ -1,9 +1,10 @@
 """`resurgo events JOB [--json] [--stacks] [--steps]`: what happened to a job, when and why.
 
 One line per agent event, supervisor observation, decision (with its
-explanation) and action; a run of identical lines in a row (the same kind,
-node and summary, e.g. a driver asking every 2 s) is printed once, with its
-count and the time of the last. Stack dumps of hang reports are collapsed to one
+explanation, its cause and the failure class and rule it names) and action;
+a run of identical lines in a row (the same kind, node and summary, e.g. a
+driver asking every 2 s) is printed once, with its count and the time of the
+last. Stack dumps of hang reports are collapsed to one
 line per rank; ``--stacks`` prints them in full. ``--json`` prints
 :func:`supervisor.views.documents.events`.
 """
@@ -66,7 +67,7 @@ def render(document: dict[str, Any], *, full_stacks: bool) -> str:
         stamp = _stamp(entry["time_s"])
         where = entry["node"] or "-"
         what = entry["kind"] if entry["type"] == "event" else f"{entry['type']} {entry['kind']}"
-        cause = f" [{one_line(entry['cause'])}]" if entry.get("cause") not in (None, "none") else ""
+        cause = _cause(entry)
         summary = one_line(str(entry["summary"]))
         again = f" ({count} times, the last at {_stamp(last_s)[11:]})" if count > 1 else ""
         lines.append(f"{stamp}  {one_line(what):<28} {one_line(where):<8} {summary}{cause}{again}")
@@ -84,6 +85,22 @@ def render(document: dict[str, Any], *, full_stacks: bool) -> str:
     if not full_stacks and any(entry["stacks"] for entry in document["entries"]):
         lines.append("(stack dumps collapsed: --stacks prints them in full)")
     return "\n".join(lines) if lines else f"job {document['job_id']}: no events yet"
+
+
+def _cause(entry: dict[str, Any]) -> str:
+    """`` [user_exception; class network, rule collective-network]``, `` [oom; rule
+    kernel-oom-kill]``: a decision's cause, and the failure class (where the cause does not
+    say it) and rule its explanation names; nothing for an entry without a cause."""
+    cause = entry.get("cause")
+    if cause in (None, "none"):
+        return ""
+    failure = entry.get("failure")
+    named = ""
+    if failure:
+        named = f"; rule {failure['rule']}"
+        if failure["class"] != cause:
+            named = f"; class {failure['class']}, rule {failure['rule']}"
+    return f" [{one_line(str(cause) + named)}]"
 
 
 def _rank_order(item: tuple[str, str]) -> tuple[int, str]:

@@ -1,10 +1,11 @@
 """`resurgo status [JOB...] [--json] [--watch]`: every supervised job at a glance.
 
 Columns: id, name, state, world size now/original (and hot spares ready/asked
-for, with the swaps so far), the newest step the job reported, restarts by cause,
+for, with the swaps so far), the newest step the job reported, restarts by
+cause, failures by class (each recovery's root cause: ``oom 1, unknown 2``),
 goodput, newest checkpoint step and age, nodes drained for the job. Read from
-the supervisor's store, so it works while the supervisor is down (showing
-what it last knew). ``--json`` prints :func:`supervisor.views.documents.status`.
+the supervisor's store, so it works while the supervisor is down (showing what
+it last knew). ``--json`` prints :func:`supervisor.views.documents.status`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from supervisor.views import documents as views
 from supervisor.views import words
 
 HEADERS = (
-    "JOB", "NAME", "STATE", "NODES", "STEP", "RESTARTS", "GOODPUT", "CHECKPOINT", "DRAINED",
+    "JOB", "NAME", "STATE", "NODES", "STEP", "RESTARTS", "FAILURES", "GOODPUT", "CHECKPOINT",
+    "DRAINED",
 )  # fmt: skip
 # A final reason longer than this is shortened at a word, with an ellipsis.
 REASON_CHARS = 60
@@ -43,11 +45,11 @@ def register(subparsers: Any) -> None:
     """Add the `status` subcommand."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "status",
-        help="supervised jobs: state, size, restarts, goodput, checkpoints",
+        help="supervised jobs: state, size, restarts, failures, goodput, checkpoints",
         description="Every supervised job at a glance: state, world size (and hot spares), "
-        "newest step, restarts by cause, goodput, newest checkpoint and the nodes drained "
-        "for it. Read from the supervisor's store, so it works while the supervisor is down "
-        "(showing what it last knew).",
+        "newest step, restarts by cause, failures by class, goodput, newest checkpoint and "
+        "the nodes drained for it. Read from the supervisor's store, so it works while the "
+        "supervisor is down (showing what it last knew).",
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job ids (default: all)")
     parser.add_argument("--json", action="store_true", help="the documented JSON document")
@@ -69,6 +71,7 @@ def row_cells(job: dict[str, Any]) -> list[str]:
         f"{size if size is not None else '-'}/{job['original_nodes']}" + _spares_cell(job),
         "-" if job.get("step") is None else str(job["step"]),
         (restarts or "-") + _skipped_cell(job),
+        words.failures(job.get("failures", {})) if job.get("failures") else "-",
         f"{job['goodput'] * 100:.1f}%",
         "-" if checkpoint is None else _checkpoint_cell(checkpoint, job.get("ended_s")),
         one_line(",".join(job["drained_nodes"])) or "-",

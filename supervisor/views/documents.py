@@ -52,6 +52,8 @@ def status_row(store: Store, job_id: str, now_s: float) -> dict[str, Any] | None
         "spares_wanted": record.get("spares_wanted", 0),
         "swaps": {cause: count for cause, count in record.get("swaps", [])},
         "restarts": {cause: count for cause, count in record.get("restarts", [])},
+        # Each recovery's root cause by failure class (supervisor.core.failure_rules).
+        "failures": {name: count for name, count in record.get("failures", [])},
         "anomalies": [_anomaly(seen) for seen in record.get("anomalies", [])],
         "skipped_samples": [list(pair) for pair in record.get("skipped_samples", [])],
         "step": None if progress is None else progress.step,
@@ -261,7 +263,8 @@ def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[st
     """``resurgo events``: what happened and why, oldest first.
 
     Entries: agent and supervisor ``event``s, the core's ``decision``s (with
-    their explanation) and the executor's ``action``s. Stack dumps are kept
+    their explanation, and the failure class and rule it names) and the
+    executor's ``action``s. Stack dumps are kept
     per rank under ``stacks``. Step reports are left out unless asked for.
     """
     entries: list[dict[str, Any]] = []
@@ -286,6 +289,8 @@ def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[st
             }
         )
     for decision in store.decisions_for(job_id):
+        explanation = str(decision.detail.get("explanation", ""))
+        named = words.failure_in(explanation)
         entries.append(
             {
                 "time_s": decision.decided_s,
@@ -293,8 +298,10 @@ def events(store: Store, job_id: str, *, include_steps: bool = False) -> dict[st
                 "source": "supervisor",
                 "kind": f"{decision.from_state}->{decision.to_state}",
                 "node": None,
-                "summary": decision.detail.get("explanation", ""),
+                "summary": explanation,
                 "cause": decision.cause,
+                # The failure class and rule the explanation names (None: it names none).
+                "failure": None if named is None else {"class": named[0], "rule": named[1]},
                 "stacks": {},
                 "innermost": {},
                 "payload": decision.detail,

@@ -3,7 +3,8 @@
 The timeline's axis runs from submission to the job's end (to now only while
 it runs): a report made a day after a one-minute job shows the minute, not a
 sliver of a day. Its unit follows the span (seconds, minutes or hours). Each
-fault, drain and relaunch is a vertical line on the step plot and a
+fault (its cause, and the failure class and rule where a decision named
+them), drain and relaunch is a vertical line on the step plot and a
 horizontal label in a lane above it; :func:`lanes` puts a label that would
 touch the one before it on the next row, so no two labels ever overlap. The
 legend sits beside the plot, never on the data.
@@ -104,12 +105,31 @@ def _svg(figure: Any) -> str:
 def _fault_cause(decisions: Sequence[DecisionRow], index: int) -> str:
     """The cause of the recovery opened at ``decisions[index]``: the first decision of it
     that names one (an exit evidence window names it when it closes)."""
-    for decision in decisions[index:]:
+    for decision in _recovery(decisions, index):
         if decision.cause not in ("none", ""):
             return str(decision.cause)
-        if decision is not decisions[index] and decision.from_state != "recovering":
-            break
     return "fault"
+
+
+def _fault_class(decisions: Sequence[DecisionRow], index: int, cause: str) -> str:
+    """`` (rule kernel-oom-kill)``, `` (network, rule collective-network)``: the failure
+    class (unless the cause says it) and rule a decision of the recovery opened at
+    ``decisions[index]`` names; nothing when none names one."""
+    for decision in _recovery(decisions, index):
+        named = words.failure_in(str(decision.detail.get("explanation", "")))
+        if named is not None:
+            failure, rule = named
+            return f" (rule {rule})" if failure == cause else f" ({failure}, rule {rule})"
+    return ""
+
+
+def _recovery(decisions: Sequence[DecisionRow], index: int) -> Sequence[DecisionRow]:
+    """The decisions of the recovery opened at ``decisions[index]``: it and those after it
+    while the job stays recovering."""
+    for end in range(index + 1, len(decisions)):
+        if decisions[end].from_state != "recovering":
+            return decisions[index:end]
+    return decisions[index:]
 
 
 def marks_of(store: Store, job_id: str, start_s: float, per_unit_s: float) -> list[Mark]:
@@ -124,7 +144,8 @@ def marks_of(store: Store, job_id: str, start_s: float, per_unit_s: float) -> li
         source, target = decision.from_state, decision.to_state
         if target == "recovering" and source != "recovering":
             cause = _fault_cause(decisions, index)
-            marks.append(Mark(at(decision.decided_s), f"{cause} detected", "fault"))
+            label = f"{cause} detected{_fault_class(decisions, index, cause)}"
+            marks.append(Mark(at(decision.decided_s), label, "fault"))
         elif target == "requeued" and source != "requeued":
             marks.append(Mark(at(decision.decided_s), f"requeued ({decision.cause})", "requeue"))
         elif target in ("completed", "failed", "cancelled"):

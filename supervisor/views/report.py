@@ -1,7 +1,10 @@
 """``resurgo report``: one self-contained HTML file about one job, with plots.
 
+- a summary: state, size, restarts by cause, failures by class (with the
+  rules that named them), training health, goodput, the newest checkpoint;
 - a timeline: training step against time, with checkpoints, faults
-  (detections), drains and relaunches marked, and the world size over time
+  (detections, with the failure class where a rule named one), drains and
+  relaunches marked, and the world size over time
   below it;
 - a goodput/badput breakdown;
 - the event table (:func:`supervisor.views.documents.events`), stack dumps collapsed
@@ -104,6 +107,16 @@ def _health(status: dict[str, Any]) -> str:
     return "; ".join(parts) + (f" ({total} samples skipped in all)" if total else "")
 
 
+def _rules_by_class(document: dict[str, Any]) -> dict[str, list[str]]:
+    """The rules that named each failure class in the job's decisions, first seen first."""
+    rules: dict[str, list[str]] = {}
+    for entry in document["entries"]:
+        failure = entry.get("failure")
+        if failure and failure["rule"] not in rules.setdefault(failure["class"], []):
+            rules[failure["class"]].append(failure["rule"])
+    return rules
+
+
 _SHORT = {"seconds": "s", "minutes": "min", "hours": "h"}
 
 
@@ -130,6 +143,7 @@ def render(store: Store, job_id: str, now_s: float | None = None) -> str:
     per_unit_s, unit = unit_of(end - start)
     checkpoint = status["last_checkpoint"]
     restarts = ", ".join(f"{c} {n}" for c, n in sorted(status["restarts"].items())) or "none"
+    document = views.events(store, job_id)
     facts = [
         ("state", status["state"] + (f": {status['final_reason']}" if status["final_reason"]
                                      else "")),
@@ -137,6 +151,7 @@ def render(store: Store, job_id: str, now_s: float | None = None) -> str:
                        f"(minimum {status['min_nodes']})"),
         ("hot spares", _spares(status)),
         ("restarts", restarts),
+        ("failures by class", words.failures(status["failures"], _rules_by_class(document))),
         ("training health", _health(status)),
         ("goodput", words.goodput_line(goodput)),
         ("newest checkpoint", "none" if checkpoint is None else
@@ -148,7 +163,6 @@ def render(store: Store, job_id: str, now_s: float | None = None) -> str:
     summary = "".join(
         f"<tr><td><b>{html.escape(k)}</b></td><td>{html.escape(str(v))}</td></tr>" for k, v in facts
     )
-    document = views.events(store, job_id)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>Resurgo report: job {html.escape(job_id)} ({html.escape(row.name)})</title>

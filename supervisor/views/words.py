@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
+from supervisor.core.failure_rules import FailureClass
 from supervisor.core.goodput import Badput, Goodput
 
 # Above this a number named ``*_s`` is a Unix time (2001 on), not a duration.
@@ -123,6 +124,33 @@ def goodput_line(goodput: Goodput) -> str:
     line = f"{goodput.ratio * 100:.1f}% of {seconds(goodput.wall_s)} trained"
     lost = badput(goodput)
     return f"{line}; the rest: {lost}" if lost else line
+
+
+# How a decision names a classified failure (Classified.words in supervisor.core.failure_rules):
+# ``oom (rule kernel-oom-kill): "Killed process ..."``; a rule's name is 1-64 of [A-Za-z0-9_.-].
+_CLASSIFIED = re.compile(
+    r"\b(?P<cls>"
+    + "|".join(c.value for c in FailureClass)
+    + r") \(rule (?P<rule>[A-Za-z0-9][A-Za-z0-9_.-]*)\)"
+)
+
+
+def failure_in(explanation: str) -> tuple[str, str] | None:
+    """The failure class and rule a decision's explanation names (the first it names),
+    or None when it names none (no rule matched: class ``unknown``, or no rank failed)."""
+    found = _CLASSIFIED.search(explanation)
+    return None if found is None else (found["cls"], found["rule"])
+
+
+def failures(counts: Mapping[str, int], rules: Mapping[str, Sequence[str]] | None = None) -> str:
+    """``oom 2 (kernel-oom-kill), unknown 1``: failures by class (in the order of their
+    names, as restarts by cause are), each with the rules that named it where known;
+    ``none`` when there were none."""
+    parts = []
+    for name, count in sorted(counts.items()):
+        named = (rules or {}).get(name)
+        parts.append(f"{name} {count}" + (f" ({', '.join(named)})" if named else ""))
+    return ", ".join(parts) or "none"
 
 
 # A frame line of py-spy's text dump (``    all_reduce (torch/distributed/c10d.py:3252)``)

@@ -6,7 +6,8 @@ start-up of 27.5 s, a killed rank and a hang close together, 4 -> 3 -> 2
 nodes), ``FAILED`` (a crash loop), ``REQUEUED`` (preempted), ``RECOVERING`` (a
 hang of two ranks, not yet relaunched), ``SPARED`` (a hot spare swapped in; the
 script keeps its own checkpoints) and ``ROLLED_BACK`` (a NaN rolled back, data
-skipped). Everything is dated from ``start_s``, so a test can read the store
+skipped) and ``OOM`` (a network failure, then two OOM kills: stopped as the
+rule's retry budget is spent). Everything is dated from ``start_s``, so a test can read the store
 as of any time after it.
 """
 
@@ -20,8 +21,16 @@ from agent.wire.protocol import EventKind
 from supervisor.core.model import Cause
 from supervisor.store import BlameOutcome, Store
 
-COMPLETED, FAILED, REQUEUED, RECOVERING, SPARED, ROLLED_BACK = "2", "3", "4", "5", "6", "7"
-JOBS = (COMPLETED, FAILED, REQUEUED, RECOVERING, SPARED, ROLLED_BACK)
+COMPLETED, FAILED, REQUEUED, RECOVERING, SPARED, ROLLED_BACK, OOM = (
+    "2",
+    "3",
+    "4",
+    "5",
+    "6",
+    "7",
+    "8",
+)
+JOBS = (COMPLETED, FAILED, REQUEUED, RECOVERING, SPARED, ROLLED_BACK, OOM)
 # The completed job's wall time: submission to its end.
 COMPLETED_WALL_S = 66.0
 INCARNATION = "0123456789abcdef"
@@ -224,13 +233,54 @@ def _rolled_back(job: _Recorder) -> None:
     job.steps(18, 1.0, range(9, 20))
 
 
+OOM_LINE = "Memory cgroup out of memory: Killed process 689 (python3) total-vm:82356kB"
+GLOO_LINE = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.17]:41234"
+
+
+def _oom(job: _Recorder) -> None:
+    """A gloo connection error, then the kernel's OOM kill twice: the explanations are
+    worded as the core words them (supervisor.core.failures)."""
+    killed = f'oom (rule kernel-oom-kill): "{OOM_LINE}"'
+    reason = (
+        f"{killed}: rank 0 on node16; 2 such failures, the rule allows 1 retry: the script "
+        "needs more memory than its nodes give it (a smaller batch, more nodes, or a larger "
+        "allocation)"
+    )
+    job.job("failed", {"attempt": 3, "nodes": [], "final_reason": reason,
+                       "restarts": [["oom", 1], ["user_exception", 1]],
+                       "failures": [["network", 1], ["oom", 2]]},
+            name="big-batch", original_nodes=2, min_nodes=2)  # fmt: skip
+    job.decide(1, "submitted", "starting", "none", "Slurm started the job")
+    job.attempt(1, 1, ["node16", "node17"], None)
+    job.steps(5, 1.0, range(1, 8))
+    job.store.record_checkpoint(job.job_id, 5, "/ckpt/big/step-5", job.start_s + 10.5)
+    job.decide(12, "running", "recovering", "user_exception",
+               f'user_exception: no node blamed: rank 1 on node17 raised RuntimeError; '
+               f'network (rule collective-network): "RuntimeError: {GLOO_LINE}"')  # fmt: skip
+    job.decide(14, "recovering", "relaunching", "user_exception", "relaunch on 2 nodes from step 5")
+    job.attempt(15, 2, ["node16", "node17"], "/ckpt/big/step-5")
+    job.decide(18, "relaunching", "running", "none", "training steps again")
+    job.steps(18, 1.0, range(6, 9))
+    job.decide(21, "running", "recovering", "oom",
+               f"oom: no node blamed: rank 0 on node16: {killed}; retry 1 of 1, "
+               "no node blamed")  # fmt: skip
+    job.decide(23, "recovering", "relaunching", "oom", "relaunch on 2 nodes from step 5")
+    job.attempt(24, 3, ["node16", "node17"], "/ckpt/big/step-5")
+    job.decide(27, "relaunching", "running", "none", "training steps again")
+    job.steps(27, 1.0, range(6, 8))
+    job.decide(30, "running", "failed", "oom", reason)
+    job.store.end_attempt(job.job_id, 3, cause="failed", now_s=job.start_s + 30)
+
+
 def recorded_state_dir(parent: Path, start_s: float) -> Path:
-    """``parent/state`` holding the store of the six jobs, all submitted at ``start_s``."""
+    """``parent/state`` holding the store of the seven jobs, all submitted at ``start_s``."""
     state = parent / "state"
     state.mkdir()
     with Store.open(state / "resurgo.db") as store:
         for job_id, write in zip(
-            JOBS, (_completed, _failed, _requeued, _recovering, _spared, _rolled_back), strict=True
+            JOBS,
+            (_completed, _failed, _requeued, _recovering, _spared, _rolled_back, _oom),
+            strict=True,
         ):
             write(_Recorder(store, job_id, start_s))
     return state

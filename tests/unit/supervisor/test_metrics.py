@@ -71,6 +71,24 @@ def test_every_job_and_cluster_metric_is_exported_from_the_store(state_dir: Path
     assert value(samples, "resurgo_up") == 1
 
 
+def test_failures_are_counted_by_class_each_class_from_zero_for_every_job(
+    state_dir: Path,
+) -> None:
+    with Store.open(state_dir / "resurgo.db") as store:
+        record = {"attempt": 3, "nodes": ["node5"], "restarts": [["oom", 1], ["rank_signal", 1]],
+                  "final_reason": "", "failures": [["oom", 1], ["unknown", 1]]}  # fmt: skip
+        store.upsert_job("4712", state="running", record=record, now_s=time.time() - 60,
+                         name="big", original_nodes=1, min_nodes=1)  # fmt: skip
+    _, samples = scrape(state_dir)
+    assert value(samples, "resurgo_failures_total", job_id="4712", **{"class": "oom"}) == 1
+    assert value(samples, "resurgo_failures_total", job_id="4712", **{"class": "unknown"}) == 1
+    classes = ("user_error", "oom", "storage", "network", "hardware", "unknown")
+    # A job with no failure yet still has every class, at 0: increase() sees the first one.
+    assert [value(samples, "resurgo_failures_total", job_id=JOB, **{"class": name})
+            for name in classes] == [0] * len(classes)  # fmt: skip
+    assert value(samples, "resurgo_failures_total", job_id="4712", **{"class": "hardware"}) == 0
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with deploy/setup")
 def test_the_exposition_passes_promtool_check_metrics(state_dir: Path) -> None:
     text, _ = scrape(state_dir)

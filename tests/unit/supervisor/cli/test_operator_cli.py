@@ -28,10 +28,11 @@ def test_status_shows_size_restarts_goodput_checkpoint_and_drains(
     status, out, _ = run(capsys, "status", "--state-dir", str(state_dir))
     assert status == 0
     header, row = out.strip().splitlines()
-    assert header.split() == ["JOB", "NAME", "STATE", "NODES", "STEP", "RESTARTS", "GOODPUT",
-                              "CHECKPOINT", "DRAINED"]  # fmt: skip
+    assert header.split() == ["JOB", "NAME", "STATE", "NODES", "STEP", "RESTARTS", "FAILURES",
+                              "GOODPUT", "CHECKPOINT", "DRAINED"]  # fmt: skip
+    # A hang is no rank's failure: no class counted yet.
     assert re.search(
-        r"4711\s+llm\s+running\s+2/3\s+12\s+hang 1\s+\d+\.\d%\s+10 \(\d+m ago\)\s+node3", row
+        r"4711\s+llm\s+running\s+2/3\s+12\s+hang 1\s+-\s+\d+\.\d%\s+10 \(\d+m ago\)\s+node3", row
     )
 
 
@@ -44,7 +45,8 @@ def test_status_json_is_the_documented_document(
     assert document["unknown"] == ["nope"]
     (job,) = document["jobs"]
     assert set(job) >= {"job_id", "name", "state", "attempt", "world_size", "original_nodes",
-                        "min_nodes", "restarts", "goodput", "badput_s", "last_checkpoint",
+                        "min_nodes", "restarts", "failures", "goodput", "badput_s",
+                        "last_checkpoint",
                         "drained_nodes", "final_reason"}  # fmt: skip
     assert job["last_checkpoint"]["step"] == 10
     assert 0 < job["goodput"] < 1

@@ -17,17 +17,18 @@ import pytest
 
 from agent.checkpoint import format as fmt
 from supervisor.cli.main import main
-from supervisor.views.plots import Mark, lanes
+from supervisor.store import Store
+from supervisor.views.plots import Mark, lanes, marks_of
 from tests.ckpt_helpers import make_committed_checkpoint
 from tests.unit.view_checks import defects, json_strings, rules_broken, visible_text
-from tests.unit.views_world import COMPLETED, COMPLETED_WALL_S, JOBS, recorded_state_dir
+from tests.unit.views_world import COMPLETED, COMPLETED_WALL_S, JOBS, OOM, recorded_state_dir
 
 A_DAY_S = 86400.0
 
 
 @pytest.fixture(scope="module")
 def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The six jobs, submitted a day and a minute ago (the views read the real clock)."""
+    """The seven jobs, submitted a day and a minute ago (the views read the real clock)."""
     return recorded_state_dir(tmp_path_factory.mktemp("views"), time.time() - A_DAY_S - 60)
 
 
@@ -99,6 +100,45 @@ def test_the_hang_evidence_names_each_ranks_innermost_frame(
     assert "rank 2: 10 lines, innermost: stall_forever (train_toy.py:188)" in out
     assert "<module>" not in out
     assert "rank 2 hung" in out and "ranks 2 hung" not in out
+
+
+def test_status_counts_a_jobs_failures_by_class_and_the_stop_reason_keeps_the_class(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = shown(capsys, "status", OOM, "--state-dir", str(state_dir))
+    assert "FAILURES" in out and "network 1, oom 2" in out
+    assert 'failed (oom (rule kernel-oom-kill): "Memory' in out  # cut after the class words
+    document = json.loads(shown(capsys, "status", OOM, "--json", "--state-dir", str(state_dir)))
+    assert document["jobs"][0]["failures"] == {"network": 1, "oom": 2}
+
+
+def test_events_name_the_class_and_rule_beside_a_recoverys_cause(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = shown(capsys, "events", OOM, "--state-dir", str(state_dir))
+    assert "[user_exception; class network, rule collective-network]" in out
+    assert "retry 1 of 1, no node blamed [oom; rule kernel-oom-kill]" in out
+    assert "relaunch on 2 nodes from step 5 [oom]" in out  # names no class: none shown
+    document = json.loads(shown(capsys, "events", OOM, "--json", "--state-dir", str(state_dir)))
+    named = [e["failure"] for e in document["entries"] if e["type"] == "decision"]
+    assert named.count({"class": "oom", "rule": "kernel-oom-kill"}) == 2
+    assert named.count({"class": "network", "rule": "collective-network"}) == 1
+
+
+def test_the_report_counts_failures_by_class_and_labels_faults_with_their_class(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = tmp_path / "report.html"
+    shown(capsys, "report", OOM, "-o", str(page), "--state-dir", str(state_dir))
+    text = visible_text(page.read_text())
+    assert "failures by class" in text
+    assert "network 1 (collective-network), oom 2 (kernel-oom-kill)" in text
+    with Store.open(state_dir / "resurgo.db") as store:
+        row = store.get_job(OOM)
+        assert row is not None
+        labels = [mark.label for mark in marks_of(store, OOM, row.created_s, 1.0)]
+    assert "user_exception detected (network, rule collective-network)" in labels
+    assert "oom detected (rule kernel-oom-kill)" in labels
 
 
 def test_an_unknown_job_points_to_the_known_ones(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from supervisor.core.failure_rules import DEFAULT_RULES, UNKNOWN, Evidence, classify
 from supervisor.views import words
 
 
@@ -51,3 +52,21 @@ def test_tracebacks_are_read_innermost_last() -> None:
 
 def test_a_failed_dump_reads_as_itself() -> None:
     assert words.innermost_frame("(no stack: py-spy not found)") == "(no stack: py-spy not found)"
+
+
+def test_the_class_and_rule_are_read_back_from_the_cores_own_words() -> None:
+    killed = Evidence(signal=9, oom_kill="Memory cgroup out of memory: Killed process 689")
+    found = classify(killed, DEFAULT_RULES)
+    explanation = f"oom: no node blamed: rank 0 on node2: {found.words()}; retry 1 of 1"
+    assert words.failure_in(explanation) == ("oom", "kernel-oom-kill")
+    # No rule matched (class unknown): the explanation names no class.
+    assert words.failure_in(f"rank_signal: drain node2 ({UNKNOWN.words()})") is None
+
+
+def test_failures_read_by_class_with_the_rules_that_named_them() -> None:
+    counts = {"oom": 2, "hardware": 1, "unknown": 1}
+    rules = {"oom": ["kernel-oom-kill"], "hardware": ["gpu-xid", "bad-hbm"]}
+    assert words.failures(counts, rules) == (
+        "hardware 1 (gpu-xid, bad-hbm), oom 2 (kernel-oom-kill), unknown 1"
+    )
+    assert words.failures({}) == "none"
