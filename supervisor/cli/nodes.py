@@ -76,7 +76,8 @@ def render(document: dict[str, Any], now_s: float) -> str:
     """Drained nodes, open drain tickets, then history, then lemons."""
     lines = []
     if not document["slurm_answered"]:
-        lines.append("warning: Slurm did not answer; showing the supervisor's records only")
+        said = f" ({document['slurm_error']})" if document.get("slurm_error") else ""
+        lines.append(f"warning: Slurm did not answer{said}; showing the supervisor's records only")
     drained = [
         [
             one_line(d["node"]),
@@ -210,16 +211,19 @@ def run(args: argparse.Namespace) -> int:
                 else f"{args.node}: no standing verdict of Resurgo's to withdraw"
             )
             return 0
+        slurm_said = ""
         try:
             slurm_nodes = asyncio.run(slurm.nodes())
-        except SlurmError:
-            slurm_nodes = None
+        except SlurmError as error:
+            slurm_nodes, slurm_said = None, one_line(str(error))[:300]
         policy = Policy()
         now = time.time()
         document = views.nodes(
             store, slurm_nodes, now, policy.lemon_blames, policy.lemon_window_s,
             policy.lemon_users,
         )  # fmt: skip
+        if slurm_said:
+            document["slurm_error"] = slurm_said
     if args.json:
         print_json(document)
     else:
