@@ -193,22 +193,50 @@ class RankWatcher:
                     continue
                 exits.append(RankExit(rank, None, None, now_unix_s))
             else:
-                ended, tail = record.get("time_unix_s"), record.get("stderr_tail")
-                exits.append(
-                    RankExit(
-                        rank,
-                        record.get("exit_code"),
-                        record.get("signal"),
-                        float(ended) if ended is not None else now_unix_s,
-                        raised.read_note(self._exit_dir, key),
-                        raised.ended(self._exit_dir, key),
-                        tail if isinstance(tail, str) else "",
-                    )
-                )
+                exits.append(self._exit_of(rank, record, now_unix_s))
             self._reported.add(key)
+        exits += self._exits_never_seen(now_unix_s)
         # Ranks that ended within one poll are reported in the order they ended:
         # the first is usually the cause, the rest torchrun's tear-down.
         return sorted(exits, key=lambda rank_exit: rank_exit.time_unix_s)
+
+    def _exits_never_seen(self, now_unix_s: float) -> list[RankExit]:
+        """Exits of ranks that died before discovery found them (a script failing at its
+        import, on a loaded node, can end before the first walk of the process tree): their
+        shim recorded them all the same. Looked for only while ranks are missing."""
+        if self._expected is not None and len(self._ranks) >= self._expected:
+            return []
+        exits = []
+        for path in sorted(self._exit_dir.glob("rank-*.json")):
+            key = path.stem.removeprefix("rank-")
+            if not key.isdigit() or int(key) in self._ranks:
+                continue
+            record = self._read_record(int(key))
+            if record is None:
+                continue
+            local, pid = record.get("local_rank"), record.get("pid")
+            rank = RankProcess(
+                int(key),
+                local if isinstance(local, int) else 0,
+                pid if isinstance(pid, int) and pid > 0 else 1,
+            )
+            self._ranks[rank.global_rank] = rank
+            self._reported.add(rank.global_rank)
+            exits.append(self._exit_of(rank, record, now_unix_s))
+        return exits
+
+    def _exit_of(self, rank: RankProcess, record: dict[str, Any], now_unix_s: float) -> RankExit:
+        """The rank's exit from its shim's record and the notes beside it."""
+        ended, tail = record.get("time_unix_s"), record.get("stderr_tail")
+        return RankExit(
+            rank,
+            record.get("exit_code"),
+            record.get("signal"),
+            float(ended) if ended is not None else now_unix_s,
+            raised.read_note(self._exit_dir, rank.global_rank),
+            raised.ended(self._exit_dir, rank.global_rank),
+            tail if isinstance(tail, str) else "",
+        )
 
     def launcher_exit(self, returncode: int, now_unix_s: float) -> list[RankExit]:
         """The exits only the launcher's tells: of each rank with no shim to record its
