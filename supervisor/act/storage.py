@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.views.words import size
+
 # The least free space a usable root has, whatever the newest checkpoint's size.
 MIN_FREE_BYTES = 16 << 20
 # The newest checkpoint's size is needed again, with this margin.
@@ -48,9 +50,9 @@ def look_now(root: Path) -> Look:
     need = max(MIN_FREE_BYTES, int(MARGIN * _newest_size(root, names)))
     if free < need:
         return Look(
-            False, f"{root} has {_size(free)} free, the newest checkpoint needs {_size(need)}"
+            False, f"{root} has {size(free)} free, the newest checkpoint needs {size(need)}"
         )
-    return Look(True, f"{root} has {_size(free)} free")
+    return Look(True, f"{root} has {size(free)} free")
 
 
 async def look(root: Path | None) -> Look:
@@ -101,10 +103,3 @@ def _newest_size(root: Path, names: list[str]) -> int:
             if counted >= MAX_FILES:
                 return total
     return total
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if count >= scale:
-            return f"{count / scale:.3g} {unit}"
-    return f"{count} B"

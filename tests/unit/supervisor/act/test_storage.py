@@ -23,7 +23,7 @@ def test_too_little_room_for_the_newest_checkpoint_is_not(
 ) -> None:
     monkeypatch.setattr(storage, "MIN_FREE_BYTES", 1 << 60)  # more than any disk here
     seen = storage.look_now(tmp_path)
-    assert not seen.usable and "the newest checkpoint needs 1.15e+09 GB" in seen.detail
+    assert not seen.usable and "the newest checkpoint needs 1,152,922 TB" in seen.detail
 
 
 def test_the_newest_checkpoint_sets_the_room_needed(tmp_path: Path) -> None:
