@@ -43,6 +43,10 @@ from supervisor.core.intents import (
 )
 from supervisor.core.model import Cause, ClusterView, JobRecord
 from supervisor.store.rows import CheckResult, NodeCheckRow
+from supervisor.text import fragment
+
+# The blame's share of a drain reason after a failed check; the check's words follow.
+BLAME_CHARS = 100
 
 
 def drain_limit(policy: Policy, cluster_size: int) -> int:
@@ -280,8 +284,9 @@ def after_check(
         return ()
     cause = Cause(check.cause)
     user = check.slurm_user or ""
-    evidence = f"failed the supervisor's check: {detail}; blamed by job {check.job_id}: "
-    evidence += check.evidence
+    # The blame (its class, rule and quoted line) leads: the drain reason keeps 160
+    # characters, and the blame says why the node was checked at all.
+    evidence = f"{fragment(check.evidence, BLAME_CHARS)}; failed the supervisor's check: {detail}"
     if not cluster.may_drain:
         return (DrainTicket(check.job_id, check.attempt, check.node, cause, evidence[:500], user),)
     if drains_allowed(policy, cluster) < 1:

@@ -122,10 +122,20 @@ def test_a_failed_check_drains_the_node_with_the_checks_output_as_evidence():
     (drain,) = after_check(check_row(), CheckResult.FAILED, "FAIL nhc: disk", CHECKING, FOUR)
     assert isinstance(drain, DrainNode)
     assert (drain.node, drain.job_id, drain.attempt, drain.user) == ("node3", "42", 2, "alice")
-    assert drain.reason.startswith(
-        "failed the supervisor's check: FAIL nhc: disk; blamed by job 42"
+    assert drain.reason == (
+        "rank 2 on node3 died by SIGKILL at step 150; failed the supervisor's check: FAIL nhc: disk"
     )
     assert "user=alice" in drain.slurm_reason
+
+
+def test_a_drain_after_a_check_keeps_the_blames_rule_and_quote_within_slurms_reason():
+    blame = "rank 5 on node3: hardware, rule site-gpu-fault: 'GPU 0000:3b:00.0 fell off the bus'"
+    long_check = "FAIL /usr/sbin/nhc: " + "check_hw_eth eth0 missing; " * 20
+    row = check_row(evidence=blame, cause="hardware")
+    (drain,) = after_check(row, CheckResult.FAILED, long_check, CHECKING, FOUR)
+    reason = drain.slurm_reason
+    assert "site-gpu-fault" in reason and "fell off the bus" in reason
+    assert "failed the supervisor's check: FAIL /usr/sbin/nhc" in reason
 
 
 def test_a_passed_or_expired_check_drains_nothing():
@@ -141,4 +151,6 @@ def test_a_failed_check_past_the_hourly_share_alerts_and_without_rights_tickets(
     (ticket,) = after_check(
         check_row(), CheckResult.FAILED, "FAIL", CHECKING, replace(FOUR, may_drain=False)
     )
-    assert isinstance(ticket, DrainTicket) and ticket.evidence.startswith("failed the supervisor")
+    assert isinstance(ticket, DrainTicket) and ticket.evidence.endswith(
+        "failed the supervisor's check: FAIL"
+    )
