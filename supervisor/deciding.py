@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agent.wire.protocol import Event, EventKind
@@ -42,7 +42,7 @@ from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.faults import REPLAYED_KINDS
 from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
 from supervisor.core.model import JobRecord, JobState, record_to_json
-from supervisor.core.observations import Observation, SlurmJobSeen, Tick
+from supervisor.core.observations import Observation, SlurmJobSeen, StorageUnavailable, Tick
 from supervisor.core.periodic import next_deadline
 from supervisor.core.policy import decide
 from supervisor.jobtable import JobTable
@@ -199,7 +199,10 @@ class Deciding:
             return
         before = job.record
         now = self.clock()
-        decision = decide(before, observation, now, self.policy, self.cluster.view, self.rules)
+        view = self.cluster.view
+        if isinstance(observation, StorageUnavailable):
+            view = replace(view, storage_waits=self._storage_waits())
+        decision = decide(before, observation, now, self.policy, view, self.rules)
         if set(decision.record.blamed_nodes) - set(before.blamed_nodes):
             decision = decide(
                 before, observation, now, self.policy, self.cluster.fresh(now), self.rules
@@ -217,6 +220,17 @@ class Deciding:
         self._wake_at_deadline(job_id, after, now)
         for seen in await self.executor.execute(job_id, decision.intents, now):
             await self.apply(job_id, seen)
+
+    def _storage_waits(self) -> tuple[tuple[str, str], ...]:
+        """(file system, job) of every job waiting for its storage now: decisions are taken
+        one at a time, so the table holds every wait decided so far, even between polls."""
+        return tuple(
+            (pending.storage_fs, job_id)
+            for job_id, job in self.jobs.items()
+            if (pending := job.record.recovery) is not None
+            and pending.storage_fs
+            and job.record.state is JobState.RECOVERING
+        )
 
     def _wake_at_deadline(self, job_id: str, record: JobRecord, now: float) -> None:
         """A Tick for ``record``'s next deadline (the end of an evidence window, of a

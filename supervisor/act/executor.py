@@ -421,7 +421,7 @@ class Executor:
             log.info("job %s: storage look %d: %s", intent.job_id, intent.storage_probe,
                      seen.detail)  # fmt: skip
             if not seen.usable:
-                unusable = StorageUnavailable(intent.attempt, seen.detail)
+                unusable = StorageUnavailable(intent.attempt, seen.detail, seen.filesystem)
                 return {"storage": seen.detail}, [unusable]
         checked, past = await self._validate_checkpoints(intent)
         result: dict[str, Any] = {"checked": [validated_doc(seen) for seen in checked]}

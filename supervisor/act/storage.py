@@ -6,6 +6,10 @@ handle or an I/O error fails that), its file system must not be read-only,
 and its free space must hold the newest checkpoint again with a margin (at
 least :data:`MIN_FREE_BYTES`). A file system that does not answer within
 :data:`LOOK_S` (a hung mount) is not usable. Never raises.
+
+Each look also names the root's file system (its mount point, read from the
+mount table, so a stale or hung mount still has a name): jobs whose roots share
+one are one storage incident (:mod:`supervisor.core.failures`).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import asyncio
 import contextlib
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import psutil
 
 from supervisor.views.words import size
 
@@ -35,6 +41,7 @@ class Look:
 
     usable: bool
     detail: str
+    filesystem: str = ""
 
 
 def look_now(root: Path) -> Look:
@@ -55,10 +62,28 @@ def look_now(root: Path) -> Look:
     return Look(True, f"{root} has {size(free)} free")
 
 
+def mount_point(path: Path) -> str:
+    """The mount point of the file system ``path`` lies on, from the mount table: no call
+    reaches that file system, so a hung or stale mount answers too ("" if unknown)."""
+    target = os.path.abspath(path)
+    try:
+        points = [part.mountpoint for part in psutil.disk_partitions(all=True)]
+    except OSError:
+        return ""
+    under = [p for p in points if target == p or target.startswith(p.rstrip("/") + "/")]
+    return max(under, key=len, default="")
+
+
 async def look(root: Path | None) -> Look:
-    """Look at ``root`` in a thread of its own, for at most :data:`LOOK_S`."""
+    """Look at ``root`` in a thread of its own, for at most :data:`LOOK_S`; the look
+    names the root's file system (:func:`mount_point`)."""
     if root is None:
         return Look(False, "no checkpoint directory is known")
+    seen = await _look(root)
+    return replace(seen, filesystem=mount_point(root))
+
+
+async def _look(root: Path) -> Look:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Look] = loop.create_future()
 

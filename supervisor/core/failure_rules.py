@@ -244,6 +244,13 @@ DEFAULT_RULES: tuple[Rule, ...] = (
          errnos=frozenset({errnos.ENOSPC, errnos.EDQUOT})),
     Rule("disk-full-text", FailureClass.STORAGE, Action.WAIT_STORAGE,
          pattern=_words(r"No space left on device", r"Disk quota exceeded")),
+    # torch.save on a full disk names no errno: its zip writer only finds fewer bytes
+    # written than it expected (torch 2.x). The storage look then decides whether the
+    # root is full: one that takes a checkpoint ends the wait at the first look.
+    Rule("torch-save-write-failed", FailureClass.STORAGE, Action.WAIT_STORAGE,
+         confidence=0.6,
+         pattern=_words(r"inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+",
+                        r"PytorchStreamWriter failed writing file")),
     Rule("storage-io", FailureClass.STORAGE, Action.WAIT_STORAGE,
          errnos=frozenset({errnos.EIO, errnos.ESTALE, errnos.EROFS})),
     Rule("storage-io-text", FailureClass.STORAGE, Action.WAIT_STORAGE,

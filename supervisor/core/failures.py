@@ -21,7 +21,9 @@ into the recovery (:func:`by_class`):
   (:class:`~supervisor.core.observations.StorageUnavailable`) schedules the
   next one with a doubling backoff (:data:`STORAGE_BACKOFF_S` up to
   :data:`STORAGE_BACKOFF_MAX_S`), and once ``storage_wait_s`` has passed the
-  job stops as FAILED with what was last seen;
+  job stops as FAILED with what was last seen. Jobs whose roots share a file
+  system are one storage incident: the first to find it unusable raises one
+  critical alert, the others join it silently (``ClusterView.storage_waits``);
 - ``default``: decided as by how the rank ended, the class named.
 
 Every recovery counts its root cause's class on the record (``failures``).
@@ -36,13 +38,15 @@ from supervisor.core import recovery
 from supervisor.core.blame import Blame
 from supervisor.core.decision import Context, Decision
 from supervisor.core.failure_rules import Action, Classified, Evidence, FailureClass, classify
-from supervisor.core.intents import ValidateCheckpoints
+from supervisor.core.intents import Alert, Severity, ValidateCheckpoints
 from supervisor.core.model import Cause, ExitSeen, JobRecord, JobState
 from supervisor.core.observations import RankExited, StorageUnavailable
 
 # The storage wait's looks: the first right away, then after 5, 10, 20, 40, 60, 60 ... s.
 STORAGE_BACKOFF_S = 5.0
 STORAGE_BACKOFF_MAX_S = 60.0
+# A storage incident's log line names at most this many of its other jobs.
+MAX_NAMED_JOBS = 5
 
 # The states of a launch that has not made a training step yet.
 BEFORE_FIRST_STEP = frozenset({JobState.STARTING, JobState.RELAUNCHING, JobState.REQUEUED})
@@ -167,12 +171,38 @@ def on_storage_unavailable(record: JobRecord, seen: StorageUnavailable, ctx: Con
             "mount) and submit again"
         )
         return recovery.stop(record, ctx.now_s, JobState.FAILED, Cause.STORAGE, reason)
+    alerts, incident = _incident(record, seen, ctx) if pending.storage_fs is None else ((), "")
     delay = min(STORAGE_BACKOFF_MAX_S, STORAGE_BACKOFF_S * 2 ** max(pending.storage_probes - 1, 0))
-    record = replace(record, recovery=replace(pending, storage_next_s=ctx.now_s + delay))
+    waiting = replace(pending, storage_next_s=ctx.now_s + delay,
+                      storage_fs=pending.storage_fs or seen.filesystem)  # fmt: skip
     left = pending.storage_until_s - ctx.now_s
-    return Decision(record, (), Cause.STORAGE,
-                    f"storage not usable yet ({seen.detail}); looking again in {delay:g} s, "
-                    f"{left:.0f} s of the wait left")  # fmt: skip
+    return Decision(replace(record, recovery=waiting), alerts, Cause.STORAGE,
+                    f"storage not usable yet ({seen.detail}){incident}; looking again in "
+                    f"{delay:g} s, {left:.0f} s of the wait left")  # fmt: skip
+
+
+def _incident(
+    record: JobRecord, seen: StorageUnavailable, ctx: Context
+) -> tuple[tuple[Alert, ...], str]:
+    """The first look that found the root unusable: the job opens a storage incident on
+    its file system (one critical alert), or joins the one other jobs already wait in
+    (no alert: a full shared file system pages once, not once per job)."""
+    where = seen.filesystem or "the checkpoint root's file system"
+    waits = ctx.cluster.storage_waits if seen.filesystem else ()
+    others = sorted({job for fs, job in waits if fs == seen.filesystem and job != record.job_id})
+    if others:
+        named = ", ".join(others[:MAX_NAMED_JOBS]) + (
+            ", ..." if len(others) > MAX_NAMED_JOBS else ""
+        )
+        return (), (f"; joins the storage incident on {where}: {len(others)} other "
+                    f"job{'s' if len(others) > 1 else ''} wait on it ({named})")  # fmt: skip
+    message = (
+        f"storage incident on {where}: {seen.detail}. Job {record.job_id} waits up to "
+        f"{ctx.policy.storage_wait_s:g} s for it, no node blamed; other jobs that fail on "
+        f"{where} join this incident without an alert of their own"
+    )
+    alert = Alert(record.job_id, record.attempt, Severity.CRITICAL, message)
+    return (alert,), f"; opens a storage incident on {where}"
 
 
 def storage_look_due(record: JobRecord, ctx: Context) -> Decision | None:

@@ -318,6 +318,9 @@ class Recovery:
     storage_until_s: float | None = None
     storage_probes: int = 0
     storage_next_s: float | None = None
+    # The file system (mount point) the wait is for, once a look found it unusable:
+    # the storage incident the job is part of.
+    storage_fs: str | None = None
 
     @property
     def collecting_exits(self) -> bool:
@@ -448,7 +451,10 @@ class ClusterView:
     excluded and ticketed (:class:`~supervisor.core.intents.DrainTicket`), never
     drained. ``ticketed``: (node, the users whose jobs raised its open tickets;
     empty: a job of unknown user did) pairs: each user's relaunches leave out
-    the nodes their own jobs ticketed (:meth:`avoided_by`).
+    the nodes their own jobs ticketed (:meth:`avoided_by`). ``storage_waits``:
+    (file system, job) of every job waiting for its checkpoint root's storage,
+    filled in for a decision on a storage look only: jobs that wait on one file
+    system are one incident.
     """
 
     usable: frozenset[str] = frozenset()
@@ -464,6 +470,7 @@ class ClusterView:
     lemon_window_s: float = 0.0
     may_drain: bool = True
     ticketed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    storage_waits: tuple[tuple[str, str], ...] = ()
 
     def avoided_by(self, user: str) -> frozenset[str]:
         """The nodes a relaunch of ``user``'s job leaves out: the lemons, and the nodes
@@ -559,7 +566,8 @@ def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
     # Records written before exit windows (or their early close) existed lack
     # ``exits`` (``settled``): none collected.
     later = {"exits": (), "settled": (), "resume_before": None, "before_first_step": False,
-             "storage_until_s": None, "storage_probes": 0, "storage_next_s": None}  # fmt: skip
+             "storage_until_s": None, "storage_probes": 0, "storage_next_s": None,
+             "storage_fs": None}  # fmt: skip
     values = {f.name: _get(doc, f.name) for f in fields(Recovery) if f.name not in later}
     values.update({name: doc.get(name, default) for name, default in later.items()})
     values["before_first_step"] = bool(values["before_first_step"])

@@ -241,11 +241,13 @@ class CheckpointValidated:
 
 @dataclass(frozen=True)
 class StorageUnavailable:
-    """The checkpoint root did not take a checkpoint again within the storage wait of
-    ``attempt``'s recovery; ``detail`` says what was last seen (full, read-only, ...)."""
+    """A look at the checkpoint root during the storage wait of ``attempt``'s recovery
+    found it unusable; ``detail`` says what was seen (full, read-only, ...),
+    ``filesystem`` the root's mount point ("" unknown)."""
 
     attempt: int
     detail: str
+    filesystem: str = ""
 
 
 @dataclass(frozen=True)

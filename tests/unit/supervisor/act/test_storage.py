@@ -49,3 +49,12 @@ def test_a_look_that_hangs_ends_at_its_limit(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(storage, "look_now", hung)
     seen = asyncio.run(storage.look(Path("/nfs/hung")))
     assert not seen.usable and "did not answer within 0.2 s" in seen.detail
+
+
+def test_a_look_names_the_mount_point_of_the_roots_file_system(tmp_path: Path) -> None:
+    # /proc is its own file system on every Linux host; /proc/self/fd lies on it.
+    assert storage.mount_point(Path("/proc/self/fd")) == "/proc"
+    assert storage.mount_point(Path("/")) == "/"
+    seen = asyncio.run(storage.look(tmp_path / "gone" / "deeper"))
+    assert not seen.usable and seen.filesystem == storage.mount_point(tmp_path)
+    assert seen.filesystem and str(tmp_path).startswith(seen.filesystem)

@@ -105,6 +105,12 @@ def test_bad_arguments_are_argparses_error_with_status_2() -> None:
         (Evidence(exit_code=1, stderr_tail="RuntimeError: [enforce fail at inline_container.cc:"
                   "595] . unexpected pos 2048 vs 1984\nOSError: [Errno 28] No space left on "
                   "device"), "disk-full-text"),
+        # torch.save into a full 4 MiB tmpfs, torch 2.13: no errno, no words for it.
+        (Evidence(exit_code=1, raised="RuntimeError", message="[enforce fail at "
+                  "inline_container.cc:672] . unexpected pos 768 vs 662"),
+         "torch-save-write-failed"),
+        (Evidence(exit_code=1, stderr_tail="RuntimeError: PytorchStreamWriter failed writing "
+                  "file data/0: file write failed"), "torch-save-write-failed"),
         (Evidence(exit_code=1, raised="OSError", message="[Errno 116] Stale file handle",
                   errno=116), "storage-io"),
         (Evidence(signal=signal.SIGABRT, stderr_tail="terminate called after throwing an "

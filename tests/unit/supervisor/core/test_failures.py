@@ -14,7 +14,14 @@ import signal
 from dataclasses import replace
 
 from supervisor.core.failure_rules import DEFAULT_RULES, Action, FailureClass, Rule
-from supervisor.core.intents import DrainNode, RelaunchStep, StopJob, ValidateCheckpoints
+from supervisor.core.intents import (
+    Alert,
+    DrainNode,
+    RelaunchStep,
+    Severity,
+    StopJob,
+    ValidateCheckpoints,
+)
 from supervisor.core.model import Cause, JobState, record_from_json, record_to_json
 from supervisor.core.observations import (
     CheckpointValidated,
@@ -159,7 +166,7 @@ def test_a_full_disk_blames_nobody_and_the_relaunch_waits_for_the_storage() -> N
     # Still full: the next look waits 5 s, then 10 s, ...
     still = decide(first.record, StorageUnavailable(first.record.attempt, "0 B free"), NOW + 1,
                    policy, CLUSTER)  # fmt: skip
-    assert still.intents == () and "looking again in 5 s" in still.explanation
+    assert kinds(still) == [Alert] and "looking again in 5 s" in still.explanation
     assert decide(still.record, Tick(), NOW + 3, policy, CLUSTER).intents == ()
     again = decide(still.record, Tick(), NOW + 6, policy, CLUSTER)
     (second,) = again.intents
@@ -174,6 +181,36 @@ def test_a_full_disk_blames_nobody_and_the_relaunch_waits_for_the_storage() -> N
     assert ended.record.state is JobState.FAILED and ended.cause is Cause.STORAGE
     assert "within 100 s: 0 B free" in ended.explanation
     assert ended.record.failures == (("storage", 1),)
+
+
+def test_jobs_failing_on_one_full_file_system_are_one_incident_with_one_alert() -> None:
+    full = _exit("node2", exit_code=1, stderr_tail="OSError: [Errno 28] No space left on device")
+    first = decide(running(), full, NOW, POLICY, CLUSTER)
+    job = first.record.attempt
+    seen = StorageUnavailable(job, "/lustre/ckpt has 0 B free", "/lustre")
+    # The first job on /lustre opens the incident: one critical alert.
+    opened = decide(first.record, seen, NOW + 1, POLICY, CLUSTER)
+    (alert,) = opened.intents
+    assert isinstance(alert, Alert) and alert.severity is Severity.CRITICAL
+    assert alert.message.startswith("storage incident on /lustre: /lustre/ckpt has 0 B free")
+    assert opened.record.recovery is not None and opened.record.recovery.storage_fs == "/lustre"
+    assert record_from_json(record_to_json(opened.record)) == opened.record
+    # Its next look raises nothing more.
+    again = decide(opened.record, Tick(), NOW + 7, POLICY, CLUSTER)
+    still = decide(again.record, replace(seen, attempt=again.record.attempt), NOW + 8, POLICY,
+                   CLUSTER)  # fmt: skip
+    assert still.intents == () and "incident" not in still.explanation
+    # Another job whose root is on /lustre joins it: no alert of its own.
+    other = replace(first.record, job_id="43")
+    waits = replace(CLUSTER, storage_waits=(("/lustre", "42"), ("/scratch", "44")))
+    joined = decide(other, seen, NOW + 2, POLICY, waits)
+    assert joined.intents == ()
+    assert "joins the storage incident on /lustre: 1 other job wait on it (42)" in (
+        joined.explanation
+    )
+    # A job on another file system opens an incident of its own.
+    elsewhere = decide(other, replace(seen, filesystem="/home"), NOW + 2, POLICY, waits)
+    assert [type(i) for i in elsewhere.intents] == [Alert]
 
 
 def test_once_the_storage_takes_writes_the_recovery_goes_on_as_ever() -> None:
