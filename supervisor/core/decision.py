@@ -49,7 +49,8 @@ class Policy:
     - ``max_restarts_without_progress``: consecutive restarts with no newer
       committed checkpoint before the job is stopped as FAILED.
     - ``backoff_base_s``: the wait before the first relaunch without progress,
-      doubled for each further one in a row (up to ``backoff_max_s``).
+      doubled for each further one in a row (up to ``backoff_max_s``); a
+      first fault after progress relaunches with no wait.
     - ``backoff_max_s``: the longest wait before a relaunch, however many
       restarts without progress came before it.
     - ``user_exception_retries``: relaunches after a Python exception.

@@ -202,8 +202,12 @@ def start(
                 f"checkpoint than step {record.step_at_last_restart} (last: {cause.value})"
             )
             return stop(record, ctx.now_s, JobState.FAILED, Cause.BUDGET_EXHAUSTED, reason)
-        backoff = ctx.policy.backoff_base_s * 2 ** max(0, without_progress - 1)
-        not_before = ctx.now_s + min(ctx.policy.backoff_max_s, backoff)
+        # A first fault after progress relaunches at once: the backoff guards against
+        # a crash loop, and a newer checkpoint since the last restart is none.
+        not_before = None
+        if without_progress:
+            backoff = ctx.policy.backoff_base_s * 2 ** (without_progress - 1)
+            not_before = ctx.now_s + min(ctx.policy.backoff_max_s, backoff)
     earlier = record.recovery
     record = replace(
         to_state(record, JobState.RECOVERING, ctx.now_s).with_restart(cause),

@@ -373,10 +373,22 @@ def test_restart_after_progress_resets_the_budget():
     assert crash.record.step_at_last_restart == 100
 
 
-def test_backoff_holds_the_relaunch_until_a_tick_after_not_before():
+def test_a_first_fault_after_progress_relaunches_without_a_backoff():
     policy = replace(POLICY, backoff_base_s=10.0, backoff_max_s=100.0)
     _crash, chosen = run(
-        running(),
+        running(step_at_last_restart=50),
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(100, CKPT, True),
+        policy=policy,
+    )
+    assert chosen.record.not_before_s is None and RelaunchStep in kinds(chosen)
+
+
+def test_backoff_holds_the_relaunch_until_a_tick_after_not_before():
+    # A second fault with no newer checkpoint than the last restart's: a crash loop's start.
+    policy = replace(POLICY, backoff_base_s=10.0, backoff_max_s=100.0)
+    _crash, chosen = run(
+        running(step_at_last_restart=100),
         rank_exit(sig=signal.SIGKILL.value),
         CheckpointValidated(100, CKPT, True),
         policy=policy,
