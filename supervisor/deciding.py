@@ -39,6 +39,7 @@ from supervisor.core.drains import (
     user_over_share,
 )
 from supervisor.core.failure_rules import DEFAULT_RULES, Rule
+from supervisor.core.failures import storage_wait_of
 from supervisor.core.faults import REPLAYED_KINDS
 from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
 from supervisor.core.model import JobRecord, JobState, record_to_json
@@ -224,13 +225,8 @@ class Deciding:
     def _storage_waits(self) -> tuple[tuple[str, str], ...]:
         """(file system, job) of every job waiting for its storage now: decisions are taken
         one at a time, so the table holds every wait decided so far, even between polls."""
-        return tuple(
-            (pending.storage_fs, job_id)
-            for job_id, job in self.jobs.items()
-            if (pending := job.record.recovery) is not None
-            and pending.storage_fs
-            and job.record.state is JobState.RECOVERING
-        )
+        waits = ((storage_wait_of(job.record), job_id) for job_id, job in self.jobs.items())
+        return tuple((fs, job_id) for fs, job_id in waits if fs)
 
     def _wake_at_deadline(self, job_id: str, record: JobRecord, now: float) -> None:
         """A Tick for ``record``'s next deadline (the end of an evidence window, of a

@@ -181,6 +181,14 @@ def on_storage_unavailable(record: JobRecord, seen: StorageUnavailable, ctx: Con
                     f"{delay:g} s, {left:.0f} s of the wait left")  # fmt: skip
 
 
+def storage_wait_of(record: JobRecord) -> str | None:
+    """The file system ``record`` waits for in a storage incident (None: it waits for none)."""
+    pending = record.recovery
+    if record.state is not JobState.RECOVERING or pending is None:
+        return None
+    return pending.storage_fs or None
+
+
 def _incident(
     record: JobRecord, seen: StorageUnavailable, ctx: Context
 ) -> tuple[tuple[Alert, ...], str]:

@@ -14,7 +14,11 @@ and the class decides (supervisor.core.failures):
   tests/unit/supervisor/core/test_failures.py);
 - a rank that prints the site's own fault signature: ``hardware`` by the
   operator's rule from the supervisor's TOML, its node drained with the rule
-  named in Slurm's reason, the job resumed on the other nodes.
+  named in Slurm's reason, the job resumed on the other nodes;
+- two jobs whose checkpoint roots share a file system that fills up (a tmpfs
+  with a ballast file): ``storage``, no node blamed, one storage incident with
+  one alert for both, each job waiting until the ballast is gone and then
+  resuming from its own checkpoint.
 
 Every job here runs under one supervisor started with that TOML.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,3 +200,99 @@ def test_an_operators_rule_from_the_toml_makes_a_logged_fault_hardware_and_drain
     assert len(tries) == 2 and victim not in tries[1].nodes, tries
     assert re.search(rf"resuming training from \S+ckpt.pt at iter {SAVE_EVERY} ", text), told
     assert f"done at iter {ITERS} with world 3" in text, told
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs for checkpoint roots (mounting needs root); unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "resurgo-test", str(disk)],
+                   check=True)  # fmt: skip
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """A ballast file that takes every free block of ``disk``."""
+    ballast = disk / "ballast"
+    with ballast.open("wb", buffering=0) as out:
+        for chunk in (1 << 20, 4096):
+            with contextlib.suppress(OSError):
+                while True:
+                    out.write(bytes(chunk))
+    assert os.statvfs(disk).f_bavail == 0
+    return ballast
+
+
+def explanations(supervisor: SupervisorProcess, job_id: int) -> str:
+    return "\n".join(d[2] for d in decisions(supervisor, job_id))
+
+
+@pytest.mark.long  # over a minute in CI: started before the short tests
+def test_a_full_checkpoint_disk_blames_no_node_and_its_jobs_wait_in_one_incident_then_resume(
+    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path, small_disk: Path
+) -> None:
+    # Two 2-node jobs, their roots on one small file system: torch.save to a path says
+    # only "unexpected pos" on a full disk; a script writing its bytes itself gets
+    # OSError ENOSPC.
+    jobs: dict[int, tuple[Path, Path]] = {}
+    for name, extra in (("path", ()), ("buffered", ("--save-buffered",))):
+        root, output = small_disk / name, tmp_path / f"{name}.out"
+        done = supervisor.resurgo(
+            "submit", "-N", "2", "--min-nodes", "1", f"--output={output}", "--parsable",
+            "--ckpt-root", str(root), "--", *TORCHRUN, str(PLAIN), "--out-dir", str(root),
+            "--max-iters", "100", "--eval-interval", "5", *extra,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        jobs[int(done.stdout.strip())] = (root, output)
+
+    def told() -> str:
+        return (
+            "\n".join(
+                story_of(supervisor, job_id, output.read_text(errors="replace"))
+                for job_id, (_, output) in jobs.items()
+            )
+            + "\n--- supervisor ---\n"
+            + supervisor.log()[-4000:]
+        )
+
+    slurm_cluster.wait_for(
+        "both jobs' first checkpoint",
+        lambda: all((root / "ckpt.pt").exists() for root, _ in jobs.values()),
+        timeout_s=180,
+    )
+    ballast = fill(small_disk)
+    slurm_cluster.wait_for(
+        "both jobs waiting for the storage",
+        lambda: all("storage not usable yet" in explanations(supervisor, j) for j in jobs),
+        timeout_s=120,
+    )
+    # One incident: the first job to find the disk full pages; the other joins it.
+    with supervisor.store() as store:
+        alerts = [a.payload["message"] for j in jobs
+                  for a in store.events_for(str(j), kinds=["alert"])]  # fmt: skip
+    incident = [a for a in alerts if a.startswith(f"storage incident on {small_disk}:")]
+    assert len(incident) == 1, (alerts, told())
+    joined = [j for j in jobs if f"joins the storage incident on {small_disk}" in
+              explanations(supervisor, j)]  # fmt: skip
+    assert len(joined) == 1, told()
+    # Waiting: the look runs again and again while the disk stays full.
+    assert draining(slurm_cluster) == {}, told()
+    ballast.unlink()
+    rules = set()
+    for job_id, (root, output) in jobs.items():
+        job, text = ended(slurm_cluster, supervisor, job_id, output)
+        assert job["job_state"] == "COMPLETED", told()
+        assert drained(supervisor, job_id) == [], told()
+        assert re.search(rf"resuming training from {root}/ckpt.pt at iter [1-9]\d* ", text), told()
+        assert "done at iter 100 with world 2" in text, told()
+        assert status(supervisor, job_id)["restarts"] == {"storage": 1}, told()
+        tries = attempts(supervisor, job_id)
+        assert len(tries) == 2 and tries[0].nodes == tries[1].nodes, tries
+        rules |= set(re.findall(r"storage \(rule ([\w-]+)\)", explanations(supervisor, job_id)))
+    assert rules == {"torch-save-write-failed", "disk-full"}, told()

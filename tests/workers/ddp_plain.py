@@ -27,11 +27,17 @@ read them. It keeps its own checkpoint, ``OUT_DIR/ckpt.pt``
 - ``--exit-at N --exit-words TEXT`` with ``--fault-rank R``: rank R prints TEXT to
   standard error and exits with status 1, the way a site's own check or a
   vendor library reports a fault it found.
+
+``--save-buffered`` serializes the checkpoint in memory and writes the bytes
+itself (as scripts that upload or hash their checkpoints do): a full disk then
+raises ``OSError: [Errno 28]``, where ``torch.save`` to a path gives only its
+writer's ``unexpected pos`` error.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import signal
 import sys
@@ -84,6 +90,7 @@ def main() -> None:
     parser.add_argument("--exit-at", type=int, default=-1)
     parser.add_argument("--exit-words", default="")
     parser.add_argument("--fault-rank", type=int, default=-1)
+    parser.add_argument("--save-buffered", action="store_true")
     args = parser.parse_args()
 
     if args.init == "slurm":
@@ -180,7 +187,13 @@ def main() -> None:
                 if first and args.save_pause_s:
                     checkpoint["slow"] = SlowToPickle(args.save_pause_s)
                 print(f"saving checkpoint to {args.out_dir}", flush=True)
-                torch.save(checkpoint, ckpt_path + ".tmp")
+                if args.save_buffered:
+                    buffer = io.BytesIO()
+                    torch.save(checkpoint, buffer)
+                    with open(ckpt_path + ".tmp", "wb") as out:
+                        out.write(buffer.getbuffer())
+                else:
+                    torch.save(checkpoint, ckpt_path + ".tmp")
                 os.replace(ckpt_path + ".tmp", ckpt_path)
             dist.barrier()
     if master:
