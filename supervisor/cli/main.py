@@ -12,20 +12,33 @@ mistyped (``resurgo ckpt list``'s, not the top level's) and one line
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from types import ModuleType
 
 from agent.wire.settings import add_version
-from supervisor.cli import ckpt, events, interval, nodes, report, simulate, status, store, submit
 from supervisor.logs import TextFormatter
 
-SUBCOMMANDS = (submit, status, events, nodes, report, store, ckpt, interval, simulate)
+# The subcommands' modules, in help order. A command imports its own module only:
+# ``resurgo status`` has no use for the HTTP client ``submit`` loads, and every
+# command's start-up is paid by scripts that poll it.
+SUBCOMMANDS = ("submit", "status", "events", "nodes", "report", "store", "ckpt", "interval",
+               "simulate")  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every subcommand registered."""
+def subcommand_modules(first_word: str | None = None) -> list[ModuleType]:
+    """The module of the subcommand ``first_word`` names, or every one's (none named, or
+    a word that is no subcommand's name: the full parser says what is wrong)."""
+    names = [first_word] if first_word in SUBCOMMANDS else SUBCOMMANDS
+    return [importlib.import_module(f"supervisor.cli.{name}") for name in names]
+
+
+def build_parser(first_word: str | None = None) -> argparse.ArgumentParser:
+    """Return the top-level parser with every subcommand registered (or only the one
+    ``first_word`` names)."""
     parser = argparse.ArgumentParser(
         prog="resurgo",
         description=(
@@ -35,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_version(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in SUBCOMMANDS:
+    for module in subcommand_modules(first_word):
         module.register(subparsers)
     for command in _commands(parser):
         # The deepest command parsed sets it last: its parser reports a stray word.
@@ -65,8 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["submit"]:
         # sbatch's options pass through untouched: submit parses its own words.
+        from supervisor.cli import submit
+
         return submit.main(words[1:])
-    parser = build_parser()
+    parser = build_parser(words[0] if words else None)
     # A stray word reaches the top level, which would print the top level's usage:
     # the command it was meant for says it instead, with its own usage.
     args, stray = parser.parse_known_args(words)
