@@ -69,8 +69,11 @@ def supervisor(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[Superviso
     """The e2e supervisor started with ``--config`` naming a TOML of one operator rule."""
     config = tmp_path / "supervisor.toml"
     config.write_text(SITE_RULE)
+    # The storage test's checkpoint file system is 24 MiB: the agents' health gate asks
+    # for 1 GB free on the checkpoint root by default.
+    agents = AGENTS | {"RESURGO_AGENT_HEALTH_MIN_FREE_GB": "0.001"}
     process = SupervisorProcess(
-        slurm_cluster, tmp_path / "state", POLICY, AGENTS | DAEMON, args=("--config", str(config))
+        slurm_cluster, tmp_path / "state", POLICY, agents | DAEMON, args=("--config", str(config))
     )
     process.start()
     try:
