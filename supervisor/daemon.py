@@ -139,6 +139,7 @@ class Supervisor:
             clock=clock,
             ticket_hook=ticket_hook(config.ticket_hook),
             observe_only=config.observe_only,
+            storage_min_free_bytes=int(policy.storage_min_free_gb * 1e9),
         )
         node_checks = NodeCheckRunner(
             self.store,

@@ -172,16 +172,20 @@ class Executor:
         clock: Callable[[], float] = time.time,
         ticket_hook: TicketHook | None = None,
         observe_only: bool = False,
+        storage_min_free_bytes: int = storage.MIN_FREE_BYTES,
     ) -> None:
         """``checkpoint_root_of(job_id)`` is where the job saves (None: unknown);
         checkpoints are validated by ``validate_fn`` in a thread when given, else
         in ``validation``'s process (by default one with the default limits);
         ``ticket_hook`` gets each drain ticket (:mod:`supervisor.act.ticket_hook`).
         ``observe_only``: every action that would change a job or the cluster is
-        recorded as done with what it would have done, and not carried out."""
+        recorded as done with what it would have done, and not carried out.
+        ``storage_min_free_bytes``: the least free space a storage look calls usable
+        (the policy's ``storage_min_free_gb``)."""
         self._store = store
         self._slurm = slurm
         self._checkpoint_root_of = checkpoint_root_of
+        self._storage_min_free_bytes = storage_min_free_bytes
         self._validate_fn = validate_fn
         self.validation = validation or ValidationProcess(Limits())
         self._clock = clock
@@ -417,7 +421,9 @@ class Executor:
 
     async def _validation(self, intent: ValidateCheckpoints) -> _Result:
         if intent.storage_probe:
-            seen = await storage.look(self._checkpoint_root_of(intent.job_id))
+            seen = await storage.look(
+                self._checkpoint_root_of(intent.job_id), self._storage_min_free_bytes
+            )
             log.info("job %s: storage look %d: %s", intent.job_id, intent.storage_probe,
                      seen.detail)  # fmt: skip
             if not seen.usable:

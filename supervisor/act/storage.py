@@ -3,8 +3,9 @@
 The supervisor's user may not write the job's checkpoint root (it belongs to
 the job's user), so the look writes nothing: the root must list (a stale NFS
 handle or an I/O error fails that), its file system must not be read-only,
-and its free space must hold the newest checkpoint again with a margin (at
-least :data:`MIN_FREE_BYTES`). A file system that does not answer within
+and its free space must hold the newest checkpoint again with a margin, and
+at least the policy's ``storage_min_free_gb`` (what the agents' health gate
+wants before a relaunch starts a rank). A file system that does not answer within
 :data:`LOOK_S` (a hung mount) is not usable. Never raises.
 
 Each look also names the root's file system (its mount point, read from the
@@ -25,7 +26,8 @@ import psutil
 
 from supervisor.views.words import size
 
-# The least free space a usable root has, whatever the newest checkpoint's size.
+# The least free space a usable root has, whatever the newest checkpoint's size, unless
+# the caller asks for more (the agents' health gate wants 1 GB by default).
 MIN_FREE_BYTES = 16 << 20
 # The newest checkpoint's size is needed again, with this margin.
 MARGIN = 1.2
@@ -44,7 +46,7 @@ class Look:
     filesystem: str = ""
 
 
-def look_now(root: Path) -> Look:
+def look_now(root: Path, min_free_bytes: int = MIN_FREE_BYTES) -> Look:
     """Look at ``root`` (blocking; see :func:`look`)."""
     try:
         names = os.listdir(root)
@@ -54,7 +56,7 @@ def look_now(root: Path) -> Look:
     if stat.f_flag & os.ST_RDONLY:
         return Look(False, f"{root} is on a read-only file system")
     free = stat.f_bavail * stat.f_frsize
-    need = max(MIN_FREE_BYTES, int(MARGIN * _newest_size(root, names)))
+    need = max(min_free_bytes, int(MARGIN * _newest_size(root, names)))
     if free < need:
         return Look(
             False, f"{root} has {size(free)} free, the newest checkpoint needs {size(need)}"
@@ -74,16 +76,16 @@ def mount_point(path: Path) -> str:
     return max(under, key=len, default="")
 
 
-async def look(root: Path | None) -> Look:
+async def look(root: Path | None, min_free_bytes: int = MIN_FREE_BYTES) -> Look:
     """Look at ``root`` in a thread of its own, for at most :data:`LOOK_S`; the look
     names the root's file system (:func:`mount_point`)."""
     if root is None:
         return Look(False, "no checkpoint directory is known")
-    seen = await _look(root)
+    seen = await _look(root, min_free_bytes)
     return replace(seen, filesystem=mount_point(root))
 
 
-async def _look(root: Path) -> Look:
+async def _look(root: Path, min_free_bytes: int) -> Look:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Look] = loop.create_future()
 
@@ -92,7 +94,7 @@ async def _look(root: Path) -> Look:
             done.set_result(seen)
 
     def run() -> None:
-        seen = look_now(root)
+        seen = look_now(root, min_free_bytes)
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
             loop.call_soon_threadsafe(settle, seen)
 

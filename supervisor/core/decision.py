@@ -111,6 +111,11 @@ class Policy:
       I/O error or a stale handle on the checkpoint root), the longest the
       relaunch waits for the root to take a checkpoint again before the job
       is stopped as FAILED (:mod:`supervisor.core.failures`).
+    - ``storage_min_free_gb``: the free space (10^9 bytes) the storage wait's
+      look wants on the checkpoint root, besides room for the newest
+      checkpoint again: the agents' health gate wants as much
+      (``health_min_free_gb``) before a relaunch starts a rank, so a root the
+      look calls usable also passes the gate.
     - ``silence_share``: when at least this share of all agents go silent
       within one lease (there being at least ``silence_min_agents``), or every
       agent of a job does, the silence has a common cause (the supervisor was
@@ -190,6 +195,7 @@ class Policy:
     grow_back: bool = True
     relaunch_start_timeout_s: float = 300.0
     storage_wait_s: float = 3600.0
+    storage_min_free_gb: float = 1.0
     silence_share: float = 0.5
     silence_min_agents: int = 4
     spare_check_interval_s: float = 300.0

@@ -71,9 +71,11 @@ def supervisor(slurm_cluster: LiveCluster, tmp_path: Path) -> Iterator[Superviso
     config.write_text(SITE_RULE)
     # The storage test's checkpoint file system is 24 MiB: the agents' health gate asks
     # for 1 GB free on the checkpoint root by default.
+    # The storage look, alike.
     agents = AGENTS | {"RESURGO_AGENT_HEALTH_MIN_FREE_GB": "0.001"}
+    policy = POLICY | {"storage_min_free_gb": "0.001"}
     process = SupervisorProcess(
-        slurm_cluster, tmp_path / "state", POLICY, agents | DAEMON, args=("--config", str(config))
+        slurm_cluster, tmp_path / "state", policy, agents | DAEMON, args=("--config", str(config))
     )
     process.start()
     try:

@@ -461,19 +461,20 @@ def test_slurm_refusing_a_shrink_falls_back_to_the_requeue_path(store: Store) ->
 
 
 def test_a_look_at_unusable_storage_reports_it_instead_of_validating(
-    store: Store, slurm: FakeSlurm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: Store, slurm: FakeSlurm, tmp_path: Path
 ) -> None:
-    from supervisor.act import storage
     from tests.ckpt_helpers import make_committed_checkpoint
 
     root = tmp_path / "ckpt"
     make_committed_checkpoint(root, 100)
     look = ValidateCheckpoints(JOB, 2, ValidationLevel.FULL, storage_probe=1)
-    monkeypatch.setattr(storage, "MIN_FREE_BYTES", 1 << 60)  # more than any disk has free
-    (seen,) = run_execute(executor(store, slurm, root), [look])
+    # The policy asks for more free space than any disk here has.
+    asking = Executor(store, slurm, checkpoint_root_of=lambda job_id: root,
+                      clock=lambda: NOW + 1, storage_min_free_bytes=1 << 60)  # fmt: skip
+    (seen,) = run_execute(asking, [look])
     assert isinstance(seen, StorageUnavailable) and seen.attempt == 2
-    assert "the newest checkpoint needs" in seen.detail
-    monkeypatch.undo()
+    assert "the newest checkpoint needs 1,152,922 TB" in seen.detail
+    assert seen.filesystem and str(root).startswith(seen.filesystem)
     again = ValidateCheckpoints(JOB, 2, ValidationLevel.FULL, storage_probe=2)
     seen_again = run_execute(executor(store, slurm, root), [again])
     assert [(s.step, s.valid) for s in seen_again] == [(100, True)]  # type: ignore[attr-defined]

@@ -18,12 +18,11 @@ def test_a_root_with_room_for_its_newest_checkpoint_is_usable(tmp_path: Path) ->
     assert seen.usable and seen.detail.startswith(f"{tmp_path} has ")
 
 
-def test_too_little_room_for_the_newest_checkpoint_is_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(storage, "MIN_FREE_BYTES", 1 << 60)  # more than any disk here
-    seen = storage.look_now(tmp_path)
+def test_less_free_space_than_asked_for_is_not_usable(tmp_path: Path) -> None:
+    seen = storage.look_now(tmp_path, min_free_bytes=1 << 60)  # more than any disk here
     assert not seen.usable and "the newest checkpoint needs 1,152,922 TB" in seen.detail
+    seen = asyncio.run(storage.look(tmp_path, 1 << 60))
+    assert not seen.usable
 
 
 def test_the_newest_checkpoint_sets_the_room_needed(tmp_path: Path) -> None:
@@ -41,7 +40,7 @@ def test_a_root_that_cannot_be_listed_or_is_unknown_is_not_usable(tmp_path: Path
 
 
 def test_a_look_that_hangs_ends_at_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    def hung(root: Path) -> storage.Look:
+    def hung(root: Path, min_free_bytes: int) -> storage.Look:
         time.sleep(2)
         return storage.Look(True, "too late")
 
