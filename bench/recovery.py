@@ -61,6 +61,10 @@ the spare scenarios, ``spare_vs_shrink``: the ratio of the medians.
 Run on the local cluster (``deploy/slurm/cluster up``)::
 
     python -m bench.recovery [--timeout-s 150] [--scenario rank_sigkill ...] [--repeat N]
+                             [--defaults]
+
+``--defaults`` runs Resurgo with the policy and agent settings it ships instead
+of the benchmark's short windows (:data:`POLICY`, :data:`AGENTS`).
 
 The last line printed is one JSON object: ``{"scenarios": [{"fault", "run",
 "resurgo": {...}, "baseline": {...}, "control": {...}}, ...], "summary": {...}}``
@@ -130,6 +134,12 @@ AGENTS = {
     "RESURGO_SUPERVISOR_LEASE_S": "8",
     "OMP_NUM_THREADS": "1",
 }
+# --defaults: the policy and the agent settings Resurgo ships, as a user gets them (the
+# environment the benchmark gives every stack alike, OMP_NUM_THREADS, stays).
+SHIPPED_POLICY: dict[str, str] = {}
+SHIPPED_AGENTS = {"OMP_NUM_THREADS": "1"}
+# What the Resurgo runs use: POLICY and AGENTS, or the shipped ones with --defaults.
+SETTINGS = {"policy": POLICY, "agents": AGENTS}
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
 _INJECTED = re.compile(r"toy: injecting \w+ at step (\d+) on \S+ at ([\d.]+)")
 _STARTED = re.compile(r"toy: world \d+, starting at step (\d+).* at ([\d.]+)")
@@ -210,7 +220,7 @@ def _under_resurgo(
     """Submit ``command`` under a fresh supervisor (``shape``: its node options);
     (Slurm's end state or None when stuck, the store's side of the recovery:
     :func:`bench.recovery_phases.store_marks`)."""
-    supervisor = SupervisorProcess(cluster, where / "state", POLICY, AGENTS)
+    supervisor = SupervisorProcess(cluster, where / "state", SETTINGS["policy"], SETTINGS["agents"])
     supervisor.start()
     try:
         done = supervisor.resurgo(
@@ -426,7 +436,15 @@ def main() -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per scenario, its stacks alternating"
     )
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="Resurgo with the policy and agent settings it ships (default: the benchmark's "
+        "short windows: a 1 s exit window and backoff, an 8 s hang floor)",
+    )
     args = parser.parse_args()
+    if args.defaults:
+        SETTINGS.update(policy=SHIPPED_POLICY, agents=SHIPPED_AGENTS)
     names = list(args.scenario or ([] if args.spares else list(SCENARIOS)))
     if args.spares:
         names += [n for n in SCENARIOS if n.startswith("spare_") and n not in names]
@@ -448,7 +466,8 @@ def main() -> int:
     summary = _summary(results)
     for name, stacks in summary.items():
         print(f"bench: {name} summary: {stacks}", flush=True)
-    print(json.dumps({"scenarios": results, "summary": summary}))
+    settings = "shipped defaults" if args.defaults else "the benchmark's policy"
+    print(json.dumps({"settings": settings, "scenarios": results, "summary": summary}))
     return 0
 
 
