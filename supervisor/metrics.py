@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from supervisor.core.anomaly import AnomalyKind
 from supervisor.core.goodput import Fact, RecoveryDurations, mtbf_estimate, recommended_interval
+from supervisor.core.model import JobState
 from supervisor.failure_config import CLASS_ACTIONS
 from supervisor.store import Store, TicketRow
 from supervisor.views.documents import skipped_count
@@ -170,6 +171,11 @@ class StoreCollector(Collector):
                 "Recoveries by their root cause's failure class (user_error, oom, storage, "
                 "network, hardware, unknown).",
                 labels=["job_id", "class"]),
+            "storage_wait": gauge(
+                "resurgo_job_storage_wait",
+                "1 while the job waits for its checkpoint root's file system (a storage "
+                "incident: jobs with the same filesystem label wait on one).",
+                ["job_id", "filesystem"]),
             "world": gauge("resurgo_job_world_size_nodes", "Nodes the job runs on now.", job),
             "original": gauge("resurgo_job_original_world_size_nodes",
                               "Nodes the job was submitted with.", job),
@@ -238,6 +244,9 @@ class StoreCollector(Collector):
         failures.update((name, float(count)) for name, count in record.get("failures", []))
         for name, count in sorted(failures.items()):
             families["failures"].add_metric([job_id, name], count)
+        waiting_on = (record.get("recovery") or {}).get("storage_fs")
+        if waiting_on and row.state == JobState.RECOVERING.value:
+            families["storage_wait"].add_metric([job_id, waiting_on], 1.0)
         # Every node of the job from the start (at 0): a counter's first report
         # is then an increase that rate() and increase() can see.
         reports = {node: 0.0 for node in record.get("nodes", [])}

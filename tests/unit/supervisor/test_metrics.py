@@ -89,6 +89,21 @@ def test_failures_are_counted_by_class_each_class_from_zero_for_every_job(
     assert value(samples, "resurgo_failures_total", job_id="4712", **{"class": "hardware"}) == 0
 
 
+def test_a_job_waiting_for_its_storage_is_labelled_with_the_file_system_of_the_incident(
+    state_dir: Path,
+) -> None:
+    with Store.open(state_dir / "resurgo.db") as store:
+        for job_id, state in (("4713", "recovering"), ("4714", "running")):
+            record = {"attempt": 2, "nodes": ["node5"], "restarts": [["storage", 1]],
+                      "final_reason": "", "failures": [["storage", 1]],
+                      "recovery": {"cause": "storage", "storage_fs": "/lustre"}}  # fmt: skip
+            store.upsert_job(job_id, state=state, record=record, now_s=time.time() - 60,
+                             name="big", original_nodes=1, min_nodes=1)  # fmt: skip
+    _, samples = scrape(state_dir)
+    assert value(samples, "resurgo_job_storage_wait", job_id="4713", filesystem="/lustre") == 1
+    assert [found["job_id"] for found, _ in samples["resurgo_job_storage_wait"]] == ["4713"]
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with deploy/setup")
 def test_the_exposition_passes_promtool_check_metrics(state_dir: Path) -> None:
     text, _ = scrape(state_dir)
