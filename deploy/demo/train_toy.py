@@ -330,11 +330,8 @@ def main() -> None:
         dist.all_gather_object(shares, (indices.tolist(), own_loss))
         reported = own_loss if args.report_all_ranks else loss.item()
         saved = session.step_done(loss=reported, grad_norm=grad_norm)
-        if saved is not None:
-            with heartbeat.phase(Phase.CHECKPOINT):
-                session.wait()
-            if rank == 0:  # one report per checkpoint is enough
-                heartbeat.checkpoint_committed(session.step, saved.path)
+        # The step's record before its checkpoint's commit: a stop that lands once the
+        # commit is durable (the resume starts after this step) must not lose its line.
         if record is not None:
             line = {
                 "step": session.step,
@@ -348,6 +345,11 @@ def main() -> None:
                 **record.identity,
             }
             record.write(line)
+        if saved is not None:
+            with heartbeat.phase(Phase.CHECKPOINT):
+                session.wait()
+            if rank == 0:  # one report per checkpoint is enough
+                heartbeat.checkpoint_committed(session.step, saved.path)
         if rank == 0:
             print(f"toy: step {session.step} loss {loss.item():.6f}", flush=True)
         faults.after_step(session.step, heartbeat)
