@@ -284,11 +284,13 @@ def after_check(
         return ()
     cause = Cause(check.cause)
     user = check.slurm_user or ""
-    # The blame (its class, rule and quoted line) leads: the drain reason keeps 160
-    # characters, and the blame says why the node was checked at all.
-    evidence = f"{fragment(check.evidence, BLAME_CHARS)}; failed the supervisor's check: {detail}"
+    # The blame (its class, rule and quoted line) leads: it says why the node was
+    # checked at all. A ticket has room for all of it; a drain reason keeps 160
+    # characters, so there the blame gets its first BLAME_CHARS.
+    failed = f"failed the supervisor's check: {detail}"
     if not cluster.may_drain:
-        return (DrainTicket(check.job_id, check.attempt, check.node, cause, evidence[:500], user),)
+        evidence = f"{check.evidence}; {failed}"[:500]
+        return (DrainTicket(check.job_id, check.attempt, check.node, cause, evidence, user),)
     if drains_allowed(policy, cluster) < 1:
         message = (
             f"{check.node} failed the supervisor's check ({detail}) but was not drained: "
@@ -298,4 +300,5 @@ def after_check(
             f"probation_s); drain it by hand or raise max_drain_share_per_hour."
         )
         return (Alert(check.job_id, check.attempt, Severity.CRITICAL, message),)
-    return (DrainNode(check.job_id, check.attempt, check.node, cause, evidence[:200], user),)
+    evidence = f"{fragment(check.evidence, BLAME_CHARS)}; {failed}"[:200]
+    return (DrainNode(check.job_id, check.attempt, check.node, cause, evidence, user),)

@@ -138,6 +138,15 @@ def test_a_drain_after_a_check_keeps_the_blames_rule_and_quote_within_slurms_rea
     assert "failed the supervisor's check: FAIL /usr/sbin/nhc" in reason
 
 
+def test_a_ticket_after_a_check_keeps_a_long_blame_whole():
+    blame = "rank 5 on node3: hardware, rule site-gpu-fault: '" + "x" * 150 + " end of quote'"
+    row = check_row(evidence=blame, cause="hardware")
+    (ticket,) = after_check(row, CheckResult.FAILED, "FAIL", CHECKING,
+                            replace(FOUR, may_drain=False))  # fmt: skip
+    assert isinstance(ticket, DrainTicket)
+    assert ticket.evidence == f"{blame}; failed the supervisor's check: FAIL"
+
+
 def test_a_passed_or_expired_check_drains_nothing():
     for result in (CheckResult.PASSED, CheckResult.EXPIRED):
         assert after_check(check_row(), result, "ok", CHECKING, FOUR) == ()
