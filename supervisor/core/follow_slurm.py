@@ -168,7 +168,9 @@ def _adopt(record: JobRecord, seen: SlurmJobSeen, ctx: Context) -> Decision:
             nodes=(),
             spare_nodes=(),
             not_before_s=None,
-            recovery=replace(pending, requeue=True, requeue_seen=True),
+            recovery=replace(
+                pending, requeue=True, requeue_seen=True, slurm_requeued=_allocation(record)
+            ),
         )
         return decision(
             adopted, (), cause, f"Slurm requeued the job during recovery{_because(seen)}"
@@ -186,7 +188,12 @@ def _adopt(record: JobRecord, seen: SlurmJobSeen, ctx: Context) -> Decision:
         spare_nodes=(),
         not_before_s=None,
         # Slurm relaunches it; we only choose where it resumes from.
-        recovery=replace(started.record.recovery, requeue=True, requeue_seen=True),
+        recovery=replace(
+            started.record.recovery,
+            requeue=True,
+            requeue_seen=True,
+            slurm_requeued=_allocation(record),
+        ),
     )
     why = (
         "the job's driver requeued it before its time limit (its ranks had not stopped in "
@@ -195,6 +202,11 @@ def _adopt(record: JobRecord, seen: SlurmJobSeen, ctx: Context) -> Decision:
         else f"adopted Slurm's requeue{_because(seen)}"
     )
     return decision(adopted, started.intents, cause, why)
+
+
+def _allocation(record: JobRecord) -> tuple[str, ...]:
+    """The nodes Slurm requeued the job from: its world and its spares."""
+    return (*record.nodes, *record.spare_nodes)
 
 
 def _because(seen: SlurmJobSeen) -> str:

@@ -321,6 +321,10 @@ class Recovery:
     # The file system (mount point) the wait is for, once a look found it unusable:
     # the storage incident the job is part of.
     storage_fs: str | None = None
+    # Slurm requeued the job itself: the allocation (world and spares) it was
+    # requeued from, whose nodes decide whether the pending job must be resized
+    # (supervisor.core.recovery.resize_requeued).
+    slurm_requeued: tuple[str, ...] = ()
 
     @property
     def collecting_exits(self) -> bool:
@@ -567,7 +571,7 @@ def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
     # ``exits`` (``settled``): none collected.
     later = {"exits": (), "settled": (), "resume_before": None, "before_first_step": False,
              "storage_until_s": None, "storage_probes": 0, "storage_next_s": None,
-             "storage_fs": None}  # fmt: skip
+             "storage_fs": None, "slurm_requeued": ()}  # fmt: skip
     values = {f.name: _get(doc, f.name) for f in fields(Recovery) if f.name not in later}
     values.update({name: doc.get(name, default) for name, default in later.items()})
     values["before_first_step"] = bool(values["before_first_step"])
@@ -577,6 +581,7 @@ def _recovery(doc: Mapping[str, Any] | None) -> Recovery | None:
     values["settled"] = tuple(values["settled"])
     values["exclude"] = tuple(values["exclude"])
     values["rejected"] = tuple(values["rejected"])
+    values["slurm_requeued"] = tuple(values["slurm_requeued"])
     return Recovery(**values)
 
 

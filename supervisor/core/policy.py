@@ -26,6 +26,9 @@ Per cause (issue 5, items 3-4):
 - straggler -> alert; drain only when persistent and ``straggler_drain``;
 - preemption, time limit -> requeue without blame, no budget spent;
 - Slurm's own requeue -> adopt it (REQUEUED), never requeue on top of it;
+  once a checkpoint is chosen, resize the pending job when nodes of its
+  last allocation are down, drained or blamed (Slurm's request still names
+  them: :func:`supervisor.core.recovery.resize_requeued`);
 - grow back (no fault) -> a checkpoint committed while the job runs below
   its original size and idle nodes allow a larger one: stop the ranks and
   requeue at that size from the checkpoint, no budget spent (``grow_back``).
@@ -554,7 +557,7 @@ def _on_checkpoint(record: JobRecord, seen: CheckpointValidated, ctx: Context) -
     chosen = replace(pending, validated=True, resume_from=seen.path, resume_step=seen.step)
     record = skips.with_skip(replace(record, recovery=chosen), ctx.policy)
     if record.state is JobState.REQUEUED:
-        return Decision(record, (), pending.cause, f"the requeued job resumes from {seen.path}")
+        return recovery.resize_requeued(record, ctx)
     return recovery.relaunch(record, ctx)
 
 

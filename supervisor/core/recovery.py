@@ -312,12 +312,33 @@ def relaunch(record: JobRecord, ctx: Context) -> Decision:
             f"{swaps}relaunch on {len(keep)} node(s) {_resuming(recovery.resume_from)}",
         )
     why = ""
-    # The allocation's own healthy nodes, spares included, and the cluster's usable ones.
-    usable = (ctx.cluster.usable - exclude) | set(world) | set(spares)
     if grown is not None:
         why = f"idle nodes allow {grown} node(s) instead of {size}: "
-        size = grown
-    else:
+    return _requeue(ready, ctx, world, spares, grown, why)
+
+
+def _requeue(
+    record: JobRecord,
+    ctx: Context,
+    world: tuple[str, ...],
+    spares: tuple[str, ...],
+    size: int | None,
+    why: str,
+) -> Decision:
+    """Requeue at ``size`` nodes (None: as many usable nodes as the cluster has, up to
+    the original size), avoiding what this job blamed and what the cluster avoids.
+
+    ``world`` and ``spares``: the allocation's own healthy nodes, usable
+    whatever Slurm shows them as (the job holds them).
+    """
+    recovery = record.recovery
+    assert recovery is not None
+    cause = recovery.cause
+    blamed = {*recovery.exclude, *record.blamed_nodes}
+    avoided = ctx.cluster.avoided_by(record.slurm_user)
+    exclude = {*blamed, *avoided, *ctx.cluster.down, *ctx.cluster.drained}
+    usable = (ctx.cluster.usable - exclude) | set(world) | set(spares)
+    if size is None:
         size = world_size(len(usable), record)
         if size is None:
             reason = (
@@ -330,16 +351,47 @@ def relaunch(record: JobRecord, ctx: Context) -> Decision:
     free_now = (ctx.cluster.idle - exclude) | set(world) | set(spares)
     asked = with_spares(record, size, len(free_now))
     requeue = RequeueSmaller(record.job_id, record.attempt, asked, blocked, recovery.resume_from)
-    queued = replace(to_state(ready, JobState.REQUEUED, ctx.now_s), nodes=(), spare_nodes=())
+    queued = replace(to_state(record, JobState.REQUEUED, ctx.now_s), nodes=(), spare_nodes=())
     # This fault's cause names its nodes; with earlier ones among them, the job alone.
     when = f"in this job ({cause.value})" if blamed == set(recovery.exclude) else "in this job"
-    excluded = exclusions(blamed, when, record.nodes, ctx.cluster, record.slurm_user)
+    job_nodes = record.nodes or recovery.slurm_requeued
+    excluded = exclusions(blamed, when, job_nodes, ctx.cluster, record.slurm_user)
     return decision(
         queued,
         (requeue,),
         cause,
         f"{why}requeue with {size} node(s) {excluded} {_resuming(recovery.resume_from)}",
     )
+
+
+def resize_requeued(record: JobRecord, ctx: Context) -> Decision:
+    """Slurm requeued the job itself and a checkpoint is chosen: resize the pending job
+    when its allocation's nodes are out, else leave Slurm's request as it is.
+
+    Slurm's own requeue (its batch host lost, a preemption, a requeue from
+    inside the job) keeps the job's request: the size of its last allocation,
+    nothing excluded. A node of that allocation that is down or drained then
+    holds the job in the queue until the node comes back, for a dead node all
+    night; one this job blamed (a drain the hourly share refused) takes it
+    again. So the pending job is resized as a requeue of ours would ask
+    (:class:`RequeueSmaller` finds it pending and only updates it).
+    """
+    recovery = record.recovery
+    assert recovery is not None and recovery.validated
+    allocation = set(recovery.slurm_requeued)
+    out = allocation & {
+        *recovery.exclude,
+        *record.blamed_nodes,
+        *ctx.cluster.avoided_by(record.slurm_user),
+        *ctx.cluster.down,
+        *ctx.cluster.drained,
+    }
+    if not out:
+        return decision(
+            record, (), recovery.cause, f"the requeued job resumes from {recovery.resume_from}"
+        )
+    why = f"Slurm's requeue would wait for {', '.join(sorted(out))}: "
+    return _requeue(record, ctx, (), (), None, why)
 
 
 def grow(record: JobRecord, ctx: Context, checkpoint: str, step: int) -> Decision | None:

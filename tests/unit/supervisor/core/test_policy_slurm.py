@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.core.intents import DrainNode, RequeueSmaller, StopRanks
-from supervisor.core.model import Cause, JobState, new_record
+from supervisor.core.model import Cause, ClusterView, JobState, new_record
 from supervisor.core.observations import (
     CheckpointValidated,
     LeaseExpired,
@@ -18,7 +18,7 @@ from supervisor.core.observations import (
     SlurmNodeSeen,
     StepProgress,
 )
-from tests.unit.policy_world import CKPT, NODES, NOW, kinds, run, running
+from tests.unit.policy_world import CKPT, FOUR, NODES, NOW, kinds, run, running
 
 
 @pytest.mark.parametrize(
@@ -97,7 +97,68 @@ def test_slurm_requeue_during_our_recovery_is_adopted_without_spending_budget_tw
     assert adopted.record.state is JobState.REQUEUED and adopted.intents == ()
     assert adopted.record.restarts_without_progress == crash.record.restarts_without_progress
     assert adopted.record.attempt == crash.record.attempt
-    assert chosen.intents == () and chosen.record.recovery.resume_from == CKPT
+    assert chosen.record.recovery.resume_from == CKPT
+    # Slurm's requeue kept node2 in the request; the pending job is resized without it.
+    (requeue,) = chosen.intents
+    assert isinstance(requeue, RequeueSmaller) and requeue.exclude == ("node2",)
+    assert requeue.n_nodes == 4 and requeue.resume_from == CKPT
+    assert chosen.record.state is JobState.REQUEUED
+
+
+LEFT = frozenset(NODES) - {"node1"}
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        ClusterView(usable=LEFT, down=frozenset({"node1"})),
+        ClusterView(usable=LEFT, drained=frozenset({"node1"})),
+    ],
+    ids=["down", "drained"],
+)
+def test_a_slurm_requeue_after_its_batch_host_died_is_resized_to_the_nodes_left(lost):
+    # Slurm requeued the job itself (its batch host is down) before any lease of it
+    # lapsed: its request still names four nodes, and only three are left.
+    adopted, chosen, back = run(
+        running(),
+        SlurmJobSeen("PENDING", (), 1, "NodeFail"),
+        CheckpointValidated(100, CKPT, True),
+        SlurmJobSeen("RUNNING", ("node2", "node3", "node4"), 1),
+        cluster=lost,
+    )
+    assert adopted.record.recovery is not None
+    assert adopted.record.recovery.slurm_requeued == NODES
+    (requeue,) = chosen.intents
+    assert isinstance(requeue, RequeueSmaller)
+    # Slurm places nothing on a down or drained node: no exclusion needed, the size is.
+    assert (requeue.n_nodes, requeue.exclude, requeue.resume_from) == (3, (), CKPT)
+    assert chosen.record.state is JobState.REQUEUED
+    assert "would wait for node1" in chosen.explanation, chosen.explanation
+    assert back.record.state is JobState.STARTING and len(back.record.nodes) == 3
+
+
+def test_a_slurm_requeue_below_the_minimum_size_fails_the_job_saying_why():
+    lost = ClusterView(usable=frozenset({"node2"}), down=frozenset({"node1", "node3", "node4"}))
+    _, chosen = run(
+        running(),
+        SlurmJobSeen("PENDING", (), 1, "NodeFail"),
+        CheckpointValidated(100, CKPT, True),
+        cluster=lost,
+    )
+    assert chosen.record.state is JobState.FAILED and chosen.cause is Cause.BELOW_MIN_NODES
+    assert "only 1 usable node(s)" in chosen.record.final_reason
+
+
+def test_a_slurm_requeue_whose_nodes_are_all_in_service_keeps_slurms_request():
+    # A preemption: the job's nodes are busy with another job, not out of service.
+    _, chosen = run(
+        running(),
+        SlurmJobSeen("PENDING", (), 1, "Preempted"),
+        CheckpointValidated(100, CKPT, True),
+        cluster=FOUR,
+    )
+    assert chosen.intents == () and chosen.record.state is JobState.REQUEUED
+    assert chosen.explanation == f"the requeued job resumes from {CKPT}"
 
 
 def test_an_ended_state_seen_before_our_requeue_took_effect_is_stale_but_not_after():
