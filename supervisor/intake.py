@@ -225,7 +225,7 @@ class Intake:
         self.settle_hangs()
 
     def _hold_hang(self, job_id: str, job: TrackedJob, event: Event, now: float) -> bool:
-        """Hold a hang report while a rank on another node saves or evaluates
+        """Hold a hang report while a rank on another node saves, evaluates or waits for data
         (:func:`supervisor.core.hang_hold.hold`)."""
         hold = hang_hold.hold(event, job.busy, job.record, now, self.config.lease_s)
         if hold is None:

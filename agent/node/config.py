@@ -67,6 +67,7 @@ class AgentConfig:
       first collective), before its first step.
     - ``checkpoint_grace_s``: the timeout while a rank saves a checkpoint.
     - ``eval_grace_s``: the timeout while a rank evaluates (``model.eval()``).
+    - ``data_grace_s``: the timeout while a rank waits for its data loader's next batch.
     - ``stack_sample_s``: how often the ranks' stacks are sampled while they send no beats.
     - ``stack_timeout_s``: how long an unchanged stack inside a collective is tolerated.
     - ``health_check``: a command run on the node every ``health_check_interval_s``; a
@@ -111,6 +112,7 @@ class AgentConfig:
     init_grace_s: float = 600.0
     checkpoint_grace_s: float = 600.0
     eval_grace_s: float = 900.0
+    data_grace_s: float = 600.0
     stack_sample_s: float = 5.0
     stack_timeout_s: float = 120.0
     health_check: str = ""
@@ -163,6 +165,7 @@ class AgentConfig:
             init_grace_s=self.init_grace_s,
             checkpoint_grace_s=self.checkpoint_grace_s,
             eval_grace_s=self.eval_grace_s,
+            data_grace_s=self.data_grace_s,
             stack_timeout_s=self.stack_timeout_s,
         )
 

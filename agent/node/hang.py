@@ -45,9 +45,10 @@ class HangConfig:
 
     - ``floor_s``: the shortest TRAIN timeout, whatever the step times say.
     - ``k``: TRAIN timeout = max(floor_s, k x p99 of the last ``window`` step times).
-    - ``init_grace_s`` / ``checkpoint_grace_s`` / ``eval_grace_s``: the timeout in
-      those phases. INIT's grace also covers TRAIN until the first step time is
-      measured (the first steps compile, warm caches and spin up loaders).
+    - ``init_grace_s`` / ``checkpoint_grace_s`` / ``eval_grace_s`` /
+      ``data_grace_s``: the timeout in those phases. INIT's grace also covers
+      TRAIN until the first step time is measured (the first steps compile,
+      warm caches and spin up loaders).
     - ``stack_timeout_s``: how long an unchanged stack inside a collective is
       tolerated, for ranks that send no beats.
     - ``straggler_factor`` / ``straggler_min_steps``: a rank is a straggler when its
@@ -61,6 +62,7 @@ class HangConfig:
     init_grace_s: float = 600.0
     checkpoint_grace_s: float = 600.0
     eval_grace_s: float = 900.0
+    data_grace_s: float = 600.0
     stack_timeout_s: float = 300.0
     straggler_factor: float = 1.5
     straggler_min_steps: int = 10
@@ -93,6 +95,7 @@ class HangConfig:
             Phase.INIT: self.init_grace_s,
             Phase.CHECKPOINT: self.checkpoint_grace_s,
             Phase.EVAL: self.eval_grace_s,
+            Phase.DATA: self.data_grace_s,
         }.get(phase)
 
 
@@ -223,6 +226,7 @@ class HangReason(enum.Enum):
     INIT_GRACE = "init_grace"  # INIT, or TRAIN before any step time was measured
     CHECKPOINT_GRACE = "checkpoint_grace"
     EVAL_GRACE = "eval_grace"
+    DATA_GRACE = "data_grace"
     STACK_IN_COLLECTIVE = "stack_in_collective"  # uninstrumented: stack frozen in a collective
 
 
@@ -230,6 +234,7 @@ _PHASE_REASON = {
     Phase.INIT: HangReason.INIT_GRACE,
     Phase.CHECKPOINT: HangReason.CHECKPOINT_GRACE,
     Phase.EVAL: HangReason.EVAL_GRACE,
+    Phase.DATA: HangReason.DATA_GRACE,
 }
 
 

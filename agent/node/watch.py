@@ -168,7 +168,8 @@ class RankMonitor:
 
     def _needs_confirming(self, progress: RankProgress, verdict: HangVerdict) -> bool:
         """An automatic rank's stop, short of the longest grace: a hang only if confirmed."""
-        limit = max(self._config.eval_grace_s, self._config.checkpoint_grace_s)
+        config = self._config
+        limit = max(config.eval_grace_s, config.checkpoint_grace_s, config.data_grace_s)
         return progress.automatic and verdict.since_progress_s <= limit
 
     async def _placed_now(self, live: Mapping[int, RankProcess], now_s: float) -> dict[int, bool]:

@@ -21,6 +21,11 @@ for ``import torch`` to finish, and then
   the step keys (nanoGPT's ``iter_num``, ``step``, ``global_step``, ...)
   says where the script resumes, so the count goes on from there;
 - wraps ``torch.nn.Module.train``: a model put in eval mode is phase eval;
+- wraps the data loader's ``__next__`` (``_BaseDataLoaderIter``): a wait for
+  the next batch that lasts over :data:`DATA_WAIT_S` is phase data
+  (:class:`DataWait`), so a stalled loader (a slow file system, a restarting
+  worker) is no hang of the rank, and its peers waiting for it in a
+  collective are held (:mod:`supervisor.core.hang_hold`);
 - when the script imports ``torch.distributed.checkpoint`` (DCP; never
   imported here first: it costs seconds), wraps its ``save`` and
   ``async_save`` (phase checkpoint while the call blocks) and ``load``. A save
@@ -49,6 +54,7 @@ import importlib.machinery
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
@@ -67,6 +73,8 @@ DCP_MODULE = "torch.distributed.checkpoint"
 DCP_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 # Never an object's id(): steps of any optimizer are not counted while it is set.
 _NO_OPTIMIZER = 0
+# A wait for the data loader's next batch longer than this is phase data.
+DATA_WAIT_S = 1.0
 
 
 def enabled(environ: dict[str, str] | os._Environ[str]) -> bool:
@@ -78,12 +86,74 @@ def enabled(environ: dict[str, str] | os._Environ[str]) -> bool:
     )
 
 
+class DataWait:
+    """Phase data while the training thread waits long for its next batch.
+
+    The wrapped ``__next__`` notes when a wait began and when it ended (a lock
+    taken once, no message); a daemon thread, started at the first wait, beats
+    phase data once a wait passes ``after_s``, and the wait's end beats the
+    phase before it again. A short wait, the usual one with workers that
+    prefetch, sends nothing. The lock orders the two threads' beats: the
+    phase of the last one is never data once the wait ended.
+    """
+
+    def __init__(
+        self,
+        beats: Heartbeat,
+        after_s: float = DATA_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._beats = beats
+        self._after_s = after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._step = 0
+        self._back: Phase | None = None  # the phase to beat again once the wait ends
+        self._thread: threading.Thread | None = None
+
+    def began(self, step: int) -> None:
+        """The training thread asks for a batch at ``step``."""
+        self._step = step
+        self._since = self._clock()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._watch, name="resurgo-data-wait", daemon=True
+            )
+            self._thread.start()
+
+    def ended(self) -> None:
+        """The batch came (or the loader raised)."""
+        with self._lock:
+            self._since = None
+            back, self._back = self._back, None
+        if back is not None:
+            self._beats.beat(self._step, back)
+
+    def check(self) -> bool:
+        """Beat phase data when the current wait passed ``after_s``; whether it did."""
+        with self._lock:
+            since = self._since
+            if since is None or self._back is not None or self._clock() - since < self._after_s:
+                return False
+            self._back = self._beats.current_phase
+            self._beats.beat(self._step, Phase.DATA)
+            return True
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self._after_s / 2)
+            with contextlib.suppress(Exception):
+                self.check()
+
+
 class AutoProgress:
     """The hooks' state: the step count, the first optimizer, the heartbeat."""
 
     def __init__(self, beats: Heartbeat) -> None:
         self.beats = beats
         self.step = 0
+        self.data = DataWait(beats)
         self.losses = LossTap()
         self._optimizer: int | None = None
         self._handle: Any = None
@@ -336,6 +406,20 @@ class AutoProgress:
 
         return training
 
+    def wrap_next(self, next_batch: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(next_batch)
+        def next_batching(iterator: Any) -> Any:
+            # Before the first step the phase is init, whose grace covers loading.
+            if self.step == 0 or self.standing_down or threading.get_ident() != self._trainer:
+                return next_batch(iterator)
+            self.data.began(self.step)
+            try:
+                return next_batch(iterator)
+            finally:
+                self.data.ended()
+
+        return next_batching
+
     def attach(self, torch: Any) -> None:
         """Hook into an imported torch; a part that fails leaves that part as it was."""
         try:
@@ -355,6 +439,9 @@ class AutoProgress:
         with contextlib.suppress(Exception):
             scaler = torch.amp.grad_scaler.GradScaler
             scaler.scale = self.wrap_scale(scaler.scale)
+        with contextlib.suppress(Exception):
+            loader_iter = torch.utils.data.dataloader._BaseDataLoaderIter
+            loader_iter.__next__ = self.wrap_next(loader_iter.__next__)
         _after_import(DCP_MODULE, self.attach_dcp)
 
 

@@ -127,6 +127,11 @@ class Heartbeat:
         return self._path is not None
 
     @property
+    def current_phase(self) -> Phase:
+        """The phase of the last beat (train before any)."""
+        return self._phase
+
+    @property
     def connected(self) -> bool:
         """Whether a socket to the agent is open now."""
         return self._sock is not None

@@ -15,7 +15,7 @@ offset type  field
 0      2s    magic ``b"Rh"``
 2      u8    version, 1
 3      u8    kind: 1 = beat, 2 = checkpoint committed, 3 = step report
-4      u8    phase: 0 init, 1 train, 2 checkpoint, 3 eval
+4      u8    phase: 0 init, 1 train, 2 checkpoint, 3 eval, 4 data
 5      u8    flags: bit 0 set for a beat or step report of the automatic
              bootstrap (:mod:`agent.train.autohooks`); bit 1 set on a step report
              whose loss was not finite (the loss field holds the NaN or
@@ -95,6 +95,9 @@ class Phase(enum.Enum):
     TRAIN = "train"
     CHECKPOINT = "checkpoint"
     EVAL = "eval"
+    # Waiting for a batch from the data loader for longer than a moment (the
+    # bootstrap's hooks: agent.train.autohooks).
+    DATA = "data"
 
 
 class Kind(enum.IntEnum):
@@ -111,6 +114,7 @@ PHASE_CODE: dict[Phase, int] = {
     Phase.TRAIN: 1,
     Phase.CHECKPOINT: 2,
     Phase.EVAL: 3,
+    Phase.DATA: 4,
 }
 _CODE_PHASE: dict[int, Phase] = {code: phase for phase, code in PHASE_CODE.items()}
 

@@ -1,5 +1,6 @@
-"""When a hang report is decided on: held while a rank elsewhere saves or evaluates,
-or until the other nodes' next heartbeats, and dropped once training goes on.
+"""When a hang report is decided on: held while a rank elsewhere saves, evaluates or
+waits for its data loader, or until the other nodes' next heartbeats, and dropped
+once training goes on.
 
 Ranks that wait in a collective for a rank-0-only ``torch.save`` or an
 evaluation look hung to their agents; the busy rank's own agent knows better
@@ -8,7 +9,8 @@ heartbeat may reach the supervisor after the reports it explains. So a hang
 report is:
 
 - **held** (:func:`hold`) while a rank of the current attempt on another node
-  of the job is busy (a checkpoint or an evaluation, heard within a lease);
+  of the job is busy (a checkpoint, an evaluation or a wait for data, heard
+  within a lease);
 - else **awaited** (:func:`await_heartbeats`) until each other node that calls
   in has sent a heartbeat after it: twice its last gap between heartbeats
   after its newest one, a lease at most (a silent node's silence may be the
@@ -32,11 +34,11 @@ from agent.wire.protocol import Event
 from supervisor.core.model import JobRecord
 
 # Phases in which a rank may keep its peers waiting in a collective for long.
-BUSY_PHASES = frozenset({Phase.CHECKPOINT, Phase.EVAL})
+BUSY_PHASES = frozenset({Phase.CHECKPOINT, Phase.EVAL, Phase.DATA})
 
 
 class BusyRank(NamedTuple):
-    """A node's rank in a checkpoint or an evaluation, from the node's newest heartbeat."""
+    """A node's rank in a busy phase (:data:`BUSY_PHASES`), from the node's newest heartbeat."""
 
     attempt: int
     seen_s: float
@@ -121,7 +123,7 @@ def top_hung_step(event: Event) -> int:
 def hold(
     event: Event, busy: Mapping[str, BusyRank], record: JobRecord, now: float, lease_s: float
 ) -> Hold | None:
-    """Hold ``event`` (a hang report) while a rank on another node saves or evaluates."""
+    """Hold ``event`` (a hang report) while a rank on another node is busy (:data:`BUSY_PHASES`)."""
     others = busy_now(busy, record, now, lease_s, exclude=event.node)
     if not others:
         return None

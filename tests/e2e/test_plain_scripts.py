@@ -81,16 +81,18 @@ def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself
 
 
 @pytest.mark.long
-def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
+def test_a_60_s_evaluation_a_30_s_rank_0_save_and_a_60_s_loader_stall_are_no_hang(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
     """Ranks 1-3 wait in a barrier through rank 0's save, far past the 8 s floor: their
     reports are held while rank 0 is in its checkpoint, then dropped as training
-    goes on."""
+    goes on. Later rank 2's data loader stalls 60 s while the others wait in DDP's
+    backward: the bootstrap tells phase data, and the same holds."""
     job_id, output = submit_plain(
-        supervisor, tmp_path, "--eval-pause-s", "60", "--save-pause-s", "30"
-    )
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
+        supervisor, tmp_path, "--eval-pause-s", "60", "--save-pause-s", "30",
+        "--data-stall-at", "15", "--data-stall-s", "60", "--fault-rank", "2",
+    )  # fmt: skip
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
     text = output.read_text(errors="replace")
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
@@ -100,6 +102,8 @@ def test_a_60_s_evaluation_and_a_30_s_rank_0_save_are_no_hang(
         line for line in supervisor.log().splitlines() if "held" in line or "hang" in line
     )
     assert "held" in supervisor.log(), "the save never kept the peers waiting long enough"
+    assert "loader of rank 2 stalling 60.0 s in iter 15" in text, text
+    assert "is in data, its peers may wait for it" in supervisor.log(), "no hold for the loader"
     # Goodput from the observed steps, and the script's own newest file as the checkpoint.
     shown_job = status(supervisor, job_id)
     assert shown_job["goodput"] > 0, shown_job

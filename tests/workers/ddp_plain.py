@@ -17,6 +17,11 @@ read them. It keeps its own checkpoint, ``OUT_DIR/ckpt.pt``
   eval mode, the way a long validation pass does (no optimizer step meanwhile);
 - ``--save-pause-s S``: rank 0's first checkpoint write takes S seconds longer,
   while its peers wait in a barrier;
+- ``--data-stall-at N --data-stall-s S`` with ``--fault-rank R``: every rank
+  draws its batches from a ``DataLoader`` (the same numbers as without one),
+  and rank R's loader takes S seconds over iteration N's batch, the way a slow
+  file system or a restarting worker stalls it, while its peers wait in DDP's
+  backward;
 - ``--kill-at N`` / ``--raise-at N`` / ``--stop-at N`` with ``--fault-rank R``:
   rank R SIGKILLs itself, raises a RuntimeError, or SIGSTOPs itself in iteration
   N; ``--stop-at`` stops it just before the iteration's ``all_reduce`` of the loss
@@ -47,6 +52,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The script's random batches from ``generator``, from iteration ``start`` on; the
+    one of iteration ``stall_at`` comes ``stall_s`` seconds late."""
+
+    def __init__(
+        self, generator: torch.Generator, start: int, stall_at: int, stall_s: float
+    ) -> None:
+        self.generator, self.start = generator, start
+        self.stall_at, self.stall_s = stall_at, stall_s
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        iter_num = self.start
+        while True:
+            if iter_num == self.stall_at:
+                node = os.environ.get("SLURMD_NODENAME", "this node")
+                print(f"loader of rank {os.environ.get('RANK')} stalling {self.stall_s} s in "
+                      f"iter {iter_num} on {node} ({time.time():.3f})", flush=True)  # fmt: skip
+                time.sleep(self.stall_s)
+            yield torch.randn(16, 32, generator=self.generator)
+            iter_num += 1
 
 
 class SlowToPickle:
@@ -91,6 +118,8 @@ def main() -> None:
     parser.add_argument("--exit-words", default="")
     parser.add_argument("--fault-rank", type=int, default=-1)
     parser.add_argument("--save-buffered", action="store_true")
+    parser.add_argument("--data-stall-at", type=int, default=-1)
+    parser.add_argument("--data-stall-s", type=float, default=0.0)
     args = parser.parse_args()
 
     if args.init == "slurm":
@@ -124,8 +153,14 @@ def main() -> None:
     generator = torch.Generator().manual_seed(rank)
     first_launch = not resumed
 
+    batches = None
+    if args.data_stall_s:
+        stall_at = args.data_stall_at if first_launch and rank == args.fault_rank else -1
+        dataset = Batches(generator, iter_num, stall_at, args.data_stall_s)
+        batches = iter(torch.utils.data.DataLoader(dataset, batch_size=None))
+
     while iter_num < args.max_iters:
-        x = torch.randn(16, 32, generator=generator)
+        x = next(batches) if batches is not None else torch.randn(16, 32, generator=generator)
         y = x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(ddp(x), y)
         if first_launch and iter_num == args.sleep_at and rank == args.sleep_rank:

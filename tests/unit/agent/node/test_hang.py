@@ -147,6 +147,7 @@ def test_a_new_pid_starts_a_fresh_history() -> None:
             HangReason.CHECKPOINT_GRACE,
         ),
         ("eval", feed([(0.0, b(3, Phase.EVAL))]), 900.0, HangReason.EVAL_GRACE),
+        ("data", feed([(0.0, b(3)), (1.0, b(3, Phase.DATA))]), 600.0, HangReason.DATA_GRACE),
     ],
 )
 def test_timeout_for_each_phase(

@@ -74,9 +74,14 @@ def _hang(node: str, step: int, timeout_s: float = 5.0):  # type: ignore[no-unty
     return Event(EventKind.HANG, "7", node, f"7/{node}/00000000000000a1/1", 1, NOW, payload)
 
 
-def test_a_hang_report_is_held_while_another_node_saves_and_dropped_once_training_goes_on() -> None:
+@pytest.mark.parametrize(
+    "phase", [hang_hold.Phase.CHECKPOINT, hang_hold.Phase.EVAL, hang_hold.Phase.DATA]
+)
+def test_a_hang_report_is_held_while_another_node_is_busy_and_dropped_once_training_goes_on(
+    phase: hang_hold.Phase,
+) -> None:
     record = running()
-    busy = {"n2": hang_hold.BusyRank(1, NOW - 1, 1, hang_hold.Phase.CHECKPOINT)}
+    busy = {"n2": hang_hold.BusyRank(1, NOW - 1, 1, phase)}
     hold = hang_hold.hold(_hang("n1", 8), busy, record, NOW, LEASE_S)
     assert hold is not None and hold.busy_node == "n2" and hold.held.top_step == 8
     assert hang_hold.hold(_hang("n2", 8), busy, record, NOW, LEASE_S) is None  # its own node
