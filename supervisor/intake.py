@@ -156,11 +156,13 @@ class Intake:
                     job.record.attempt,
                 )  # fmt: skip
                 continue
-            if event.kind is EventKind.HANG and (
+            # A stall report is evidence only: decided on at once, it starts nothing.
+            hang = event.kind is EventKind.HANG and event.payload.get("stalled") is not True
+            if hang and (
                 self._hold_hang(job_id, job, event, now) or self._await_heartbeats(job, event, now)
             ):
                 continue
-            if event.kind is EventKind.HANG:
+            if hang:
                 self._release_held(job_id, job)
             if event.kind is EventKind.RANK_EXITED and job.watch is not None:
                 # A script that raises on a NaN: its anomaly is the cause, decided first.

@@ -57,9 +57,12 @@ class RankMonitor:
         self._samples: dict[int, deque[StackSample]] = {}
         self._last_sample: dict[int, float] = {}
         self._hang_reported: dict[int, float] = {}
+        # Ranks told in a stall report (stopped outside any collective), this episode.
+        self._stall_reported: dict[int, float] = {}
         self._straggling: set[int] = set()
         # Native-aware "in a collective?" of the local ranks, taken on suspicion.
         self._placed: dict[int, bool] = {}
+        self._placed_dumps: dict[int, StackDump] = {}  # by pid, the dumps that placed them
         self._placed_s = -1e9
         # A native dump pauses the ranks ~0.5-1 s: while nothing is confirmed
         # (a long evaluation), each round waits twice as long as the last.
@@ -79,9 +82,10 @@ class RankMonitor:
             return
         progress = observe(self.progress.get(beat.rank), beat, now_s, window=self._config.window)
         self.progress[beat.rank] = progress
-        reported = self._hang_reported.get(beat.rank)
-        if reported is not None and progress.progress_s > reported:
-            del self._hang_reported[beat.rank]
+        for told in (self._hang_reported, self._stall_reported):
+            reported = told.get(beat.rank)
+            if reported is not None and progress.progress_s > reported:
+                del told[beat.rank]
 
     def is_behind(self, beat: RankBeat | StepReport) -> bool:
         """Whether ``beat``'s process already told of a later step (a late loss report)."""
@@ -105,12 +109,20 @@ class RankMonitor:
     async def _check_hangs(self, live: Mapping[int, RankProcess], now_s: float) -> None:
         beating = {r: p for r, p in self.progress.items() if r in live}
         verdicts = hang_verdicts(beating, now_s, self._config)
+        stalled: Hung = {}
         if any(self._needs_confirming(beating[v.rank], v) for v in verdicts):
             # Optimizer steps stopped in a script that imports nothing: a long
             # evaluation or a rank-0 save stops them too. A hang has ranks
             # waiting for a peer: one here must sit in a collective.
             placed = await self._placed_now(live, now_s)
             if not any(placed.values()):
+                # No hang here; but a rank placed outside any collective may be
+                # the one peers on other nodes wait for: their evidence.
+                stalled = {
+                    v.rank: (v, protocol.HangDetector.HEARTBEAT)
+                    for v in verdicts
+                    if self._needs_confirming(beating[v.rank], v) and placed.get(v.rank) is False
+                }
                 verdicts = [v for v in verdicts if not self._needs_confirming(beating[v.rank], v)]
         hung: Hung = {
             verdict.rank: (verdict, protocol.HangDetector.HEARTBEAT) for verdict in verdicts
@@ -138,6 +150,12 @@ class RankMonitor:
                     hung[rank.global_rank] = (verdict, protocol.HangDetector.STACK)
                 elif _frozen_for(samples, now_s) > self._config.stack_timeout_s:
                     frozen_outside.append(rank.global_rank)
+        if not hung and any(rank not in self._stall_reported for rank in stalled):
+            # The dumps that placed the ranks are its evidence: no second pause of them.
+            await self._report_hang(stalled, live, stall=True)
+            for key in stalled:
+                self._stall_reported[key] = now_s
+            return
         if not any(rank not in self._hang_reported for rank in hung):
             return
         if self._freezing_outside(silent, hung, frozen_outside, now_s):
@@ -185,6 +203,7 @@ class RankMonitor:
                 for key, rank in live.items()
                 if dumps[rank.pid].ok
             }
+            self._placed_dumps = dumps
             self._placed_s = now_s
             if not any(self._placed.values()):
                 self._placed_every = min(MAX_PLACED_EVERY_S, 2 * self._placed_every)
@@ -275,11 +294,18 @@ class RankMonitor:
             detail="stack frozen outside any collective while other ranks wait in one",
         )
 
-    async def _report_hang(self, hung: Hung, live: Mapping[int, RankProcess]) -> None:
-        # Evidence before anything is killed: every local rank's stack, hung or not.
-        dumps: dict[int, StackDump] = await asyncio.to_thread(
-            dump_all_placed, [rank.pid for rank in live.values()], EVIDENCE_DEADLINE_S
-        )
+    async def _report_hang(
+        self, hung: Hung, live: Mapping[int, RankProcess], stall: bool = False
+    ) -> None:
+        """Report ``hung`` with every local rank's stack; ``stall``: as a stall report
+        (evidence only: none of the node's ranks waits in a collective), whose stacks
+        are the dumps that placed the ranks moments ago."""
+        pids = [rank.pid for rank in live.values()]
+        if stall and all(pid in self._placed_dumps for pid in pids):
+            dumps = self._placed_dumps
+        else:
+            # Evidence before anything is killed: every local rank's stack, hung or not.
+            dumps = await asyncio.to_thread(dump_all_placed, pids, EVIDENCE_DEADLINE_S)
         stacks = {
             str(key): protocol.clip_text(_stack_text(dumps[rank.pid]), protocol.MAX_TEXT_CHARS)
             for key, rank in live.items()
@@ -314,6 +340,7 @@ class RankMonitor:
                 ],
                 "stacks": stacks,
                 "culprits": self._culprits(hung, collective),
+                **({"stalled": True} if stall else {}),
             },
         )
 

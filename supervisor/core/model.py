@@ -390,6 +390,10 @@ class JobRecord:
     # Failures of the job's ranks, by failure class (supervisor.core.failure_rules):
     # the root cause of each recovery counted once; a class's retry budget reads it.
     failures: tuple[tuple[str, int], ...] = ()
+    # Ranks an agent found stopped outside any collective while none of its node
+    # waits in one (its stall report): evidence kept for a hang other nodes report
+    # (supervisor.core.policy._on_stall); cleared when a recovery starts.
+    stalls: tuple[Suspect, ...] = ()
 
     def with_anomaly(self, seen: AnomalySeen) -> JobRecord:
         """This record with ``seen`` as its newest anomaly (the oldest dropped past the cap)."""
@@ -609,6 +613,7 @@ def record_from_json(text: str) -> JobRecord:
         "finished_ranks": (),
         "slurm_user": "",
         "failures": (),
+        "stalls": (),
     }
     values: dict[str, Any] = {
         f.name: doc.get(f.name, later[f.name]) if f.name in later else _get(doc, f.name)
@@ -631,6 +636,7 @@ def record_from_json(text: str) -> JobRecord:
             (int(start), int(end)) for start, end in values["skipped_samples"]
         )
         values["failures"] = tuple((str(c), int(n)) for c, n in values["failures"])
+        values["stalls"] = tuple(_suspect(s) for s in values["stalls"])
         values["finished_ranks"] = tuple(
             (int(attempt), int(rank), None if step is None else int(step))
             for attempt, rank, step in values["finished_ranks"]

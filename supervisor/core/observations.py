@@ -81,11 +81,14 @@ class RankExited(AgentReport):
 @dataclass(frozen=True, kw_only=True)
 class HangReported(AgentReport):
     """A node's ranks made no progress for longer than their timeout (``hang``);
-    ``culprits`` most suspect first."""
+    ``culprits`` most suspect first. ``stalled``: evidence only, none of the
+    node's ranks waits in a collective (they are what peers elsewhere may wait
+    for); such a report never starts a recovery by itself."""
 
     KIND: ClassVar[EventKind] = EventKind.HANG
 
     culprits: tuple[Culprit, ...] = ()
+    stalled: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -411,7 +414,11 @@ def _rank_exited(event: Event) -> RankExited:
 
 def _hang(event: Event) -> HangReported:
     return HangReported(
-        event.node, event.event_id, event.time_unix_s, culprits=_culprits(event.payload)
+        event.node,
+        event.event_id,
+        event.time_unix_s,
+        culprits=_culprits(event.payload),
+        stalled=event.payload.get("stalled") is True,
     )
 
 

@@ -80,6 +80,7 @@ from supervisor.core.model import (
     JobRecord,
     JobState,
     Recovery,
+    Suspect,
     at_step,
 )
 from supervisor.core.observations import (
@@ -423,18 +424,23 @@ def _on_exception(record: JobRecord, root: ExitSeen, ctx: Context, verdict: Blam
 
 
 def _on_hang(record: JobRecord, event: HangReported, ctx: Context) -> Decision:
+    if event.stalled:
+        return _on_stall(record, event, ctx)
     pending = record.recovery
     if record.state in LIVE:
+        suspects = suspects_of(event)
         record = replace(
             recovery.to_state(record, JobState.RECOVERING, ctx.now_s),
+            stalls=(),
             recovery=Recovery(
                 cause=Cause.HANG,
                 started_s=ctx.now_s,
                 evidence_until_s=ctx.now_s + ctx.policy.hang_evidence_window_s,
-                suspects=suspects_of(event),
+                suspects=(*suspects, *_stalled_with(record.stalls, suspects)),
             ),
         )
-    elif pending is not None and pending.evidence_until_s is not None and not pending.exits:
+    elif _hang_window_open(record):
+        assert pending is not None
         record = replace(
             record, recovery=replace(pending, suspects=(*pending.suspects, *suspects_of(event)))
         )
@@ -445,6 +451,53 @@ def _on_hang(record: JobRecord, event: HangReported, ctx: Context) -> Decision:
     if ctx.policy.hang_evidence_window_s == 0 or _every_node_reported(record):
         return _blame_hang(record, ctx)
     return Decision(record, (), Cause.HANG, f"hang on {event.node}: collecting evidence")
+
+
+def _hang_window_open(record: JobRecord) -> bool:
+    """A hang's evidence is being collected (not a rank exit's)."""
+    pending = record.recovery
+    return pending is not None and pending.evidence_until_s is not None and not pending.exits
+
+
+def _on_stall(record: JobRecord, event: HangReported, ctx: Context) -> Decision:
+    """A node whose ranks stopped outside any collective, none of them waiting in one.
+
+    Evidence, never a recovery by itself: a long computation on one rank that
+    the hooks do not see stops its steps too, and whether anyone waits for it
+    is for the other nodes' hang reports to say. During a hang's evidence
+    window it is that node's report, so the window closes once every node has
+    spoken and blame finds the rank outside the collective the others wait in;
+    before one, it is kept for the window a peer's report opens.
+    """
+    stalled = suspects_of(event)
+    if _hang_window_open(record):
+        assert record.recovery is not None
+        pending = record.recovery
+        record = replace(record, recovery=replace(pending, suspects=(*pending.suspects, *stalled)))
+        if _every_node_reported(record):
+            return _blame_hang(record, ctx)
+        return Decision(
+            record, (), Cause.HANG, f"ranks on {event.node} stopped outside any collective"
+        )
+    if record.state not in LIVE:
+        return _nothing(record, f"stall report from {event.node} while {record.state.value}")
+    kept = (*(s for s in record.stalls if s.node != event.node), *stalled)
+    return _nothing(
+        replace(record, stalls=kept),
+        f"ranks on {event.node} stopped outside any collective: kept as evidence, should "
+        "other nodes report ranks waiting for them",
+    )
+
+
+def _stalled_with(stalls: tuple[Suspect, ...], hung: tuple[Suspect, ...]) -> tuple[Suspect, ...]:
+    """The kept stalls of the same episode as ``hung``: stopped within a step of a hung
+    rank (an earlier episode's stall stopped at another step)."""
+    steps = [s.last_step for s in hung if s.last_step is not None]
+    return tuple(
+        stall
+        for stall in stalls
+        if stall.last_step is not None and any(abs(stall.last_step - step) <= 1 for step in steps)
+    )
 
 
 def _every_node_reported(record: JobRecord) -> bool:

@@ -216,6 +216,7 @@ def start(
         step_at_last_restart=record.last_step,
         user_retries_without_progress=(0 if progress else record.user_retries_without_progress),
         not_before_s=not_before,
+        stalls=(),
         recovery=Recovery(
             cause=cause,
             started_s=earlier.started_s if earlier else ctx.now_s,

@@ -75,8 +75,12 @@ def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself
     assert len(attempts(supervisor, job_id)) == 2
     with supervisor.store() as store:
         hangs = store.events_for(str(job_id), kinds=["hang"])
-    reported = {e.node for e in hangs}
+    reported = {e.node for e in hangs if not e.payload.get("stalled")}
     assert victim not in reported and len(reported) == 3, reported
+    # The sleeping rank's node told that its rank stopped outside any collective: the
+    # evidence window closed on it, and blame named the rank the others wait for.
+    assert {e.node for e in hangs if e.payload.get("stalled")} == {victim}, told
+    assert "outside the collective the others wait in" in told, told
     print(f"detected and drained {detected_s:.1f} s after the rank fell asleep")
 
 

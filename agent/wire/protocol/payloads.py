@@ -131,6 +131,11 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
             ),
             required=False,
         ),
+        # Evidence only: these ranks stopped past their timeout outside any
+        # collective, and none on the node waits in one (agent.node.watch). Such a
+        # report never starts a recovery; it names the rank that peers elsewhere
+        # wait for.
+        _Spec("stalled", _bool, required=False),
     ),
     EventKind.STRAGGLER: (
         _Spec("global_rank", _int),

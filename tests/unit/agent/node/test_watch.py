@@ -60,15 +60,38 @@ def check(rankmon: watch.RankMonitor, now_s: float) -> None:
     asyncio.run(rankmon.check_hangs(LIVE, now_s))
 
 
-def test_automatic_beats_stopped_with_no_rank_in_a_collective_are_no_hang(
+def test_automatic_beats_stopped_with_no_rank_in_a_collective_are_only_a_stall_report(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A long evaluation: every rank computes (or sleeps) outside any collective.
+    # An evaluation the hooks do not see, or the rank peers elsewhere wait for: every
+    # rank here computes (or sleeps) outside any collective. Evidence, once an episode.
     stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
     rankmon, reports = monitor(stacks, monkeypatch)
     stepped(rankmon, automatic=True)
     check(rankmon, 60.0)
-    assert reports == []
+    (report,) = reports
+    assert report["stalled"] is True
+    assert sorted(h["global_rank"] for h in report["hung"]) == [0, 1]
+    assert {c["in_collective"] for c in report["culprits"]} == {False}
+    check(rankmon, 61.0)
+    assert len(reports) == 1  # told once an episode
+    for rank, process in LIVE.items():  # progress: a new episode may be told
+        rankmon.on_beat(RankBeat(rank, process.local_rank, process.pid, 11, Phase.TRAIN,
+                                 0.0, None, True), 70.0)  # fmt: skip
+    check(rankmon, 500.0)  # past 5 x the 64.5 s step just measured
+    assert len(reports) == 2 and reports[1]["stalled"] is True
+
+
+def test_a_rank_in_a_collective_after_a_stall_report_is_still_reported_hung(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
+    rankmon, reports = monitor(stacks, monkeypatch)
+    stepped(rankmon, automatic=True)
+    check(rankmon, 60.0)
+    stacks[100] = dump(100, "c10d::Reducer::finalize_backward", native=True)
+    check(rankmon, 200.0)  # past the native dumps' back-off
+    assert [r.get("stalled", False) for r in reports] == [True, False]
 
 
 def test_automatic_beats_stopped_while_a_rank_waits_in_ddp_backward_are_a_hang(
@@ -95,7 +118,8 @@ def test_automatic_beats_stopped_past_the_longest_grace_are_a_hang_unconfirmed(
     rankmon, reports = monitor(stacks, monkeypatch)
     stepped(rankmon, automatic=True)
     check(rankmon, 5.0 + max(CONFIG.eval_grace_s, CONFIG.checkpoint_grace_s) + 1)
-    assert len(reports) == 1
+    (report,) = reports
+    assert "stalled" not in report
 
 
 def test_instrumented_beats_need_no_confirmation(monkeypatch: pytest.MonkeyPatch) -> None:

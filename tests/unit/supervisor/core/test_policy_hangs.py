@@ -1,7 +1,8 @@
 """The decision core on hangs and stragglers reported by the agents' watchers.
 
-A hang blames the rank furthest behind across nodes once its evidence window closes;
-a straggler is alerted once per node and drained only when the policy says so.
+A hang blames the rank furthest behind across nodes once its evidence window closes
+(at once when every node was heard, a stall report counting for its node); a
+straggler is alerted once per node and drained only when the policy says so.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from supervisor.core.intents import Alert, DrainNode, StopRanks, ValidateCheckpoints
-from supervisor.core.model import Cause, JobState
-from supervisor.core.observations import Tick
+from supervisor.core.model import Cause, JobState, record_from_json, record_to_json
+from supervisor.core.observations import Culprit, HangReported, Tick
 from tests.unit.policy_world import NOW, POLICY, hang, kinds, run, running, straggler
 
 
@@ -73,3 +74,65 @@ def test_the_hang_window_closes_once_every_node_has_reported():
     assert kinds(last) == [DrainNode, StopRanks, ValidateCheckpoints]
     drain = last.intents[0]
     assert isinstance(drain, DrainNode) and drain.node == "node3"
+
+
+def stall(node: str, rank: int, step: int, since: float) -> HangReported:
+    """A node's stall report: its rank stopped outside any collective, nobody waits here."""
+    culprit = Culprit(rank, step, False, since, "stopped outside any collective")
+    return HangReported(node, f"42/{node}/abcdef01/9", NOW, culprits=(culprit,), stalled=True)
+
+
+WINDOW = replace(POLICY, hang_evidence_window_s=30.0)
+
+
+def test_a_stall_report_alone_starts_nothing_and_is_kept():
+    (kept,) = run(running(), stall("node3", 2, 500, 40.0), policy=WINDOW)
+    assert kept.record.state is JobState.RUNNING and kept.intents == ()
+    assert [(s.node, s.global_rank, s.in_collective) for s in kept.record.stalls] == [
+        ("node3", 2, False)
+    ]
+    # Read back from the store as it was written.
+    assert record_from_json(record_to_json(kept.record)) == kept.record
+
+
+def test_a_kept_stall_joins_the_window_and_the_stalled_node_is_blamed_at_once():
+    # node3's rank sleeps outside any collective; the others wait for it in DDP's backward.
+    *_, last = run(
+        running(),
+        stall("node3", 2, 500, 40.0),
+        hang("node1", 0, 500, True, 40.0),
+        hang("node2", 1, 500, True, 40.0),
+        hang("node4", 3, 500, True, 40.0),
+        policy=WINDOW,
+    )
+    # The window closes at NOW with every node heard, not 30 s later.
+    assert kinds(last) == [DrainNode, StopRanks, ValidateCheckpoints]
+    drain = last.intents[0]
+    assert isinstance(drain, DrainNode) and drain.node == "node3"
+    assert "outside the collective the others wait in" in drain.reason
+    assert last.record.stalls == ()
+
+
+def test_a_stall_reported_during_the_window_closes_it():
+    *waiting, last = run(
+        running(),
+        hang("node1", 0, 500, True, 40.0),
+        hang("node2", 1, 500, True, 40.0),
+        hang("node4", 3, 500, True, 40.0),
+        stall("node3", 2, 500, 40.0),
+        policy=WINDOW,
+    )
+    assert all(decision.intents == () for decision in waiting)
+    drain = last.intents[0]
+    assert isinstance(drain, DrainNode) and drain.node == "node3"
+
+
+def test_a_stall_of_another_step_is_no_evidence_for_a_later_hang():
+    # A stall at step 200 (training went on after it) does not join a hang at step 500.
+    stale, opened = run(
+        running(), stall("node3", 2, 200, 400.0), hang("node1", 0, 500, True, 40.0), policy=WINDOW
+    )
+    assert stale.record.stalls != ()
+    assert opened.record.recovery is not None
+    assert {s.node for s in opened.record.recovery.suspects} == {"node1"}
+    assert opened.intents == ()  # the window stays open for the other nodes
