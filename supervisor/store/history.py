@@ -317,6 +317,24 @@ class History(StoreCore):
         return [_event(row) for row in rows]
 
     @locked
+    def latest_event(self, job_id: str, kind: Label) -> EventRow | None:
+        """The job's last event of ``kind`` to arrive (None: none yet)."""
+        row = self._db.execute(
+            f"SELECT {_EVENT_COLUMNS} FROM events WHERE job_id = ? AND kind = ?"
+            " ORDER BY seq DESC LIMIT 1",
+            (job_id, label(kind)),
+        ).fetchone()
+        return None if row is None else _event(row)
+
+    @locked
+    def count_events(self, job_id: str, kind: Label) -> int:
+        """How many events of ``kind`` the job has."""
+        row = self._db.execute(
+            "SELECT count(*) FROM events WHERE job_id = ? AND kind = ?", (job_id, label(kind))
+        ).fetchone()
+        return int(row[0])
+
+    @locked
     def record_decision(
         self,
         job_id: str,

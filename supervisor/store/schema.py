@@ -262,7 +262,24 @@ CREATE INDEX node_checks_open ON node_checks (raised_s) WHERE ended_s IS NULL;
 CREATE INDEX node_checks_by_node ON node_checks (node, raised_s);
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
+# Timeline summaries: each job's goodput accounting as the metrics last read it
+# (supervisor/views/timeline.py's JobTimeline.summary(), a JSON document naming
+# its own format), up to upto_s, so that a restarted supervisor's first scrape
+# reads only the history after it. Derived data: a job without one, or with one
+# of another format, is read from its whole history once and gets a new one.
+# progress_by_time: every read of a job's progress "since" a time is one range.
+_V7 = """
+CREATE TABLE timeline_summaries (
+    job_id TEXT PRIMARY KEY REFERENCES jobs (job_id),
+    upto_s REAL NOT NULL,
+    summary TEXT NOT NULL,
+    saved_s REAL NOT NULL
+);
+
+CREATE INDEX progress_by_time ON progress (job_id, time_s);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
 SCHEMA_VERSION = len(MIGRATIONS)
 # Tables every version has: a file holding them is a Resurgo store, damaged if
 # it lacks its schema_version.

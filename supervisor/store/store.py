@@ -86,6 +86,7 @@ from supervisor.store.rows import (
     loads,
 )
 from supervisor.store.steps import StepReports
+from supervisor.store.summaries import Summaries
 from supervisor.store.tickets import Tickets
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ _DONE, _FAILED = ActionState.DONE.value, ActionState.FAILED.value
 _QUIET_JOBS_REMEMBERED = 10_000
 
 
-class Store(History, StepReports, Tickets, Blames, NodeChecks):
+class Store(History, StepReports, Tickets, Blames, NodeChecks, Summaries):
     """The supervisor's store; open it with :meth:`Store.open`. See the module docstring."""
 
     def __init__(self, db: sqlite3.Connection, path: Path) -> None:
@@ -448,6 +449,17 @@ class Store(History, StepReports, Tickets, Blames, NodeChecks):
         return [CheckpointRow(*row) for row in rows]
 
     @locked
+    def newest_checkpoint(self, job_id: str) -> CheckpointRow | None:
+        """The job's committed checkpoint of the highest step (of equal steps, the first
+        committed); None before its first."""
+        row = self._db.execute(
+            "SELECT job_id, step, path, committed_s FROM checkpoints WHERE job_id = ?"
+            " ORDER BY step DESC, committed_s LIMIT 1",
+            (job_id,),
+        ).fetchone()
+        return None if row is None else CheckpointRow(*row)
+
+    @locked
     def record_progress(self, job_id: str, step: int, now_s: float) -> bool:
         """Record that the job is at ``step``; return whether a row was written.
 
@@ -494,13 +506,15 @@ class Store(History, StepReports, Tickets, Blames, NodeChecks):
     def progress_for(self, job_id: str, since_s: float | None = None) -> list[ProgressRow]:
         """The job's progress samples (at or after ``since_s``) in the order they came."""
         rows = self._db.execute(
-            "SELECT job_id, step, time_s FROM progress WHERE job_id = ? AND time_s >= ?"
-            " ORDER BY id",
-            (job_id, float("-inf") if since_s is None else since_s),
+            PROGRESS_SINCE_SQL, (job_id, float("-inf") if since_s is None else since_s)
         )
         return [ProgressRow(*row) for row in rows]
 
 
+# One range of progress_by_time however long the job's history (a test checks the plan).
+PROGRESS_SINCE_SQL = (
+    "SELECT job_id, step, time_s FROM progress WHERE job_id = ? AND time_s >= ? ORDER BY id"
+)
 _ACTION_COLUMNS = (
     "seq, action_id, job_id, kind, args, state, starts, planned_s, started_s, finished_s,"
     " result, error, retryable"

@@ -17,8 +17,9 @@ import pytest
 
 from agent.wire.protocol import EventKind
 from supervisor.errors import UnknownJob
-from supervisor.store import EventSource, StepRow, Store
+from supervisor.store import EventSource, StepRow, Store, schema
 from supervisor.store import steps as step_sql
+from supervisor.store import store as store_sql
 from tests.unit.store_world import JOB, NOW, JobState, event
 
 # ---------------------------------------------------------------------------
@@ -112,6 +113,75 @@ def test_a_checkpoint_commit_is_recorded_once_per_path(store: Store) -> None:
     assert store.record_checkpoint(JOB, 100, "/ckpt/step-100", NOW + 3) == first
     store.record_checkpoint(JOB, 200, "/ckpt/step-200", NOW + 10)
     assert [c.step for c in store.checkpoints_for(JOB)] == [100, 200]
+
+
+def test_the_newest_checkpoint_is_the_highest_step_first_committed(store: Store) -> None:
+    assert store.newest_checkpoint(JOB) is None
+    store.record_checkpoint(JOB, 200, "/a/step-200", NOW)
+    store.record_checkpoint(JOB, 300, "/b/step-300", NOW + 5)
+    store.record_checkpoint(JOB, 300, "/a/step-300", NOW + 9)  # a second copy, later
+    store.record_checkpoint(JOB, 100, "/a/step-100", NOW + 20)  # after a rollback
+    newest = store.newest_checkpoint(JOB)
+    assert newest is not None and (newest.path, newest.committed_s) == ("/b/step-300", NOW + 5)
+
+
+def test_the_latest_event_of_a_kind_and_how_many_there_are(store: Store) -> None:
+    assert store.latest_event(JOB, "checkpoint_stats") is None
+    assert store.count_events(JOB, "checkpoint_stats") == 0
+    for index in range(3):
+        store.record_observation(JOB, "checkpoint_stats", {"stall_s": index}, NOW + index)
+        store.record_observation(JOB, "slurm_state", {"state": "RUNNING"}, NOW + index)
+    latest = store.latest_event(JOB, "checkpoint_stats")
+    assert latest is not None and latest.payload == {"stall_s": 2}
+    assert store.count_events(JOB, "checkpoint_stats") == 3
+
+
+def test_progress_since_a_time_is_one_range_of_an_index(store: Store) -> None:
+    plan = " | ".join(
+        row[3]
+        for row in store._db.execute(
+            f"EXPLAIN QUERY PLAN {store_sql.PROGRESS_SINCE_SQL}", (JOB, NOW)
+        )
+    )
+    assert "SEARCH progress USING INDEX progress_by_time (job_id=? AND time_s>?)" in plan, plan
+
+
+# ---------------------------------------------------------------------------
+# Timeline summaries (what the metrics keep of each job's accounting).
+
+
+def test_a_timeline_summary_is_kept_in_place_of_the_jobs_last_one(store: Store) -> None:
+    assert store.timeline_summaries([JOB]) == {}
+    assert store.keep_timeline_summaries([(JOB, NOW, {"version": 1, "n": 1})], NOW) == 1
+    assert store.keep_timeline_summaries([(JOB, NOW + 60, {"version": 1, "n": 2})], NOW) == 1
+    assert store.timeline_summaries([JOB, "404"]) == {JOB: {"version": 1, "n": 2}}
+    assert store.keep_timeline_summaries([], NOW) == 0
+
+
+def test_a_timeline_summary_that_is_not_json_is_left_out(store: Store) -> None:
+    store.keep_timeline_summaries([(JOB, NOW, {"version": 1})], NOW)
+    store._db.execute("UPDATE timeline_summaries SET summary = '{not json'")
+    assert store.timeline_summaries([JOB]) == {}
+
+
+def test_a_store_from_before_timeline_summaries_migrates_keeping_its_progress(
+    path: Path,
+) -> None:
+    db = sqlite3.connect(path, isolation_level=None)
+    assert schema.migrate(db, path, schema.MIGRATIONS[:6]) == 6
+    db.execute(
+        "INSERT INTO jobs (job_id, name, state, original_nodes, world_size, min_nodes, record,"
+        " record_version, created_s, updated_s) VALUES (?, 't', 'running', 2, 2, 1, '{}', 1,"
+        " ?, ?)",
+        (JOB, NOW, NOW),
+    )
+    db.execute("INSERT INTO progress (job_id, step, time_s) VALUES (?, 7, ?)", (JOB, NOW))
+    db.close()
+    with Store.open(path) as store:
+        assert [(p.step, p.time_s) for p in store.progress_for(JOB, since_s=NOW)] == [(7, NOW)]
+        assert store.timeline_summaries([JOB]) == {}
+        store.keep_timeline_summaries([(JOB, NOW, {"version": 1})], NOW)
+        assert store.timeline_summaries([JOB]) == {JOB: {"version": 1}}
 
 
 # ---------------------------------------------------------------------------
