@@ -23,6 +23,7 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.checkpoint.interval import recommended_interval_s
 from supervisor.core.intents import PushInterval
@@ -98,6 +99,11 @@ class _Walk:
     # (a rank that finished one more before its peers stopped), not the recovery's end.
     relaunched: bool = True
     stalls: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds) this run
+    last_step_s: float | None = None  # the time of the run's newest step (``steps[-1]``)
+    run_from_s: float | None = None  # the run's RESUMED (None: the first run, from the start)
+    # Restored from a summary: the run's steps and stalls up to here are not in
+    # ``steps``/``stalls`` (the store holds them); a RESUMED needs them back first.
+    missing_upto_s: float | None = None
 
     def charge(self, kind: Badput, seconds: float, fault: bool = False) -> None:
         seconds = max(0.0, seconds)
@@ -122,8 +128,8 @@ def _lost_work(walk: _Walk, resume_step: float) -> float:
 def _end_charges(walk: _Walk, t: float, ended: bool) -> list[tuple[Badput, float, bool]]:
     """What an ENDED fact at ``t`` charges: (kind, seconds, counted for the fault's cause).
     ``ended`` False: a job still running, accounted up to ``t``; its steps go on."""
-    if walk.phase == "running" and ended and walk.steps:
-        return [(Badput.SHUTDOWN, t - walk.steps[-1][0], False)]
+    if walk.phase == "running" and ended and walk.last_step_s is not None:
+        return [(Badput.SHUTDOWN, t - walk.last_step_s, False)]
     if walk.phase in ("queue", "recovering-queue"):
         return [(Badput.QUEUE_WAIT, t - walk.since, False)]
     if walk.phase == "startup":
@@ -169,6 +175,7 @@ class Accountant:
             walk.phase = "recovering" if walk.phase == "recovering-queue" else "startup"
             walk.since = t
         elif fact.kind is FactKind.STEP:
+            walk.last_step_s = t
             if walk.phase == "recovering" and not walk.relaunched:
                 walk.steps.append((t, fact.value or 0.0))
                 return
@@ -190,8 +197,14 @@ class Accountant:
             walk.charge(Badput.DETECTION, t - (walk.fault_s or t), fault=True)
             walk.phase, walk.since, walk.relaunched = "recovering", t, False
         elif fact.kind is FactKind.RESUMED:
+            if walk.missing_upto_s is not None:
+                raise RuntimeError(
+                    "a resume needs the run's steps and stalls before the summary this "
+                    "accountant was restored from: pass them to fill_run() first"
+                )
             walk.charge(Badput.LOST_WORK, _lost_work(walk, fact.value or 0.0), fault=True)
             walk.stalls, walk.steps, walk.fault_s, walk.relaunched = [], [], None, True
+            walk.last_step_s, walk.run_from_s = None, t
         elif fact.kind is FactKind.ENDED:
             ended = fact.cause != STILL_RUNNING
             for kind, seconds, fault in _end_charges(walk, t, ended=ended):
@@ -216,6 +229,88 @@ class Accountant:
         wall = last_s - self._first_s
         productive = max(0.0, wall - sum(badput.values()))
         return Goodput(wall, productive, badput, by_cause)
+
+    # A summary holds everything fed so far except the current run's steps and save
+    # stalls, which grow with the run; only the next RESUMED reads them (its lost
+    # work), so a restored accountant asks for them then (missing_run, fill_run).
+
+    def summary(self) -> dict[str, Any]:
+        """What was fed so far, as a JSON-ready document, less the current run's steps
+        and save stalls (the store keeps those: an accountant :meth:`restored` from it
+        names them with :meth:`missing_run`)."""
+        walk = self._walk
+        state = None
+        if walk is not None:
+            state = {
+                "badput": {kind.value: seconds for kind, seconds in walk.badput.items()},
+                "by_cause": dict(walk.by_cause),
+                "phase": walk.phase,
+                "since": walk.since,
+                "fault_s": walk.fault_s,
+                "cause": walk.cause,
+                "relaunched": walk.relaunched,
+                "last_step_s": walk.last_step_s,
+                "run_from_s": walk.run_from_s,
+            }
+        return {
+            "first_s": self._first_s,
+            "last_s": self._last_s,
+            "stalled_s": self._stalled_s,
+            "walk": state,
+        }
+
+    @classmethod
+    def restored(cls, summary: Mapping[str, Any], upto_s: float) -> Accountant:
+        """An accountant that goes on from :meth:`summary`, made when every fact up to
+        ``upto_s`` had been fed. It lacks the current run's steps and stalls up to
+        ``upto_s`` (:meth:`missing_run`) until :meth:`fill_run` gives them.
+        ValueError: not a summary."""
+        accountant = cls()
+        try:
+            accountant._first_s = _optional(summary["first_s"])
+            accountant._last_s = _optional(summary["last_s"])
+            accountant._stalled_s = float(summary["stalled_s"])
+            state = summary["walk"]
+            if state is not None:
+                accountant._walk = _Walk(
+                    badput={kind: float(state["badput"][kind.value]) for kind in Badput},
+                    by_cause={str(k): float(v) for k, v in state["by_cause"].items()},
+                    phase=str(state["phase"]),
+                    since=float(state["since"]),
+                    fault_s=_optional(state["fault_s"]),
+                    cause=str(state["cause"]),
+                    relaunched=bool(state["relaunched"]),
+                    last_step_s=_optional(state["last_step_s"]),
+                    run_from_s=_optional(state["run_from_s"]),
+                    missing_upto_s=upto_s,
+                )
+        except (KeyError, TypeError, AttributeError, ValueError) as error:
+            raise ValueError(f"not a goodput summary ({error!r})") from error
+        return accountant
+
+    def missing_run(self) -> tuple[float | None, float] | None:
+        """(from, up to): when the current run's steps and stalls this accountant lacks
+        were dated (from None: the job's start), both ends included; None: it lacks none."""
+        walk = self._walk
+        if walk is None or walk.missing_upto_s is None:
+            return None
+        return walk.run_from_s, walk.missing_upto_s
+
+    def fill_run(
+        self, steps: Sequence[tuple[float, float]], stalls: Sequence[tuple[float, float]]
+    ) -> None:
+        """Give back the :meth:`missing_run` steps and stalls, each (time, value) in the
+        order they were fed (by time), ahead of those fed since the summary."""
+        walk = self._walk
+        if walk is None or walk.missing_upto_s is None:
+            raise RuntimeError("fill_run() on an accountant that lacks nothing")
+        walk.steps = [*steps, *walk.steps]
+        walk.stalls = [*stalls, *walk.stalls]
+        walk.missing_upto_s = None
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 class RecoveryDurations:
@@ -245,6 +340,30 @@ class RecoveryDurations:
         elif fact.kind is FactKind.STEP and self._detected_s is not None and self._resumed:
             self.recover_s.append(fact.time_s - self._detected_s)
             self._detected_s = None
+
+    def summary(self) -> dict[str, Any]:
+        """Everything taken so far, as a JSON-ready document (:meth:`restored` reads it)."""
+        return {
+            "detect_s": list(self.detect_s),
+            "recover_s": list(self.recover_s),
+            "fault_s": self._fault_s,
+            "detected_s": self._detected_s,
+            "resumed": self._resumed,
+        }
+
+    @classmethod
+    def restored(cls, summary: Mapping[str, Any]) -> RecoveryDurations:
+        """Durations that go on from :meth:`summary`; ValueError: not one."""
+        durations = cls()
+        try:
+            durations.detect_s = [float(s) for s in summary["detect_s"]]
+            durations.recover_s = [float(s) for s in summary["recover_s"]]
+            durations._fault_s = _optional(summary["fault_s"])
+            durations._detected_s = _optional(summary["detected_s"])
+            durations._resumed = bool(summary["resumed"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"not a recovery durations summary ({error!r})") from error
+        return durations
 
 
 def account(timeline: Sequence[Fact]) -> Goodput:

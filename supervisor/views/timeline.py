@@ -23,14 +23,17 @@ the :class:`~supervisor.core.goodput.Fact` list that the pure
 
 Reads only; the daemon calls it for ``resurgo status`` and the MTBF. The
 metrics keep a :class:`JobTimeline` per job, which reads only what is new at
-each scrape.
+each scrape, and keep its :meth:`~JobTimeline.summary` in the store, so that a
+restarted supervisor's first scrape goes on from there instead of walking
+every job's whole history again.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from agent.checkpoint.layouts import step_in_path
 from supervisor.core.goodput import (
@@ -49,6 +52,10 @@ CHECKPOINT_STATS_KIND = "checkpoint_stats"
 _LIVE = {"starting", "running", "relaunching"}
 _TERMINAL = {"completed", "failed", "cancelled"}
 _NODE_FAULTS = frozenset(cause.value for cause in NODE_FAULT_CAUSES)
+# The format of JobTimeline.summary(). A summary of another format is not read (the
+# job's history is walked again, once): raise it whenever what a summary holds, or
+# the accounting that made it, changes.
+SUMMARY_VERSION = 1
 
 
 def timeline_of(store: Store, job_id: str, now_s: float) -> list[Fact]:
@@ -146,6 +153,11 @@ class JobTimeline:
     of now wait for the next call, so a row written a moment late is never
     skipped; a fault's cause is the one known when its window is read, and so is
     whether its exit window ended the job completed (a clean end, no fault).
+
+    :meth:`summary` is what was fed so far, a small document of its own size
+    whatever the history's; :meth:`from_summary` goes on from it, reading only
+    what is dated after it (and, once, at the next resume, the steps and save
+    stalls of the run the resume ends: the work it lost).
     """
 
     def __init__(self, job_id: str, *, settle_s: float = 5.0) -> None:
@@ -155,6 +167,62 @@ class JobTimeline:
         self.durations = RecoveryDurations()
         self.latest_step: int | None = None
         self._window = _Window(-math.inf, -math.inf, None, False)
+
+    @classmethod
+    def from_summary(
+        cls, job_id: str, summary: Mapping[str, Any], *, settle_s: float = 5.0
+    ) -> JobTimeline:
+        """The timeline as it was when :meth:`summary` made ``summary``.
+
+        ValueError: a document of another :data:`SUMMARY_VERSION`, or none at all.
+        """
+        timeline = cls(job_id, settle_s=settle_s)
+        try:
+            if summary["version"] != SUMMARY_VERSION:
+                raise ValueError(
+                    f"format {summary['version']!r}, this Resurgo reads {SUMMARY_VERSION}"
+                )
+            window = summary["window"]
+            upto_s = float(window["upto_s"])
+            last_progress_s = window["last_progress_s"]
+            timeline._window = _Window(
+                upto_s,
+                upto_s,
+                None if last_progress_s is None else float(last_progress_s),
+                bool(window["ended"]),
+                int(window["stats_seq"]),
+            )
+            latest = summary["latest_step"]
+            timeline.latest_step = None if latest is None else int(latest)
+            timeline.accountant = Accountant.restored(summary["accountant"], upto_s)
+            timeline.durations = RecoveryDurations.restored(summary["durations"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"job {job_id}: not a timeline summary: {error}") from error
+        return timeline
+
+    @property
+    def upto_s(self) -> float | None:
+        """Every fact dated up to here was fed; None before the first :meth:`advance`."""
+        return None if math.isinf(self._window.after_s) else self._window.after_s
+
+    def summary(self) -> dict[str, Any] | None:
+        """What was fed so far, as a JSON document for :meth:`from_summary`; None before
+        the first :meth:`advance` (nothing to keep)."""
+        window = self._window
+        if math.isinf(window.after_s):
+            return None
+        return {
+            "version": SUMMARY_VERSION,
+            "window": {
+                "upto_s": window.after_s,
+                "last_progress_s": window.last_progress_s,
+                "ended": window.ended,
+                "stats_seq": window.stats_seq,
+            },
+            "latest_step": self.latest_step,
+            "accountant": self.accountant.summary(),
+            "durations": self.durations.summary(),
+        }
 
     def advance(self, store: Store, now_s: float) -> None:
         """Feed the facts dated up to ``now_s - settle_s`` that were not fed yet."""
@@ -168,6 +236,8 @@ class JobTimeline:
             self.latest_step = read[-1].step
         facts.sort(key=lambda fact: fact.time_s)
         for fact in facts:
+            if fact.kind is FactKind.RESUMED:
+                self._fill_run(store)
             self.accountant.feed(fact)
             self.durations.feed(fact)
         fed = [p.time_s for p in read if p.time_s <= upto_s]
@@ -182,6 +252,30 @@ class JobTimeline:
     def goodput(self, now_s: float) -> Goodput:
         """The goodput so far; a job that has not ended is accounted up to ``now_s``."""
         return self.accountant.goodput(None if self._window.ended else now_s)
+
+    def _fill_run(self, store: Store) -> None:
+        """Read back the steps and save stalls of the current run that a timeline made
+        :meth:`from_summary` was made without, for the resume about to be fed."""
+        missing = self.accountant.missing_run()
+        if missing is None:
+            return
+        from_s, upto_s = missing
+
+        def dated(t: float) -> bool:
+            return (from_s is None or from_s <= t) and t <= upto_s
+
+        # In the order they were fed: by time, then as stored.
+        progress = store.progress_for(self.job_id, since_s=from_s)
+        steps = sorted(
+            ((p.time_s, float(p.step)) for p in progress if dated(p.time_s)),
+            key=lambda step: step[0],
+        )
+        stats = store.events_for(self.job_id, kinds=[CHECKPOINT_STATS_KIND])
+        stalls = sorted(
+            ((e.time_s, float(e.payload["stall_s"])) for e in stats if dated(e.time_s)),
+            key=lambda stall: stall[0],
+        )
+        self.accountant.fill_run(steps, stalls)
 
 
 def goodput_of(store: Store, job_id: str, now_s: float) -> Goodput:

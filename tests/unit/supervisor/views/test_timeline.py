@@ -183,3 +183,56 @@ def test_the_incremental_timeline_gives_what_walking_the_whole_history_gives(
         assert timeline.durations.recover_s == pytest.approx(recover)
         assert timeline.latest_step == 39
         assert expected.badput_s[Badput.LOST_WORK] > 0 and expected.badput_s[Badput.QUEUE_WAIT] > 0
+
+
+@pytest.mark.parametrize(
+    ("resume_step", "lost_s"),
+    [(6, 15.0), (7, 10.0)],
+    ids=["reached at the run's start", "reached at the summary's end"],
+)
+def test_a_timeline_from_a_summary_reads_back_the_run_its_next_resume_ends(
+    store: Store, resume_step: int, lost_s: float
+) -> None:
+    """Kept after a scrape at 65 s (up to 60 s) in the run that resumed at 55 s: the
+    next resume's lost work starts where that run reached the resume's step, a row the
+    restored timeline never fed itself (the run's first, at 55 s, or the one at 60 s)."""
+    _decide(store, 10, "submitted", "starting")
+    store.start_attempt(JOB, 1, nodes=["n1"], resumed_from=None, now_s=10)
+    for at, step in ((20, 1), (30, 5), (40, 10)):
+        store.record_progress(JOB, step, at)
+    _decide(store, 45, "running", "recovering", "rank_signal")
+    _decide(store, 50, "recovering", "relaunching", "rank_signal")
+    store.start_attempt(JOB, 2, nodes=["n1"], resumed_from="/ckpt/step-5", now_s=55)
+    for at, step in ((55, 6), (60, 7)):
+        store.record_progress(JOB, step, at)
+    before = JobTimeline(JOB)
+    before.advance(store, 65.0)
+    summary = before.summary()
+    assert summary is not None
+    store.keep_timeline_summaries([(JOB, 60.0, summary)], 65.0)
+    store.record_progress(JOB, 8, 70)
+    _decide(store, 75, "running", "recovering", "hang")
+    _decide(store, 80, "recovering", "relaunching", "hang")
+    store.start_attempt(JOB, 3, nodes=["n1"], resumed_from=f"/ckpt/step-{resume_step}", now_s=85)
+    store.record_progress(JOB, resume_step + 1, 90)
+
+    restored = JobTimeline.from_summary(JOB, store.timeline_summaries([JOB])[JOB])
+    restored.advance(store, 100.0)
+
+    lost = restored.goodput(100.0).badput_s[Badput.LOST_WORK]
+    assert lost == goodput_of(store, JOB, 100.0).badput_s[Badput.LOST_WORK]
+    assert lost == 10.0 + lost_s  # the first resume's (step 5 at 30 s to 40 s), then this one's
+
+
+def test_a_summary_of_another_format_is_not_read(store: Store) -> None:
+    _decide(store, 10, "submitted", "starting")
+    timeline = JobTimeline(JOB)
+    timeline.advance(store, 30.0)
+    summary = timeline.summary()
+    assert summary is not None
+    JobTimeline.from_summary(JOB, summary)
+    with pytest.raises(ValueError, match="format 0, this Resurgo reads"):
+        JobTimeline.from_summary(JOB, {**summary, "version": 0})
+    with pytest.raises(ValueError, match="not a timeline summary"):
+        JobTimeline.from_summary(JOB, {"version": summary["version"]})
+
