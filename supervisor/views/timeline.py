@@ -152,7 +152,10 @@ class JobTimeline:
     :class:`~supervisor.core.goodput.Accountant`. Facts dated within ``settle_s``
     of now wait for the next call, so a row written a moment late is never
     skipped; a fault's cause is the one known when its window is read, and so is
-    whether its exit window ended the job completed (a clean end, no fault).
+    whether its exit window ended the job completed (a clean end, no fault). A
+    resume whose step only its first step report says (no step in its
+    checkpoint's name) waits, with everything after it, until that report came
+    (or the job ended): read before, it would be a resume from step 0 for good.
 
     :meth:`summary` is what was fed so far, a small document of its own size
     whatever the history's; :meth:`from_summary` goes on from it, reading only
@@ -227,8 +230,10 @@ class JobTimeline:
     def advance(self, store: Store, now_s: float) -> None:
         """Feed the facts dated up to ``now_s - settle_s`` that were not fed yet."""
         row = store.get_job(self.job_id)
-        upto_s = now_s - self.settle_s
-        if row is None or upto_s <= self._window.after_s:
+        if row is None:
+            return
+        upto_s = self._until_resume_known(store, row, now_s - self.settle_s)
+        if upto_s <= self._window.after_s:
             return
         window = replace(self._window, upto_s=upto_s)
         facts, read, stats_seq = _facts_in(store, self.job_id, row.created_s, window)
@@ -252,6 +257,20 @@ class JobTimeline:
     def goodput(self, now_s: float) -> Goodput:
         """The goodput so far; a job that has not ended is accounted up to ``now_s``."""
         return self.accountant.goodput(None if self._window.ended else now_s)
+
+    def _until_resume_known(self, store: Store, row: JobRow, upto_s: float) -> float:
+        """``upto_s``, or just before the first attempt started after the window whose
+        resume step is its first step report's while none came yet (and the job goes on)."""
+        if row.state in _TERMINAL:
+            return upto_s
+        for attempt in store.attempts_for(self.job_id)[1:]:
+            if not self._window.after_s < attempt.started_s <= upto_s:
+                continue
+            if attempt.resumed_from is not None and step_in_path(attempt.resumed_from) is not None:
+                continue
+            if store.first_progress_after(self.job_id, attempt.started_s) is None:
+                return math.nextafter(attempt.started_s, -math.inf)
+        return upto_s
 
     def _fill_run(self, store: Store) -> None:
         """Read back the steps and save stalls of the current run that a timeline made

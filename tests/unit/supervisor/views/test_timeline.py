@@ -236,3 +236,21 @@ def test_a_summary_of_another_format_is_not_read(store: Store) -> None:
     with pytest.raises(ValueError, match="not a timeline summary"):
         JobTimeline.from_summary(JOB, {"version": summary["version"]})
 
+
+def test_a_resume_whose_step_its_first_report_gives_waits_for_that_report(store: Store) -> None:
+    """The script resumed from its own checkpoint (no step in the name): scraped while
+    it loads (no report 20 s after the start), the resume is not taken as from step 0."""
+    _decide(store, 10, "submitted", "starting")
+    store.start_attempt(JOB, 1, nodes=["n1"], resumed_from=None, now_s=10)
+    for at, step in ((20, 1), (30, 5), (40, 10)):
+        store.record_progress(JOB, step, at)
+    _decide(store, 45, "running", "recovering", "hang")
+    _decide(store, 50, "recovering", "relaunching", "hang")
+    store.start_attempt(JOB, 2, nodes=["n1"], resumed_from="/ckpt/ckpt.pt", now_s=55)
+    timeline = JobTimeline(JOB)
+    timeline.advance(store, 80.0)
+    assert timeline.upto_s is not None and timeline.upto_s < 55  # the resume waits
+    store.record_progress(JOB, 5, 90)  # resumed at step 5 (reached at 30 s before)
+    timeline.advance(store, 100.0)
+    lost = timeline.goodput(100.0).badput_s[Badput.LOST_WORK]
+    assert lost == goodput_of(store, JOB, 100.0).badput_s[Badput.LOST_WORK] == 10.0
