@@ -74,7 +74,7 @@ from supervisor.intake import Intake
 from supervisor.jobtable import JobTable, TrackedJob
 from supervisor.logs import setup_logging
 from supervisor.looplag import LoopLag
-from supervisor.metrics import StoreCollector, build_registry, exposition
+from supervisor.metrics import SUMMARY_EVERY_S, StoreCollector, build_registry, exposition
 from supervisor.polling import SlurmWatch
 from supervisor.slurm import Slurm, SlurmClient
 from supervisor.store import Store
@@ -194,6 +194,11 @@ class Supervisor:
             ),
         )
         registry = build_registry(collector)
+
+        async def keep_summaries() -> None:
+            # In a worker thread: a store without summaries is read whole, once.
+            await asyncio.to_thread(collector.keep_summaries)
+
         lag = LoopLag(registry)
         jobs_dir = str(self.config.jobs_path.resolve())
         scrape = functools.partial(exposition, registry)
@@ -249,6 +254,7 @@ class Supervisor:
             asyncio.create_task(
                 self._every(WAL_CHECKPOINT_S, self.timers.checkpoint_wal), name="wal"
             ),
+            asyncio.create_task(self._every(SUMMARY_EVERY_S, keep_summaries), name="summaries"),
         ]
         warm = asyncio.create_task(self._warm_validation(), name="warm-validation")
         try:

@@ -6,7 +6,11 @@ paths, every scrape reads the store (the single source of truth, so a
 restarted supervisor reports the same totals). Goodput and the recovery
 durations come from a :class:`~supervisor.views.timeline.JobTimeline` per job,
 which reads only what is new since the previous scrape: a week-long job
-costs a scrape no more than a new one (``bench/metrics_scrape.py``). ``docs/operations.md``
+costs a scrape no more than a new one (``bench/metrics_scrape.py``). Each
+timeline's summary is kept in the store (at most every ``summary_every_s``,
+and by :meth:`StoreCollector.keep_summaries`, which the daemon calls as
+often), so the first scrape after a restart reads only what came after it,
+not every job's whole history. ``docs/operations.md``
 lists every metric with its labels; names and units follow Prometheus
 conventions (``_seconds``, ``_ratio``, ``_total``; ``promtool check metrics``
 runs in the tests).
@@ -27,6 +31,8 @@ exported, so series of long-gone jobs disappear instead of piling up.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -44,9 +50,11 @@ from supervisor.core.anomaly import AnomalyKind
 from supervisor.core.goodput import Fact, RecoveryDurations, mtbf_estimate, recommended_interval
 from supervisor.core.model import JobState
 from supervisor.failure_config import CLASS_ACTIONS
-from supervisor.store import Store, TicketRow
+from supervisor.store import JobRow, Store, TicketRow
 from supervisor.views.documents import skipped_count
 from supervisor.views.timeline import CHECKPOINT_STATS_KIND, JobTimeline, node_faults
+
+logger = logging.getLogger(__name__)
 
 STATES = (
     "submitted", "starting", "running", "recovering", "relaunching", "requeued",
@@ -60,6 +68,9 @@ FAILURE_CLASSES = tuple(failure_class.value for failure_class in CLASS_ACTIONS)
 # Detection is seconds; recovery (validation, backoff, srun, checkpoint load) minutes.
 DETECT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECOVER_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+# How far a job's timeline may run ahead of the summary the store keeps of it: the
+# most of its history (beyond the settling seconds) a restart's first scrape reads.
+SUMMARY_EVERY_S = 60.0
 
 
 def recovery_durations(facts: Iterable[Fact]) -> tuple[list[float], list[float]]:
@@ -97,10 +108,12 @@ class StoreCollector(Collector):
         may_drain: Callable[[], bool] = lambda: True,
         open_tickets: Callable[[], list[TicketRow]] = list,
         drain_storm: Callable[[], bool] = lambda: False,
+        summary_every_s: float = SUMMARY_EVERY_S,
     ) -> None:
         """``may_drain``: whether the supervisor has Slurm operator rights;
         ``open_tickets``: the drain tickets that keep their node out now;
-        ``drain_storm``: whether the storm brake holds now."""
+        ``drain_storm``: whether the storm brake holds now; ``summary_every_s``:
+        how far a job's timeline runs ahead of its summary in the store."""
         self._drain_storm = drain_storm
         self._may_drain = may_drain
         self._open_tickets = open_tickets
@@ -110,8 +123,13 @@ class StoreCollector(Collector):
         self._drains_allowed_per_hour = drains_allowed_per_hour
         self._clock = clock
         self._ended_job_window_s = ended_job_window_s
-        # Per exported job: its timeline so far, so a scrape reads only what is new.
+        self._summary_every_s = summary_every_s
+        # Per exported job: its timeline so far, so a scrape reads only what is new,
+        # and up to when the store's summary of it goes.
         self._timelines: dict[str, JobTimeline] = {}
+        self._kept: dict[str, float] = {}
+        # Scrapes (two Prometheus servers) and keep_summaries() run in worker threads.
+        self._lock = threading.Lock()
 
     def describe(self) -> list[Metric]:
         """No description up front: the families depend on the store (see collect)."""
@@ -119,13 +137,68 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Read the store once and yield every family."""
-        now = self._clock()
-        rows = self._store.list_jobs()
+        with self._lock:
+            families = list(self._families(self._clock()))
+        yield from families
+
+    def keep_summaries(self) -> int:
+        """Bring every exported job's timeline up to now and keep the summaries that
+        moved in the store; return how many. The daemon calls this every
+        ``summary_every_s``, so that a restart's first scrape reads little of each
+        job's history even where nobody scraped before it."""
+        with self._lock:
+            now = self._clock()
+            for row in self._exported(self._store.list_jobs(), now):
+                self._timelines[row.job_id].advance(self._store, now)
+            return self._keep(now, every_s=0.0)
+
+    def _exported(self, rows: list[JobRow], now: float) -> list[JobRow]:
+        """The jobs on /metrics, each with its timeline (from the store's summary, if
+        it keeps a readable one); the timelines of the others are let go."""
         jobs = [
             row
             for row in rows
             if row.state not in TERMINAL or now - row.updated_s <= self._ended_job_window_s
         ]
+        exported = {row.job_id for row in jobs}
+        for job_id in set(self._timelines) - exported:
+            del self._timelines[job_id]
+            self._kept.pop(job_id, None)
+        new = [row.job_id for row in jobs if row.job_id not in self._timelines]
+        kept = self._store.timeline_summaries(new) if new else {}
+        unread = []
+        for job_id in new:
+            timeline = JobTimeline(job_id)
+            if job_id in kept:
+                try:
+                    timeline = JobTimeline.from_summary(job_id, kept[job_id])
+                except ValueError as error:
+                    unread.append(str(error))
+            self._timelines[job_id] = timeline
+            if timeline.upto_s is not None:
+                self._kept[job_id] = timeline.upto_s
+        if unread:
+            logger.info("%d timeline summaries could not be read (first: %s); those jobs' "
+                        "histories are read whole, once", len(unread), unread[0])  # fmt: skip
+        return jobs
+
+    def _keep(self, now: float, every_s: float) -> int:
+        """Keep the summary of each timeline that ran ``every_s`` past its kept one."""
+        due = []
+        for job_id, timeline in self._timelines.items():
+            upto_s, kept_s = timeline.upto_s, self._kept.get(job_id)
+            if upto_s is None or (kept_s is not None and upto_s - kept_s <= every_s):
+                continue
+            summary = timeline.summary()
+            if summary is not None:
+                due.append((job_id, upto_s, summary))
+        kept = self._store.keep_timeline_summaries(due, now)
+        self._kept.update((job_id, upto_s) for job_id, upto_s, _ in due)
+        return kept
+
+    def _families(self, now: float) -> Iterator[Metric]:
+        rows = self._store.list_jobs()
+        jobs = self._exported(rows, now)
         per_job = self._job_families()
         detect: dict[str, list[float]] = {}
         recover: dict[str, list[float]] = {}
@@ -133,11 +206,13 @@ class StoreCollector(Collector):
         span = now - min((row.created_s for row in rows), default=now)
         cluster = self._cluster_nodes()
         node_mtbf = mtbf_estimate(faults, span, cluster) if span > 0 and cluster > 0 else None
-        exported = {row.job_id for row in jobs}
-        for job_id in set(self._timelines) - exported:
-            del self._timelines[job_id]
         for row in jobs:
             self._collect_job(row, now, per_job, node_mtbf, detect, recover)
+        try:
+            self._keep(now, every_s=self._summary_every_s)
+        except Exception:
+            # The scrape stands without it: the next one keeps what is due then.
+            logger.exception("keeping the jobs' timeline summaries in the store failed")
         yield from per_job.values()
         yield _histogram("resurgo_job_time_to_detect_seconds",
                          "Seconds from a fault (last progress) to its detection.",
@@ -217,7 +292,7 @@ class StoreCollector(Collector):
 
     def _collect_job(
         self,
-        row: Any,
+        row: JobRow,
         now: float,
         families: dict[str, Any],
         node_mtbf: float | None,
@@ -229,7 +304,7 @@ class StoreCollector(Collector):
         families["info"].add_metric([job_id, row.name], 1.0)
         for state in STATES:
             families["state"].add_metric([job_id, state], 1.0 if row.state == state else 0.0)
-        timeline = self._timelines.setdefault(job_id, JobTimeline(job_id))
+        timeline = self._timelines[job_id]
         timeline.advance(self._store, now)
         goodput = timeline.goodput(now)
         families["goodput"].add_metric([job_id], goodput.ratio)
@@ -259,8 +334,8 @@ class StoreCollector(Collector):
             decisions = self._store.decisions_for(job_id)
             cause = decisions[-1].cause if decisions else "unknown"
             families["ended"].add_metric([job_id, cause], 1.0)
-        diverged = self._store.events_for(job_id, kinds=["nondeterministic_resume"])
-        families["nondeterministic"].add_metric([job_id], float(len(diverged)))
+        diverged = self._store.count_events(job_id, "nondeterministic_resume")
+        families["nondeterministic"].add_metric([job_id], float(diverged))
         nodes = len(record.get("nodes", []))
         families["world"].add_metric([job_id], float(nodes))
         families["original"].add_metric([job_id], float(row.original_nodes))
@@ -281,14 +356,13 @@ class StoreCollector(Collector):
             families["rollbacks"].add_metric([job_id, anomaly_kind], count)
         skipped = float(skipped_count(record.get("skipped_samples", [])))
         families["skipped"].add_metric([job_id], skipped)
-        checkpoints = self._store.checkpoints_for(job_id)
-        if checkpoints:
-            newest = max(checkpoints, key=lambda c: c.step)
+        newest = self._store.newest_checkpoint(job_id)
+        if newest is not None:
             families["step"].add_metric([job_id], float(newest.step))
             families["age"].add_metric([job_id], max(0.0, now - newest.committed_s))
-        stats = self._store.events_for(job_id, kinds=[CHECKPOINT_STATS_KIND])
-        if stats:
-            stall, write = float(stats[-1].payload["stall_s"]), float(stats[-1].payload["write_s"])
+        stats = self._store.latest_event(job_id, CHECKPOINT_STATS_KIND)
+        if stats is not None:
+            stall, write = float(stats.payload["stall_s"]), float(stats.payload["write_s"])
             families["stall"].add_metric([job_id], stall)
             families["write"].add_metric([job_id], write)
             if node_mtbf is not None and nodes > 0:
