@@ -60,15 +60,23 @@ def check(rankmon: watch.RankMonitor, now_s: float) -> None:
     asyncio.run(rankmon.check_hangs(LIVE, now_s))
 
 
+def stalled_at_60_s(monkeypatch: pytest.MonkeyPatch) -> tuple[
+    dict[int, StackDump], watch.RankMonitor, list[dict[str, Any]]
+]:  # fmt: skip
+    """Automatic beats stopped 55 s ago, every rank outside any collective, checked."""
+    stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
+    rankmon, reports = monitor(stacks, monkeypatch)
+    stepped(rankmon, automatic=True)
+    check(rankmon, 60.0)
+    return stacks, rankmon, reports
+
+
 def test_automatic_beats_stopped_with_no_rank_in_a_collective_are_only_a_stall_report(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # An evaluation the hooks do not see, or the rank peers elsewhere wait for: every
     # rank here computes (or sleeps) outside any collective. Evidence, once an episode.
-    stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
-    rankmon, reports = monitor(stacks, monkeypatch)
-    stepped(rankmon, automatic=True)
-    check(rankmon, 60.0)
+    _, rankmon, reports = stalled_at_60_s(monkeypatch)
     (report,) = reports
     assert report["stalled"] is True
     assert sorted(h["global_rank"] for h in report["hung"]) == [0, 1]
@@ -85,10 +93,7 @@ def test_automatic_beats_stopped_with_no_rank_in_a_collective_are_only_a_stall_r
 def test_a_rank_in_a_collective_after_a_stall_report_is_still_reported_hung(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stacks = {100: dump(100, "evaluate"), 101: dump(101, "evaluate")}
-    rankmon, reports = monitor(stacks, monkeypatch)
-    stepped(rankmon, automatic=True)
-    check(rankmon, 60.0)
+    stacks, rankmon, reports = stalled_at_60_s(monkeypatch)
     stacks[100] = dump(100, "c10d::Reducer::finalize_backward", native=True)
     check(rankmon, 200.0)  # past the native dumps' back-off
     assert [r.get("stalled", False) for r in reports] == [True, False]
