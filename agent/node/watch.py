@@ -118,10 +118,14 @@ class RankMonitor:
             if not any(placed.values()):
                 # No hang here; but a rank placed outside any collective may be
                 # the one peers on other nodes wait for: their evidence.
+                # A rank already reported hung this episode was told (its stop now
+                # may be the stop the supervisor asked for).
                 stalled = {
                     v.rank: (v, protocol.HangDetector.HEARTBEAT)
                     for v in verdicts
-                    if self._needs_confirming(beating[v.rank], v) and placed.get(v.rank) is False
+                    if self._needs_confirming(beating[v.rank], v)
+                    and placed.get(v.rank) is False
+                    and v.rank not in self._hang_reported
                 }
                 verdicts = [v for v in verdicts if not self._needs_confirming(beating[v.rank], v)]
         hung: Hung = {
@@ -150,10 +154,12 @@ class RankMonitor:
                     hung[rank.global_rank] = (verdict, protocol.HangDetector.STACK)
                 elif _frozen_for(samples, now_s) > self._config.stack_timeout_s:
                     frozen_outside.append(rank.global_rank)
+        # The stack dumps above were awaited: a rank that stepped meanwhile is no longer
+        # stopped, whatever the verdict taken before them said.
+        hung, stalled = self._still_stopped(hung, now_s), self._still_stopped(stalled, now_s)
         if not hung and any(rank not in self._stall_reported for rank in stalled):
             # The dumps that placed the ranks are its evidence: no second pause of them.
-            await self._report_hang(stalled, live, stall=True)
-            for key in stalled:
+            for key in await self._report_hang(stalled, live, now_s, stall=True):
                 self._stall_reported[key] = now_s
             return
         if not any(rank not in self._hang_reported for rank in hung):
@@ -164,9 +170,19 @@ class RankMonitor:
         # likely culprit (stopped or deadlocked): it belongs in the report.
         for key in frozen_outside:
             hung.setdefault(key, (self._frozen_verdict(key, now_s), protocol.HangDetector.STACK))
-        await self._report_hang(hung, live)
-        for key in hung:
+        for key in await self._report_hang(hung, live, now_s):
             self._hang_reported[key] = now_s
+
+    def _still_stopped(self, hung: Hung, since_s: float) -> Hung:
+        """``hung`` less the beating ranks that made progress after ``since_s`` (or
+        exited): their verdict was taken before. Stack verdicts stand: their ranks
+        send no beats."""
+        return {
+            key: (verdict, detector)
+            for key, (verdict, detector) in hung.items()
+            if detector is not protocol.HangDetector.HEARTBEAT
+            or ((progress := self.progress.get(key)) is not None and progress.progress_s <= since_s)
+        }
 
     def _freezing_outside(
         self, silent: list[RankProcess], hung: Hung, frozen_outside: list[int], now_s: float
@@ -295,17 +311,22 @@ class RankMonitor:
         )
 
     async def _report_hang(
-        self, hung: Hung, live: Mapping[int, RankProcess], stall: bool = False
-    ) -> None:
-        """Report ``hung`` with every local rank's stack; ``stall``: as a stall report
-        (evidence only: none of the node's ranks waits in a collective), whose stacks
-        are the dumps that placed the ranks moments ago."""
+        self, hung: Hung, live: Mapping[int, RankProcess], since_s: float, stall: bool = False
+    ) -> Hung:
+        """Report ``hung`` with every local rank's stack and return what was reported:
+        nothing when every beating rank in it stepped after ``since_s`` while the
+        evidence was taken. ``stall``: as a stall report (evidence only: none of the
+        node's ranks waits in a collective), whose stacks are the dumps that placed
+        the ranks moments ago."""
         pids = [rank.pid for rank in live.values()]
         if stall and all(pid in self._placed_dumps for pid in pids):
             dumps = self._placed_dumps
         else:
             # Evidence before anything is killed: every local rank's stack, hung or not.
             dumps = await asyncio.to_thread(dump_all_placed, pids, EVIDENCE_DEADLINE_S)
+            hung = self._still_stopped(hung, since_s)
+            if not hung:
+                return hung
         stacks = {
             str(key): protocol.clip_text(_stack_text(dumps[rank.pid]), protocol.MAX_TEXT_CHARS)
             for key, rank in live.items()
@@ -343,6 +364,7 @@ class RankMonitor:
                 **({"stalled": True} if stall else {}),
             },
         )
+        return hung
 
     def _culprits(self, hung: Hung, collective: Mapping[int, bool]) -> list[dict[str, Any]]:
         """Hung ranks most suspect first: behind, outside the collective, stopped first."""

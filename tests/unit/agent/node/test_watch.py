@@ -202,3 +202,49 @@ def test_a_waiter_is_not_reported_alone_while_a_rank_frozen_outside_is_short_of_
             break
     assert reports, "no hang found"
     assert [c["global_rank"] for c in reports[0]["culprits"]] == [1, 0], reports[0]["culprits"]
+
+
+def beat_at(rankmon: watch.RankMonitor, rank: int, step: int, now_s: float) -> None:
+    process = LIVE[rank]
+    rankmon.on_beat(
+        RankBeat(rank, process.local_rank, process.pid, step, Phase.TRAIN, 0.0, None, True), now_s
+    )
+
+
+def test_a_rank_that_steps_while_its_stack_is_dumped_is_not_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Training went on while the dump that confirms the wait ran (seconds under load):
+    # the verdict taken before it is stale, and a report of it would open a recovery
+    # of a job that trains.
+    stacks = {
+        100: dump(100, "c10d::Reducer::finalize_backward", native=True),
+        101: dump(101, "c10d::Reducer::finalize_backward", native=True),
+    }
+    rankmon, reports = monitor(stacks, monkeypatch)
+    stepped(rankmon, automatic=True)
+
+    def dumped_while_training_went_on(pids: list[int], timeout_s: float) -> dict[int, StackDump]:
+        for rank in LIVE:
+            beat_at(rankmon, rank, 11, 61.0)
+        return {pid: stacks[pid] for pid in pids}
+
+    monkeypatch.setattr(watch, "dump_all_placed", dumped_while_training_went_on)
+    check(rankmon, 60.0)
+    assert reports == []
+
+
+def test_a_rank_reported_hung_then_stopped_sends_no_stall_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stacks = {
+        100: dump(100, "c10d::Reducer::finalize_backward", native=True),
+        101: dump(101, "c10d::Reducer::finalize_backward", native=True),
+    }
+    rankmon, reports = monitor(stacks, monkeypatch)
+    stepped(rankmon, automatic=True)
+    check(rankmon, 60.0)
+    # The supervisor stops the ranks: out of the collective, in their teardown.
+    stacks[100], stacks[101] = dump(100, "teardown"), dump(101, "teardown")
+    check(rankmon, 200.0)
+    assert [r.get("stalled", False) for r in reports] == [False]
