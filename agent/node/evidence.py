@@ -72,7 +72,9 @@ async def kernel_evidence(rank_exit: RankExit, kernel: KernelLog) -> dict[str, s
     text = await kernel.text()
     found: dict[str, str] = {}
     if killed(rank_exit):
-        line = kernlog.oom_kill_line(text, rank_exit.rank.pid) if text else None
+        line = (
+            kernlog.oom_kill_line(text, rank_exit.rank.pid, kernel.started_boot_s) if text else None
+        )
         rose = rank_exit.oom_kills_while_running
         if line is not None:
             found["oom_kill"] = line

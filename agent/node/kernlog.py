@@ -75,10 +75,20 @@ def _bare(line: str) -> str:
     return _STAMP.sub("", line.strip())[:LINE_CHARS]
 
 
-def oom_kill_line(kernel_log: str, pid: int) -> str | None:
-    """The kernel's line saying it killed ``pid`` for memory (its newest), or None."""
+def oom_kill_line(kernel_log: str, pid: int, since_boot_s: float = 0.0) -> str | None:
+    """The kernel's line saying it killed ``pid`` for memory (its newest), or None.
+
+    Only lines stamped at or after ``since_boot_s`` seconds after boot count (lines
+    without a stamp always do): pids are reused (32768 of them by default), and an
+    older process's out-of-memory kill under the same pid would turn a rank's
+    SIGKILL, a node fault, into the script's memory use.
+    """
     killed = re.compile(rf"Killed process {pid} \(|[ ,]pid={pid},")
-    found = [line for line in kernel_log.splitlines() if killed.search(line)]
+    found = [
+        line
+        for line in kernel_log.splitlines()
+        if killed.search(line) and _stamped_since(line, since_boot_s)
+    ]
     chosen = [line for line in found if "Killed process" in line] or found
     return _bare(chosen[-1]) if chosen else None
 
@@ -96,8 +106,13 @@ def hardware_xids(kernel_log: str, since_boot_s: float = 0.0) -> list[str]:
     for line in kernel_log.splitlines():
         if XID_MARK not in line or xid_code(line) in APPLICATION_XIDS:
             continue
-        stamp = _STAMP.match(line.strip())
-        if stamp and stamp.group(1) is not None and float(stamp.group(1)) < since_boot_s:
-            continue
-        lines.append(_bare(line))
+        if _stamped_since(line, since_boot_s):
+            lines.append(_bare(line))
     return lines
+
+
+def _stamped_since(line: str, since_boot_s: float) -> bool:
+    """Whether ``line``'s stamp (seconds since boot) is ``since_boot_s`` or later; a line
+    without a stamp is."""
+    stamp = _STAMP.match(line.strip())
+    return not (stamp and stamp.group(1) is not None and float(stamp.group(1)) < since_boot_s)

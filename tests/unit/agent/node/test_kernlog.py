@@ -34,6 +34,13 @@ def test_the_kill_line_of_the_rank_itself_is_found_in_either_form() -> None:
     assert kernlog.oom_kill_line(CGROUP_OOM + HOST_OOM, 7) is None
 
 
+def test_an_older_processs_kill_under_the_same_pid_is_not_the_ranks() -> None:
+    # Pids are reused: a kill stamped before the agent started was another process's.
+    assert kernlog.oom_kill_line(CGROUP_OOM, 689, since_boot_s=72637.0) is not None
+    assert kernlog.oom_kill_line(CGROUP_OOM, 689, since_boot_s=72638.0) is None
+    assert kernlog.oom_kill_line(HOST_OOM, 4242, since_boot_s=2000.0) is None
+
+
 def test_hardware_xids_leave_out_the_applications_and_the_ones_before_the_start() -> None:
     assert [kernlog.xid_code(line) for line in kernlog.hardware_xids(XIDS)] == [48, 79]
     assert [kernlog.xid_code(line) for line in kernlog.hardware_xids(XIDS, 250.0)] == [79]
