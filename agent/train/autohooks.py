@@ -111,6 +111,13 @@ class DataWait:
         self._step = 0
         self._back: Phase | None = None  # the phase to beat again once the wait ends
         self._thread: threading.Thread | None = None
+        # A process forked from the rank (a data loader worker) gets neither the
+        # watch thread nor, held by it at the fork, the lock: it starts afresh.
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()
+        self._since, self._back, self._thread = None, None, None
 
     def began(self, step: int) -> None:
         """The training thread asks for a batch at ``step``."""

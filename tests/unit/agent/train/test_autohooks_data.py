@@ -7,6 +7,8 @@ the beats read off a real agent socket.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -76,6 +78,21 @@ def test_the_end_of_a_wait_is_never_followed_by_a_late_data_beat() -> None:
     wait.ended()
     assert not wait.check()
     assert beats.sent == []
+
+
+def test_a_process_forked_while_the_watch_holds_the_lock_starts_afresh() -> None:
+    beats, clock = Beats(), Clock()
+    wait = DataWait(beats, after_s=1.0, clock=clock)  # type: ignore[arg-type]
+    with wait._lock:  # the watch thread, mid-check, as a data loader worker is forked
+        child = os.fork()
+        if child == 0:  # the worker: a wait there must not block on the parent's lock
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler
+            signal.alarm(5)  # a deadlock ends the child, and the test fails, not hangs
+            wait.began(1)
+            wait.ended()
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 class Stalls(Dataset[torch.Tensor]):
