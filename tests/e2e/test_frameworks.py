@@ -11,10 +11,12 @@ import itertools
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
+from agent.node.stacks import dump_all_placed, in_collective
 from tests.conftest import ENDED, LiveCluster
 from tests.e2e.jobs import anomaly_events, attempts, drained, status, story_of, submit_job
 from tests.e2e.time_limits import finish, raise_limit_after_crossings
@@ -184,6 +186,21 @@ FIRST_SAVE = {
 }
 
 
+def stop_outside_a_collective(pid: int, tries: int = 20) -> None:
+    """SIGSTOP ``pid`` at a moment its stack is outside any collective, as the agent's
+    own native-aware dump places it. A rank stopped inside the all-reduce its peers
+    wait in looks like them to every stack, and the supervisor then rightly blames
+    no node: that is not the hang this test is about."""
+    for _ in range(tries):
+        os.kill(pid, signal.SIGSTOP)
+        dump = dump_all_placed([pid], 30.0)[pid]
+        if dump.ok and not in_collective(dump):
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.13)  # off the 0.3 s step's beat
+    raise AssertionError(f"rank {pid} was inside a collective at each of {tries} stops")
+
+
 @pytest.mark.parametrize("script", ["hf_trainer.py", "lightning_fit.py"])
 def test_a_hung_rank_of_a_framework_is_blamed_on_its_node_and_the_script_resumes_on_three(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path, script: str
@@ -197,7 +214,7 @@ def test_a_hung_rank_of_a_framework_is_blamed_on_its_node_and_the_script_resumes
     slurm_cluster.wait_for(f"{saved.name} saved", saved.is_file, timeout_s=300)
     pids = rank_pids("node3", marker=script)
     assert pids, output.read_text(errors="replace")[-3000:]
-    os.kill(pids[0], signal.SIGSTOP)
+    stop_outside_a_collective(pids[0])
     job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
     text = output.read_text(errors="replace")
     told = story_of(supervisor, job_id, text)
