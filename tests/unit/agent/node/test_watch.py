@@ -83,9 +83,8 @@ def test_automatic_beats_stopped_with_no_rank_in_a_collective_are_only_a_stall_r
     assert {c["in_collective"] for c in report["culprits"]} == {False}
     check(rankmon, 61.0)
     assert len(reports) == 1  # told once an episode
-    for rank, process in LIVE.items():  # progress: a new episode may be told
-        rankmon.on_beat(RankBeat(rank, process.local_rank, process.pid, 11, Phase.TRAIN,
-                                 0.0, None, True), 70.0)  # fmt: skip
+    for rank in LIVE:  # progress: a new episode may be told
+        beat_at(rankmon, rank, 11, 70.0)
     check(rankmon, 500.0)  # past 5 x the 64.5 s step just measured
     assert len(reports) == 2 and reports[1]["stalled"] is True
 
@@ -211,16 +210,18 @@ def beat_at(rankmon: watch.RankMonitor, rank: int, step: int, now_s: float) -> N
     )
 
 
+def waiting_in_backward() -> dict[int, StackDump]:
+    """Both ranks' native stacks inside DDP's backward, waiting in its all-reduce."""
+    return {pid: dump(pid, "c10d::Reducer::finalize_backward", native=True) for pid in (100, 101)}
+
+
 def test_a_rank_that_steps_while_its_stack_is_dumped_is_not_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Training went on while the dump that confirms the wait ran (seconds under load):
     # the verdict taken before it is stale, and a report of it would open a recovery
     # of a job that trains.
-    stacks = {
-        100: dump(100, "c10d::Reducer::finalize_backward", native=True),
-        101: dump(101, "c10d::Reducer::finalize_backward", native=True),
-    }
+    stacks = waiting_in_backward()
     rankmon, reports = monitor(stacks, monkeypatch)
     stepped(rankmon, automatic=True)
 
@@ -237,10 +238,7 @@ def test_a_rank_that_steps_while_its_stack_is_dumped_is_not_reported(
 def test_a_rank_reported_hung_then_stopped_sends_no_stall_report(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stacks = {
-        100: dump(100, "c10d::Reducer::finalize_backward", native=True),
-        101: dump(101, "c10d::Reducer::finalize_backward", native=True),
-    }
+    stacks = waiting_in_backward()
     rankmon, reports = monitor(stacks, monkeypatch)
     stepped(rankmon, automatic=True)
     check(rankmon, 60.0)
