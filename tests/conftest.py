@@ -140,6 +140,14 @@ class LiveCluster:
         ``deploy/slurm/cluster`` (kill-node, start-node) both act on it alone."""
         return dict(os.environ, SLURM_CONF=str(self.conf), RESURGO_CLUSTER_DIR=str(self.root))
 
+    def ctld_lines(self, job_id: int, limit: int = 40) -> str:
+        """slurmctld's last ``limit`` log lines that name ``job_id``: what a timed-out
+        wait on a job shows, since the cluster's logs do not outlive a CI run."""
+        log = self.root / "log" / "slurmctld.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        named = [line for line in lines if str(job_id) in line]
+        return "\n".join(named[-limit:])
+
     def run(
         self, argv: Sequence[str], timeout: float = 30.0, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
@@ -63,7 +64,9 @@ class SlurmClient:
         read_attempts: int = 3,
         retry_wait_s: float = 0.5,
         requeue_settle_s: float = 60.0,
+        requeue_confirm_s: float = 10.0,
         sleep: Sleep = asyncio.sleep,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """``env`` is added to os.environ (e.g. SLURM_CONF); ``runner`` replaces subprocesses."""
         self._env = {**os.environ, **env} if env is not None else None
@@ -72,6 +75,8 @@ class SlurmClient:
         self._read_attempts = read_attempts
         self._retry_wait_s = retry_wait_s
         self._requeue_settle_s = requeue_settle_s
+        self._requeue_confirm_s = requeue_confirm_s
+        self._clock = clock
         self._sleep = sleep
         self._hostnames: dict[str, tuple[str, ...]] = {}
         self._sinfo = parse.SinfoParser()
@@ -265,11 +270,58 @@ class SlurmClient:
             step = "update size"
             await self._mutate(size_argv)
             step = "start now"
+            started_at = self._clock()
             await self._mutate(parse.start_now_argv(job_id))
             step = "release"
             await self._mutate(parse.release_argv(job_id))
         except SlurmError as error:
             raise SlurmRequeueFailed(job_id, step, error) from error
+        try:
+            await self._confirm_start_now(job_id, size_argv, started_at)
+        except SlurmError as error:
+            # The requeue is done; only the guard against its late begin time failed.
+            log.warning("slurm: could not confirm job %d's start time: %s", job_id, error)
+
+    async def _confirm_start_now(self, job_id: int, size_argv: list[str], since: float) -> None:
+        """Apply size and start time again if the requeue's own begin time landed after them.
+
+        22.05 ends a requeue (``batch_requeue_fini``) once the job's nodes are
+        released, and sets its begin time to now + the credential lifetime
+        (121 s) then; seen once under load, that came after a job read PENDING
+        and after our update, so the released job waited two minutes. Polls
+        until the scheduler has looked at the job: it started, or it pends for
+        a reason other than that begin time.
+        """
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(max(1, int(self._requeue_confirm_s / self._retry_wait_s))),
+            wait=wait_fixed(self._retry_wait_s),
+            retry=retry_if_exception_type(_NotYet),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    job = await self._require(job_id)
+                    if job.state is not JobState.PENDING:
+                        return
+                    late = job.eligible_time is not None and job.eligible_time > since + 5
+                    if late:
+                        log.warning(
+                            "slurm: job %d's requeue set its begin time after the resize; "
+                            "applying size and start time again",
+                            job_id,
+                        )
+                        await self._mutate(size_argv)
+                        since = self._clock()
+                        await self._mutate(parse.start_now_argv(job_id))
+                        if job.held:
+                            await self._mutate(parse.release_argv(job_id))
+                        raise _NotYet(f"job {job_id} resized again")
+                    if job.state_reason in ("None", "") or job.held:
+                        raise _NotYet(f"job {job_id} not looked at yet")
+        except _NotYet:
+            return  # still unscheduled after the window: a question for never_runs
 
     async def _require(self, job_id: int) -> SlurmJob:
         job = await self.job(job_id)

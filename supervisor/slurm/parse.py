@@ -175,6 +175,7 @@ class SlurmJob:
     start_time: int | None
     submit_time: int | None
     end_time: int | None
+    eligible_time: int | None
     excluded_nodes: tuple[str, ...]
     comment: str
     flags: frozenset[str]
@@ -420,6 +421,8 @@ def _job(record: Mapping[str, Any]) -> SlurmJob:
         start_time=_timestamp(record, "start_time", what),
         submit_time=_timestamp(record, "submit_time", what),
         end_time=_timestamp(record, "end_time", what),
+        # When a pending job may start (its begin time, once that is set).
+        eligible_time=_timestamp(record, "eligible_time", what),
         excluded_nodes=expand_hostlist(_optional(record, "excluded_nodes", str, what) or ""),
         comment=_optional(record, "comment", str, what) or "",
         flags=frozenset(str(flag) for flag in flags),

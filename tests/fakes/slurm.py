@@ -65,6 +65,7 @@ def job(nodes: Sequence[str], state: SlurmState = SlurmState.RUNNING) -> SlurmJo
         start_time=None,
         submit_time=None,
         end_time=None,
+        eligible_time=None,
         excluded_nodes=(),
         comment="",
         flags=frozenset(),

@@ -32,7 +32,11 @@ def wait_job(
         job = asyncio.run(client.job(job_id))
         return job if job is not None and ok(job) else None
 
-    result: SlurmJob = cluster.wait_for(f"job {job_id} {what}", check, timeout_s=45.0)
+    try:
+        result: SlurmJob = cluster.wait_for(f"job {job_id} {what}", check, timeout_s=45.0)
+    except AssertionError as timed_out:
+        said = cluster.ctld_lines(job_id)
+        raise AssertionError(f"{timed_out}; slurmctld said:\n{said}") from None
     return result
 
 

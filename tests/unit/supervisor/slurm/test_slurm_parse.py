@@ -363,10 +363,14 @@ PENDING = {"job_id": 5, "job_state": "PENDING", "state_reason": "JobHeldUser", "
 OK = (0, "", "")
 
 
+RESTARTED = {**RUNNING, "restart_cnt": 1}
+
+
 def test_requeue_smaller_waits_for_pending_before_resizing() -> None:
     fake = FakeSlurm(
-        squeue_with(RUNNING), OK, squeue_with(COMPLETING), squeue_with(PENDING), OK, OK, OK
-    )
+        squeue_with(RUNNING), OK, squeue_with(COMPLETING), squeue_with(PENDING), OK, OK, OK,
+        squeue_with(RESTARTED),
+    )  # fmt: skip
     asyncio.run(client(fake).requeue_smaller(5, 2, 2, ["node3"]))
     mutations = [call for call in fake.calls if call[0] != "squeue"]
     assert mutations == [
@@ -378,9 +382,31 @@ def test_requeue_smaller_waits_for_pending_before_resizing() -> None:
 
 
 def test_requeue_smaller_of_an_already_pending_job_does_not_requeue_twice() -> None:
-    fake = FakeSlurm(squeue_with(PENDING), squeue_with(PENDING), OK, OK, OK)
+    fake = FakeSlurm(squeue_with(PENDING), squeue_with(PENDING), OK, OK, OK, squeue_with(RESTARTED))
     asyncio.run(client(fake).requeue_smaller(5, 2, 2))
     assert parse.requeue_hold_argv(5) not in fake.calls
+
+
+def test_a_requeue_that_sets_its_begin_time_after_the_resize_is_resized_again() -> None:
+    # 22.05 under load: the requeue's 121 s begin time landed after start-now.
+    late = {**PENDING, "state_reason": "BeginTime", "eligible_time": 1_000_121}
+    fake = FakeSlurm(
+        squeue_with(PENDING), squeue_with(PENDING), OK, OK, OK,
+        squeue_with(late), OK, OK, squeue_with(RESTARTED),
+    )  # fmt: skip
+    slurm = SlurmClient(runner=fake, sleep=no_sleep, retry_wait_s=0.1, clock=lambda: 1_000_000.0)
+    asyncio.run(slurm.requeue_smaller(5, 2, 2, ["node3"]))
+    mutations = [call for call in fake.calls if call[0] != "squeue"]
+    size, start_now = parse.update_size_argv(5, 2, 2, ["node3"]), parse.start_now_argv(5)
+    assert mutations == [size, start_now, parse.release_argv(5), size, start_now]
+
+
+def test_a_released_job_waiting_for_nodes_is_left_to_wait() -> None:
+    waiting = {**PENDING, "state_reason": "Resources", "eligible_time": 1_000_000}
+    fake = FakeSlurm(squeue_with(PENDING), squeue_with(PENDING), OK, OK, OK, squeue_with(waiting))
+    slurm = SlurmClient(runner=fake, sleep=no_sleep, retry_wait_s=0.1, clock=lambda: 1_000_000.0)
+    asyncio.run(slurm.requeue_smaller(5, 2, 2))
+    assert len(fake.calls) == 6  # one look after the release, no second resize
 
 
 def test_requeue_smaller_failure_names_the_step() -> None:
