@@ -63,6 +63,9 @@ class AgentConfig:
     - ``hang_floor_s``: the shortest training-step timeout, whatever the step times say.
     - ``hang_k``: the training-step timeout is this factor x the p99 of recent step times
       (at least ``hang_floor_s``).
+    - ``hang_busy_floor_s``: the training-step timeout of a rank that stopped stepping but
+      keeps a core busy outside any collective (work no hook sees, which its peers may wait
+      for); reported as phase ``compute`` until then.
     - ``init_grace_s``: the timeout while a rank starts (imports, data loading, the
       first collective), before its first step.
     - ``checkpoint_grace_s``: the timeout while a rank saves a checkpoint.
@@ -107,8 +110,9 @@ class AgentConfig:
     heartbeat_report_s: float = 5.0
     watch_interval_s: float = 0.25
     hang_check_s: float = 1.0
-    hang_floor_s: float = 60.0
+    hang_floor_s: float = 20.0
     hang_k: float = 5.0
+    hang_busy_floor_s: float = 60.0
     init_grace_s: float = 600.0
     checkpoint_grace_s: float = 600.0
     eval_grace_s: float = 900.0
@@ -166,6 +170,7 @@ class AgentConfig:
             checkpoint_grace_s=self.checkpoint_grace_s,
             eval_grace_s=self.eval_grace_s,
             data_grace_s=self.data_grace_s,
+            busy_floor_s=self.hang_busy_floor_s,
             stack_timeout_s=self.stack_timeout_s,
         )
 

@@ -49,6 +49,10 @@ class HangConfig:
       ``data_grace_s``: the timeout in those phases. INIT's grace also covers
       TRAIN until the first step time is measured (the first steps compile,
       warm caches and spin up loaders).
+    - ``busy_floor_s``: the TRAIN timeout of a rank that stopped stepping but
+      keeps a core busy outside any collective (:func:`busy_share`): work the
+      hooks do not see (a rank-0-only upload, a recompile) that its peers wait
+      for. Such a rank is not called hung before this, whatever ``floor_s`` says.
     - ``stack_timeout_s``: how long an unchanged stack inside a collective is
       tolerated, for ranks that send no beats.
     - ``straggler_factor`` / ``straggler_min_steps``: a rank is a straggler when its
@@ -56,13 +60,14 @@ class HangConfig:
       has that many step times.
     """
 
-    floor_s: float = 60.0
+    floor_s: float = 20.0
     k: float = 5.0
     window: int = 50
     init_grace_s: float = 600.0
     checkpoint_grace_s: float = 600.0
     eval_grace_s: float = 900.0
     data_grace_s: float = 600.0
+    busy_floor_s: float = 60.0
     stack_timeout_s: float = 300.0
     straggler_factor: float = 1.5
     straggler_min_steps: int = 10
@@ -96,6 +101,7 @@ class HangConfig:
             Phase.CHECKPOINT: self.checkpoint_grace_s,
             Phase.EVAL: self.eval_grace_s,
             Phase.DATA: self.data_grace_s,
+            Phase.COMPUTE: self.busy_floor_s,
         }.get(phase)
 
 
@@ -227,6 +233,7 @@ class HangReason(enum.Enum):
     CHECKPOINT_GRACE = "checkpoint_grace"
     EVAL_GRACE = "eval_grace"
     DATA_GRACE = "data_grace"
+    BUSY_FLOOR = "busy_floor"  # COMPUTE: stopped stepping, busy outside any collective
     STACK_IN_COLLECTIVE = "stack_in_collective"  # uninstrumented: stack frozen in a collective
 
 
@@ -235,6 +242,7 @@ _PHASE_REASON = {
     Phase.CHECKPOINT: HangReason.CHECKPOINT_GRACE,
     Phase.EVAL: HangReason.EVAL_GRACE,
     Phase.DATA: HangReason.DATA_GRACE,
+    Phase.COMPUTE: HangReason.BUSY_FLOOR,
 }
 
 
@@ -307,6 +315,47 @@ def _timeout_basis(progress: RankProgress, reason: HangReason, config: HangConfi
     if reason is HangReason.INIT_GRACE and progress.phase is Phase.TRAIN:
         return "init grace: no step time measured yet"
     return f"{progress.phase.value} grace"
+
+
+# A rank using at least this share of one core over the last few seconds is busy.
+# A rank asleep, deadlocked on a lock or blocked on a dead peer uses next to none
+# (its idle background threads); one that computes gets a tenth of a core even on
+# a node with ten runnable processes per core.
+BUSY_CPU_SHARE = 0.1
+# Over how many seconds the share is taken (the oldest sample at least this old).
+BUSY_WINDOW_S = 3.0
+
+
+def busy_share(samples: Sequence[tuple[float, float]]) -> float | None:
+    """The share of one core a process used lately, from ``(time_s, cpu_s)`` samples
+    oldest first: over the span from the newest sample at least :data:`BUSY_WINDOW_S`
+    old to the newest sample; None without such a span."""
+    if len(samples) < 2:
+        return None
+    newest_s, newest_cpu = samples[-1]
+    for time_s, cpu_s in reversed(samples):
+        if newest_s - time_s >= BUSY_WINDOW_S:
+            return max(0.0, newest_cpu - cpu_s) / (newest_s - time_s)
+    return None
+
+
+def computing(
+    verdicts: Sequence[HangVerdict],
+    shares: Mapping[int, float | None],
+    in_collective: Mapping[int, bool],
+    config: HangConfig,
+) -> set[int]:
+    """The ranks of ``verdicts`` that still work: busy (:data:`BUSY_CPU_SHARE`) and not
+    known to wait in a collective, short of ``busy_floor_s``. A rank that waits in
+    a collective may spin there (NCCL polls its stream), so it is never one."""
+    return {
+        verdict.rank
+        for verdict in verdicts
+        if verdict.since_progress_s <= config.busy_floor_s
+        and in_collective.get(verdict.rank) is not True
+        and (share := shares.get(verdict.rank)) is not None
+        and share >= BUSY_CPU_SHARE
+    }
 
 
 @dataclass(frozen=True)

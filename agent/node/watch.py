@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
+
+import psutil
 
 from agent.node.hang import (
     HangConfig,
@@ -24,6 +26,8 @@ from agent.node.hang import (
     HangVerdict,
     RankProgress,
     StackSample,
+    busy_share,
+    computing,
     culprit_hints,
     hang_verdicts,
     local_stragglers,
@@ -33,7 +37,7 @@ from agent.node.hang import (
 from agent.node.procs import RankProcess
 from agent.node.stacks import StackDump, dump_all, dump_all_placed, fingerprint, in_collective
 from agent.wire import protocol
-from agent.wire.datagram import RankBeat, StepReport
+from agent.wire.datagram import Phase, RankBeat, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +46,40 @@ SAMPLE_DEADLINE_S = 15.0
 EVIDENCE_DEADLINE_S = 30.0
 MAX_PLACED_EVERY_S = 60.0
 
+CPU_SAMPLES_KEPT = 16
+
 Emit = Callable[[protocol.EventKind, dict[str, Any]], Awaitable[None]]
 Hung = dict[int, tuple[HangVerdict, protocol.HangDetector]]
+CpuSeconds = Callable[[int], "float | None"]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user + system, every thread) process ``pid`` used; None when gone."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    return float(times.user + times.system)
 
 
 class RankMonitor:
     """Per-rank progress and stack history; reports hangs and stragglers once per episode."""
 
-    def __init__(self, config: HangConfig, stack_sample_s: float, emit: Emit) -> None:
+    def __init__(
+        self,
+        config: HangConfig,
+        stack_sample_s: float,
+        emit: Emit,
+        cpu: CpuSeconds = cpu_seconds,
+    ) -> None:
         self._config = config
         self._stack_sample_s = stack_sample_s
         self._emit = emit
+        self._cpu = cpu
+        self._cpu_samples: dict[int, deque[tuple[float, float]]] = {}  # by pid
+        # Ranks that stopped stepping but work outside any collective, as of the
+        # check at the time noted: phase compute in the heartbeat reports.
+        self._computing: dict[int, float] = {}
         self.progress: dict[int, RankProgress] = {}
         self._samples: dict[int, deque[StackSample]] = {}
         self._last_sample: dict[int, float] = {}
@@ -95,7 +122,11 @@ class RankMonitor:
     def forget(self, global_rank: int) -> RankProgress | None:
         """Drop an exited rank; return what was known of it."""
         self._samples.pop(global_rank, None)
-        return self.progress.pop(global_rank, None)
+        self._computing.pop(global_rank, None)
+        progress = self.progress.pop(global_rank, None)
+        if progress is not None:
+            self._cpu_samples.pop(progress.pid, None)
+        return progress
 
     async def check_hangs(self, live: Mapping[int, RankProcess], now_s: float) -> None:
         """Decide hangs among ``live`` ranks; report a new one with every local stack."""
@@ -108,26 +139,32 @@ class RankMonitor:
 
     async def _check_hangs(self, live: Mapping[int, RankProcess], now_s: float) -> None:
         beating = {r: p for r, p in self.progress.items() if r in live}
+        self._sample_cpu(beating.values(), now_s)
         verdicts = hang_verdicts(beating, now_s, self._config)
         stalled: Hung = {}
-        if any(self._needs_confirming(beating[v.rank], v) for v in verdicts):
-            # Optimizer steps stopped in a script that imports nothing: a long
-            # evaluation or a rank-0 save stops them too. A hang has ranks
-            # waiting for a peer: one here must sit in a collective.
-            placed = await self._placed_now(live, now_s)
-            if not any(placed.values()):
-                # No hang here; but a rank placed outside any collective may be
-                # the one peers on other nodes wait for: their evidence.
-                # A rank already reported hung this episode was told (its stop now
-                # may be the stop the supervisor asked for).
-                stalled = {
-                    v.rank: (v, protocol.HangDetector.HEARTBEAT)
-                    for v in verdicts
-                    if self._needs_confirming(beating[v.rank], v)
-                    and placed.get(v.rank) is False
-                    and v.rank not in self._hang_reported
-                }
-                verdicts = [v for v in verdicts if not self._needs_confirming(beating[v.rank], v)]
+        confirming = any(self._needs_confirming(beating[v.rank], v) for v in verdicts)
+        # Optimizer steps stopped in a script that imports nothing: a long
+        # evaluation or a rank-0 save stops them too. A hang has ranks waiting
+        # for a peer: one here must sit in a collective.
+        placed = await self._placed_now(live, now_s) if confirming else {}
+        self._computing = dict.fromkeys(self._working(verdicts, beating, placed), now_s)
+        if self._computing:
+            # A rank here works where no hook sees it: the node's other stopped
+            # ranks wait for it, and its heartbeat reports say compute.
+            verdicts = []
+        elif confirming and not any(placed.values()):
+            # No hang here; but a rank placed outside any collective may be
+            # the one peers on other nodes wait for: their evidence.
+            # A rank already reported hung this episode was told (its stop now
+            # may be the stop the supervisor asked for).
+            stalled = {
+                v.rank: (v, protocol.HangDetector.HEARTBEAT)
+                for v in verdicts
+                if self._needs_confirming(beating[v.rank], v)
+                and placed.get(v.rank) is False
+                and v.rank not in self._hang_reported
+            }
+            verdicts = [v for v in verdicts if not self._needs_confirming(beating[v.rank], v)]
         hung: Hung = {
             verdict.rank: (verdict, protocol.HangDetector.HEARTBEAT) for verdict in verdicts
         }
@@ -172,6 +209,31 @@ class RankMonitor:
             hung.setdefault(key, (self._frozen_verdict(key, now_s), protocol.HangDetector.STACK))
         for key in await self._report_hang(hung, live, now_s):
             self._hang_reported[key] = now_s
+
+    def _sample_cpu(self, ranks: Iterable[RankProgress], now_s: float) -> None:
+        """Note each beating rank's CPU time, for :meth:`_working`."""
+        pids = set()
+        for progress in ranks:
+            pids.add(progress.pid)
+            used = self._cpu(progress.pid)
+            if used is not None:
+                kept = self._cpu_samples.setdefault(progress.pid, deque(maxlen=CPU_SAMPLES_KEPT))
+                kept.append((now_s, used))
+        for pid in self._cpu_samples.keys() - pids:
+            del self._cpu_samples[pid]
+
+    def _working(
+        self,
+        verdicts: list[HangVerdict],
+        beating: Mapping[int, RankProgress],
+        placed: Mapping[int, bool],
+    ) -> set[int]:
+        """The ranks of ``verdicts`` that keep a core busy outside any collective."""
+        shares = {
+            verdict.rank: busy_share(self._cpu_samples.get(beating[verdict.rank].pid, ()))
+            for verdict in verdicts
+        }
+        return computing(verdicts, shares, placed, self._config)
 
     def _still_stopped(self, hung: Hung, since_s: float) -> Hung:
         """``hung`` less the beating ranks that made progress after ``since_s`` (or
@@ -263,13 +325,17 @@ class RankMonitor:
                 )
                 continue
             times = progress.step_times
+            working_since = self._computing.get(key)
+            phase = progress.phase
+            if working_since is not None and progress.progress_s <= working_since:
+                phase = Phase.COMPUTE
             statuses.append(
                 protocol.RankStatus(
                     global_rank=key,
                     local_rank=rank.local_rank,
                     pid=rank.pid,
                     step=progress.step,
-                    phase=progress.phase.value,
+                    phase=phase.value,
                     last_progress_unix_s=wall_s - (now_s - progress.progress_s),
                     step_time_p50_s=times.p50,
                     step_time_p99_s=times.p99,

@@ -98,6 +98,10 @@ class Phase(enum.Enum):
     # Waiting for a batch from the data loader for longer than a moment (the
     # bootstrap's hooks: agent.train.autohooks).
     DATA = "data"
+    # Stopped stepping but keeping a core busy outside any collective: work no
+    # hook sees. The agent says so of a rank in its heartbeat reports
+    # (agent.node.watch); a rank's beat may say it too.
+    COMPUTE = "compute"
 
 
 class Kind(enum.IntEnum):
@@ -115,6 +119,7 @@ PHASE_CODE: dict[Phase, int] = {
     Phase.CHECKPOINT: 2,
     Phase.EVAL: 3,
     Phase.DATA: 4,
+    Phase.COMPUTE: 5,
 }
 _CODE_PHASE: dict[int, Phase] = {code: phase for phase, code in PHASE_CODE.items()}
 

@@ -9,8 +9,9 @@ heartbeat may reach the supervisor after the reports it explains. So a hang
 report is:
 
 - **held** (:func:`hold`) while a rank of the current attempt on another node
-  of the job is busy (a checkpoint, an evaluation or a wait for data, heard
-  within a lease);
+  of the job is busy (a checkpoint, an evaluation, a wait for data, or work no
+  hook sees that keeps a core busy outside any collective, which its agent
+  calls ``compute`` up to its busy floor; heard within a lease);
 - else **awaited** (:func:`await_heartbeats`) until each other node that calls
   in has sent a heartbeat after it: twice its last gap between heartbeats
   after its newest one, a lease at most (a silent node's silence may be the
@@ -34,7 +35,7 @@ from agent.wire.protocol import Event
 from supervisor.core.model import JobRecord
 
 # Phases in which a rank may keep its peers waiting in a collective for long.
-BUSY_PHASES = frozenset({Phase.CHECKPOINT, Phase.EVAL, Phase.DATA})
+BUSY_PHASES = frozenset({Phase.CHECKPOINT, Phase.EVAL, Phase.DATA, Phase.COMPUTE})
 
 
 class BusyRank(NamedTuple):

@@ -81,22 +81,27 @@ def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself
     # evidence window closed on it, and blame named the rank the others wait for.
     assert {e.node for e in hangs if e.payload.get("stalled")} == {victim}, told
     assert "outside the collective the others wait in" in told, told
+    # Asleep is idle: its node never said compute (which would hold the peers' reports).
+    assert "is in compute" not in supervisor.log(), told
     print(f"detected and drained {detected_s:.1f} s after the rank fell asleep")
 
 
 @pytest.mark.long
-def test_a_60_s_evaluation_a_30_s_rank_0_save_and_a_60_s_loader_stall_are_no_hang(
+def test_a_60_s_eval_30_s_save_60_s_loader_stall_and_30_s_of_unhooked_work_are_no_hang(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
     """Ranks 1-3 wait in a barrier through rank 0's save, far past the 8 s floor: their
     reports are held while rank 0 is in its checkpoint, then dropped as training
     goes on. Later rank 2's data loader stalls 60 s while the others wait in DDP's
-    backward: the bootstrap tells phase data, and the same holds."""
+    backward: the bootstrap tells phase data, and the same holds. Then rank 2
+    computes 30 s where no hook sees it: its agent tells phase compute (a busy
+    core outside any collective, short of the 60 s busy floor), and the same holds."""
     job_id, output = submit_plain(
         supervisor, tmp_path, "--eval-pause-s", "60", "--save-pause-s", "30",
         "--data-stall-at", "15", "--data-stall-s", "60", "--fault-rank", "2",
+        "--busy-at", "25", "--busy-s", "30",
     )  # fmt: skip
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
+    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=480)
     text = output.read_text(errors="replace")
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
@@ -108,6 +113,8 @@ def test_a_60_s_evaluation_a_30_s_rank_0_save_and_a_60_s_loader_stall_are_no_han
     assert "held" in supervisor.log(), "the save never kept the peers waiting long enough"
     assert "loader of rank 2 stalling 60.0 s in iter 15" in text, text
     assert "is in data, its peers may wait for it" in supervisor.log(), "no hold for the loader"
+    assert "rank 2 busy 30.0 s in iter 25" in text, text
+    assert "is in compute, its peers may wait for it" in supervisor.log(), "no hold for the work"
     # Goodput from the observed steps, and the script's own newest file as the checkpoint.
     shown_job = status(supervisor, job_id)
     assert shown_job["goodput"] > 0, shown_job

@@ -22,6 +22,10 @@ read them. It keeps its own checkpoint, ``OUT_DIR/ckpt.pt``
   and rank R's loader takes S seconds over iteration N's batch, the way a slow
   file system or a restarting worker stalls it, while its peers wait in DDP's
   backward;
+- ``--busy-at N --busy-s S`` with ``--fault-rank R``: rank R keeps a core busy in
+  plain Python for S seconds inside iteration N (where it would sleep for
+  ``--sleep-at``), the way a rank-0-only upload or a recompile works where no
+  hook sees it, while its peers wait in DDP's backward;
 - ``--kill-at N`` / ``--raise-at N`` / ``--stop-at N`` with ``--fault-rank R``:
   rank R SIGKILLs itself, raises a RuntimeError, or SIGSTOPs itself in iteration
   N; ``--stop-at`` stops it just before the iteration's ``all_reduce`` of the loss
@@ -96,6 +100,14 @@ def exhaust_memory(cgroup: str) -> None:
         hoard.append(bytearray(16 << 20))  # zero-filled: every page is touched
 
 
+def spin(seconds: float) -> None:
+    """Keep one core busy for ``seconds`` in plain Python: no torch call, no hook."""
+    end = time.monotonic() + seconds
+    total = 0
+    while time.monotonic() < end:
+        total += sum(range(1000))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", required=True)
@@ -120,6 +132,8 @@ def main() -> None:
     parser.add_argument("--save-buffered", action="store_true")
     parser.add_argument("--data-stall-at", type=int, default=-1)
     parser.add_argument("--data-stall-s", type=float, default=0.0)
+    parser.add_argument("--busy-at", type=int, default=-1)
+    parser.add_argument("--busy-s", type=float, default=0.0)
     args = parser.parse_args()
 
     if args.init == "slurm":
@@ -172,6 +186,10 @@ def main() -> None:
             )
             time.sleep(args.sleep_s)
         faulty = first_launch and rank == args.fault_rank
+        if faulty and iter_num == args.busy_at:
+            print(f"rank {rank} busy {args.busy_s} s in iter {iter_num} ({time.time():.3f})",
+                  flush=True)  # fmt: skip
+            spin(args.busy_s)
         if faulty and iter_num == args.kill_at:
             node = os.environ.get("SLURMD_NODENAME", "this node")
             print(f"rank {rank} killing itself in iter {iter_num} on {node} ({time.time():.3f})",

@@ -9,9 +9,12 @@ import pytest
 from agent.node.hang import (
     HangConfig,
     HangReason,
+    HangVerdict,
     RankProgress,
     StackSample,
     StepTimes,
+    busy_share,
+    computing,
     culprit_hints,
     hang_verdicts,
     local_stragglers,
@@ -131,7 +134,7 @@ def test_a_new_pid_starts_a_fresh_history() -> None:
 @pytest.mark.parametrize(
     ("case", "progress", "timeout", "reason"),
     [
-        ("fast steps: the floor wins", training(0, 1.0, 20, 0.0), 60.0, HangReason.FLOOR),
+        ("fast steps: the floor wins", training(0, 1.0, 20, 0.0), 20.0, HangReason.FLOOR),
         ("slow steps: k x p99 wins", training(0, 30.0, 20, 0.0), 150.0, HangReason.ADAPTIVE),
         ("init", feed([(0.0, b(0, Phase.INIT))]), 600.0, HangReason.INIT_GRACE),
         (
@@ -148,6 +151,7 @@ def test_a_new_pid_starts_a_fresh_history() -> None:
         ),
         ("eval", feed([(0.0, b(3, Phase.EVAL))]), 900.0, HangReason.EVAL_GRACE),
         ("data", feed([(0.0, b(3)), (1.0, b(3, Phase.DATA))]), 600.0, HangReason.DATA_GRACE),
+        ("compute", feed([(0.0, b(3, Phase.COMPUTE))]), 60.0, HangReason.BUSY_FLOOR),
     ],
 )
 def test_timeout_for_each_phase(
@@ -166,7 +170,7 @@ def test_adaptive_timeout_follows_the_p99_of_recent_steps() -> None:
 
 @pytest.mark.parametrize(
     ("since_s", "hung"),
-    [(59.9, False), (60.0, False), (60.1, True)],
+    [(19.9, False), (20.0, False), (20.1, True)],
 )
 def test_train_hang_strictly_after_the_floor(since_s: float, hung: bool) -> None:
     ranks = {0: training(0, 1.0, 20, NOW - since_s)}
@@ -318,3 +322,24 @@ def test_hang_module_imports_nothing_that_touches_the_os_or_the_clock() -> None:
         )
     }
     assert not roots & {"time", "os", "socket", "subprocess", "psutil", "sqlite3", "shutil"}
+
+
+# --- busy ranks ------------------------------------------------------------------------
+
+
+def test_busy_share_is_the_core_share_over_the_last_few_seconds() -> None:
+    assert busy_share([]) is None
+    assert busy_share([(0.0, 1.0), (2.0, 3.0)]) is None  # under the 3 s window
+    assert busy_share([(0.0, 1.0), (1.0, 1.0), (4.0, 4.0)]) == 1.0  # the newest 3 s span
+    assert busy_share([(0.0, 1.0), (4.0, 4.0)]) == 0.75
+    assert busy_share([(0.0, 5.0), (4.0, 5.0)]) == 0.0
+
+
+def test_a_verdicts_rank_computes_while_busy_outside_a_collective_short_of_the_busy_floor() -> None:
+    def verdict(rank: int, since_s: float) -> HangVerdict:
+        return HangVerdict(rank, 3, Phase.TRAIN, since_s, 20.0, HangReason.FLOOR, "")
+
+    verdicts = [verdict(0, 30.0), verdict(1, 30.0), verdict(2, 61.0), verdict(3, 30.0)]
+    shares = {0: 0.9, 1: 0.01, 2: 0.9, 3: 0.9}
+    placed = {3: True}  # waits in a collective: NCCL may spin there
+    assert computing(verdicts, shares, placed, CONFIG) == {0}

@@ -33,9 +33,14 @@ def dump(pid: int, *functions: str, native: bool = False) -> StackDump:
     return StackDump(pid, True, f"{functions}", (thread,), None, native)
 
 
-def monitor(stacks: dict[int, StackDump], monkeypatch: pytest.MonkeyPatch) -> tuple[
-    watch.RankMonitor, list[dict[str, Any]]
-]:  # fmt: skip
+def idle(pid: int) -> float:
+    """Every rank's CPU time stands still: none of them works."""
+    return 1.0
+
+
+def monitor(
+    stacks: dict[int, StackDump], monkeypatch: pytest.MonkeyPatch, cpu: watch.CpuSeconds = idle
+) -> tuple[watch.RankMonitor, list[dict[str, Any]]]:
     reports: list[dict[str, Any]] = []
 
     async def emit(kind: protocol.EventKind, payload: dict[str, Any]) -> None:
@@ -45,7 +50,7 @@ def monitor(stacks: dict[int, StackDump], monkeypatch: pytest.MonkeyPatch) -> tu
     monkeypatch.setattr(
         watch, "dump_all_placed", lambda pids, timeout_s: {p: stacks[p] for p in pids}
     )
-    return watch.RankMonitor(CONFIG, stack_sample_s=1.0, emit=emit), reports
+    return watch.RankMonitor(CONFIG, stack_sample_s=1.0, emit=emit, cpu=cpu), reports
 
 
 def stepped(rankmon: watch.RankMonitor, automatic: bool, steps: int = 10) -> None:
@@ -246,3 +251,86 @@ def test_a_rank_reported_hung_then_stopped_sends_no_stall_report(
     stacks[100], stacks[101] = dump(100, "teardown"), dump(101, "teardown")
     check(rankmon, 200.0)
     assert [r.get("stalled", False) for r in reports] == [False]
+
+
+class Cores:
+    """CPU time of the ranks' pids: the ``busy`` ones use a whole core from the clock on."""
+
+    def __init__(self, *busy: int) -> None:
+        self.busy = set(busy)
+        self.now_s = 0.0
+
+    def __call__(self, pid: int) -> float:
+        return self.now_s if pid in self.busy else 1.0
+
+
+def check_each_second(
+    rankmon: watch.RankMonitor, cores: Cores, start_s: float, end_s: float
+) -> None:
+    now_s = start_s
+    while now_s <= end_s:
+        cores.now_s = now_s
+        check(rankmon, now_s)
+        now_s += 1.0
+
+
+def phases(rankmon: watch.RankMonitor) -> dict[int, str | None]:
+    return {status.global_rank: status.phase for status in rankmon.rank_statuses(LIVE, 0.0, 0.0)}
+
+
+def test_a_rank_busy_outside_any_collective_is_compute_not_stalled_until_the_busy_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 1 uploads (or recompiles) where no hook sees it; rank 0 sleeps outside any
+    # collective too. The node says compute and reports nothing short of the busy floor.
+    stacks = {100: dump(100, "sleep"), 101: dump(101, "upload")}
+    cores = Cores(101)
+    rankmon, reports = monitor(stacks, monkeypatch, cores)
+    stepped(rankmon, automatic=True)  # last step at 5 s
+    check_each_second(rankmon, cores, 6.0, 64.0)  # 59 s without a step
+    assert reports == []
+    assert phases(rankmon) == {0: "train", 1: "compute"}
+    check_each_second(rankmon, cores, 66.0, 70.0)  # past the 60 s busy floor
+    (report,) = reports
+    assert report["stalled"] is True
+    assert phases(rankmon) == {0: "train", 1: "train"}
+
+
+def test_a_rank_idle_outside_any_collective_is_told_at_the_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stacks = {100: dump(100, "sleep"), 101: dump(101, "sleep")}
+    cores = Cores()
+    rankmon, reports = monitor(stacks, monkeypatch, cores)
+    stepped(rankmon, automatic=True)
+    check_each_second(rankmon, cores, 10.0, 15.0)  # the 8 s floor passed at 13 s
+    assert [r.get("stalled") for r in reports] == [True]
+
+
+def test_a_waiter_spinning_in_a_collective_is_no_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL polls its stream: a waiting rank may keep a core busy inside the collective.
+    stacks = {
+        100: dump(100, "c10d::Reducer::finalize_backward", native=True),
+        101: dump(101, "time_sleep", native=True),
+    }
+    cores = Cores(100)
+    rankmon, reports = monitor(stacks, monkeypatch, cores)
+    stepped(rankmon, automatic=True)
+    check_each_second(rankmon, cores, 10.0, 15.0)
+    (report,) = reports
+    assert "stalled" not in report
+    assert report["culprits"][0]["global_rank"] == 1
+
+
+def test_an_instrumented_rank_that_keeps_a_core_busy_holds_its_nodes_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stacks = {100: dump(100, "all_reduce"), 101: dump(101, "upload")}
+    cores = Cores(101)
+    rankmon, reports = monitor(stacks, monkeypatch, cores)
+    stepped(rankmon, automatic=False)
+    check_each_second(rankmon, cores, 6.0, 64.0)
+    assert reports == []
+    assert phases(rankmon)[1] == "compute"
+    check_each_second(rankmon, cores, 66.0, 67.0)
+    assert len(reports) == 1

@@ -74,12 +74,13 @@ def _hang(node: str, step: int, timeout_s: float = 5.0):  # type: ignore[no-unty
     return Event(EventKind.HANG, "7", node, f"7/{node}/00000000000000a1/1", 1, NOW, payload)
 
 
-@pytest.mark.parametrize(
-    "phase", [hang_hold.Phase.CHECKPOINT, hang_hold.Phase.EVAL, hang_hold.Phase.DATA]
-)
+@pytest.mark.parametrize("phase", sorted(hang_hold.BUSY_PHASES, key=lambda phase: phase.value))
 def test_a_hang_report_is_held_while_another_node_is_busy_and_dropped_once_training_goes_on(
     phase: hang_hold.Phase,
 ) -> None:
+    assert {phase.value for phase in hang_hold.BUSY_PHASES} == {
+        "checkpoint", "eval", "data", "compute"
+    }  # fmt: skip
     record = running()
     busy = {"n2": hang_hold.BusyRank(1, NOW - 1, 1, phase)}
     hold = hang_hold.hold(_hang("n1", 8), busy, record, NOW, LEASE_S)
