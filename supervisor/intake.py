@@ -70,6 +70,8 @@ from supervisor.views.timeline import CHECKPOINT_STATS_KIND, goodput_of
 log = logging.getLogger("resurgo.supervisor")
 
 # What a rank in these phases reports (heartbeat phase names, :class:`Phase`).
+# Reports that name a checkpoint the supervisor will count as progress and read.
+_CHECKPOINT_KINDS = frozenset({EventKind.CHECKPOINT_COMMITTED, EventKind.CHECKPOINT_WRITTEN})
 _BUSY_PHASE_NAMES = frozenset(phase.value for phase in hang_hold.BUSY_PHASES)
 
 
@@ -295,7 +297,7 @@ class Intake:
         job.idle_since_s = settled.idle_since_s
 
     async def refuse_events(self, job_id: str, events: Sequence[Event]) -> str | None:
-        """Why the batch cannot be taken: a committed checkpoint outside the job's root.
+        """Why the batch cannot be taken: a committed or written checkpoint outside the job's root.
 
         Checked in a worker thread (it opens directories below the root, on
         what may be a network filesystem), before anything is stored: the
@@ -306,7 +308,7 @@ class Intake:
         if job is None:
             return None
         for event in events:
-            if event.kind is EventKind.CHECKPOINT_COMMITTED:
+            if event.kind in _CHECKPOINT_KINDS:
                 why = await asyncio.to_thread(
                     manifests.refusal, job.spec.ckpt_root, str(event.payload["path"])
                 )

@@ -125,6 +125,11 @@ class World:
         event = self.event(EventKind.CHECKPOINT_COMMITTED, {"step": step, "path": str(path)})
         return self.post_events([event])
 
+    def written(self, step: int, path: Path | str) -> tuple[int, bytes]:
+        """Post one ``checkpoint_written`` event for ``path`` (a script's own save)."""
+        payload = {"step": step, "path": str(path), "global_rank": 0, "total_bytes": None}
+        return self.post_events([self.event(EventKind.CHECKPOINT_WRITTEN, payload)])
+
     def healthz(self) -> dict[str, object]:
         """``/healthz``'s document (the request must succeed)."""
         status, body = http_get(self.daemon.port, "/healthz")

@@ -36,6 +36,7 @@ from supervisor.core.observations import (
     AgentReport,
     AgentStopped,
     CheckpointCommitted,
+    CheckpointWritten,
     HangReported,
     HealthCheckFailed,
     LauncherExited,
@@ -132,6 +133,16 @@ FAULTS: tuple[Fault, ...] = (
         replayed=True,
         text="a checkpoint is durable: the job's progress, and the moment to grow a job "
         "running below its size back when idle nodes allow",
+    ),
+    Fault(
+        EventKind.CHECKPOINT_WRITTEN,
+        CheckpointWritten,
+        None,
+        (),
+        (),
+        replayed=True,
+        text="a checkpoint the script wrote itself (torch.save, DCP, a framework's) is "
+        "complete: the job's progress, as a commit is",
     ),
     Fault(
         EventKind.LAUNCHER_EXITED,

@@ -126,6 +126,18 @@ class CheckpointCommitted(AgentReport):
     path: str | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointWritten(AgentReport):
+    """A checkpoint a script wrote itself is complete (``checkpoint_written``): a
+    ``torch.save`` file, a DCP directory, a framework's checkpoint; its step when
+    the agent could tell it."""
+
+    KIND: ClassVar[EventKind] = EventKind.CHECKPOINT_WRITTEN
+
+    step: int | None = None
+    path: str | None = None
+
+
 @dataclass(frozen=True)
 class LauncherExited(AgentReport):
     """torchrun (or the user's command) ended on the node (``launcher_exited``): every
@@ -166,6 +178,7 @@ AgentObservation = (
     | HealthCheckFailed
     | StragglerReported
     | CheckpointCommitted
+    | CheckpointWritten
     | LauncherExited
     | AgentStopped
     | TimeLimitNoticed
@@ -460,6 +473,17 @@ def _checkpoint_committed(event: Event) -> CheckpointCommitted:
     )
 
 
+def _checkpoint_written(event: Event) -> CheckpointWritten:
+    path = event.payload.get("path")
+    return CheckpointWritten(
+        event.node,
+        event.event_id,
+        event.time_unix_s,
+        step=_opt_int(event.payload, "step"),
+        path=path if isinstance(path, str) else None,
+    )
+
+
 def _time_limit_noticed(event: Event) -> TimeLimitNoticed:
     # Seconds from the event to the job's end, both by the agent's clock (so the
     # supervisor's own clock needs no agreement with the node's).
@@ -494,6 +518,7 @@ _READINGS: dict[EventKind, Callable[[Event], AgentObservation]] = {
     EventKind.HEALTH_CHECK_FAILED: _health_check_failed,
     EventKind.STRAGGLER: _straggler,
     EventKind.CHECKPOINT_COMMITTED: _checkpoint_committed,
+    EventKind.CHECKPOINT_WRITTEN: _checkpoint_written,
     EventKind.LAUNCHER_EXITED: _bare(LauncherExited),
     EventKind.AGENT_STOPPED: _bare(AgentStopped),
     EventKind.TIME_LIMIT_NEAR: _time_limit_noticed,

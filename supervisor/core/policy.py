@@ -89,6 +89,7 @@ from supervisor.core.observations import (
     CancelRequested,
     CheckpointCommitted,
     CheckpointValidated,
+    CheckpointWritten,
     HangReported,
     HealthCheckFailed,
     LauncherExited,
@@ -170,6 +171,8 @@ def decide(
     match observation:
         case CheckpointCommitted():
             return _on_commit(record, observation, ctx)
+        case CheckpointWritten():
+            return _on_written(record, observation)
         case TimeLimitNoticed(time_left_s=left):
             return planned_stop.on_notice(record, left, False, ctx)
         case WorldMismatched():
@@ -251,6 +254,16 @@ def _on_progress(record: JobRecord, ctx: Context) -> Decision:
 
 def _idle(record: JobRecord, report: AgentReport) -> Decision:
     return _nothing(record, f"{report.KIND.value} from {report.node} needs no action now")
+
+
+def _on_written(record: JobRecord, event: CheckpointWritten) -> Decision:
+    """A checkpoint the script wrote itself: the job's progress, as a commit of ours is
+    (the restart budget and backoff count restarts without a newer one). It grows
+    no job back: whether the script would resume from it is the script's choice."""
+    if event.step is None or (record.last_step is not None and event.step <= record.last_step):
+        return _nothing(record, "checkpoint already known")
+    record = replace(record, last_step=event.step, last_checkpoint_path=event.path)
+    return _nothing(record, f"checkpoint written at step {event.step}")
 
 
 def _on_world_mismatch(record: JobRecord, report: WorldMismatched, ctx: Context) -> Decision:

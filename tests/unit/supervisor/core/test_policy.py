@@ -34,6 +34,7 @@ from supervisor.core.observations import (
     CancelRequested,
     CheckpointCommitted,
     CheckpointValidated,
+    CheckpointWritten,
     HealthCheckFailed,
     LeaseExpired,
     RelaunchFinished,
@@ -381,6 +382,28 @@ def test_a_first_fault_after_progress_relaunches_without_a_backoff():
         CheckpointValidated(100, CKPT, True),
         policy=policy,
     )
+    assert chosen.record.not_before_s is None and RelaunchStep in kinds(chosen)
+
+
+def test_a_checkpoint_the_script_wrote_itself_is_progress_for_the_budget_and_the_backoff():
+    # An unchanged script or a framework saves its own checkpoints (checkpoint_written):
+    # without them counted, its first fault waited the backoff and every restart
+    # spent the budget however far it had trained.
+    policy = replace(POLICY, backoff_base_s=10.0, backoff_max_s=100.0)
+    first = running(last_step=None, last_checkpoint_path=None, step_at_last_restart=None)
+    written = CheckpointWritten("node1", "w", NOW, step=40, path="/ckpt/out/ckpt.pt")
+    (noted,) = run(first, written, policy=policy)
+    assert noted.intents == () and noted.record.last_step == 40
+    assert noted.record.last_checkpoint_path == "/ckpt/out/ckpt.pt"
+    (older,) = run(noted.record, replace(written, step=30), policy=policy)
+    assert older.record.last_step == 40
+    _crash, chosen = run(
+        noted.record,
+        rank_exit(sig=signal.SIGKILL.value),
+        CheckpointValidated(40, "/ckpt/out/ckpt.pt", True),
+        policy=policy,
+    )
+    assert chosen.record.restarts_without_progress == 0
     assert chosen.record.not_before_s is None and RelaunchStep in kinds(chosen)
 
 
