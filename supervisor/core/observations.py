@@ -462,26 +462,20 @@ def _straggler(event: Event) -> StragglerReported:
     )
 
 
-def _checkpoint_committed(event: Event) -> CheckpointCommitted:
-    path = event.payload.get("path")
-    return CheckpointCommitted(
-        event.node,
-        event.event_id,
-        event.time_unix_s,
-        step=_opt_int(event.payload, "step"),
-        path=path if isinstance(path, str) else None,
-    )
+def _checkpoint(
+    kind: type[CheckpointCommitted | CheckpointWritten],
+) -> Callable[[Event], AgentObservation]:
+    def read(event: Event) -> AgentObservation:
+        path = event.payload.get("path")
+        return kind(
+            event.node,
+            event.event_id,
+            event.time_unix_s,
+            step=_opt_int(event.payload, "step"),
+            path=path if isinstance(path, str) else None,
+        )
 
-
-def _checkpoint_written(event: Event) -> CheckpointWritten:
-    path = event.payload.get("path")
-    return CheckpointWritten(
-        event.node,
-        event.event_id,
-        event.time_unix_s,
-        step=_opt_int(event.payload, "step"),
-        path=path if isinstance(path, str) else None,
-    )
+    return read
 
 
 def _time_limit_noticed(event: Event) -> TimeLimitNoticed:
@@ -517,8 +511,8 @@ _READINGS: dict[EventKind, Callable[[Event], AgentObservation]] = {
     EventKind.HANG: _hang,
     EventKind.HEALTH_CHECK_FAILED: _health_check_failed,
     EventKind.STRAGGLER: _straggler,
-    EventKind.CHECKPOINT_COMMITTED: _checkpoint_committed,
-    EventKind.CHECKPOINT_WRITTEN: _checkpoint_written,
+    EventKind.CHECKPOINT_COMMITTED: _checkpoint(CheckpointCommitted),
+    EventKind.CHECKPOINT_WRITTEN: _checkpoint(CheckpointWritten),
     EventKind.LAUNCHER_EXITED: _bare(LauncherExited),
     EventKind.AGENT_STOPPED: _bare(AgentStopped),
     EventKind.TIME_LIMIT_NEAR: _time_limit_noticed,

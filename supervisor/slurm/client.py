@@ -215,13 +215,7 @@ class SlurmClient:
         job that runs, ends, or pends for any other reason (resources,
         priority, an unavailable node) is None.
         """
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(max(1, int(settle_s / self._retry_wait_s))),
-            wait=wait_fixed(self._retry_wait_s),
-            retry=retry_if_exception_type(_NotYet),
-            sleep=self._sleep,
-            reraise=True,
-        )
+        retrying = self._until_settled(settle_s)
         try:
             async for attempt in retrying:
                 with attempt:
@@ -292,13 +286,7 @@ class SlurmClient:
         until the scheduler has looked at the job: it started, or it pends for
         a reason other than that begin time.
         """
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(max(1, int(self._requeue_confirm_s / self._retry_wait_s))),
-            wait=wait_fixed(self._retry_wait_s),
-            retry=retry_if_exception_type(_NotYet),
-            sleep=self._sleep,
-            reraise=True,
-        )
+        retrying = self._until_settled(self._requeue_confirm_s)
         try:
             async for attempt in retrying:
                 with attempt:
@@ -323,6 +311,16 @@ class SlurmClient:
         except _NotYet:
             return  # still unscheduled after the window: a question for never_runs
 
+    def _until_settled(self, settle_s: float) -> AsyncRetrying:
+        """Tries every ``retry_wait_s`` for ``settle_s`` while a step raises :class:`_NotYet`."""
+        return AsyncRetrying(
+            stop=stop_after_attempt(max(1, int(settle_s / self._retry_wait_s))),
+            wait=wait_fixed(self._retry_wait_s),
+            retry=retry_if_exception_type(_NotYet),
+            sleep=self._sleep,
+            reraise=True,
+        )
+
     async def _require(self, job_id: int) -> SlurmJob:
         job = await self.job(job_id)
         if job is None:
@@ -330,14 +328,7 @@ class SlurmClient:
         return job
 
     async def _wait_pending(self, job_id: int) -> None:
-        attempts = max(1, int(self._requeue_settle_s / self._retry_wait_s))
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(attempts),
-            wait=wait_fixed(self._retry_wait_s),
-            retry=retry_if_exception_type(_NotYet),
-            sleep=self._sleep,
-            reraise=True,
-        )
+        retrying = self._until_settled(self._requeue_settle_s)
         async for attempt in retrying:
             with attempt:
                 job = await self._require(job_id)
