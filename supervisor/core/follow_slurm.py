@@ -55,12 +55,17 @@ def on_job_seen(record: JobRecord, seen: SlurmJobSeen, ctx: Context) -> Decision
             return _adopt(record, seen, ctx)
         return _nothing(record, "running")
     pending = record.recovery
+    # The restart count our own requeue raised, first seen now: not a requeue of Slurm's.
+    ours = False
     if record.state is JobState.REQUEUED and pending is not None and not pending.requeue_seen:
         if state not in _SLURM_QUEUED and not requeued_by_slurm:
             # Our requeue may not have reached Slurm yet: an ended state from before it is stale.
             return _nothing(record, f"Slurm shows {state} from before the requeue took effect")
+        ours = requeued_by_slurm
         record = replace(record, recovery=replace(pending, requeue_seen=True))
-    if state in _SLURM_FAILED and not requeued_by_slurm and _requeue_pending(record):
+    if state in _SLURM_FAILED and (ours or not requeued_by_slurm) and _requeue_pending(record):
+        # Also when the sightings missed the queued state between (a loaded
+        # slurmctld, a slow poll): the first one after the requeue is its loss.
         return _requeue_lost(record, seen, ctx)
     # After `scontrol requeue` from inside the job (Lightning's auto-requeue, the
     # driver's own), Slurm 22.05 shows COMPLETING with the new restart count first.
@@ -104,7 +109,8 @@ def _requeue_pending(record: JobRecord) -> bool:
 
 
 def _requeue_lost(record: JobRecord, seen: SlurmJobSeen, ctx: Context) -> Decision:
-    """Slurm showed the requeued job queued, then ended, before it ran again.
+    """Slurm ended the requeued job before it ran again (showing it queued first, or
+    not: the sightings may miss that).
 
     Seen on Slurm 22.05: a requeue made while the batch script still ended
     (the relaunch's ``srun`` failed as the requeue landed) was reported

@@ -207,6 +207,20 @@ def test_a_requeue_that_slurm_ends_before_the_job_ran_again_is_made_again_then_g
     assert f"resumes from {CKPT}" in given_up.record.final_reason
 
 
+def test_a_requeue_lost_between_two_sightings_is_made_again_not_taken_for_the_end():
+    """Under load the sightings may miss the requeued job's COMPLETING and PENDING: the
+    first one after our requeue is the earlier run's FAILED, with the restart count our
+    own requeue raised. Nothing ran since: the requeue is made again."""
+    record = run(
+        running(), SlurmNodeSeen("node1", down=True), CheckpointValidated(100, CKPT, True)
+    )[-1].record
+    (lost,) = run(record, SlurmJobSeen("FAILED", (), 1, "NonZeroExitCode"))
+    assert lost.record.state is JobState.REQUEUED, lost.explanation
+    (requeue,) = lost.intents
+    assert isinstance(requeue, RequeueSmaller) and requeue.attempt == record.attempt + 1
+    assert "requeue again" in lost.explanation
+
+
 def test_a_failed_end_after_the_requeued_job_ran_again_ends_the_job():
     record = run(
         running(), SlurmNodeSeen("node1", down=True), CheckpointValidated(100, CKPT, True)
