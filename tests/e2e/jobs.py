@@ -98,22 +98,8 @@ def submit(
 
 
 def finish(cluster: LiveCluster, supervisor: SupervisorProcess, run: Run) -> dict:  # type: ignore[type-arg]
-    """Wait until Slurm ended the job and the supervisor recorded it; return Slurm's record."""
-    try:
-        job = cluster.wait_job_state(run.job_id, ENDED, timeout_s=300)
-        cluster.wait_for(
-            "the supervisor to record the end",
-            lambda: (
-                supervisor_state(supervisor, run.job_id) in ("completed", "failed", "cancelled")
-            ),
-            timeout_s=30,
-        )
-    except AssertionError as error:
-        raise AssertionError(
-            f"{error}\n--- job ---\n{run.text()[-4000:]}\n--- supervisor ---\n"
-            f"{supervisor.log()[-6000:]}"
-        ) from None
-    return job
+    """Slurm's record of the demo job once it ended for good (see :func:`ended`)."""
+    return ended(cluster, supervisor, run.job_id, run.output)[0]
 
 
 def story(supervisor: SupervisorProcess, run: Run) -> str:
@@ -122,13 +108,18 @@ def story(supervisor: SupervisorProcess, run: Run) -> str:
 
 
 def story_of(supervisor: SupervisorProcess, job_id: int, text: str) -> str:
-    """Job ``job_id``'s decisions and the tail of its output ``text``."""
+    """Job ``job_id``'s decisions, the tail of its output ``text`` and the supervisor's
+    log lines that name it (the Slurm calls and their answers: what a CI log keeps)."""
     with supervisor.store() as store:
         decisions = [
             f"{d.from_state}->{d.to_state} [{d.cause}] {d.detail.get('explanation', '')}"
             for d in store.decisions_for(str(job_id))
         ]
-    return "\n".join(["--- decisions ---", *decisions, "--- job ---", text[-3000:]])
+    said = [line for line in supervisor.log().splitlines() if str(job_id) in line]
+    return "\n".join(
+        ["--- decisions ---", *decisions, "--- job ---", text[-3000:],
+         "--- supervisor on the job ---", *said[-40:]]
+    )  # fmt: skip
 
 
 def supervisor_state(supervisor: SupervisorProcess, job_id: int) -> str | None:
@@ -217,16 +208,31 @@ def victim_of(output: Path, what: str) -> str:
 
 
 def ended(
-    slurm_cluster: LiveCluster, supervisor: SupervisorProcess, job_id: int, output: Path
+    cluster: LiveCluster,
+    supervisor: SupervisorProcess,
+    job_id: int,
+    output: Path,
+    timeout_s: float = 300.0,
 ) -> tuple[dict, str]:  # type: ignore[type-arg]
-    """Slurm's record of the job once it ended for good, and its output. The supervisor's
-    end comes first: while a requeue takes the job back (a killed rank on the batch
-    host), Slurm may show the old run as ended for a moment."""
-    slurm_cluster.wait_for(
-        "the supervisor to record the job's end",
-        lambda: supervisor_state(supervisor, job_id) in ("completed", "failed", "cancelled"),
-        timeout_s=300,
-    )
-    # A job stopped for good is left 30 s to its driver (exit 93), then cancelled.
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=120)
+    """Slurm's record of the job once it ended for good, and its output.
+
+    The supervisor's end comes first: while a requeue takes the job back (a killed
+    rank on the batch host), Slurm may show the old run as ended for a moment, and
+    status read then is not the end's. A wait that times out fails with the job's
+    story and the supervisor's log.
+    """
+    try:
+        cluster.wait_for(
+            "the supervisor to record the job's end",
+            lambda: supervisor_state(supervisor, job_id) in ("completed", "failed", "cancelled"),
+            timeout_s=timeout_s,
+        )
+        # A job stopped for good is left 30 s to its driver (exit 93), then cancelled.
+        job = cluster.wait_job_state(job_id, ENDED, timeout_s=120)
+    except AssertionError as error:
+        text = output.read_text(errors="replace") if output.exists() else ""
+        raise AssertionError(
+            f"{error}\n{story_of(supervisor, job_id, text)}\n--- supervisor ---\n"
+            f"{supervisor.log()[-4000:]}"
+        ) from None
     return job, output.read_text(errors="replace")

@@ -17,9 +17,17 @@ from pathlib import Path
 import pytest
 
 from agent.node.stacks import dump_all_placed, in_collective
-from tests.conftest import ENDED, LiveCluster
-from tests.e2e.jobs import anomaly_events, attempts, drained, status, story_of, submit_job
-from tests.e2e.time_limits import finish, raise_limit_after_crossings
+from tests.conftest import LiveCluster
+from tests.e2e.jobs import (
+    anomaly_events,
+    attempts,
+    drained,
+    ended,
+    status,
+    story_of,
+    submit_job,
+)
+from tests.e2e.time_limits import raise_limit_after_crossings
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess, rank_pids
 
 # Minutes each: started first, so that they are not the tier's tail.
@@ -50,8 +58,7 @@ def kill_node3_rank_and_finish(
     pids = rank_pids("node3", marker=script)
     assert pids, output.read_text(errors="replace")[-3000:]
     os.kill(pids[0], 9)
-    job = cluster.wait_job_state(job_id, ENDED, timeout_s=420)
-    text = output.read_text(errors="replace")
+    job, text = ended(cluster, supervisor, job_id, output, timeout_s=420)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     return text, told
@@ -215,8 +222,7 @@ def test_a_hung_rank_of_a_framework_is_blamed_on_its_node_and_the_script_resumes
     pids = rank_pids("node3", marker=script)
     assert pids, output.read_text(errors="replace")[-3000:]
     stop_outside_a_collective(pids[0])
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
-    text = output.read_text(errors="replace")
+    job, text = ended(slurm_cluster, supervisor, job_id, output, timeout_s=420)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     assert drained(supervisor, job_id) == [("node3", "hang")], told
@@ -238,8 +244,7 @@ def finished_after_a_rollback(
 ) -> tuple[str, str]:
     """Wait for the job's end: COMPLETED after one rollback, with nothing drained, the
     anomaly found at its step; (the output, the story told on failure)."""
-    job = cluster.wait_job_state(job_id, ENDED, timeout_s=420)
-    text = output.read_text(errors="replace")
+    job, text = ended(cluster, supervisor, job_id, output, timeout_s=420)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     seen = [(e["kind"], e["onset_step"]) for e in anomaly_events(supervisor, job_id)]
@@ -314,8 +319,7 @@ def test_a_framework_crossing_its_time_limit_is_requeued_and_resumes_from_its_ow
         supervisor, tmp_path, script, *args, sizes=("-N", "4", "--time=1")
     )
     raise_limit_after_crossings(slurm_cluster, job_id, 1)
-    job = finish(slurm_cluster, supervisor, job_id, output)  # Slurm's end and the supervisor's
-    text = output.read_text(errors="replace")
+    job, text = ended(slurm_cluster, supervisor, job_id, output, timeout_s=480)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED" and job["restart_cnt"] >= 1, told
     assert drained(supervisor, job_id) == [], told

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ENDED, LiveCluster
+from tests.conftest import LiveCluster
 from tests.e2e.jobs import attempts, drained, ended, status, story_of, submit_job, victim_of
 from tests.supervisor_harness import TORCHRUN, SupervisorProcess
 
@@ -65,8 +65,7 @@ def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself
     )
     detected_s = time.monotonic() - asleep_at
     assert drained(supervisor, job_id) == [(victim, "hang")], output.read_text()
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
-    text = output.read_text(errors="replace")
+    job, text = ended(slurm_cluster, supervisor, job_id, output, timeout_s=300)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     assert f"done at iter {ITERS} with world 3" in text, told
@@ -98,8 +97,7 @@ def test_a_60_s_evaluation_a_30_s_rank_0_save_and_a_60_s_loader_stall_are_no_han
         supervisor, tmp_path, "--eval-pause-s", "60", "--save-pause-s", "30",
         "--data-stall-at", "15", "--data-stall-s", "60", "--fault-rank", "2",
     )  # fmt: skip
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=420)
-    text = output.read_text(errors="replace")
+    job, text = ended(slurm_cluster, supervisor, job_id, output, timeout_s=420)
     told = story_of(supervisor, job_id, text)
     assert job["job_state"] == "COMPLETED", told
     assert f"done at iter {ITERS} with world 4" in text, told
@@ -133,8 +131,7 @@ def test_30_s_of_work_no_hook_sees_on_one_rank_is_no_hang(
         supervisor, tmp_path, "--max-iters", "20", "--busy-at", "5", "--busy-s", "30",
         "--fault-rank", "2",
     )  # fmt: skip
-    job = slurm_cluster.wait_job_state(job_id, ENDED, timeout_s=300)
-    text = output.read_text(errors="replace")
+    job, text = ended(slurm_cluster, supervisor, job_id, output, timeout_s=300)
     told = story_of(supervisor, job_id, text)
     assert "rank 2 busy 30.0 s in iter 5" in text, text
     assert job["job_state"] == "COMPLETED", told

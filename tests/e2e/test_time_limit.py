@@ -28,9 +28,8 @@ import pytest
 import torch
 
 from tests.conftest import LiveCluster
-from tests.e2e.jobs import AGENTS, DAEMON, POLICY
-from tests.e2e.time_limits import finish, raise_limit_after_crossings
-from tests.e2e.time_limits import job_story as _story
+from tests.e2e.jobs import AGENTS, DAEMON, POLICY, ended, story_of
+from tests.e2e.time_limits import raise_limit_after_crossings
 from tests.supervisor_harness import TORCHRUN, TOY, SupervisorProcess
 
 # Minutes of waiting (limits, outages): started first, so other tests fill the wait.
@@ -99,8 +98,8 @@ def test_a_job_crosses_its_time_limit_twice_losing_no_step(
     try:
         job_id, output, record = submit(supervisor, tmp_path / "timed", "--time=1")
         raise_limit_after_crossings(slurm_cluster, job_id, CROSSINGS)
-        job = finish(slurm_cluster, supervisor, job_id, output)
-        story = _story(supervisor, job_id, output)
+        job, text = ended(slurm_cluster, supervisor, job_id, output, timeout_s=480)
+        story = story_of(supervisor, job_id, text)
         assert job["job_state"] == "COMPLETED", story
         assert job["restart_cnt"] >= CROSSINGS, story
 

@@ -1,9 +1,10 @@
 """A researcher's own supervisor, run as a local user with no Slurm operator rights.
 
 The test (root) creates the user, runs the supervisor and every `resurgo`
-command as it, and the user's job runs as it on the cluster's nodes. A
-SIGKILLed rank's node is excluded, never drained; the job resumes on the
-other three; a drain ticket is raised (in `resurgo nodes`, on `/metrics`,
+command as it, and the user's job runs as it on the cluster's nodes. The
+rank on the batch host (node1) is SIGKILLed: its node is excluded, never
+drained, and the job resumes on the other three through a requeue, every
+Slurm call of it made as the user; a drain ticket is raised (in `resurgo nodes`, on `/metrics`,
 and to the operator hook as JSON); the user's next `resurgo submit` leaves
 the node out. The same user cannot act on another user's job.
 """
@@ -131,7 +132,7 @@ def test_a_user_without_operator_rights_gets_exclusion_a_ticket_and_a_lemon_free
     slurm_cluster.wait_for("the supervisor to judge its rights", lambda: said in supervisor.log())
 
     run, done = submit(
-        supervisor, home, "-N", "4", "--min-nodes", "2", toy=("--fault", "sigkill@6:2")
+        supervisor, home, "-N", "4", "--min-nodes", "2", toy=("--fault", "sigkill@6:node1")
     )
     assert done.returncode == 0, done.stderr
     run.job_id = int(done.stdout.strip())
