@@ -195,7 +195,7 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def _drop_caches() -> bool:
+def drop_caches() -> bool:
     """Drop the page cache (root only); False when this machine does not allow it."""
     try:
         os.sync()
@@ -230,7 +230,7 @@ def _validation(path: Path, rounds: int) -> dict[str, Any]:
     # between one read and the next, and a single sample compares noise.
     for _ in range(rounds):
         for name, run in runs:
-            dropped = _drop_caches() and dropped
+            dropped = drop_caches() and dropped
             started = time.perf_counter()
             run()
             samples.setdefault(name, []).append(time.perf_counter() - started)

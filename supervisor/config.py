@@ -166,6 +166,12 @@ class SupervisorConfig:
       checkpoint past it is invalid, and the next older one is tried.
     - ``validation_timeout_s``: the wall-clock time validating one checkpoint may
       take; a checkpoint past it is invalid, and the next older one is tried.
+    - ``validate_ahead``: validate each job's newest checkpoint as soon as it is
+      reported, in the background, so that a recovery takes that verdict while
+      the checkpoint is unchanged (every file's size and modification time)
+      instead of reading it between the fault and the relaunch
+      (``supervisor/act/ahead.py``). Off: each checkpoint is read once per
+      recovery only, and never while the job trains.
     """
 
     state_dir: str = DEFAULT_STATE_DIR
@@ -200,6 +206,7 @@ class SupervisorConfig:
     validation_memory_mib: int = 4096
     validation_cpu_s: float = 600.0
     validation_timeout_s: float = 900.0
+    validate_ahead: bool = True
 
     def __post_init__(self) -> None:
         for name in (

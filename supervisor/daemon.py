@@ -140,6 +140,7 @@ class Supervisor:
             ticket_hook=ticket_hook(config.ticket_hook),
             observe_only=config.observe_only,
             storage_min_free_bytes=int(policy.storage_min_free_gb * 1e9),
+            validate_ahead=config.validate_ahead,
         )
         node_checks = NodeCheckRunner(
             self.store,
@@ -256,6 +257,8 @@ class Supervisor:
             ),
             asyncio.create_task(self._every(SUMMARY_EVERY_S, keep_summaries), name="summaries"),
         ]
+        if self.executor.ahead is not None:
+            tasks.append(asyncio.create_task(self.executor.ahead.run(), name="validate-ahead"))
         warm = asyncio.create_task(self._warm_validation(), name="warm-validation")
         try:
             await self._until_stopped(tasks)

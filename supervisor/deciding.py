@@ -213,6 +213,12 @@ class Deciding:
             return
         self._persist(job_id, before, decision, ref, now)
         job.record = after
+        newest = after.last_checkpoint_path
+        if newest is not None and (newest, after.last_step) != (
+            before.last_checkpoint_path,
+            before.last_step,
+        ):  # a new checkpoint, or one path saved again (Lightning's last.ckpt)
+            self.executor.note_checkpoint(job_id, newest, self.policy.validation_level)
         if after.attempt != before.attempt:
             self.store.drop_leases(job_id)
             job.compute.clear()  # the new launch's ranks measure afresh

@@ -44,6 +44,7 @@ from typing import Any
 from agent.checkpoint import layouts
 from agent.checkpoint.report import Level
 from supervisor.act import storage
+from supervisor.act.ahead import AheadValidation
 from supervisor.act.reconcile import (
     KIND_OF,
     Verdict,
@@ -173,6 +174,7 @@ class Executor:
         ticket_hook: TicketHook | None = None,
         observe_only: bool = False,
         storage_min_free_bytes: int = storage.MIN_FREE_BYTES,
+        validate_ahead: bool = True,
     ) -> None:
         """``checkpoint_root_of(job_id)`` is where the job saves (None: unknown);
         checkpoints are validated by ``validate_fn`` in a thread when given, else
@@ -181,13 +183,17 @@ class Executor:
         ``observe_only``: every action that would change a job or the cluster is
         recorded as done with what it would have done, and not carried out.
         ``storage_min_free_bytes``: the least free space a storage look calls usable
-        (the policy's ``storage_min_free_gb``)."""
+        (the policy's ``storage_min_free_gb``). ``validate_ahead``: each job's newest
+        checkpoint is validated as soon as it is reported (:attr:`ahead`, whose
+        :meth:`~supervisor.act.ahead.AheadValidation.run` the daemon runs), and a
+        recovery takes that verdict while the checkpoint is unchanged."""
         self._store = store
         self._slurm = slurm
         self._checkpoint_root_of = checkpoint_root_of
         self._storage_min_free_bytes = storage_min_free_bytes
         self._validate_fn = validate_fn
         self.validation = validation or ValidationProcess(Limits())
+        self.ahead = AheadValidation(self._check_now) if validate_ahead else None
         self._clock = clock
         self._ticket_hook = ticket_hook
         self.observe_only = observe_only
@@ -598,10 +604,25 @@ class Executor:
         )
         return checked, past
 
+    def note_checkpoint(self, job_id: str, path: str, level: ValidationLevel) -> None:
+        """``path`` is ``job_id``'s newest checkpoint: validate it ahead of any fault."""
+        if self.ahead is not None:
+            self.ahead.note(job_id, path, level.value)
+
     async def _validate(self, path: str, level: ValidationLevel) -> tuple[bool, str]:
+        if self.ahead is None:
+            return await self._check_now(path, level.value)
+        known = await self.ahead.verdict(path, level.value)
+        if known is not None:
+            log.info("checkpoint %s: validated when it was reported, unchanged since", path)
+            return known
+        async with self.ahead.first():
+            return await self._check_now(path, level.value)
+
+    async def _check_now(self, path: str, level: str) -> tuple[bool, str]:
         if self._validate_fn is not None:
-            return await asyncio.to_thread(self._validate_fn, path, level)
-        return await self.validation.validate(path, level.value)
+            return await asyncio.to_thread(self._validate_fn, path, ValidationLevel(level))
+        return await self.validation.validate(path, level)
 
     async def _record_requeue_baseline(self, intent: RequeueSmaller, now_s: float) -> None:
         # Reconciliation needs the restart count from before the requeue to tell

@@ -76,6 +76,11 @@ class ValidationProcess:
                 )
             except (ConnectionError, ValueError):  # the child died, or sent an endless line
                 line = b""
+            except asyncio.CancelledError:
+                # Stopped mid-read (a background validation giving way): the child's
+                # answer would be read as the next request's, so it goes.
+                self._abandon()
+                raise
             if not line:
                 return False, await self._died(time.monotonic() - began)
             try:
@@ -138,6 +143,13 @@ class ValidationProcess:
                 f"reading it (limit: {self.limits.memory_mib} MiB of memory)"
             )
         return f"the validation process exited with {code} while reading it"
+
+    def _abandon(self) -> None:
+        """Kill the child without waiting for it (asyncio reaps it); the next one starts afresh."""
+        child, self._child = self._child, None
+        if child is not None and child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
 
     async def _kill(self) -> None:
         child, self._child = self._child, None

@@ -8,6 +8,8 @@ started it. What a crafted checkpoint does to it is in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -84,3 +86,33 @@ def test_the_child_dies_with_the_supervisor_that_started_it() -> None:
         parent.kill()
         if child is not None and child.is_running():
             child.kill()
+
+
+def test_a_validation_stopped_mid_read_takes_its_child_along(tmp_path: Path) -> None:
+    """A background validation gives way to a recovery's by being cancelled: its child,
+    still reading (a FIFO no one writes: the read never ends), is killed, so that
+    its answer is never read as the next request's; a fresh child answers that."""
+    stuck = tmp_path / "model.pt"
+    os.mkfifo(stuck)
+    good = make_committed_checkpoint(tmp_path / "ckpt", 100)
+
+    async def scenario() -> tuple[int, tuple[bool, str], int]:
+        process = ValidationProcess(Limits(memory_mib=1024))
+        try:
+            await process.start()
+            assert process._child is not None
+            first = process._child
+            reading = asyncio.create_task(process.validate(str(stuck), "full"))
+            await asyncio.sleep(1.0)
+            assert not reading.done()
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+            await asyncio.wait_for(first.wait(), 10)
+            answer = await process.validate(str(good), "full")
+            return first.returncode or 0, answer, process.started
+        finally:
+            await process.aclose()
+
+    killed, answer, started = asyncio.run(scenario())
+    assert killed == -9 and answer == (True, "") and started == 2
