@@ -17,6 +17,7 @@ import pytest
 
 from agent.wire import protocol
 from agent.wire.protocol import CommandKind, EventKind
+from supervisor.core.intents import ValidationLevel
 from supervisor.core.model import JobState
 from supervisor.core.observations import RelaunchFinished
 from supervisor.daemon import Supervisor
@@ -960,3 +961,41 @@ def test_observe_only_decides_and_records_what_it_would_do_and_does_nothing(
         assert supervisor.polling.public_facts()["observe_only"] is True
 
     run(body, tmp_path, observe_only=True)
+
+
+def test_a_commit_has_its_checkpoint_validated_ahead_of_any_fault(tmp_path: Path) -> None:
+    """The decision that takes a newer checkpoint in hands it to the background
+    validation, at the policy's level, and the verdict is kept for a recovery."""
+    ckpt = tmp_path / "step_00000010"
+    ckpt.mkdir()
+    (ckpt / "__0_0.distcp").write_bytes(b"x" * 100)
+    read: list[tuple[str, str]] = []
+
+    async def check(path: str, level: str) -> tuple[bool, str]:
+        read.append((path, level))
+        return True, ""
+
+    def committed(seq: int):  # type: ignore[no-untyped-def]
+        payload = {"step": 10, "path": str(ckpt)}
+        return event(EventKind.CHECKPOINT_COMMITTED, "node1", "00000000000000a1", seq, payload)
+
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        ahead = supervisor.executor.ahead
+        assert ahead is not None
+        ahead._check = check
+        runner = asyncio.create_task(ahead.run())
+        try:
+            await registered_and_running(supervisor)
+            supervisor.intake.accept_events(JOB, [committed(1)])
+            await supervisor.deciding.settle()
+            for _ in range(200):
+                if ahead.validated:
+                    break
+                await asyncio.sleep(0.01)
+            assert read == [(str(ckpt), "load")]
+            assert await ahead.verdict(str(ckpt), "load") == (True, "")
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    run(body, tmp_path, validation_level=ValidationLevel.LOAD)
