@@ -60,7 +60,7 @@ from supervisor import jobs as jobfiles
 from supervisor.act.executor import Executor, Validator
 from supervisor.act.node_checks import CheckSettings, NodeCheckRunner
 from supervisor.act.ticket_hook import ticket_hook
-from supervisor.act.validation import Limits, ValidationProcess
+from supervisor.act.validation import Limits, ValidationProcess, WarmWhileNeeded
 from supervisor.api import bound_port, build_app, build_metrics_app, serve, shutdown
 from supervisor.cluster import Cluster
 from supervisor.config import SupervisorConfig, describe, load_settings
@@ -259,7 +259,11 @@ class Supervisor:
         ]
         if self.executor.ahead is not None:
             tasks.append(asyncio.create_task(self.executor.ahead.run(), name="validate-ahead"))
-        warm = asyncio.create_task(self._warm_validation(), name="warm-validation")
+        keeper = WarmWhileNeeded(self.executor.validation)
+        warm = asyncio.create_task(
+            self._every(VALIDATION_CHECK_S, lambda: keeper.check(len(self.jobs.unfinished()))),
+            name="warm-validation",
+        )
         try:
             await self._until_stopped(tasks)
         finally:
@@ -272,19 +276,6 @@ class Supervisor:
             await asyncio.gather(*tasks, warm, return_exceptions=True)
             await self.executor.validation.aclose()
             self.store.close()  # writes every lease's last renewal
-
-    async def _warm_validation(self) -> None:
-        """Start the checkpoint validation process now: the first recovery's choice of
-        checkpoint would otherwise wait for its import of torch (seconds on a busy
-        head node, between a fault and the relaunch)."""
-        started = time.monotonic()
-        try:
-            await self.executor.validation.start()
-        except Exception:
-            log.exception("starting the checkpoint validation process failed; the first "
-                          "validation starts it again")  # fmt: skip
-            return
-        log.info("checkpoint validation ready (started in %.1f s)", time.monotonic() - started)
 
     async def _until_stopped(self, tasks: Sequence[asyncio.Task[None]]) -> None:
         """Wait for a stop request, or for one of the tasks that must run forever to end.
@@ -360,6 +351,9 @@ class Supervisor:
 # How often the store's write-ahead log is checkpointed off the event loop
 # (Store.checkpoint_in_background): at 4,096 agents it grows ~1,000 pages in 10 s.
 WAL_CHECKPOINT_S = 2.0
+# How often the validation child is started for a job, or stopped without one
+# (supervisor.act.validation.WarmWhileNeeded).
+VALIDATION_CHECK_S = 5.0
 
 
 # glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD (malloc.h).

@@ -24,7 +24,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
 # One answer line: a verdict and a reason (the reasons are short; this bounds a bug).
 MAX_ANSWER_BYTES = 1 << 20
+
+
+# An idle supervisor stops its validation child after this long without a job.
+IDLE_STOP_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,11 @@ class ValidationProcess:
         self._child: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self.started = 0  # children started so far (a killed one is replaced)
+
+    @property
+    def running(self) -> bool:
+        """Whether a child is up (started and not ended)."""
+        return self._child is not None and self._child.returncode is None
 
     async def start(self) -> None:
         """Start the child now and wait until it has imported the validator."""
@@ -159,3 +170,59 @@ class ValidationProcess:
             child.kill()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(child.wait(), 10)
+
+
+class Process(Protocol):
+    """What :class:`WarmWhileNeeded` needs of a :class:`ValidationProcess`."""
+
+    @property
+    def running(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class WarmWhileNeeded:
+    """The validation child kept warm while the supervisor follows a job, stopped after
+    :data:`IDLE_STOP_S` without one.
+
+    The child's import of torch is most of an idle supervisor's memory (about
+    250 of 310 MiB) and, started at the first validation instead, seconds
+    between a fault and the relaunch (10 s on a loaded head node). So it starts
+    as soon as there is a job to recover and goes when there has been none for
+    a while; a validation asked for meanwhile starts it as before.
+    """
+
+    def __init__(
+        self, process: Process, *, idle_stop_s: float = IDLE_STOP_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self._process = process
+        self._idle_stop_s = idle_stop_s
+        self._clock = clock
+        self._no_job_since: float | None = None
+
+    async def check(self, jobs: int) -> None:
+        """Start or stop the child for ``jobs`` unfinished jobs followed now."""
+        if jobs:
+            self._no_job_since = None
+            if not self._process.running:
+                started = self._clock()
+                try:
+                    await self._process.start()
+                except Exception:
+                    log.exception("starting the checkpoint validation process failed; the "
+                                  "next check or the first validation starts it again")  # fmt: skip
+                    return
+                log.info("checkpoint validation ready for %d job(s) (started in %.1f s)",
+                         jobs, self._clock() - started)  # fmt: skip
+            return
+        now = self._clock()
+        if self._no_job_since is None:
+            self._no_job_since = now
+        elif self._process.running and now - self._no_job_since >= self._idle_stop_s:
+            await self._process.aclose()
+            log.info(
+                "checkpoint validation process stopped: no job for %.0f s", now - self._no_job_since
+            )
