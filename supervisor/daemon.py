@@ -259,7 +259,7 @@ class Supervisor:
         ]
         if self.executor.ahead is not None:
             tasks.append(asyncio.create_task(self.executor.ahead.run(), name="validate-ahead"))
-        keeper = WarmWhileNeeded(self.executor.validation)
+        keeper = WarmWhileNeeded(self.executor.validation, also_stop=(self.executor.background,))
         warm = asyncio.create_task(
             self._every(VALIDATION_CHECK_S, lambda: keeper.check(len(self.jobs.unfinished()))),
             name="warm-validation",
@@ -275,6 +275,7 @@ class Supervisor:
             await self.intake.manifest_reader.aclose()
             await asyncio.gather(*tasks, warm, return_exceptions=True)
             await self.executor.validation.aclose()
+            await self.executor.background.aclose()
             self.store.close()  # writes every lease's last renewal
 
     async def _until_stopped(self, tasks: Sequence[asyncio.Task[None]]) -> None:

@@ -10,11 +10,11 @@ fingerprint: every file's name, size, inode and change times. At the fault,
 checkpoint is unchanged since; a checkpoint changed since (a file truncated,
 rewritten, added or gone) is validated again then, as before.
 
-The fault's validation comes first: it takes the verdict of a background
-validation of the same checkpoint still running, and stops one of another
-checkpoint (:meth:`AheadValidation.first`). Only the newest checkpoint of a
-job waits to be validated (a newer one replaces it), and verdicts are kept
-for the newest :data:`KEEP` checkpoints. A restarted supervisor keeps none:
+The background has a validation child of its own (niced): the fault's
+validation never waits for it, and takes the verdict of a background
+validation of the same checkpoint still running. Only the newest
+checkpoint of a job waits to be validated (a newer one replaces it), and
+verdicts are kept for the newest :data:`KEEP` checkpoints. A restarted supervisor keeps none:
 its first recovery validates as before.
 """
 
@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,6 @@ class AheadValidation:
         self._waiting: OrderedDict[str, tuple[str, str]] = OrderedDict()  # job -> (path, level)
         self._wake = asyncio.Event()
         self._current: tuple[str, str, asyncio.Task[None]] | None = None
-        self._first = 0  # validations of a recovery under way: the background waits
         self.validated = 0  # background validations finished
 
     def note(self, job_id: str, path: str, level: str) -> None:
@@ -128,31 +127,13 @@ class AheadValidation:
             return None
         return known.valid, known.reason
 
-    @contextlib.asynccontextmanager
-    async def first(self) -> AsyncIterator[None]:
-        """A recovery's validation: the background one running now is stopped (its
-        checkpoint is validated again later) and none starts until this one ends."""
-        self._first += 1
-        try:
-            current = self._current
-            if current is not None:
-                current[2].cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await current[2]
-                log.info("background validation of %s stopped: a recovery validates now",
-                         current[0])  # fmt: skip
-            yield
-        finally:
-            self._first -= 1
-            self._wake.set()
-
     async def run(self) -> None:
         """Validate the waiting checkpoints, one at a time, for as long as the daemon runs."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._waiting and not self._first:
-                job_id, (path, level) = self._waiting.popitem(last=False)
+            while self._waiting:
+                _, (path, level) = self._waiting.popitem(last=False)
                 known = self._verdicts.get(path)
                 if known is not None and known.answers(level):
                     now = await asyncio.to_thread(fingerprint, path)
@@ -162,11 +143,6 @@ class AheadValidation:
                 self._current = (path, level, task)
                 try:
                     await task
-                except asyncio.CancelledError:
-                    this = asyncio.current_task()
-                    if this is not None and this.cancelling():
-                        raise  # the daemon stops
-                    self._waiting.setdefault(job_id, (path, level))  # gave way: again later
                 except Exception:
                     # The fault's validation reads it instead (and says what failed).
                     log.exception("validating %s ahead of any fault failed", path)

@@ -159,6 +159,10 @@ class _Outcome:
     settled: bool = True  # False: not done, later intents of a prerequisite wait
 
 
+# The background validator's niceness: the trainers and the daemon come first.
+BACKGROUND_NICE = 10
+
+
 class Executor:
     """Carries intents out through Slurm, the agents' command queue and the store."""
 
@@ -185,15 +189,18 @@ class Executor:
         ``storage_min_free_bytes``: the least free space a storage look calls usable
         (the policy's ``storage_min_free_gb``). ``validate_ahead``: each job's newest
         checkpoint is validated as soon as it is reported (:attr:`ahead`, whose
-        :meth:`~supervisor.act.ahead.AheadValidation.run` the daemon runs), and a
-        recovery takes that verdict while the checkpoint is unchanged."""
+        :meth:`~supervisor.act.ahead.AheadValidation.run` the daemon runs, in the
+        niced child :attr:`background`), and a recovery takes that verdict while the
+        checkpoint is unchanged."""
         self._store = store
         self._slurm = slurm
         self._checkpoint_root_of = checkpoint_root_of
         self._storage_min_free_bytes = storage_min_free_bytes
         self._validate_fn = validate_fn
         self.validation = validation or ValidationProcess(Limits())
-        self.ahead = AheadValidation(self._check_now) if validate_ahead else None
+        # The background's own child, niced: a recovery's validation never waits for it.
+        self.background = ValidationProcess(self.validation.limits, nice=BACKGROUND_NICE)
+        self.ahead = AheadValidation(self._check_ahead) if validate_ahead else None
         self._clock = clock
         self._ticket_hook = ticket_hook
         self.observe_only = observe_only
@@ -616,13 +623,17 @@ class Executor:
         if known is not None:
             log.info("checkpoint %s: validated when it was reported, unchanged since", path)
             return known
-        async with self.ahead.first():
-            return await self._check_now(path, level.value)
+        return await self._check_now(path, level.value)
 
     async def _check_now(self, path: str, level: str) -> tuple[bool, str]:
         if self._validate_fn is not None:
             return await asyncio.to_thread(self._validate_fn, path, ValidationLevel(level))
         return await self.validation.validate(path, level)
+
+    async def _check_ahead(self, path: str, level: str) -> tuple[bool, str]:
+        if self._validate_fn is not None:
+            return await asyncio.to_thread(self._validate_fn, path, ValidationLevel(level))
+        return await self.background.validate(path, level)
 
     async def _record_requeue_baseline(self, intent: RequeueSmaller, now_s: float) -> None:
         # Reconciliation needs the restart count from before the requeue to tell

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,8 +52,10 @@ class Limits:
 class ValidationProcess:
     """One validation child, started on first use (or by :meth:`start`), one request at a time."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, *, nice: int = 0) -> None:
+        """``nice``: the child's niceness increment (a background validator's)."""
         self.limits = limits
+        self._nice = nice
         self._child: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self.started = 0  # children started so far (a killed one is replaced)
@@ -112,7 +114,7 @@ class ValidationProcess:
         self._child = None
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "supervisor.act.validation_child",
-            str(self.limits.memory_mib), str(self.limits.cpu_s), str(os.getpid()),
+            str(self.limits.memory_mib), str(self.limits.cpu_s), str(os.getpid()), str(self._nice),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             limit=MAX_ANSWER_BYTES,
         )  # fmt: skip
@@ -195,10 +197,13 @@ class WarmWhileNeeded:
     """
 
     def __init__(
-        self, process: Process, *, idle_stop_s: float = IDLE_STOP_S,
-        clock: Callable[[], float] = time.monotonic,
+        self, process: Process, *, also_stop: Sequence[Process] = (),
+        idle_stop_s: float = IDLE_STOP_S, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
+        """``also_stop``: processes started on demand (the background validator), stopped
+        with ``process``."""
         self._process = process
+        self._also_stop = tuple(also_stop)
         self._idle_stop_s = idle_stop_s
         self._clock = clock
         self._no_job_since: float | None = None
@@ -221,8 +226,12 @@ class WarmWhileNeeded:
         now = self._clock()
         if self._no_job_since is None:
             self._no_job_since = now
-        elif self._process.running and now - self._no_job_since >= self._idle_stop_s:
-            await self._process.aclose()
+        elif now - self._no_job_since >= self._idle_stop_s:
+            running = [p for p in (self._process, *self._also_stop) if p.running]
+            if not running:
+                return
+            for process in running:
+                await process.aclose()
             log.info(
                 "checkpoint validation process stopped: no job for %.0f s", now - self._no_job_since
             )

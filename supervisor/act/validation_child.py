@@ -75,6 +75,8 @@ def _answer(request: dict[str, Any], memory_mib: int) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     memory_mib, cpu_s, parent = int(argv[0]), float(argv[1]), int(argv[2])
     _die_with_parent(parent)
+    if len(argv) > 3:  # a background validator yields the CPU to everything else
+        os.nice(int(argv[3]))
     # The warm-up: the validator and torch imported once, before any checkpoint is read.
     importlib.import_module("agent.checkpoint.validate")
 

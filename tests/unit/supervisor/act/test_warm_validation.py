@@ -64,3 +64,18 @@ def test_a_child_that_does_not_start_is_tried_again_at_the_next_check() -> None:
         assert child.running
 
     asyncio.run(life())
+
+
+def test_the_background_validator_started_on_demand_is_stopped_with_it() -> None:
+    child, background, clock = Child(), Child(), [0.0]
+    keeper = WarmWhileNeeded(child, also_stop=(background,), clock=lambda: clock[0])
+
+    async def life() -> None:
+        await keeper.check(1)
+        await background.start()  # a checkpoint was validated ahead of any fault
+        await keeper.check(0)
+        clock[0] += IDLE_STOP_S
+        await keeper.check(0)
+        assert not child.running and not background.running
+
+    asyncio.run(life())
