@@ -64,7 +64,9 @@ async def one_round(
         validation = ValidationProcess(Limits())
         executor = Executor(store, FakeSlurm(), checkpoint_root_of=lambda _: root,
                             validation=validation, validate_ahead=ahead)  # fmt: skip
-        await validation.start()  # started with the supervisor, as the daemon does
+        # Both children warm, as after a job's first checkpoint: their start is not timed.
+        await validation.start()
+        await executor.background.start()
         runner = None
         try:
             if executor.ahead is not None:
@@ -88,6 +90,7 @@ async def one_round(
                 runner.cancel()
                 await asyncio.gather(runner, return_exceptions=True)
             await validation.aclose()
+            await executor.background.aclose()
     return found
 
 
