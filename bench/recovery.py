@@ -30,12 +30,13 @@ every stack) and, for Resurgo, its store:
   ``exec torchrun``);
 - ``outcome``: ``recovered`` (the job reached its last step), ``stuck`` (no
   progress until ``--timeout-s``; the job is cancelled), or ``failed``;
-- for every Resurgo run of the demo trainer, ``breakdown``: ``recover_s``
-  split into phases (detection, evidence window, drain and stop ranks,
-  checkpoint choice, relaunch, agents start, checkpoint load + process
-  start, first step) from the trainer's prints and the store's event,
-  decision and action times (bench/recovery_phases.py), and ``path``, the
-  decision's words for how it relaunched.
+- for every Resurgo run, ``breakdown``: ``recover_s`` split into phases
+  (detection, evidence window, drain and stop ranks, checkpoint choice,
+  relaunch, agents start, checkpoint load + process start, first step)
+  from the trainer's prints (the unmodified script's resume line and
+  first iteration) and the store's event, decision and action times
+  (bench/recovery_phases.py), and ``path``, the decision's words for how it
+  relaunched.
 
 Hot spares (``spare_*`` scenarios): the demo trainer on 3 nodes, the fault
 on node2's rank, twice side by side:
@@ -310,6 +311,9 @@ def run_plain(cluster: LiveCluster, where: Path, name: str, timeout_s: float) ->
     fault_step, fault_s = int(faulted.group(1)), float(faulted.group(2))
     if "decided_at" in stored:
         result["decide_s"] = round(stored["decided_at"] - fault_s, 2)
+    for key in ("path", "fault_event", "hang_timeout_s"):
+        if key in stored:
+            result[key] = stored[key]
     resumed = [(int(m.group(1)), float(m.group(2))) for m in _RESUMED.finditer(text)]
     resumed = [(step, at) for step, at in resumed if at > fault_s]
     if resumed:
@@ -319,6 +323,10 @@ def run_plain(cluster: LiveCluster, where: Path, name: str, timeout_s: float) ->
         after = [float(m.group(2)) for m in _ITER.finditer(text) if float(m.group(2)) > at]
         if after:
             result["recover_s"] = round(min(after) - fault_s, 2)
+            if "marks" in stored:
+                # The script's "resuming training from" line ends the process start (its
+                # checkpoint loaded before it), its first iteration after it the first step.
+                result["breakdown"] = breakdown(fault_s, stored["marks"], at, min(after))
     return result
 
 

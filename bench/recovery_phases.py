@@ -15,8 +15,10 @@ end has no timestamp is merged with the next one (its name joined with
 - ``checkpoint choice``: -> the validation action done (the checkpoint chosen);
 - ``relaunch``: -> the relaunch action done (the driver confirmed the new
   srun step), or for a requeue, the decision that the new attempt started;
-- ``agents start``: -> the arrival of the last new node agent's
-  ``agent_started`` event (Python start, health gate). The driver may
+- ``agents start``: -> the last new node agent's start of the script's
+  launcher (its ``agent_started`` event's own time: Python start, health
+  gate; the event's arrival may lag it by seconds on a loaded machine, while
+  the ranks already start). The driver may
   confirm its step before or after the agents are up: when this mark is not
   later than the relaunch's, the two are one phase (``relaunch + agents
   start``), ending at the later mark;
@@ -74,10 +76,13 @@ def store_marks(store: Store, job_id: str) -> dict[str, Any]:
         if timeouts:  # the hang timeout the agent applied (adaptive, floored)
             info["hang_timeout_s"] = max(timeouts)
     actions = [a for a in store.list_actions(job_id) if a.planned_s >= opened.decided_s]
+    # By the agent's clock (this host's): it emits agent_started right after starting
+    # the launcher, and under load the event itself arrived seconds later, while the
+    # ranks were already starting.
     started = [
-        e.received_s
+        e.time_s
         for e in events.values()
-        if e.kind == "agent_started" and e.received_s > opened.decided_s
+        if e.kind == "agent_started" and e.time_s > opened.decided_s
     ]
     # The rendezvous waits for every node: the last agent up is the mark.
     marks["agents start"] = max(started) if started else None

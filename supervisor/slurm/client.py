@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -244,8 +245,8 @@ class SlurmClient:
     ) -> None:
         """Requeue the job under the same id with ``n_nodes`` nodes, avoiding ``exclude_nodes``.
 
-        requeuehold -> wait until PENDING -> update size -> StartTime=now ->
-        release (DESIGN §4). Safe to call again after a crash part-way: a job
+        requeuehold -> wait until PENDING -> (the next second) -> update size ->
+        StartTime=now -> release (DESIGN §4). Safe to call again after a crash part-way: a job
         already pending is not requeued twice. A failure raises
         SlurmRequeueFailed naming the step, chained to the Slurm error.
         """
@@ -261,6 +262,9 @@ class SlurmClient:
             # epilog ends; an update made before the requeue lands is overwritten
             # by it (22.05 kept the old NumNodes and a 120 s begin time).
             await self._wait_pending(job_id)
+            # Every change in the next second: an update now would have Slurm's
+            # scheduler run now, and its next run may be seconds after the release.
+            await self._past_the_kill_second(self._clock())
             step = "update size"
             await self._mutate(size_argv)
             step = "start now"
@@ -275,6 +279,23 @@ class SlurmClient:
         except SlurmError as error:
             # The requeue is done; only the guard against its late begin time failed.
             log.warning("slurm: could not confirm job %d's start time: %s", job_id, error)
+
+    async def _past_the_kill_second(self, pending_at: float) -> None:
+        """Wait until the second after the one the job was seen PENDING in.
+
+        Ending the job's last run revoked its credential on every node it ran
+        on, stamped in whole seconds, and a node refuses a credential created in
+        or before that second ("Job credential revoked": the batch script is
+        never launched and the job ends FAILED; seen when the requeued job was
+        scheduled 0.14 s after its release, in the kill's second). Slurm's own
+        guard is the 121 s begin time this requeue clears. The revocation came
+        before the job read PENDING, so a start from the next second on is safe;
+        a start time in the future is no answer: the job would then wait for the
+        scheduler's next cycle (up to a minute), not for the time.
+        """
+        wait_s = math.floor(pending_at) + 1 + KILL_SECOND_MARGIN_S - self._clock()
+        if wait_s > 0:
+            await self._sleep(wait_s)
 
     async def _confirm_start_now(self, job_id: int, size_argv: list[str], since: float) -> None:
         """Apply size and start time again if the requeue's own begin time landed after them.
@@ -334,6 +355,11 @@ class SlurmClient:
                 job = await self._require(job_id)
                 if job.state is not JobState.PENDING:
                     raise _NotYet(f"job {job_id} is {job.state_raw}, not PENDING yet")
+
+
+# How far past the revocation's second a requeued job starts: clocks of slurmctld's
+# and this host's apart, and a second boundary's rounding.
+KILL_SECOND_MARGIN_S = 0.05
 
 
 # States from which requeuehold brings the job back under the same id: running

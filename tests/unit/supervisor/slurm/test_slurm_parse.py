@@ -387,6 +387,34 @@ def test_requeue_smaller_of_an_already_pending_job_does_not_requeue_twice() -> N
     assert parse.requeue_hold_argv(5) not in fake.calls
 
 
+def test_a_requeued_job_starts_no_sooner_than_the_second_after_its_kill() -> None:
+    """The nodes revoked the job's credential in the second its last run was killed (by
+    then it reads PENDING): a launch in that second is refused and the job FAILS."""
+    now = [1_000_000.4]
+    slept: list[float] = []
+    order: list[str] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        order.append("slept")
+        now[0] += seconds
+
+    fake = FakeSlurm(squeue_with(PENDING), squeue_with(PENDING), OK, OK, OK,
+                     squeue_with(RESTARTED))  # fmt: skip
+    recorded = fake.__call__
+
+    async def runner(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
+        order.append(argv[0] + " " + argv[1])
+        return await recorded(argv, timeout_s)
+
+    slurm = SlurmClient(runner=runner, sleep=sleep, retry_wait_s=0.1, clock=lambda: now[0])
+    asyncio.run(slurm.requeue_smaller(5, 2, 2))
+    assert slept and slept[0] == pytest.approx(0.65)
+    # Size, start time and release, all after it.
+    after = order[order.index("slept") + 1 :]
+    assert after[:3] == ["scontrol update", "scontrol update", "scontrol release"], order
+
+
 def test_a_requeue_that_sets_its_begin_time_after_the_resize_is_resized_again() -> None:
     # 22.05 under load: the requeue's 121 s begin time landed after start-now.
     late = {**PENDING, "state_reason": "BeginTime", "eligible_time": 1_000_121}
