@@ -15,6 +15,9 @@ end has no timestamp is merged with the next one (its name joined with
 - ``checkpoint choice``: -> the validation action done (the checkpoint chosen);
 - ``relaunch``: -> the relaunch action done (the driver confirmed the new
   srun step), or for a requeue, the decision that the new attempt started;
+  the driver confirms a step once it has run ``start_check_s``, so when the
+  agents started before that, the confirmation is no boundary and the phase
+  is one with ``agents start``;
 - ``agents start``: -> the last new node agent's start of the script's
   launcher (its ``agent_started`` event's own time: Python start, health
   gate; the event's arrival may lag it by seconds on a loaded machine, while
@@ -99,12 +102,17 @@ def store_marks(store: Store, job_id: str) -> dict[str, Any]:
         marks["checkpoint choice"] = validate.finished_s
     relaunch = next((a for a in actions if a.kind == "relaunch"), None)
     if relaunch is not None:
-        marks["relaunch"] = relaunch.finished_s
+        # The driver confirms a relaunch once its step has run start_check_s (5 s): the
+        # agents' own start, when earlier, is the boundary, not the confirmation.
+        confirmed, agents = relaunch.finished_s, marks["agents start"]
+        marks["relaunch"] = (
+            confirmed if agents is None or confirmed is None or confirmed < agents else None
+        )
     after = [d for d in decisions if d.decided_s > opened.decided_s]
     moved = next((d for d in after if d.to_state in ("relaunching", "requeued")), None)
     if moved is not None:
         info["path"] = moved.detail.get("explanation")
-        if marks["relaunch"] is None:
+        if relaunch is None:  # a requeue: the new attempt's start is the mark
             begun = next(
                 (d for d in after if d.decided_s > moved.decided_s and d.to_state == "starting"),
                 None,
