@@ -168,7 +168,7 @@ class SupervisorConfig:
       take; a checkpoint past it is invalid, and the next older one is tried.
     - ``validate_ahead``: validate each job's newest checkpoint as soon as it is
       reported, in the background, so that a recovery takes that verdict while
-      the checkpoint is unchanged (every file's size and modification time)
+      the checkpoint is unchanged (every file's name, size, inode and times)
       instead of reading it between the fault and the relaunch
       (``supervisor/act/ahead.py``). Off: each checkpoint is read once per
       recovery only, and never while the job trains.

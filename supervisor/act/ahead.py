@@ -3,8 +3,8 @@
 Validating the newest checkpoint after a fault puts a read of it (the whole of
 it at ``full`` level) between the fault and the relaunch. :class:`AheadValidation`
 validates each job's newest checkpoint as soon as the supervisor hears of it
-(a commit, or a checkpoint a script wrote itself), in the background, in the
-same validation process, and keeps the verdict with the checkpoint's
+(a commit, or a checkpoint a script wrote itself), in the background, and
+keeps the verdict with the checkpoint's
 fingerprint: every file's name, size, inode and change times. At the fault,
 :meth:`AheadValidation.verdict` answers from that verdict when the
 checkpoint is unchanged since; a checkpoint changed since (a file truncated,
@@ -85,9 +85,7 @@ class Verdict:
     def answers(self, level: str) -> bool:
         """Whether this verdict stands for a validation at ``level``: a valid one for
         its level and the shallower ones, an invalid one for its own level only."""
-        if self.valid:
-            return DEPTH.get(self.level, -1) >= DEPTH.get(level, 99)
-        return self.level == level
+        return _covers(self.level, level) if self.valid else self.level == level
 
 
 class AheadValidation:
@@ -115,7 +113,7 @@ class AheadValidation:
         as it is now (waiting for one still running); None: validate it now."""
         path = os.path.normpath(path)
         current = self._current
-        if current is not None and current[0] == path and _deep_enough(current[1], level):
+        if current is not None and current[0] == path and _covers(current[1], level):
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(current[2])
         known = self._verdicts.get(path)
@@ -166,5 +164,6 @@ class AheadValidation:
             self._verdicts.popitem(last=False)
 
 
-def _deep_enough(running: str, asked: str) -> bool:
-    return DEPTH.get(running, -1) >= DEPTH.get(asked, 99)
+def _covers(done: str, asked: str) -> bool:
+    """Whether a validation at level ``done`` reads all that one at ``asked`` would."""
+    return DEPTH.get(done, -1) >= DEPTH.get(asked, 99)

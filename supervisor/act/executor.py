@@ -200,7 +200,11 @@ class Executor:
         self.validation = validation or ValidationProcess(Limits())
         # The background's own child, niced: a recovery's validation never waits for it.
         self.background = ValidationProcess(self.validation.limits, nice=BACKGROUND_NICE)
-        self.ahead = AheadValidation(self._check_ahead) if validate_ahead else None
+        self.ahead = (
+            AheadValidation(lambda path, level: self._read(path, level, self.background))
+            if validate_ahead
+            else None
+        )
         self._clock = clock
         self._ticket_hook = ticket_hook
         self.observe_only = observe_only
@@ -617,23 +621,19 @@ class Executor:
             self.ahead.note(job_id, path, level.value)
 
     async def _validate(self, path: str, level: ValidationLevel) -> tuple[bool, str]:
-        if self.ahead is None:
-            return await self._check_now(path, level.value)
-        known = await self.ahead.verdict(path, level.value)
-        if known is not None:
-            log.info("checkpoint %s: validated when it was reported, unchanged since", path)
-            return known
-        return await self._check_now(path, level.value)
+        if self.ahead is not None:
+            known = await self.ahead.verdict(path, level.value)
+            if known is not None:
+                log.info("checkpoint %s: validated when it was reported, unchanged since", path)
+                return known
+        return await self._read(path, level.value, self.validation)
 
-    async def _check_now(self, path: str, level: str) -> tuple[bool, str]:
+    async def _read(self, path: str, level: str, process: ValidationProcess) -> tuple[bool, str]:
+        """Validate in ``process`` (the recovery's child or the background's), or with
+        ``validate_fn`` when one was given."""
         if self._validate_fn is not None:
             return await asyncio.to_thread(self._validate_fn, path, ValidationLevel(level))
-        return await self.validation.validate(path, level)
-
-    async def _check_ahead(self, path: str, level: str) -> tuple[bool, str]:
-        if self._validate_fn is not None:
-            return await asyncio.to_thread(self._validate_fn, path, ValidationLevel(level))
-        return await self.background.validate(path, level)
+        return await process.validate(path, level)
 
     async def _record_requeue_baseline(self, intent: RequeueSmaller, now_s: float) -> None:
         # Reconciliation needs the restart count from before the requeue to tell

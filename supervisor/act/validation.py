@@ -90,8 +90,8 @@ class ValidationProcess:
             except (ConnectionError, ValueError):  # the child died, or sent an endless line
                 line = b""
             except asyncio.CancelledError:
-                # Stopped mid-read (a background validation giving way): the child's
-                # answer would be read as the next request's, so it goes.
+                # Stopped mid-read (its task cancelled): the child's answer would
+                # be read as the next request's, so it goes.
                 self._abandon()
                 raise
             if not line:

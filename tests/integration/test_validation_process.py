@@ -89,7 +89,7 @@ def test_the_child_dies_with_the_supervisor_that_started_it() -> None:
 
 
 def test_a_validation_stopped_mid_read_takes_its_child_along(tmp_path: Path) -> None:
-    """A background validation gives way to a recovery's by being cancelled: its child,
+    """A validation whose task is cancelled (the daemon stopping) takes its child,
     still reading (a FIFO no one writes: the read never ends), is killed, so that
     its answer is never read as the next request's; a fresh child answers that."""
     stuck = tmp_path / "model.pt"
