@@ -426,7 +426,10 @@ def crafted_checkpoint_run(world: World, metadata: bytes) -> CraftedRun:
         assert world.post_events([world.event(EventKind.RANK_EXITED, killed)])[0] == 200
         log = world.daemon.log_path
         deadline = time.monotonic() + 600
-        while f"{good} valid" not in log.read_text(errors="replace"):
+        # The recovery's choice (its line names the job), not the validation of the
+        # good one ahead of the fault, which may come first.
+        chosen = f"job {world.job_id}: checkpoint {good} valid"
+        while chosen not in log.read_text(errors="replace"):
             assert time.monotonic() < deadline, world.daemon.tail()
             time.sleep(0.2)
     finally:
