@@ -51,6 +51,31 @@ def plan_jobs(agents: int, rng: random.Random) -> list[list[str]]:
     return jobs
 
 
+# Jobs of an aggregated run, largest first: (nodes, how many); the rest of 8 nodes.
+AGGREGATED_JOBS = ((2048, 2), (1024, 2), (512, 4), (256, 8), (128, 8), (64, 16), (32, 16),
+                   (16, 32))  # fmt: skip
+
+
+def plan_aggregated_jobs(agents: int) -> list[list[str]]:
+    """Node names of each job of an aggregated run: :data:`AGGREGATED_JOBS` while they
+    fit, then jobs of 8 nodes (16,384 nodes: 472 jobs of 8 to 2,048)."""
+    sizes = []
+    left = agents
+    for size, count in AGGREGATED_JOBS:
+        for _ in range(count):
+            if size <= left:
+                sizes.append(size)
+                left -= size
+    while left:
+        sizes.append(min(8, left))
+        left -= sizes[-1]
+    jobs, index = [], 0
+    for size in sizes:
+        jobs.append([f"n{number:05d}" for number in range(index, index + size)])
+        index += size
+    return jobs
+
+
 def squeue_json(jobs: dict[str, list[str]], user: str, now: int) -> str:
     """``squeue --json`` listing every job RUNNING, each record shaped like Slurm 22.05's."""
     fixture = json.loads((FIXTURES / "squeue_mixed.json").read_text())

@@ -30,6 +30,9 @@ from bench.load_cluster import AgentPlan, write_manifest
 
 HEARTBEAT_PERIOD_S = 1.0
 HEARTBEAT_TIMEOUT_S = 2.0  # agent.node.client.DEFAULT_HEARTBEAT_TIMEOUT_S
+FORWARD_TIMEOUT_S = 5.0  # agent.driver.aggregator.FORWARD_TIMEOUT_S
+# A node's whole heartbeat goes again every this many periods (agent.driver.aggregator.REFRESH_S).
+REFRESH_PERIODS = 10
 EVENT_TIMEOUT_S = 5.0
 MAX_BATCH = 100
 # The kinds an agent emits at random, and how often each (weights).
@@ -99,6 +102,9 @@ class SimulatedAgent:
         self.stream: aiohttp.ClientWebSocketResponse | None = None
         self.lean_stream = StreamConnection(address.hostname, address.port)
         self.ranks_cache: tuple[int, bytes] | None = None  # (step, the ranks' JSON)
+        # Only the first node's agent reports its job's checkpoints (as global rank 0's
+        # does): set for aggregated runs, whose jobs reach 2,048 nodes.
+        self.commits_on_rank_0_only = False
 
     def step(self, now: float) -> int:
         """The job's current step: every rank of a synchronous job is at the same one."""
@@ -115,7 +121,10 @@ class SimulatedAgent:
 
     def random_event(self, now: float) -> None:
         """One benign event of a kind drawn from :data:`EVENT_MIX`."""
-        kinds, weights = zip(*EVENT_MIX, strict=True)
+        mix = EVENT_MIX
+        if self.commits_on_rank_0_only and self.plan.node_rank != 0:
+            mix = tuple(item for item in EVENT_MIX if item[0] is not EventKind.CHECKPOINT_COMMITTED)
+        kinds, weights = zip(*mix, strict=True)
         kind = self.rng.choices(kinds, weights)[0]
         plan = self.plan
         rank = plan.node_rank * plan.ranks_per_node
@@ -203,6 +212,16 @@ class SimulatedAgent:
                 raise Rejected(status, data.decode("utf-8", "replace")[:2000])
         return protocol.decode_reply(data)
 
+    def started(self) -> None:
+        """The agent's first event, ``agent_started`` (attempt 1)."""
+        plan = self.plan
+        if self.emitting:
+            self.emit(EventKind.AGENT_STARTED, {
+                "agent_version": "0.1.0", "pid": 10_000 + plan.node_rank,
+                "argv": ["python", "train.py"], "nnodes": plan.nnodes,
+                "node_rank": plan.node_rank, "attempt": 1,
+            })  # fmt: skip
+
     def in_window(self, started: float) -> bool:
         return self.window[0] <= started < self.window[1]
 
@@ -214,13 +233,7 @@ class SimulatedAgent:
         try:
             first = start_at + self.rng.random() * HEARTBEAT_PERIOD_S
             await asyncio.sleep(max(0.0, first - time.time()))
-            plan = self.plan
-            if self.emitting:
-                self.emit(EventKind.AGENT_STARTED, {
-                    "agent_version": "0.1.0", "pid": 10_000 + plan.node_rank,
-                    "argv": ["python", "train.py"], "nnodes": plan.nnodes,
-                    "node_rank": plan.node_rank, "attempt": 1,
-                })  # fmt: skip
+            self.started()
             beat = 0
             while True:
                 due = first + beat * HEARTBEAT_PERIOD_S
@@ -340,6 +353,127 @@ class SimulatedAgent:
         self.wake.set()
 
 
+class SimulatedAggregator:
+    """A job's aggregator (``agent/driver/aggregator.py``), as the supervisor sees it: one
+    ``POST /v1/job/heartbeats`` a second for the whole job, over one keep-alive connection.
+
+    Each request holds a beat for every node (all at the job's step) and the whole
+    heartbeats the real aggregator would send: every node's at its first forward
+    and then each node's every :data:`REFRESH_PERIODS` periods (its compute times
+    move), at most :data:`~agent.wire.protocol.MAX_JOB_REPORTS` a request. The
+    job's agents send their events themselves, straight to the supervisor, as the
+    real agents do; only the first node's reports the job's checkpoints.
+    """
+
+    def __init__(
+        self,
+        agents: list[SimulatedAgent],
+        url: str,
+        rng: random.Random,
+        stats: WorkerStats,
+        window: tuple[float, float],
+        start_spread_s: float,
+    ) -> None:
+        self.agents = agents
+        self.start_spread_s = max(start_spread_s, HEARTBEAT_PERIOD_S)
+        for agent in agents:
+            agent.commits_on_rank_0_only = True
+        self.plan = agents[0].plan
+        self.secret = bytes.fromhex(self.plan.secret_hex)
+        self.rng = rng
+        self.stats = stats
+        self.window = window
+        address = urlsplit(url)
+        assert address.hostname is not None and address.port is not None
+        self.connection = Connection(address.hostname, address.port)
+        self.checked_encoding = False
+        self.beats_sent = 0
+
+    def body(self, now: float, period: int) -> bytes:
+        """The request's body, as :func:`agent.wire.protocol.encode_job_heartbeats` makes it."""
+        step = self.agents[0].step(now)
+        when = repr(now).encode()
+        beats = b",".join(
+            b'["%s","%s",1,%s,%d]' % (agent.plan.node.encode(), agent.incarnation.encode(), when,
+                                      step)
+            for agent in self.agents
+        )  # fmt: skip
+        due = [
+            agent.heartbeat_body(now)
+            for index, agent in enumerate(self.agents)
+            if period == 0 or (index + period) % REFRESH_PERIODS == 0
+        ][: protocol.MAX_JOB_REPORTS]
+        body = b'{"protocol":%d,"type":"job_heartbeats","job_id":"%s","time_unix_s":%s,' % (
+            protocol.PROTOCOL_VERSION,
+            self.plan.job_id.encode(),
+            when,
+        ) + b'"beats":[%s],"reports":[%s]}' % (beats, b",".join(due))
+        if not self.checked_encoding:
+            batch = protocol.decode_job_heartbeats(body)
+            assert protocol.decode_job_heartbeats(protocol.encode_job_heartbeats(batch)) == batch
+            self.checked_encoding = True
+        self.beats_sent += len(self.agents)
+        return body
+
+    async def run(self, start_at: float, stop_at: float, events_per_s: float) -> None:
+        """Forward every second from ``start_at`` (jittered) until ``stop_at``; each agent
+        draws its events in the same ticks."""
+        senders = [asyncio.create_task(agent.send_events()) for agent in self.agents]
+        try:
+            # Jobs start one after another, not all in one second: each job's agents
+            # announce themselves at its start (agent_started), then it forwards.
+            first = start_at + self.rng.random() * self.start_spread_s
+            await asyncio.sleep(max(0.0, first - time.time()))
+            for agent in self.agents:
+                agent.started()
+            period = 0
+            while True:
+                due = first + period * HEARTBEAT_PERIOD_S
+                if due >= stop_at:
+                    break
+                await asyncio.sleep(max(0.0, due - time.time()))
+                now = time.time()
+                for agent in self.agents:
+                    if agent.emitting and agent.rng.random() < events_per_s * HEARTBEAT_PERIOD_S:
+                        agent.random_event(now)
+                await self.forward(now, period)
+                period = max(period + 1, math.ceil((time.time() - first) / HEARTBEAT_PERIOD_S))
+        finally:
+            for sender in senders:
+                sender.cancel()
+            await asyncio.gather(*senders, return_exceptions=True)
+            self.connection.close()
+            for agent in self.agents:
+                for connection in agent.connections.values():
+                    connection.close()
+
+    async def forward(self, now: float, period: int) -> None:
+        body = self.body(now, period)
+        path = protocol.JOB_HEARTBEATS_PATH
+        started = time.time()
+        clock = time.perf_counter()
+        in_window = self.window[0] <= started < self.window[1]
+        try:
+            headers = protocol.signed_headers(self.secret, protocol.METHOD, path,
+                                              self.plan.job_id, int(started), body)  # fmt: skip
+            async with asyncio.timeout(FORWARD_TIMEOUT_S):
+                status, data = await self.connection.post(path, headers, body)
+            if status != 200:
+                raise Rejected(status, data.decode("utf-8", "replace")[:2000])
+            protocol.decode_job_reply(data)
+        except (aiohttp.ClientError, OSError, TimeoutError, Rejected, ValueError,
+                asyncio.IncompleteReadError, protocol.ProtocolError) as error:  # fmt: skip
+            self.stats.heartbeat_failures += 1
+            self.stats.window_heartbeat_failures += in_window
+            self.stats.first_failure = self.stats.first_failure or f"job beats: {error!r}"[:300]
+            if in_window:
+                self.stats.heartbeat_ms.append(failed_ms(clock, FORWARD_TIMEOUT_S))
+            return
+        self.stats.heartbeats_sent += 1
+        if in_window:
+            self.stats.heartbeat_ms.append((time.perf_counter() - clock) * 1000)
+
+
 def failed_ms(clock: float, timeout_s: float) -> float:
     """A failed request's latency for the percentiles: its timeout, or longer if it took so."""
     return max((time.perf_counter() - clock) * 1000, timeout_s * 1000)
@@ -361,9 +495,26 @@ async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, 
         for plan in config["agents"]
     ]  # fmt: skip
     events_per_s = config["events_per_agent_min"] / 60.0
+    if config.get("aggregated"):
+        by_job: dict[str, list[SimulatedAgent]] = collections.defaultdict(list)
+        for agent in agents:
+            by_job[agent.plan.job_id].append(agent)
+        runners: list[SimulatedAgent | SimulatedAggregator] = [
+            SimulatedAggregator(
+                members,
+                config["url"],
+                random.Random(rng.random()),
+                stats,
+                window,
+                config["start_spread_s"],
+            )
+            for members in by_job.values()
+        ]
+    else:
+        runners = list(agents)
     tasks = [
-        asyncio.create_task(agent.run(go["start_at"], go["drain_until"], events_per_s))
-        for agent in agents
+        asyncio.create_task(runner.run(go["start_at"], go["drain_until"], events_per_s))
+        for runner in runners
     ]
     await asyncio.sleep(max(0.0, go["measure_until"] - time.time()))
     # Agents emit until the window ends, then only resend what is unacknowledged;
@@ -378,8 +529,10 @@ async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, 
     if streams is not None:
         await streams.close()
     stats.streams_opened += sum(agent.lean_stream.opened for agent in agents)
+    beats = sum(r.beats_sent for r in runners if isinstance(r, SimulatedAggregator))
     return {
         **asdict(stats),
+        "beats_forwarded": beats,
         "heartbeat_ms": [round(value, 3) for value in stats.heartbeat_ms],
         "event_ms": [round(value, 3) for value in stats.event_ms],
         "sent": [event_id for agent in agents for event_id in agent.sent],

@@ -82,6 +82,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import itertools
 import json
 import os
 import random
@@ -101,7 +102,14 @@ if not __package__:
 
 import psutil
 
-from bench.load_cluster import REPO, install_fake_slurm, plan_jobs, write_jobs
+from bench.load_cluster import (
+    REPO,
+    AgentPlan,
+    install_fake_slurm,
+    plan_aggregated_jobs,
+    plan_jobs,
+    write_jobs,
+)
 from bench.load_harness import Supervisor, floor_main, free_port, wait_listening, wait_registered
 from bench.load_stats import (
     lag_quantile_ms,
@@ -113,15 +121,18 @@ from bench.load_stats import (
 from bench.load_workers import worker_main
 
 SIZES = (256, 1024, 4096)
+AGGREGATED_NODES = 16384
 FIRST_JOB_ID = 10001
 
 
-def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One supervisor, ``agents`` simulated agents: the figures of one run."""
+def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> dict[str, Any]:
+    """One supervisor, ``agents`` simulated agents: the figures of one run (``aggregated``:
+    each job's heartbeats through its simulated aggregator)."""
     rng = random.Random(args.seed + agents)
     with tempfile.TemporaryDirectory(prefix="resurgo-load-") as tmp:
         where = Path(tmp)
-        jobs = {str(FIRST_JOB_ID + i): nodes for i, nodes in enumerate(plan_jobs(agents, rng))}
+        planned = plan_aggregated_jobs(agents) if aggregated else plan_jobs(agents, rng)
+        jobs = {str(FIRST_JOB_ID + i): nodes for i, nodes in enumerate(planned)}
         bin_dir = install_fake_slurm(where, jobs, getpass.getuser())
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -134,8 +145,7 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
                 asyncio.run(wait_listening(url, timeout_s=60))
             else:
                 asyncio.run(wait_registered(url, secrets_by_job, timeout_s=120))
-            per = args.agents_per_worker
-            for index in range(0, len(plans), per):
+            for chunk in _chunks(plans, args.agents_per_worker, whole_jobs=aggregated):
                 worker = subprocess.Popen(
                     [sys.executable, "-m", "bench.supervisor_load", "--worker"], cwd=REPO,
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -147,7 +157,9 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
                     "results": str(where / f"worker-{len(workers)}.json"),
                     "events": not args.floor,
                     "events_per_agent_min": args.events_per_agent_min,
-                    "agents": [asdict(plan) for plan in plans[index : index + per]],
+                    "aggregated": aggregated,
+                    "start_spread_s": args.warmup_s * 0.8,
+                    "agents": [asdict(plan) for plan in chunk],
                 }  # fmt: skip
                 worker.stdin.write(json.dumps(config) + "\n")
                 worker.stdin.flush()
@@ -205,6 +217,11 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
         logs = supervisor.log_counts()
     figures = run_figures(agents, len(jobs), args, before, after, rss_mib, results, stored,
                           job_states, logs)  # fmt: skip
+    figures["path"] = "aggregated" if aggregated else "direct"
+    if aggregated:
+        figures["heartbeats"] = "job"
+        figures["job_sizes"] = sorted({len(nodes) for nodes in jobs.values()})
+        figures["beats_forwarded"] = sum(result["beats_forwarded"] for result in results)
     if lag_after:
         # The supervisor's own delay (its loop held), apart from the generators'
         # scheduling, which the latencies above include on a machine they share.
@@ -212,6 +229,19 @@ def run_one(agents: int, args: argparse.Namespace) -> dict[str, Any]:
         figures["supervisor_loop_lag_p99_ms_at_most"] = lag_quantile_ms(lag_before, lag_after, 0.99)
         figures["supervisor_loop_lag_max_ms_at_most"] = lag_quantile_ms(lag_before, lag_after, 1.0)
     return figures
+
+
+def _chunks(plans: list[AgentPlan], per: int, *, whole_jobs: bool) -> list[list[AgentPlan]]:
+    """The agents of each load generator: ``per`` each, or whole jobs of about ``per``."""
+    if not whole_jobs:
+        return [plans[index : index + per] for index in range(0, len(plans), per)]
+    chunks: list[list[AgentPlan]] = [[]]
+    for job_id, members in itertools.groupby(plans, key=lambda plan: plan.job_id):
+        if len(chunks[-1]) >= per:
+            chunks.append([])
+        chunks[-1].extend(members)
+        del job_id
+    return chunks
 
 
 def _start_profiler(
@@ -230,10 +260,37 @@ def _start_profiler(
     )  # fmt: skip
 
 
+def _side_by_side(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The aggregated run's figures, the direct run's beside them, and their ratios."""
+    aggregated = max(
+        (run for run in runs if run["path"] == "aggregated"), key=lambda r: r["agents"]
+    )
+    direct = next((run for run in runs if run["path"] == "direct"), None)
+    summary: dict[str, Any] = {**aggregated, "runs": runs}
+    if direct is not None:
+        for key in ("supervisor_cpu_cores", "p99_ms", "supervisor_rss_mib"):
+            summary[f"direct_{direct['agents']}_{key}"] = direct[key]
+        summary["nodes_ratio"] = round(aggregated["agents"] / direct["agents"], 2)
+        if direct["supervisor_cpu_cores"]:
+            summary["cpu_ratio_aggregated_to_direct"] = round(
+                aggregated["supervisor_cpu_cores"] / direct["supervisor_cpu_cores"], 3
+            )
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--agents", type=int, nargs="+", default=[SIZES[-1]],
-                        help="simulated agents (several: one run each)")  # fmt: skip
+    parser.add_argument("--agents", type=int, nargs="+", default=None,
+                        help="simulated agents (several: one run each; default "
+                        f"{SIZES[-1]}, or {AGGREGATED_NODES} with --aggregated)")  # fmt: skip
+    parser.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="each job's heartbeats through its aggregator: one request a second a job "
+        "(jobs of 8 to 2,048 nodes), beside a direct run of --direct-beside agents",
+    )
+    parser.add_argument("--direct-beside", type=int, default=4096,
+                        help="with --aggregated: the direct run first (0: none)")  # fmt: skip
     parser.add_argument("--all", action="store_true", help=f"one run each for {SIZES}")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--events-per-agent-min", type=float, default=1.0)
@@ -271,12 +328,21 @@ def main() -> int:
         return worker_main()
     if args.floor_server is not None:
         return floor_main(args.floor_server)
-    sizes = list(SIZES) if args.all else args.agents
     runs = []
-    for agents in sizes:
-        run = run_one(agents, args)
+    if args.aggregated:
+        plan = [(args.direct_beside, False)] if args.direct_beside else []
+        plan += [(agents, True) for agents in args.agents or [AGGREGATED_NODES]]
+    else:
+        plan = [
+            (agents, False) for agents in (list(SIZES) if args.all else args.agents or [SIZES[-1]])
+        ]
+    for agents, aggregated in plan:
+        run = run_one(agents, args, aggregated)
         print(json.dumps(run), flush=True)
         runs.append(run)
+    if args.aggregated:
+        print(json.dumps(_side_by_side(runs)))
+        return 0
     if len(runs) == 1:
         print(json.dumps(runs[0]))
     else:

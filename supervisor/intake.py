@@ -28,6 +28,7 @@ from agent.checkpoint.layouts import step_in_path
 from agent.wire import protocol
 from agent.wire.datagram import Phase
 from agent.wire.protocol import (
+    AgentCommands,
     Command,
     CommandKind,
     DriverAction,
@@ -37,6 +38,9 @@ from agent.wire.protocol import (
     Event,
     EventKind,
     HeartbeatReport,
+    JobHeartbeats,
+    NodeBeat,
+    RankStatus,
 )
 from supervisor import manifests
 from supervisor.act.executor import ALERT_KIND, Executor
@@ -393,17 +397,97 @@ class Intake:
     def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
         """Renew the agent's lease; note the job's progress (its slowest rank's step)."""
         job = self.jobs[job_id]
-        incarnation = report.agent_incarnation
-        if report.attempt is not None:
-            job.incarnations.setdefault(incarnation, report.attempt)
-        if incarnation in job.stopped or not job.current(incarnation):
-            return
         now = self.clock()
+        incarnation = report.agent_incarnation
+        if not self._is_current(job, incarnation, report.attempt):
+            return
+        if job.aggregated and report.node not in job.heard_directly:
+            job.heard_directly.add(report.node)
+            log.warning(
+                "job %s: node %s's agent reports straight to the supervisor: the job's "
+                "aggregator did not take its heartbeats",
+                job_id,
+                report.node,
+                extra={"job_id": job_id},
+            )
+        self._note_ranks(job, report.node, report.ranks, job.attempt_of(incarnation), now)
+        self._renew(job_id, job, [protocol.beat_of(report)], now)
+        step = protocol.slowest_loaded_step(report.ranks)
+        if step is not None:
+            self._progress(job_id, job, step, now)
+
+    def accept_job_heartbeats(self, job_id: str, batch: JobHeartbeats) -> None:
+        """A job's heartbeats from its aggregator: each whole report's ranks, then
+        every beat's lease, then the job's progress (its slowest node's step)."""
+        job = self.jobs[job_id]
+        now = self.clock()
+        if not job.aggregated:
+            job.aggregated = True
+            log.info(
+                "job %s: heartbeats arrive through the job's aggregator (%d node(s))",
+                job_id,
+                len(batch.beats),
+                extra={"job_id": job_id},
+            )
+        if job.heard_directly:
+            job.heard_directly.difference_update(beat.node for beat in batch.beats)
+        for report in batch.reports:
+            incarnation = report.agent_incarnation
+            if self._is_current(job, incarnation, report.attempt):
+                self._note_ranks(job, report.node, report.ranks, job.attempt_of(incarnation), now)
+        current = self._renew(job_id, job, batch.beats, now)
+        steps = [beat.step for beat in current if beat.step is not None]
+        if steps:
+            self._progress(job_id, job, min(steps), now)
+
+    def commands_for_agents(
+        self, job_id: str, agents: Sequence[tuple[str, str]]
+    ) -> list[AgentCommands]:
+        """:meth:`commands_for` each ``(node, incarnation)`` that may have some; those that have."""
+        incarnations = dict(agents)
+        found = []
+        for node in self.store.maybe_pending(job_id, incarnations):
+            commands = self.commands_for(job_id, node, incarnations[node])
+            if commands:
+                found.append(AgentCommands(node, incarnations[node], tuple(commands)))
+        return found
+
+    @staticmethod
+    def _is_current(job: TrackedJob, incarnation: str, attempt: int | None) -> bool:
+        """Whether an agent's report counts: of the current launch, and not stopped."""
+        if attempt is not None:
+            job.incarnations.setdefault(incarnation, attempt)
+        return incarnation not in job.stopped and job.current(incarnation)
+
+    def _renew(
+        self, job_id: str, job: TrackedJob, beats: Sequence[NodeBeat], now: float
+    ) -> list[NodeBeat]:
+        """Renew the current agents' leases (one store call for all) and note when each
+        node was heard; the beats of current agents."""
+        current = [b for b in beats if self._is_current(job, b.agent_incarnation, b.attempt)]
+        if not current:
+            return current
         job.last_report_s = now
-        self.store.touch_lease(job_id, report.node, incarnation, now)
-        local = max((len(report.ranks), *(rank.local_rank + 1 for rank in report.ranks)))
+        self.store.touch_leases(job_id, [(b.node, b.agent_incarnation) for b in current], now)
+        heard, attempt_of = job.heard, job.attempt_of
+        for beat in current:
+            attempt = attempt_of(beat.agent_incarnation)
+            before = heard.get(beat.node)
+            gap = now - before.seen_s if before is not None and before.attempt == attempt else None
+            heard[beat.node] = Heard(attempt, now, gap)
+        if job.unconfirmed:
+            for beat in current:
+                self._confirm_hangs(job_id, job, beat.node, now)
+        return current
+
+    def _note_ranks(
+        self, job: TrackedJob, node: str, ranks: Sequence[RankStatus], attempt: int, now: float
+    ) -> None:
+        """What a node's ranks say beyond their steps: how many per node, their
+        compute times, and which one is busy (checkpoint, eval, data)."""
+        local = max((len(ranks), *(rank.local_rank + 1 for rank in ranks)))
         job.local_ranks_seen = max(job.local_ranks_seen, local)
-        for rank in report.ranks:
+        for rank in ranks:
             if rank.compute_p50_s is None or rank.compute_observed <= 0:
                 continue
             known = job.compute.get(rank.global_rank)
@@ -411,28 +495,20 @@ class Intake:
                 known is None
                 or known.p50_s != rank.compute_p50_s
                 or known.observed != rank.compute_observed
-                or known.node != report.node
+                or known.node != node
             ):
                 job.compute[rank.global_rank] = ComputeSample(
-                    report.node, rank.global_rank, rank.compute_p50_s, rank.compute_observed
+                    node, rank.global_rank, rank.compute_p50_s, rank.compute_observed
                 )
-        attempt = job.attempt_of(incarnation)
-        busy = [(r.global_rank, str(r.phase)) for r in report.ranks if r.phase in _BUSY_PHASE_NAMES]
+        busy = [(r.global_rank, str(r.phase)) for r in ranks if r.phase in _BUSY_PHASE_NAMES]
         if busy:
             busy_rank, phase = min(busy)
-            job.busy[report.node] = BusyRank(attempt, now, busy_rank, Phase(phase))
+            job.busy[node] = BusyRank(attempt, now, busy_rank, Phase(phase))
         else:
-            job.busy.pop(report.node, None)
-        before = job.heard.get(report.node)
-        gap = now - before.seen_s if before is not None and before.attempt == attempt else None
-        job.heard[report.node] = Heard(attempt, now, gap)
-        if job.unconfirmed:
-            self._confirm_hangs(job_id, job, report.node, now)
-        # A rank still loading (phase init) reports step 0: not the job's progress.
-        steps = [r.step for r in report.ranks if r.step is not None and r.phase != Phase.INIT.value]
-        if not steps:
-            return
-        step = min(steps)
+            job.busy.pop(node, None)
+
+    def _progress(self, job_id: str, job: TrackedJob, step: int, now: float) -> None:
+        """The job's slowest loaded rank is at ``step``: settle held hang reports, record it."""
         self._settle_held(job_id, job, now, step)
         self.store.record_progress(job_id, step, now)
         news = progress_news(job.record, step, job.progress_step)

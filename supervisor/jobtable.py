@@ -106,6 +106,10 @@ class TrackedJob:
     held_hangs: list[HeldHang] = field(default_factory=list)
     idle_since_s: float | None = None
     heard: dict[str, Heard] = field(default_factory=dict)
+    # Whether the job's heartbeats came through its aggregator, and the nodes heard
+    # straight from their agents since (the aggregator failed them).
+    aggregated: bool = False
+    heard_directly: set[str] = field(default_factory=set)
     unconfirmed: list[AwaitedHang] = field(default_factory=list)
     # when the driver was last asked to health-check the idle spares (None: not yet)
     spares_checked_s: float | None = None

@@ -16,10 +16,12 @@ def agent_argv(
     resume_from: str | None,
     master_port: int,
     skip_samples: Sequence[SampleRange] = (),
+    aggregator_url: str = "",
 ) -> list[str]:
     """``srun`` running one node agent per node of ``nodes``, each launching the command
     (``master_port``: from :func:`agent.ports.rendezvous_port`; ``skip_samples``: the
-    windows of the global sample cursor the ranks leave out).
+    windows of the global sample cursor the ranks leave out; ``aggregator_url``: where
+    the agents send their heartbeats, when the driver aggregates them).
 
     ``--overlap``: a step with a task on a dead node stays "completing" until Slurm
     marks that node DOWN (``SlurmdTimeout``, 300 s by default), even after the job
@@ -52,6 +54,7 @@ def agent_argv(
         "--procs-per-node", str(settings.procs_per_node),
         *(["--resume-from", resume_from] if resume_from else []),
         *(["--skip-samples", format_skip_samples(skip_samples)] if skip_samples else []),
+        *(["--aggregator-url", aggregator_url] if aggregator_url else []),
         "--", *settings.command,
     ]  # fmt: skip
 

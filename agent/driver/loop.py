@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +19,7 @@ import aiohttp
 import tenacity
 
 from agent.checkpoint.quarantine import newer_than, quarantine
+from agent.driver.aggregator import Aggregator
 from agent.driver.argv import agent_argv
 from agent.driver.plannedstop import PlannedStop
 from agent.driver.settings import DriverSettings, settings_from
@@ -67,6 +69,7 @@ class Driver:
         )  # fmt: skip
         # Checkpoints moved into quarantine for the last launch, not yet reported.
         self._quarantined: tuple[tuple[str, str], ...] = ()
+        self._aggregator: Aggregator | None = None
 
     async def run(self) -> int:
         """Launch, watch, relaunch as told; see the module docstring."""
@@ -78,71 +81,103 @@ class Driver:
         clear_notice(self.settings.job_dir)
         async with aiohttp.ClientSession() as session:
             self._session = session
-            self._planned.start_timer()
-            answer = await self._ask(
-                DriverRequest(self.settings.job_id, DriverPhase.START),
-                self.settings.start_wait_s,
+            if self.settings.aggregate:
+                self._aggregator = await self._start_aggregator(session)
+            try:
+                return await self._drive()
+            finally:
+                if self._aggregator is not None:
+                    await self._aggregator.close()
+
+    async def _start_aggregator(self, session: aiohttp.ClientSession) -> Aggregator | None:
+        """The job's heartbeat aggregator on this host (None: it could not start, and
+        the agents report straight to the supervisor)."""
+        here = self._environ.get("SLURMD_NODENAME")
+        try:
+            host = await node_address(here, self._environ) if here else socket.gethostname()
+            nodes = await current_nodes(self._environ)
+            aggregator = Aggregator(
+                self.settings.job_id, self._secret, self.settings.supervisor_url, nodes,
+                clock=self._clock,
+            )  # fmt: skip
+            url = await aggregator.start(session, host)
+        except (OSError, ResurgoError) as error:
+            log.warning(
+                "the heartbeat aggregator did not start (%s): the agents report straight "
+                "to the supervisor",
+                error,
             )
-            if answer is None:
-                log.warning("supervisor unreachable: launching; the ranks resume by themselves")
-                answer = DriverAnswer(DriverAction.LAUNCH, 1, reason="supervisor unreachable")
-            launched = False
-            ended_with: int | None = None  # the exit code of the step last run
-            while not self._stopping:
-                if answer.action is DriverAction.DONE:
-                    print(f"resurgo: the run completed: {answer.reason}", flush=True)
-                    return 0
-                if answer.action is DriverAction.STOP:
-                    print(
-                        f"resurgo: job stopped by the supervisor: {answer.reason} (exit "
-                        f"{DO_NOT_REQUEUE_EXIT}: do not requeue)",
-                        flush=True,
+            return None
+        log.info("heartbeat aggregator for %d node(s) at %s", len(nodes), url)
+        return aggregator
+
+    async def _drive(self) -> int:
+        """Ask, launch, watch and relaunch until the job ends; its exit status."""
+        self._planned.start_timer()
+        answer = await self._ask(
+            DriverRequest(self.settings.job_id, DriverPhase.START),
+            self.settings.start_wait_s,
+        )
+        if answer is None:
+            log.warning("supervisor unreachable: launching; the ranks resume by themselves")
+            answer = DriverAnswer(DriverAction.LAUNCH, 1, reason="supervisor unreachable")
+        launched = False
+        ended_with: int | None = None  # the exit code of the step last run
+        while not self._stopping:
+            if answer.action is DriverAction.DONE:
+                print(f"resurgo: the run completed: {answer.reason}", flush=True)
+                return 0
+            if answer.action is DriverAction.STOP:
+                print(
+                    f"resurgo: job stopped by the supervisor: {answer.reason} (exit "
+                    f"{DO_NOT_REQUEUE_EXIT}: do not requeue)",
+                    flush=True,
+                )
+                return DO_NOT_REQUEUE_EXIT
+            if answer.action is DriverAction.WAIT and self._planned.begun:
+                return await self._planned.await_requeue(None)
+            if answer.action is DriverAction.WAIT:
+                log.info("waiting: %s", answer.reason)
+                await asyncio.sleep(answer.retry_after_s)
+                # Told to wait before the first launch (a checkpoint is still
+                # being chosen): ask to start again, not about a step never run.
+                phase = DriverPhase.ENDED if launched else DriverPhase.START
+                attempt = answer.attempt if launched else None
+                # Each ask says again how the step ended: a supervisor that
+                # restarted meanwhile knows it from this request alone.
+                asked = await self._ask(
+                    DriverRequest(
+                        self.settings.job_id, phase, attempt=attempt, exit_code=ended_with
                     )
-                    return DO_NOT_REQUEUE_EXIT
-                if answer.action is DriverAction.WAIT and self._planned.begun:
-                    return await self._planned.await_requeue(None)
-                if answer.action is DriverAction.WAIT:
-                    log.info("waiting: %s", answer.reason)
-                    await asyncio.sleep(answer.retry_after_s)
-                    # Told to wait before the first launch (a checkpoint is still
-                    # being chosen): ask to start again, not about a step never run.
-                    phase = DriverPhase.ENDED if launched else DriverPhase.START
-                    attempt = answer.attempt if launched else None
-                    # Each ask says again how the step ended: a supervisor that
-                    # restarted meanwhile knows it from this request alone.
-                    asked = await self._ask(
-                        DriverRequest(
-                            self.settings.job_id, phase, attempt=attempt, exit_code=ended_with
-                        )
-                    )
-                    if asked is None:
-                        return 1
-                    answer = asked
-                    continue
-                launched = True
-                ended_with = None
-                returncode, told = await self._launch(answer)
-                if told is not None:
-                    answer = told  # the supervisor moved on while the step still ran
-                    continue
-                if returncode == 0:
-                    log.info("step finished successfully")
-                    return 0
-                if self._planned.begun:
-                    return await self._planned.await_requeue(returncode)
-                if self._stopping:
-                    break
-                log.warning("step of attempt %d ended with %d; asking", answer.attempt, returncode)
-                ended_with = returncode
-                asked = await self._ask(DriverRequest(
-                    self.settings.job_id, DriverPhase.ENDED, attempt=answer.attempt,
-                    exit_code=returncode,
-                ))  # fmt: skip
+                )
                 if asked is None:
-                    print("resurgo: the supervisor is unreachable after a failure; ending the job",
-                          flush=True)  # fmt: skip
-                    return returncode
+                    return 1
                 answer = asked
+                continue
+            launched = True
+            ended_with = None
+            returncode, told = await self._launch(answer)
+            if told is not None:
+                answer = told  # the supervisor moved on while the step still ran
+                continue
+            if returncode == 0:
+                log.info("step finished successfully")
+                return 0
+            if self._planned.begun:
+                return await self._planned.await_requeue(returncode)
+            if self._stopping:
+                break
+            log.warning("step of attempt %d ended with %d; asking", answer.attempt, returncode)
+            ended_with = returncode
+            asked = await self._ask(DriverRequest(
+                self.settings.job_id, DriverPhase.ENDED, attempt=answer.attempt,
+                exit_code=returncode,
+            ))  # fmt: skip
+            if asked is None:
+                print("resurgo: the supervisor is unreachable after a failure; ending the job",
+                      flush=True)  # fmt: skip
+                return returncode
+            answer = asked
         return 143
 
     async def _launch(self, answer: DriverAnswer) -> tuple[int, DriverAnswer | None]:
@@ -205,7 +240,7 @@ class Driver:
         self._rendezvous = (master, port)
         argv = agent_argv(
             self.settings, nodes, master, answer.attempt, answer.resume_from, port,
-            answer.skip_samples,
+            answer.skip_samples, self._aggregator.url if self._aggregator is not None else "",
         )  # fmt: skip
         log.info(
             "attempt %d: %d node(s) %s, resume from %s, skipping samples %s",

@@ -46,6 +46,8 @@ class DriverSettings:
     # (None: the world is the whole allocation). Used only when no supervisor
     # says where to launch.
     world_nodes: int | None = None
+    # Whether the agents' heartbeats go through the driver's aggregator.
+    aggregate: bool = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="the agents' SIGTERM-to-SIGKILL grace (counted into the time-limit warning)",
     )
+    parser.add_argument(
+        "--no-aggregate",
+        action="store_true",
+        help="the agents send their heartbeats straight to the supervisor, not through the "
+        "driver's aggregator (also RESURGO_AGGREGATE=0 in the job's environment)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser
 
@@ -127,4 +135,5 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         time_limit_lead_s=args.time_limit_lead_s,
         procs_per_node=args.procs_per_node,
         world_nodes=args.world_nodes,
+        aggregate=not args.no_aggregate and environ.get("RESURGO_AGGREGATE", "1") != "0",
     )

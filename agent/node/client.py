@@ -19,9 +19,12 @@ Heartbeats are best effort and never spooled: only the newest matters. They
 go over one WebSocket to the supervisor's heartbeat stream, opened with a
 signed upgrade request and kept open (a request per heartbeat costs the
 supervisor several times more), and are sent as POSTs to a supervisor that
-has no stream. The wire format and signing live in :mod:`agent.wire.protocol`, the
-spool in :mod:`agent.node.spool`, the job secret and signed requests in
-:mod:`agent.wire.auth`.
+has no stream (:mod:`agent.node.heartbeatline`). In a job with an aggregator
+(the in-job driver's, ``aggregator_url``) they go to the aggregator's stream
+instead, which forwards the whole job's at once; when it does not answer they
+go straight to the supervisor again. The wire format and signing live in
+:mod:`agent.wire.protocol`, the spool in :mod:`agent.node.spool`, the job
+secret and signed requests in :mod:`agent.wire.auth`.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ from typing import Any
 import aiohttp
 import tenacity
 
+from agent.node.heartbeatline import HeartbeatLine
 from agent.node.spool import Spool
 from agent.wire import protocol
 from agent.wire.auth import Rejected, signed_post
 from agent.wire.errors import ConfigError
-from agent.wire.protocol import Command, Event, EventKind, HeartbeatReport, Refusal, Reply
+from agent.wire.protocol import Command, Event, EventKind, HeartbeatReport, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +57,11 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 2.0
 # Remembered command ids; a supervisor repeats a command for seconds, not for
 # thousands of commands.
 _SEEN_COMMANDS = 4096
-# Upgrade refusals that mean "no heartbeat stream here" (an older supervisor,
-# a proxy without WebSockets): heartbeats go as POSTs instead.
-_NO_STREAM_STATUSES = frozenset({400, 404, 405, 426, 501})
+# After the job's aggregator failed a heartbeat, heartbeats go straight to the
+# supervisor this long before the aggregator is tried again.
+AGGREGATOR_RETRY_S = 30.0
 # A heartbeat that failed for one of these may have left the stream out of step.
 _UNDELIVERED = (aiohttp.ClientError, TimeoutError, ConnectionError, protocol.ProtocolError)
-# How long closing a broken stream may wait for the supervisor's close frame.
-_STREAM_CLOSE_S = 1.0
 
 
 class Reporter:
@@ -104,6 +106,7 @@ class Reporter:
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         backoff: tenacity.wait.wait_base = DEFAULT_BACKOFF,
         heartbeat_stream: bool = True,
+        aggregator_url: str = "",
     ) -> None:
         if len(secret) < 16:
             raise ConfigError(f"job secret is {len(secret)} bytes; use new_secret() (32 bytes)")
@@ -124,8 +127,16 @@ class Reporter:
         self._seq = 0
         self._seen_commands: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._session: aiohttp.ClientSession | None = None
-        self._stream: aiohttp.ClientWebSocketResponse | None = None
-        self._use_stream = heartbeat_stream
+        self._direct = HeartbeatLine(
+            self._base_url, "the supervisor", self.job_id, secret,
+            stream=heartbeat_stream, clock=clock,
+        )  # fmt: skip
+        self._aggregator = (
+            HeartbeatLine(aggregator_url, "the job's aggregator", self.job_id, secret, clock=clock)
+            if aggregator_url
+            else None
+        )
+        self._direct_until = 0.0  # heartbeats skip the aggregator until then
         self._sender: asyncio.Task[None] | None = None
         self._closed = False
         self._wake = asyncio.Event()
@@ -134,7 +145,6 @@ class Reporter:
         self.heartbeats_sent = 0
         self.heartbeat_failures = 0
         self.events_delivered = 0
-        self.streams_opened = 0
 
     @property
     def pending(self) -> int:
@@ -197,91 +207,62 @@ class Reporter:
         return True
 
     async def heartbeat(self, report: HeartbeatReport) -> bool:
-        """Send one heartbeat summary, one attempt; True if the supervisor took it.
+        """Send one heartbeat summary; True if the supervisor (or the job's aggregator) took it.
 
         Failures are counted in ``heartbeat_failures`` and logged at debug: the
         next heartbeat supersedes this one, and events carry what must not be
         lost. A stream that failed (closed, timed out, garbled) is dropped and
         the next heartbeat opens a new one; a refused heartbeat leaves it open.
+        Given an aggregator, heartbeats go there; one it did not take goes
+        straight to the supervisor at once, and so do all for
+        :data:`AGGREGATOR_RETRY_S` before the aggregator is tried again (a
+        batch host lost takes the aggregator with it: the supervisor must
+        still hear the other nodes).
         An invalid ``report`` raises :class:`~agent.wire.protocol.ProtocolError` (a
         bug in the caller, not a delivery failure).
         """
         body = protocol.encode_heartbeat(report)
+        aggregator = self._aggregator
+        if aggregator is not None and self._clock() >= self._direct_until:
+            if await self._send_heartbeat(aggregator, body):
+                if self._direct_until:
+                    logger.info("heartbeats go through the job's aggregator again")
+                    self._direct_until = 0.0
+                return True
+            self._direct_until = self._clock() + AGGREGATOR_RETRY_S
+            logger.warning(
+                "the job's aggregator at %s did not take a heartbeat; heartbeats go "
+                "straight to the supervisor for %.0f s",
+                aggregator.base_url,
+                AGGREGATOR_RETRY_S,
+            )
+        return await self._send_heartbeat(self._direct, body)
+
+    async def _send_heartbeat(self, line: HeartbeatLine, body: bytes) -> bool:
+        """One try on ``line``; the reply's commands dispatched."""
+        if self._session is None:
+            raise RuntimeError("Reporter.start() was not called")
         try:
             async with asyncio.timeout(self._heartbeat_timeout_s):
-                reply = await self._send_heartbeat(body)
+                reply = await line.send(self._session, body, self._heartbeat_timeout_s)
         except Rejected as error:
             self.heartbeat_failures += 1
-            logger.debug("heartbeat refused: %s", _describe(error))
+            logger.debug("heartbeat refused by %s: %s", line.name, _describe(error))
             return False
         except _UNDELIVERED as error:
-            await self._drop_stream()
+            await line.drop()
             self.heartbeat_failures += 1
-            logger.debug("heartbeat not delivered: %s", _describe(error))
+            logger.debug("heartbeat not delivered to %s: %s", line.name, _describe(error))
             return False
         self.heartbeats_sent += 1
         self._dispatch(reply.commands)
         return True
 
-    async def _send_heartbeat(self, body: bytes) -> Reply:
-        """One heartbeat over the stream (opened if need be), or POSTed where there is none."""
-        stream = self._stream
-        if stream is None or stream.closed:
-            stream = await self._open_stream() if self._use_stream else None
-        if stream is None:
-            return await self._post(protocol.HEARTBEAT_PATH, body, self._heartbeat_timeout_s)
-        await stream.send_bytes(
-            protocol.sign_frame(self._secret, self.job_id, int(self._clock()), body)
-        )
-        message = await stream.receive()
-        if message.type is aiohttp.WSMsgType.BINARY:
-            data = message.data
-        elif message.type is aiohttp.WSMsgType.TEXT:
-            data = message.data.encode()
-        else:
-            raise ConnectionError(
-                f"the supervisor closed the heartbeat stream ({stream.close_code}: "
-                f"{protocol.clip_text(str(message.extra or ''), 200)})"
-            )
-        answer = protocol.decode_stream_answer(data)
-        if isinstance(answer, Refusal):
-            raise Rejected(answer.status, f"{answer.cause}: {answer.reason}")
-        return answer
-
-    async def _open_stream(self) -> aiohttp.ClientWebSocketResponse | None:
-        """Open the heartbeat stream with a signed upgrade; None if the supervisor has none."""
-        if self._session is None:
-            raise RuntimeError("Reporter.start() was not called")
-        path = protocol.HEARTBEAT_STREAM_PATH
-        headers = protocol.signed_headers(
-            self._secret, "GET", path, self.job_id, int(self._clock()), b""
-        )
-        try:
-            stream = await self._session.ws_connect(
-                self._base_url + path,
-                headers=headers,
-                max_msg_size=protocol.MAX_BODY_BYTES,
-                timeout=aiohttp.ClientWSTimeout(ws_close=_STREAM_CLOSE_S),
-            )
-        except aiohttp.WSServerHandshakeError as error:
-            if error.status in _NO_STREAM_STATUSES:
-                logger.info(
-                    "the supervisor has no heartbeat stream (%d %s); heartbeats go as POSTs",
-                    error.status,
-                    error.message,
-                )
-                self._use_stream = False
-                return None
-            raise Rejected(error.status, error.message) from None
-        self._stream = stream
-        self.streams_opened += 1
-        return stream
-
-    async def _drop_stream(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None and not stream.closed:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError):
-                await stream.close()
+    @property
+    def streams_opened(self) -> int:
+        """Heartbeat streams opened so far, to the supervisor and the aggregator."""
+        lines = (self._direct, self._aggregator)
+        return sum(line.streams_opened for line in lines if line is not None)
 
     async def close(self, drain_timeout_s: float = 5.0) -> None:
         """Deliver what is spooled within ``drain_timeout_s``, then stop; the rest stays spooled."""
@@ -302,7 +283,9 @@ class Reporter:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._sender
         finally:
-            await self._drop_stream()
+            await self._direct.drop()
+            if self._aggregator is not None:
+                await self._aggregator.drop()
             if self._session is not None:
                 await self._session.close()
             self._spool.close()

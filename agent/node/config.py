@@ -51,6 +51,8 @@ class AgentConfig:
     - ``supervisor_url``: where to report (empty: no supervisor; events go to
       ``events_log`` alone).
     - ``secret_file``: the job's signing secret, needed with ``supervisor_url`` (0600).
+    - ``aggregator_url``: the job's aggregator (in the in-job driver) that heartbeats go
+      to instead of the supervisor (empty: none; events always go to the supervisor).
     - ``events_log``: also append every event to this file as JSON lines (empty: no file).
     - ``resume_from``: the checkpoint the ranks resume from (empty: a fresh start).
     - ``skip_samples``: windows of the global sample cursor the ranks do not train on,
@@ -102,6 +104,7 @@ class AgentConfig:
     run_dir: str = ""
     supervisor_url: str = ""
     secret_file: str = ""
+    aggregator_url: str = ""
     events_log: str = ""
     resume_from: str = ""
     skip_samples: str = ""

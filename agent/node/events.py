@@ -47,6 +47,7 @@ class EventOut:
                 load_secret(Path(config.secret_file)),
                 run_dir / "spool",
                 on_command=on_command,
+                aggregator_url=config.aggregator_url,
             )
             self._incarnation = self._reporter.incarnation
 

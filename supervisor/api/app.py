@@ -139,7 +139,8 @@ def build_app(
     """The supervisor's HTTP API over ``directory``.
 
     Routes: ``POST /v1/events``, ``POST /v1/heartbeat`` and
-    ``GET /v1/heartbeat/stream`` (agents), ``POST /v1/driver`` (the in-job driver),
+    ``GET /v1/heartbeat/stream`` (agents), ``POST /v1/job/heartbeats`` (a job's
+    aggregator), ``POST /v1/driver`` (the in-job driver),
     ``GET /v1/jobs/{job_id}`` (the CLI; signed like the rest),
     ``GET /healthz`` and, given ``metrics`` (the exposition text, produced in
     a worker thread since it reads the store), ``GET /metrics`` for Prometheus
@@ -172,6 +173,7 @@ def build_app(
     app.router.add_post(protocol.EVENTS_PATH, api.events)
     app.router.add_post(protocol.HEARTBEAT_PATH, api.heartbeat)
     app.router.add_get(protocol.HEARTBEAT_STREAM_PATH, api.heartbeat_stream)
+    app.router.add_post(protocol.JOB_HEARTBEATS_PATH, api.job_heartbeats)
     app.router.add_post(protocol.DRIVER_PATH, api.driver)
     app.router.add_get(JOB_STATUS_PATH, api.job_status)
     app.router.add_get(HEALTH_PATH, api.health)
@@ -454,6 +456,28 @@ class _Api:
         self._directory.accept_heartbeat(job_id, report)
         return _encoded_reply(
             (), self._directory.commands_for(job_id, report.node, report.agent_incarnation)
+        )
+
+    async def job_heartbeats(self, request: web.Request) -> web.Response:
+        """``POST /v1/job/heartbeats``: a job's heartbeats from its aggregator; each agent's
+        pending commands."""
+        job_id, body = await self._authenticate(request)
+        try:
+            batch = protocol.decode_job_heartbeats(body)
+        except ProtocolError as error:
+            raise Cause.MALFORMED.refuse(str(error)) from None
+        if batch.job_id != job_id:
+            raise Cause.CROSS_JOB.refuse(
+                f"job heartbeats are about job {batch.job_id!r}, but the request is signed for "
+                f"job {job_id!r}: a job reports only about itself"
+            )
+        self._check_nodes(
+            job_id, [beat.node for beat in batch.beats] + [r.node for r in batch.reports]
+        )
+        self._directory.accept_job_heartbeats(job_id, batch)
+        agents = [(beat.node, beat.agent_incarnation) for beat in batch.beats]
+        return _answer(
+            protocol.encode_job_reply(self._directory.commands_for_agents(job_id, agents))
         )
 
     async def driver(self, request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from agent.wire import protocol
 from agent.wire.protocol import (
+    AgentCommands,
     Command,
     DriverAction,
     DriverAnswer,
@@ -26,6 +27,7 @@ from agent.wire.protocol import (
     DriverRequest,
     Event,
     HeartbeatReport,
+    JobHeartbeats,
 )
 
 
@@ -62,6 +64,11 @@ class JobDirectory(Protocol):
         """Take a node's heartbeat; one older than that node's newest may be ignored."""
         ...
 
+    def accept_job_heartbeats(self, job_id: str, batch: JobHeartbeats) -> None:
+        """Take a job's heartbeats from its aggregator: a beat per node heard (its
+        lease and step), and the whole reports of nodes whose ranks changed."""
+        ...
+
     def commands_for(self, job_id: str, node: str, incarnation: str) -> Sequence[Command]:
         """Commands to piggyback on the reply to the agent ``incarnation`` on ``node``.
 
@@ -71,6 +78,13 @@ class JobDirectory(Protocol):
         Delivery is at least once: an implementation may repeat a command
         until it sees its effect; the agent applies each ``command_id`` once.
         """
+        ...
+
+    def commands_for_agents(
+        self, job_id: str, agents: Sequence[tuple[str, str]]
+    ) -> Sequence[AgentCommands]:
+        """:meth:`commands_for` each ``(node, incarnation)`` of ``agents`` (a job's
+        aggregator's request), only those that have some."""
         ...
 
     def status(self, job_id: str) -> dict[str, Any] | None:
@@ -95,6 +109,7 @@ class _Job:
     events: list[Event] = field(default_factory=list)
     event_ids: set[str] = field(default_factory=set)
     heartbeats: dict[str, HeartbeatReport] = field(default_factory=dict)
+    job_heartbeats: list[JobHeartbeats] = field(default_factory=list)
     commands: dict[str, list[Command]] = field(default_factory=dict)
     driver_answers: list[DriverAnswer] = field(default_factory=list)
     driver_requests: list[DriverRequest] = field(default_factory=list)
@@ -195,6 +210,16 @@ class MemoryDirectory:
             if newest is None or report.time_unix_s >= newest.time_unix_s:
                 heartbeats[report.node] = report
 
+    def accept_job_heartbeats(self, job_id: str, batch: JobHeartbeats) -> None:
+        """See :meth:`JobDirectory.accept_job_heartbeats`: kept as they came."""
+        with self._lock:
+            self._jobs[job_id].job_heartbeats.append(batch)
+            for report in batch.reports:
+                heartbeats = self._jobs[job_id].heartbeats
+                newest = heartbeats.get(report.node)
+                if newest is None or report.time_unix_s >= newest.time_unix_s:
+                    heartbeats[report.node] = report
+
     def commands_for(self, job_id: str, node: str, incarnation: str) -> Sequence[Command]:
         """See :meth:`JobDirectory.commands_for`; each command is handed out once."""
         with self._lock:
@@ -202,6 +227,17 @@ class MemoryDirectory:
             taken = pending[: protocol.MAX_COMMANDS]
             del pending[: protocol.MAX_COMMANDS]
             return taken
+
+    def commands_for_agents(
+        self, job_id: str, agents: Sequence[tuple[str, str]]
+    ) -> Sequence[AgentCommands]:
+        """See :meth:`JobDirectory.commands_for_agents`."""
+        found = []
+        for node, incarnation in agents:
+            commands = self.commands_for(job_id, node, incarnation)
+            if commands:
+                found.append(AgentCommands(node, incarnation, tuple(commands)))
+        return found
 
     def status(self, job_id: str) -> dict[str, Any] | None:
         """See :meth:`JobDirectory.status`: nodes, event count, newest heartbeat per node."""

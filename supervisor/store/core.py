@@ -307,6 +307,13 @@ class StoreCore:
     # Heartbeat leases: in memory, written out in batches (see store.py's docstring).
 
     @locked
+    def touch_leases(self, job_id: str, agents: Iterable[tuple[str, str]], now_s: float) -> None:
+        """:meth:`touch_lease` for each ``(node, incarnation)`` of ``agents``, under one lock
+        (a job's heartbeats from its aggregator: thousands of nodes a request)."""
+        for node, incarnation in agents:
+            self.touch_lease(job_id, node, incarnation, now_s)
+
+    @locked
     def touch_lease(
         self, job_id: str, node: str, incarnation: str, now_s: float
     ) -> LeaseRow | None:

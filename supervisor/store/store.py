@@ -385,6 +385,13 @@ class Store(History, StepReports, Tickets, Blames, NodeChecks, Summaries):
         return cursor.rowcount == 1
 
     @locked
+    def maybe_pending(self, job_id: str, nodes: Iterable[str]) -> list[str]:
+        """Those of ``nodes`` that may have commands pending: not known to have none
+        since the job's last command was queued (no SQL runs)."""
+        quiet = self._quiet.get(job_id)
+        return list(nodes) if quiet is None else [node for node in nodes if node not in quiet]
+
+    @locked
     def pending_commands(self, job_id: str, node: str) -> list[Command]:
         """Commands for ``node`` of the job that ``node`` has not acknowledged, oldest first."""
         if node in self._quiet.get(job_id, ()):

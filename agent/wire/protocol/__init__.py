@@ -31,6 +31,7 @@ build on each other:
 - :mod:`~agent.wire.protocol.payloads`: the fields of each event and command kind
 - :mod:`~agent.wire.protocol.codec`: events, replies, refusals, driver messages
 - :mod:`~agent.wire.protocol.heartbeat`: heartbeats, with a msgspec fast path
+- :mod:`~agent.wire.protocol.jobbeats`: a job's heartbeats at once, from its aggregator
 - :mod:`~agent.wire.protocol.signing`: HMAC signing of requests and stream frames
 """
 
@@ -61,11 +62,14 @@ from agent.wire.protocol.constants import (
     HEADER_TIMESTAMP,
     HEARTBEAT_PATH,
     HEARTBEAT_STREAM_PATH,
+    JOB_HEARTBEATS_PATH,
     MAX_ARGV_ITEMS,
     MAX_BODY_BYTES,
     MAX_COMMANDS,
     MAX_EVENT_BYTES,
     MAX_EVENTS_PER_BATCH,
+    MAX_JOB_NODES,
+    MAX_JOB_REPORTS,
     MAX_RANKS,
     MAX_SHORT_TEXT_CHARS,
     MAX_SKIP_RANGES,
@@ -86,7 +90,18 @@ from agent.wire.protocol.heartbeat import _checked_heartbeat as _checked_heartbe
 from agent.wire.protocol.heartbeat import _checked_rank as _checked_rank
 from agent.wire.protocol.heartbeat import _plain_rank as _plain_rank
 from agent.wire.protocol.heartbeat import decode_heartbeat, encode_heartbeat
+from agent.wire.protocol.jobbeats import (
+    JobHeartbeats,
+    NodeBeat,
+    beat_of,
+    decode_job_heartbeats,
+    decode_job_reply,
+    encode_job_heartbeats,
+    encode_job_reply,
+    slowest_loaded_step,
+)
 from agent.wire.protocol.messages import (
+    AgentCommands,
     Command,
     CommandKind,
     DriverAction,
@@ -126,11 +141,14 @@ __all__ = [
     "HEADER_TIMESTAMP",
     "HEARTBEAT_PATH",
     "HEARTBEAT_STREAM_PATH",
+    "JOB_HEARTBEATS_PATH",
     "MAX_ARGV_ITEMS",
     "MAX_BODY_BYTES",
     "MAX_COMMANDS",
     "MAX_EVENTS_PER_BATCH",
     "MAX_EVENT_BYTES",
+    "MAX_JOB_NODES",
+    "MAX_JOB_REPORTS",
     "MAX_RANKS",
     "MAX_SHORT_TEXT_CHARS",
     "MAX_SKIP_RANGES",
@@ -141,6 +159,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REPLAY_WINDOW_S",
     "RETRY_MAX_S",
+    "AgentCommands",
     "AuthError",
     "Command",
     "CommandKind",
@@ -152,6 +171,8 @@ __all__ = [
     "EventKind",
     "HangDetector",
     "HeartbeatReport",
+    "JobHeartbeats",
+    "NodeBeat",
     "NonFinite",
     "ProtocolError",
     "RankStatus",
@@ -159,6 +180,7 @@ __all__ = [
     "Reply",
     "StaleTimestamp",
     "StopMethod",
+    "beat_of",
     "canonical_string",
     "check_fresh",
     "check_incarnation",
@@ -169,6 +191,8 @@ __all__ = [
     "decode_event",
     "decode_events",
     "decode_heartbeat",
+    "decode_job_heartbeats",
+    "decode_job_reply",
     "decode_reply",
     "decode_stream_answer",
     "encode_driver_answer",
@@ -176,6 +200,8 @@ __all__ = [
     "encode_event",
     "encode_events",
     "encode_heartbeat",
+    "encode_job_heartbeats",
+    "encode_job_reply",
     "encode_refusal",
     "encode_reply",
     "event_id_for",
@@ -186,6 +212,7 @@ __all__ = [
     "sign",
     "sign_frame",
     "signed_headers",
+    "slowest_loaded_step",
     "verify",
     "verify_hashed",
 ]

@@ -140,10 +140,7 @@ def encode_reply(reply: Reply) -> bytes:
         "protocol": PROTOCOL_VERSION,
         "type": "reply",
         "accepted_event_ids": list(reply.accepted_event_ids),
-        "commands": [
-            {"kind": command.kind.value, "command_id": command.command_id, "args": command.args}
-            for command in reply.commands
-        ],
+        "commands": command_documents(reply.commands),
     }
     data = _dump(document)
     decode_reply(data)
@@ -192,9 +189,22 @@ def _reply_from(document: dict[str, Any]) -> Reply:
             _list(document, "accepted_event_ids", "reply", max_items=MAX_EVENTS_PER_BATCH)
         )
     )
+    return Reply(commands=commands_from(document, "reply"), accepted_event_ids=accepted)
+
+
+def command_documents(commands: Sequence[Command]) -> list[dict[str, Any]]:
+    """The JSON of commands, as every reply carries them."""
+    return [
+        {"kind": command.kind.value, "command_id": command.command_id, "args": command.args}
+        for command in commands
+    ]
+
+
+def commands_from(document: dict[str, Any], where_from: str) -> tuple[Command, ...]:
+    """The checked ``commands`` list of a reply's document (``where_from`` names it)."""
     commands = []
-    for index, item in enumerate(_list(document, "commands", "reply", max_items=MAX_COMMANDS)):
-        where = f"reply.commands[{index}]"
+    for index, item in enumerate(_list(document, "commands", where_from, max_items=MAX_COMMANDS)):
+        where = f"{where_from}.commands[{index}]"
         command = _object(item, where)
         kind = _enum(command, "kind", where, CommandKind)
         args = _object(_field(command, "args", where), f"{where}.args")
@@ -204,7 +214,7 @@ def _reply_from(document: dict[str, Any]) -> Reply:
         commands.append(
             Command(kind=kind, command_id=_name(command, "command_id", where), args=checked)
         )
-    return Reply(commands=tuple(commands), accepted_event_ids=accepted)
+    return tuple(commands)
 
 
 def encode_driver_request(request: DriverRequest) -> bytes:

@@ -21,6 +21,8 @@ HEARTBEAT_PATH = "/v1/heartbeat"
 # GET, upgraded to a WebSocket: heartbeats without a request's cost each.
 HEARTBEAT_STREAM_PATH = "/v1/heartbeat/stream"
 DRIVER_PATH = "/v1/driver"
+# POST: a whole job's heartbeats at once, from the job's aggregator.
+JOB_HEARTBEATS_PATH = "/v1/job/heartbeats"
 
 # Requests whose timestamp is further than this from the verifier's clock are
 # refused: it bounds how long a captured request can be replayed. Events are
@@ -38,6 +40,10 @@ MAX_EVENT_BYTES = 4 << 20
 MAX_EVENTS_PER_BATCH = 1000
 MAX_RANKS = 1024
 MAX_COMMANDS = 100
+# Nodes one job's heartbeats may list (a job of more nodes is refused at submit
+# long before this), and whole node reports one request may carry.
+MAX_JOB_NODES = 8192
+MAX_JOB_REPORTS = 64
 MAX_TEXT_CHARS = 256 << 10
 MAX_SHORT_TEXT_CHARS = 4096
 MAX_ARGV_ITEMS = 1024

@@ -38,7 +38,14 @@ from agent.wire.protocol.strict_json import _dump, _envelope, _load
 
 def encode_heartbeat(report: HeartbeatReport) -> bytes:
     """The body of ``POST /v1/heartbeat``."""
-    document = {
+    data = _dump(heartbeat_document(report))
+    decode_heartbeat(data)
+    return data
+
+
+def heartbeat_document(report: HeartbeatReport) -> dict[str, Any]:
+    """The heartbeat's JSON document (also each whole report in a job's heartbeats)."""
+    return {
         "protocol": PROTOCOL_VERSION,
         "type": "heartbeat",
         "job_id": report.job_id,
@@ -71,9 +78,6 @@ def encode_heartbeat(report: HeartbeatReport) -> bytes:
             for rank in report.ranks
         ],
     }
-    data = _dump(document)
-    decode_heartbeat(data)
-    return data
 
 
 def decode_heartbeat(data: bytes) -> HeartbeatReport:
@@ -166,6 +170,11 @@ def _canonical_heartbeat(data: bytes) -> HeartbeatReport | None:
         return None
     if canonical != data:
         return None
+    return report_from_wire(wire)
+
+
+def report_from_wire(wire: _WireHeartbeat) -> HeartbeatReport | None:
+    """The report msgspec decoded, or None when it lists a global rank twice."""
     ranks = tuple(
         RankStatus(
             rank.global_rank,

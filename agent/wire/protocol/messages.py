@@ -133,6 +133,15 @@ class HeartbeatReport:
 
 
 @dataclass(frozen=True)
+class AgentCommands:
+    """The commands for one agent (``node``, ``agent_incarnation``) in a job's reply."""
+
+    node: str
+    agent_incarnation: str
+    commands: tuple[Command, ...]
+
+
+@dataclass(frozen=True)
 class Command:
     """An intent from the supervisor; the agent applies each ``command_id`` at most once."""
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from agent.wire import protocol
@@ -999,3 +1000,71 @@ def test_a_commit_has_its_checkpoint_validated_ahead_of_any_fault(tmp_path: Path
             await asyncio.gather(runner, return_exceptions=True)
 
     run(body, tmp_path, validation_level=ValidationLevel.LOAD)
+
+
+def test_a_jobs_heartbeats_from_its_aggregator_renew_every_lease_and_move_the_progress(
+    tmp_path: Path,
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
+        for node in NODES:
+            supervisor.intake.accept_events(JOB, [started(node, agents[node], 1)])
+        await supervisor.deciding.settle()
+        whole = [_report(node, agents[node], rank, 10, "train") for rank, node in enumerate(NODES)]
+        beats = [protocol.beat_of(report) for report in whole]
+        clock[0] += 5
+        supervisor.intake.accept_job_heartbeats(
+            JOB, protocol.JobHeartbeats(JOB, NOW, tuple(beats), tuple(whole))
+        )
+        leases = {lease.node: lease.last_seen_s for lease in supervisor.store.leases_for(JOB)}
+        assert leases == {node: clock[0] for node in NODES}
+        assert [row.step for row in supervisor.store.progress_for(JOB)][-1] == 10
+        job = supervisor.jobs[JOB]
+        assert job.local_ranks_seen == 1 and job.busy == {}
+        # Beats alone (steps moved) and one node's whole report: its rank saving.
+        clock[0] += 5
+        saving = _report(NODES[0], agents[NODES[0]], 0, 11, "checkpoint")
+        moved = [msgspec.structs.replace(beat, step=11) for beat in beats]
+        moved[2] = msgspec.structs.replace(moved[2], step=12)
+        supervisor.intake.accept_job_heartbeats(
+            JOB, protocol.JobHeartbeats(JOB, NOW, tuple(moved), (saving,))
+        )
+        leases = {lease.node: lease.last_seen_s for lease in supervisor.store.leases_for(JOB)}
+        assert leases == {node: clock[0] for node in NODES}
+        assert [row.step for row in supervisor.store.progress_for(JOB)][-1] == 11  # the slowest
+        assert set(job.busy) == {NODES[0]}
+        # A node whose ranks are all loading again: its lease renewed, no progress from it.
+        clock[0] += 5
+        loading = msgspec.structs.replace(moved[1], step=None)
+        supervisor.intake.accept_job_heartbeats(JOB, protocol.JobHeartbeats(JOB, NOW, (loading,)))
+        leases = {lease.node: lease.last_seen_s for lease in supervisor.store.leases_for(JOB)}
+        assert leases[NODES[1]] == clock[0] and leases[NODES[0]] == clock[0] - 5
+        assert [row.step for row in supervisor.store.progress_for(JOB)][-1] == 11
+
+    run(body, tmp_path)
+
+
+def test_a_node_reporting_directly_after_its_jobs_aggregator_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
+        await registered_and_running(supervisor)
+        agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
+        for node in NODES:
+            supervisor.intake.accept_events(JOB, [started(node, agents[node], 1)])
+        whole = [_report(node, agents[node], rank, 10, "train") for rank, node in enumerate(NODES)]
+        batch = protocol.JobHeartbeats(JOB, NOW, tuple(map(protocol.beat_of, whole)))
+        with caplog.at_level(logging.INFO, logger="resurgo.supervisor"):
+            supervisor.intake.accept_job_heartbeats(JOB, batch)
+            for _ in range(2):
+                supervisor.intake.accept_heartbeat(JOB, whole[1])
+            supervisor.intake.accept_job_heartbeats(JOB, batch)  # the aggregator is back
+            supervisor.intake.accept_heartbeat(JOB, whole[1])
+        lines = [r.getMessage() for r in caplog.records if JOB in r.getMessage()]
+        through = f"job {JOB}: heartbeats arrive through the job's aggregator (4 node(s))"
+        direct = f"job {JOB}: node {NODES[1]}'s agent reports straight to the supervisor"
+        assert [line for line in lines if line.startswith(through)] == [through]
+        assert sum(line.startswith(direct) for line in lines) == 2
+
+    run(body, tmp_path)
