@@ -86,8 +86,9 @@ class StreamConnection(_Socket):
     uses aiohttp's WebSocket client instead.
     """
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, path: str = protocol.HEARTBEAT_STREAM_PATH) -> None:
         super().__init__(host, port)
+        self.path = path
         self.opened = 0
 
     async def exchange(self, job_id: str, secret: bytes, frame: bytes) -> bytes:
@@ -111,7 +112,7 @@ class StreamConnection(_Socket):
             raise
 
     async def _open(self, job_id: str, secret: bytes) -> None:
-        path = protocol.HEARTBEAT_STREAM_PATH
+        path = self.path
         headers = protocol.signed_headers(secret, "GET", path, job_id, int(time.time()), b"")
         key = base64.b64encode(secrets.token_bytes(16)).decode()
         lines = [f"GET {path} HTTP/1.1", f"Host: {self.host}:{self.port}",

@@ -32,7 +32,7 @@ HEARTBEAT_PERIOD_S = 1.0
 HEARTBEAT_TIMEOUT_S = 2.0  # agent.node.client.DEFAULT_HEARTBEAT_TIMEOUT_S
 FORWARD_TIMEOUT_S = 5.0  # agent.driver.aggregator.FORWARD_TIMEOUT_S
 # A node's whole heartbeat goes again every this many periods (agent.driver.aggregator.REFRESH_S).
-REFRESH_PERIODS = 10
+REFRESH_PERIODS = 30
 EVENT_TIMEOUT_S = 5.0
 MAX_BATCH = 100
 # The kinds an agent emits at random, and how often each (weights).
@@ -355,7 +355,7 @@ class SimulatedAgent:
 
 class SimulatedAggregator:
     """A job's aggregator (``agent/driver/aggregator.py``), as the supervisor sees it: one
-    ``POST /v1/job/heartbeats`` a second for the whole job, over one keep-alive connection.
+    frame a second for the whole job on its stream (``/v1/job/heartbeats/stream``).
 
     Each request holds a beat for every node (all at the job's step) and the whole
     heartbeats the real aggregator would send: every node's at its first forward
@@ -385,7 +385,9 @@ class SimulatedAggregator:
         self.window = window
         address = urlsplit(url)
         assert address.hostname is not None and address.port is not None
-        self.connection = Connection(address.hostname, address.port)
+        self.stream = StreamConnection(
+            address.hostname, address.port, protocol.JOB_HEARTBEATS_STREAM_PATH
+        )
         self.checked_encoding = False
         self.beats_sent = 0
 
@@ -442,25 +444,24 @@ class SimulatedAggregator:
             for sender in senders:
                 sender.cancel()
             await asyncio.gather(*senders, return_exceptions=True)
-            self.connection.close()
+            self.stream.close()
             for agent in self.agents:
                 for connection in agent.connections.values():
                     connection.close()
 
     async def forward(self, now: float, period: int) -> None:
         body = self.body(now, period)
-        path = protocol.JOB_HEARTBEATS_PATH
+        path = protocol.JOB_HEARTBEATS_STREAM_PATH
         started = time.time()
         clock = time.perf_counter()
         in_window = self.window[0] <= started < self.window[1]
         try:
-            headers = protocol.signed_headers(self.secret, protocol.METHOD, path,
-                                              self.plan.job_id, int(started), body)  # fmt: skip
+            frame = protocol.sign_frame(self.secret, self.plan.job_id, int(started), body, path)
             async with asyncio.timeout(FORWARD_TIMEOUT_S):
-                status, data = await self.connection.post(path, headers, body)
-            if status != 200:
-                raise Rejected(status, data.decode("utf-8", "replace")[:2000])
-            protocol.decode_job_reply(data)
+                data = await self.stream.exchange(self.plan.job_id, self.secret, frame)
+            answer = protocol.decode_job_stream_answer(data)
+            if isinstance(answer, Refusal):
+                raise Rejected(answer.status, f"{answer.cause}: {answer.reason}")
         except (aiohttp.ClientError, OSError, TimeoutError, Rejected, ValueError,
                 asyncio.IncompleteReadError, protocol.ProtocolError) as error:  # fmt: skip
             self.stats.heartbeat_failures += 1
@@ -472,6 +473,10 @@ class SimulatedAggregator:
         self.stats.heartbeats_sent += 1
         if in_window:
             self.stats.heartbeat_ms.append((time.perf_counter() - clock) * 1000)
+
+    @property
+    def streams_opened(self) -> int:
+        return self.stream.opened
 
 
 def failed_ms(clock: float, timeout_s: float) -> float:
@@ -530,6 +535,9 @@ async def run_worker(config: dict[str, Any], go: dict[str, float]) -> dict[str, 
         await streams.close()
     stats.streams_opened += sum(agent.lean_stream.opened for agent in agents)
     beats = sum(r.beats_sent for r in runners if isinstance(r, SimulatedAggregator))
+    stats.streams_opened += sum(
+        r.streams_opened for r in runners if isinstance(r, SimulatedAggregator)
+    )
     return {
         **asdict(stats),
         "beats_forwarded": beats,

@@ -58,12 +58,27 @@ plus events still unacknowledged when the drain ended
 ``--floor`` runs the same heartbeats against a bare aiohttp server that
 answers every request (or every frame on a stream) with an empty reply: what
 HTTP or a WebSocket alone costs here.
+``--aggregated`` runs the cluster the way jobs report with their aggregator
+(``agent/driver/aggregator.py``): 16,384 nodes by default, in 472 jobs of 8
+to 2,048 nodes (``bench.load_cluster.plan_aggregated_jobs``), each job one
+simulated aggregator that sends one frame a second on its own stream
+(``/v1/job/heartbeats/stream``): a beat for every node at the job's step, and
+the whole heartbeats the real aggregator sends (every node's at its first
+forward, then each node's every 30 s, at most 64 a frame). The agents still
+send their events themselves as POSTs (``agent_started`` at their job's
+start, the jobs starting one after another over 80% of the warm-up, then the
+same random mix, with only a job's first node reporting its checkpoints). A
+direct run of ``--direct-beside`` agents (4,096 by default) goes first, and
+the last line holds both side by side. The latencies are the job frames'
+and the events'.
+
 ``--pin`` keeps the supervisor on the first CPU and the generators on the
 others. ``--profile PREFIX`` records the supervisor with py-spy.
 
     python -m bench.supervisor_load --agents 4096
     python -m bench.supervisor_load --all        # 256, 1024 and 4096
     python -m bench.supervisor_load --agents 1024 --heartbeats post
+    python -m bench.supervisor_load --aggregated  # 4,096 direct, then 16,384 aggregated
 
 One JSON line per run; the last line printed is one JSON object (the run
 itself, or the largest run's figures with ``"runs": [...]``, every run).
@@ -122,6 +137,12 @@ from bench.load_workers import worker_main
 
 SIZES = (256, 1024, 4096)
 AGGREGATED_NODES = 16384
+# An aggregated run's jobs start one after another over 80% of its warm-up, as a
+# cluster's jobs do (16,384 agents announcing themselves in one second is a
+# burst of 16,384 events no real cluster sends), and its generators take whole
+# jobs of about this many agents (they cost less per agent: no heartbeat each).
+AGGREGATED_WARMUP_S = 90.0
+AGGREGATED_PER_WORKER = 4096
 FIRST_JOB_ID = 10001
 
 
@@ -129,6 +150,7 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
     """One supervisor, ``agents`` simulated agents: the figures of one run (``aggregated``:
     each job's heartbeats through its simulated aggregator)."""
     rng = random.Random(args.seed + agents)
+    warmup_s = args.warmup_s or (AGGREGATED_WARMUP_S if aggregated else 10.0)
     with tempfile.TemporaryDirectory(prefix="resurgo-load-") as tmp:
         where = Path(tmp)
         planned = plan_aggregated_jobs(agents) if aggregated else plan_jobs(agents, rng)
@@ -145,7 +167,8 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
                 asyncio.run(wait_listening(url, timeout_s=60))
             else:
                 asyncio.run(wait_registered(url, secrets_by_job, timeout_s=120))
-            for chunk in _chunks(plans, args.agents_per_worker, whole_jobs=aggregated):
+            per = args.agents_per_worker or (AGGREGATED_PER_WORKER if aggregated else 1024)
+            for chunk in _chunks(plans, per, whole_jobs=aggregated):
                 worker = subprocess.Popen(
                     [sys.executable, "-m", "bench.supervisor_load", "--worker"], cwd=REPO,
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -158,7 +181,7 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
                     "events": not args.floor,
                     "events_per_agent_min": args.events_per_agent_min,
                     "aggregated": aggregated,
-                    "start_spread_s": args.warmup_s * 0.8,
+                    "start_spread_s": warmup_s * 0.8,
                     "agents": [asdict(plan) for plan in chunk],
                 }  # fmt: skip
                 worker.stdin.write(json.dumps(config) + "\n")
@@ -169,8 +192,8 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
                 if worker.stdout.readline().strip() != "ready":
                     raise RuntimeError("a load generator failed to start")
             start_at = time.time() + 0.5
-            go = {"start_at": start_at, "measure_from": start_at + args.warmup_s,
-                  "measure_until": start_at + args.warmup_s + args.measure_s}  # fmt: skip
+            go = {"start_at": start_at, "measure_from": start_at + warmup_s,
+                  "measure_until": start_at + warmup_s + args.measure_s}  # fmt: skip
             go["drain_until"] = go["measure_until"] + args.drain_s
             for worker in workers:
                 assert worker.stdin is not None
@@ -294,8 +317,13 @@ def main() -> int:
     parser.add_argument("--all", action="store_true", help=f"one run each for {SIZES}")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--events-per-agent-min", type=float, default=1.0)
-    parser.add_argument("--agents-per-worker", type=int, default=1024)
-    parser.add_argument("--warmup-s", type=float, default=10.0)
+    parser.add_argument("--agents-per-worker", type=int, default=None,
+                        help="agents a load generator simulates (default 1,024; aggregated: "
+                        f"whole jobs of about {AGGREGATED_PER_WORKER})")  # fmt: skip
+    parser.add_argument("--warmup-s", type=float, default=None,
+                        help="seconds before the window (default 10; aggregated: "
+                        f"{AGGREGATED_WARMUP_S:.0f}, its jobs starting over the first "
+                        "80%%)")  # fmt: skip
     parser.add_argument("--measure-s", type=float, default=30.0)
     parser.add_argument("--drain-s", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=1)

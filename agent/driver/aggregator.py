@@ -8,8 +8,10 @@ process on the batch host, and serves its agents the supervisor's own
 heartbeat stream (:data:`~agent.wire.protocol.HEARTBEAT_STREAM_PATH`: a signed
 upgrade, one signed frame per heartbeat, each answered), so an agent tells
 the two apart by URL alone. Every ``period_s`` it forwards what it heard in
-one signed ``POST`` of :data:`~agent.wire.protocol.JOB_HEARTBEATS_PATH`
-(:mod:`agent.wire.protocol.jobbeats`):
+one signed frame of its own stream to the supervisor
+(:data:`~agent.wire.protocol.JOB_HEARTBEATS_STREAM_PATH`; a ``POST`` of
+:data:`~agent.wire.protocol.JOB_HEARTBEATS_PATH` where the supervisor has no
+stream; :mod:`agent.wire.protocol.jobbeats`):
 
 - a beat for every node heard since the last forward (its lease and step);
 - the whole report of each node whose ranks changed in anything but their
@@ -44,7 +46,7 @@ import aiohttp
 from aiohttp import WSMsgType, web
 
 from agent.wire import protocol
-from agent.wire.auth import Rejected, signed_post
+from agent.wire.auth import Rejected
 from agent.wire.periodic import every
 from agent.wire.protocol import (
     AuthError,
@@ -55,13 +57,14 @@ from agent.wire.protocol import (
     Refusal,
     Reply,
 )
+from agent.wire.streamline import JOB_HEARTBEATS, StreamLine
 
 log = logging.getLogger(__name__)
 
 # How often the job's heartbeats go to the supervisor.
 PERIOD_S = 1.0
 # A node's whole report goes again at least this often (its compute times move every step).
-REFRESH_S = 10.0
+REFRESH_S = 30.0
 # How long one forward may take before the next period's goes instead.
 FORWARD_TIMEOUT_S = 5.0
 # A failing forward is logged again after this long.
@@ -122,7 +125,9 @@ class Aggregator:
     ) -> None:
         self.job_id = job_id
         self._secret = secret
-        self._target = supervisor_url.rstrip("/") + protocol.JOB_HEARTBEATS_PATH
+        self._line = StreamLine(
+            JOB_HEARTBEATS, supervisor_url, "the supervisor", job_id, secret, clock=clock
+        )
         self._nodes = frozenset(nodes)
         self._period_s = period_s
         self._refresh_s = refresh_s
@@ -174,6 +179,7 @@ class Aggregator:
         )
         if self._runner is not None:
             await self._runner.cleanup()
+        await self._line.drop()
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         """One agent's heartbeat stream: a signed upgrade, then each frame answered."""
@@ -249,14 +255,15 @@ class Aggregator:
         batch = JobHeartbeats(
             self.job_id, now, tuple(protocol.beat_of(r) for r in newest.values()), reports
         )
+        body = protocol.encode_job_heartbeats(batch)
         try:
-            data = await signed_post(
-                self._session, self._target, self.job_id, self._secret,
-                protocol.encode_job_heartbeats(batch), timeout_s=FORWARD_TIMEOUT_S,
-                clock=self._clock,
-            )  # fmt: skip
-            agents = protocol.decode_job_reply(data)
-        except (Rejected, aiohttp.ClientError, TimeoutError, ProtocolError) as error:
+            async with asyncio.timeout(FORWARD_TIMEOUT_S):
+                agents = await self._line.send(self._session, body, FORWARD_TIMEOUT_S)
+        except Rejected as error:
+            self._note_failure(error, now)
+            return
+        except (aiohttp.ClientError, TimeoutError, ConnectionError, ProtocolError) as error:
+            await self._line.drop()
             self._note_failure(error, now)
             return
         if self._failing_since is not None:

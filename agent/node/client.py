@@ -19,7 +19,7 @@ Heartbeats are best effort and never spooled: only the newest matters. They
 go over one WebSocket to the supervisor's heartbeat stream, opened with a
 signed upgrade request and kept open (a request per heartbeat costs the
 supervisor several times more), and are sent as POSTs to a supervisor that
-has no stream (:mod:`agent.node.heartbeatline`). In a job with an aggregator
+has no stream (:mod:`agent.wire.streamline`). In a job with an aggregator
 (the in-job driver's, ``aggregator_url``) they go to the aggregator's stream
 instead, which forwards the whole job's at once; when it does not answer they
 go straight to the supervisor again. The wire format and signing live in
@@ -42,12 +42,12 @@ from typing import Any
 import aiohttp
 import tenacity
 
-from agent.node.heartbeatline import HeartbeatLine
 from agent.node.spool import Spool
 from agent.wire import protocol
 from agent.wire.auth import Rejected, signed_post
 from agent.wire.errors import ConfigError
 from agent.wire.protocol import Command, Event, EventKind, HeartbeatReport, Reply
+from agent.wire.streamline import HEARTBEATS, StreamLine
 
 logger = logging.getLogger(__name__)
 
@@ -127,15 +127,16 @@ class Reporter:
         self._seq = 0
         self._seen_commands: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._session: aiohttp.ClientSession | None = None
-        self._direct = HeartbeatLine(
-            self._base_url, "the supervisor", self.job_id, secret,
+        self._direct = StreamLine(
+            HEARTBEATS, self._base_url, "the supervisor", self.job_id, secret,
             stream=heartbeat_stream, clock=clock,
         )  # fmt: skip
-        self._aggregator = (
-            HeartbeatLine(aggregator_url, "the job's aggregator", self.job_id, secret, clock=clock)
-            if aggregator_url
-            else None
-        )
+        self._aggregator: StreamLine[Reply] | None = None
+        if aggregator_url:
+            self._aggregator = StreamLine(
+                HEARTBEATS, aggregator_url, "the job's aggregator", self.job_id, secret,
+                clock=clock,
+            )  # fmt: skip
         self._direct_until = 0.0  # heartbeats skip the aggregator until then
         self._sender: asyncio.Task[None] | None = None
         self._closed = False
@@ -238,7 +239,7 @@ class Reporter:
             )
         return await self._send_heartbeat(self._direct, body)
 
-    async def _send_heartbeat(self, line: HeartbeatLine, body: bytes) -> bool:
+    async def _send_heartbeat(self, line: StreamLine[Reply], body: bytes) -> bool:
         """One try on ``line``; the reply's commands dispatched."""
         if self._session is None:
             raise RuntimeError("Reporter.start() was not called")

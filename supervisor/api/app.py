@@ -37,7 +37,8 @@ Every error answer to a request whose body was not read to its end closes
 the connection. Every refusal and every internal error is logged at most N
 times per cause per minute (:class:`~supervisor.api.refusals.RefusalLog`).
 
-The heartbeat stream (``GET /v1/heartbeat/stream``, a WebSocket) passes
+The heartbeat stream (``GET /v1/heartbeat/stream``, a WebSocket; a job
+aggregator's ``GET /v1/job/heartbeats/stream`` is served the same way) passes
 checks 1-4 on its signed upgrade request (an unsigned or stale upgrade is
 refused with the same HTTP answers, and nothing is upgraded). Each frame then
 holds one heartbeat body after a line with its own timestamp and signature
@@ -139,8 +140,9 @@ def build_app(
     """The supervisor's HTTP API over ``directory``.
 
     Routes: ``POST /v1/events``, ``POST /v1/heartbeat`` and
-    ``GET /v1/heartbeat/stream`` (agents), ``POST /v1/job/heartbeats`` (a job's
-    aggregator), ``POST /v1/driver`` (the in-job driver),
+    ``GET /v1/heartbeat/stream`` (agents), ``POST /v1/job/heartbeats`` and
+    ``GET /v1/job/heartbeats/stream`` (a job's aggregator), ``POST /v1/driver``
+    (the in-job driver),
     ``GET /v1/jobs/{job_id}`` (the CLI; signed like the rest),
     ``GET /healthz`` and, given ``metrics`` (the exposition text, produced in
     a worker thread since it reads the store), ``GET /metrics`` for Prometheus
@@ -174,6 +176,7 @@ def build_app(
     app.router.add_post(protocol.HEARTBEAT_PATH, api.heartbeat)
     app.router.add_get(protocol.HEARTBEAT_STREAM_PATH, api.heartbeat_stream)
     app.router.add_post(protocol.JOB_HEARTBEATS_PATH, api.job_heartbeats)
+    app.router.add_get(protocol.JOB_HEARTBEATS_STREAM_PATH, api.job_heartbeats_stream)
     app.router.add_post(protocol.DRIVER_PATH, api.driver)
     app.router.add_get(JOB_STATUS_PATH, api.job_status)
     app.router.add_get(HEALTH_PATH, api.health)
@@ -364,6 +367,20 @@ class _Api:
 
     async def heartbeat_stream(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/heartbeat/stream``: one agent's heartbeats over a WebSocket, each answered."""
+        return await self._serve_stream(
+            request, protocol.HEARTBEAT_STREAM_PATH, self._take_heartbeat
+        )
+
+    async def job_heartbeats_stream(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/job/heartbeats/stream``: a job's aggregator's requests over a WebSocket."""
+        return await self._serve_stream(
+            request, protocol.JOB_HEARTBEATS_STREAM_PATH, self._take_job_heartbeats
+        )
+
+    async def _serve_stream(
+        self, request: web.Request, path: str, take: Callable[[str, bytes], bytes]
+    ) -> web.StreamResponse:
+        """A stream of signed frames, each checked like a request and answered by ``take``."""
         job_id, _ = await self._authenticate(request)
         secret = self._directory.secret(job_id)
         if secret is None:  # unregistered while the upgrade was read
@@ -393,11 +410,8 @@ class _Api:
                     )
                     break
                 data = message.data
-                await stream.send_bytes(
-                    self._stream_answer(
-                        job_id, secret, data if type(data) is bytes else data.encode()
-                    )
-                )
+                frame = data if type(data) is bytes else data.encode()
+                await stream.send_bytes(self._stream_answer(job_id, secret, frame, path, take))
         except ConnectionResetError:
             # The agent hung up before its answer was written: it opens a new
             # stream with its next heartbeat. Nothing to answer, nothing wrong here.
@@ -406,21 +420,28 @@ class _Api:
             self.streams.discard(stream)
         return stream
 
-    def _stream_answer(self, job_id: str, secret: bytes, frame: bytes) -> bytes:
+    def _stream_answer(
+        self,
+        job_id: str,
+        secret: bytes,
+        frame: bytes,
+        path: str,
+        take: Callable[[str, bytes], bytes],
+    ) -> bytes:
         """One frame's answer: the reply, or the refusal an HTTP answer would carry."""
         now_s = int(self._clock())
         try:
             try:
-                body = protocol.open_frame(secret, job_id, frame, now_s, self._window_s)
+                body = protocol.open_frame(secret, job_id, frame, now_s, self._window_s, path)
             except AuthError as error:
                 raise _auth_refusal(error) from None
-            return self._take_heartbeat(job_id, body)
+            return take(job_id, body)
         except RequestRefused as refused:
             self.refusals.record(refused.status, refused.cause, refused.reason, job_id)
             return protocol.encode_refusal(Refusal(refused.status, refused.cause, refused.reason))
         except Exception:
             self.refusals.internal_error(
-                "unexpected error taking a streamed heartbeat (job %r)", job_id
+                "unexpected error taking a frame of %s (job %r)", path, job_id
             )
             return protocol.encode_refusal(
                 Refusal(500, "internal", "internal error; the supervisor's log has details")
@@ -462,6 +483,10 @@ class _Api:
         """``POST /v1/job/heartbeats``: a job's heartbeats from its aggregator; each agent's
         pending commands."""
         job_id, body = await self._authenticate(request)
+        return _answer(self._take_job_heartbeats(job_id, body))
+
+    def _take_job_heartbeats(self, job_id: str, body: bytes) -> bytes:
+        """Decode, check and take a job's heartbeats; the encoded reply."""
         try:
             batch = protocol.decode_job_heartbeats(body)
         except ProtocolError as error:
@@ -476,9 +501,7 @@ class _Api:
         )
         self._directory.accept_job_heartbeats(job_id, batch)
         agents = [(beat.node, beat.agent_incarnation) for beat in batch.beats]
-        return _answer(
-            protocol.encode_job_reply(self._directory.commands_for_agents(job_id, agents))
-        )
+        return protocol.encode_job_reply(self._directory.commands_for_agents(job_id, agents))
 
     async def driver(self, request: web.Request) -> web.Response:
         """``POST /v1/driver``: the in-job driver asks what to do; the directory answers."""

@@ -311,7 +311,7 @@ class StoreCore:
         """:meth:`touch_lease` for each ``(node, incarnation)`` of ``agents``, under one lock
         (a job's heartbeats from its aggregator: thousands of nodes a request)."""
         for node, incarnation in agents:
-            self.touch_lease(job_id, node, incarnation, now_s)
+            self._touch_lease(job_id, node, incarnation, now_s)
 
     @locked
     def touch_lease(
@@ -324,6 +324,11 @@ class StoreCore:
         report older than the stored one is ignored. A different
         ``incarnation`` in the returned row means the agent restarted.
         """
+        return self._touch_lease(job_id, node, incarnation, now_s)
+
+    def _touch_lease(
+        self, job_id: str, node: str, incarnation: str, now_s: float
+    ) -> LeaseRow | None:
         nodes = self._leases.get(job_id)
         previous = None if nodes is None else nodes.get(node)
         if previous is not None and now_s < previous.last_seen_s:

@@ -95,8 +95,10 @@ def test_an_uninstrumented_hang_is_found_from_stacks(
 
 @pytest.mark.parametrize(
     ("lost", "requeued"),
-    [("node3", False), ("node1", True)],  # node1 runs the batch script: the requeue path
-    ids=["compute-node", "batch-host-slurm-requeues-first"],
+    # node1 runs the batch script, and with it the job's heartbeat aggregator: the
+    # requeue path, found by Slurm first (the supervisor paused) or by either.
+    [("node3", False), ("node1", True), ("node1", False)],
+    ids=["compute-node", "batch-host-slurm-requeues-first", "batch-host-with-its-aggregator"],
 )
 @pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_lost_node_is_excluded_and_the_job_resumes_without_it(
@@ -110,9 +112,13 @@ def test_a_lost_node_is_excluded_and_the_job_resumes_without_it(
     """A lost compute node is the supervisor's to find. A lost batch host is also
     Slurm's: here Slurm requeues the job before the supervisor sees anything (it is
     paused), as it does whenever the supervisor is slow or every agent went silent at
-    once. Slurm's requeue still asks for four nodes; the supervisor resizes it."""
+    once. Slurm's requeue still asks for four nodes; the supervisor resizes it.
+    The batch host also runs the job's heartbeat aggregator: when it dies with the
+    supervisor watching, the other nodes' agents report straight to the supervisor."""
     run = submit(supervisor, tmp_path, "--fault", "idle@6:*")
     slurm_cluster.wait_for("step 6", lambda: "injecting idle at step 6" in run.text(), 180)
+    aggregated = f"job {run.job_id}: heartbeats arrive through the job's aggregator"
+    slurm_cluster.wait_for("aggregated heartbeats", lambda: aggregated in supervisor.log(), 60)
     assert supervisor.process is not None
     if requeued:
         supervisor.process.send_signal(signal.SIGSTOP)
@@ -124,16 +130,25 @@ def test_a_lost_node_is_excluded_and_the_job_resumes_without_it(
         supervisor.process.send_signal(signal.SIGCONT)
     job = finish(slurm_cluster, supervisor, run)
     assert job["job_state"] == "COMPLETED", story(supervisor, run)
-    if requeued:
+    batch_host_lost = lost == "node1"
+    if batch_host_lost and not requeued:
+        straight = re.findall(
+            rf"job {run.job_id}: node (\S+)'s agent reports straight to the supervisor",
+            supervisor.log(),
+        )
+        assert set(straight) - {lost}, story(supervisor, run)
+    if batch_host_lost:
         assert job["restart_cnt"] >= 1, story(supervisor, run)  # the batch script ran again
         with supervisor.store() as store:
             causes = [d.cause for d in store.decisions_for(str(run.job_id))]
         # Slurm's requeue adopted, or - when the supervisor's first poll after the pause
         # straddled it (squeue read before, sinfo after) - the node's loss recovered and
         # the job Slurm already requeued resized: never a requeue on top of Slurm's.
+        # Watching, the supervisor may find the loss first and requeue the job itself.
         assert {"slurm_requeue", "node_lost"} & set(causes), story(supervisor, run)
-        requeued_by_us = f"scontrol requeuehold {run.job_id}"
-        assert requeued_by_us not in supervisor.log(), story(supervisor, run)
+        if requeued:
+            requeued_by_us = f"scontrol requeuehold {run.job_id}"
+            assert requeued_by_us not in supervisor.log(), story(supervisor, run)
     elif job["restart_cnt"] >= 1:
         # The shrunk step could not start (Slurm kept the nodes of the dead node's
         # step busy): the supervisor fell back to the requeue path, as it must.

@@ -23,6 +23,8 @@ HEARTBEAT_STREAM_PATH = "/v1/heartbeat/stream"
 DRIVER_PATH = "/v1/driver"
 # POST: a whole job's heartbeats at once, from the job's aggregator.
 JOB_HEARTBEATS_PATH = "/v1/job/heartbeats"
+# GET, upgraded to a WebSocket: the aggregator's requests without a request's cost each.
+JOB_HEARTBEATS_STREAM_PATH = "/v1/job/heartbeats/stream"
 
 # Requests whose timestamp is further than this from the verifier's clock are
 # refused: it bounds how long a captured request can be replayed. Events are

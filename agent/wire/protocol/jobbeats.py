@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from agent.wire.datagram import Phase
-from agent.wire.protocol.codec import command_documents, commands_from
+from agent.wire.protocol.codec import command_documents, commands_from, decode_stream_answer
 from agent.wire.protocol.constants import (
     _INCARNATION,
     _INT_LIMIT,
@@ -43,7 +43,7 @@ from agent.wire.protocol.constants import (
 from agent.wire.protocol.errors import ProtocolError
 from agent.wire.protocol.fields import _list, _name, _object, _str
 from agent.wire.protocol.heartbeat import _WireHeartbeat, heartbeat_document, report_from_wire
-from agent.wire.protocol.messages import AgentCommands, HeartbeatReport, RankStatus
+from agent.wire.protocol.messages import AgentCommands, HeartbeatReport, RankStatus, Refusal
 from agent.wire.protocol.strict_json import _dump, _envelope, _load
 
 _Count = Annotated[int, msgspec.Meta(ge=0, le=_INT_LIMIT - 1)]
@@ -173,6 +173,17 @@ def encode_job_reply(agents: Sequence[AgentCommands]) -> bytes:
     data = _dump(document)
     decode_job_reply(data)
     return data
+
+
+def decode_job_stream_answer(data: bytes) -> tuple[AgentCommands, ...] | Refusal:
+    """Parse one frame of a job's heartbeat stream (or a POST's 200 answer): the
+    agents' commands, or the refusal the request would have had."""
+    if _object(_load(data, "stream answer"), "stream answer").get("type") == "refusal":
+        refusal = decode_stream_answer(data)  # read as every stream's refusal
+        if isinstance(refusal, Refusal):
+            return refusal
+        raise ProtocolError("stream answer: a refusal that reads as a reply")
+    return decode_job_reply(data)
 
 
 def decode_job_reply(data: bytes) -> tuple[AgentCommands, ...]:

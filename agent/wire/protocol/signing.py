@@ -132,22 +132,31 @@ def is_signature(text: str) -> bool:
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
-def sign_frame(secret: bytes, job_id: str, timestamp_s: int, body: bytes) -> bytes:
-    """One heartbeat stream frame: ``<timestamp> <signature>\\n`` and the heartbeat body.
+def sign_frame(
+    secret: bytes, job_id: str, timestamp_s: int, body: bytes, path: str = HEARTBEAT_STREAM_PATH
+) -> bytes:
+    """One stream frame: ``<timestamp> <signature>\\n`` and the body.
 
-    The signature is the one a ``POST`` of ``body`` to
-    :data:`HEARTBEAT_STREAM_PATH` would carry, so each frame is authenticated
-    and bounded by the replay window exactly like a request, and a frame can
-    never pass for a request to another path, nor a request for a frame.
+    The signature is the one a ``POST`` of ``body`` to the stream's ``path``
+    (:data:`HEARTBEAT_STREAM_PATH`, or :data:`JOB_HEARTBEATS_STREAM_PATH` for a
+    job's aggregator) would carry, so each frame is authenticated and bounded
+    by the replay window exactly like a request, and a frame can never pass
+    for a request to another path, for a frame of the other stream, nor a
+    request for a frame.
     """
-    signature = sign(secret, METHOD, HEARTBEAT_STREAM_PATH, job_id, timestamp_s, body)
+    signature = sign(secret, METHOD, path, job_id, timestamp_s, body)
     return f"{timestamp_s} {signature}\n".encode() + body
 
 
 def open_frame(
-    secret: bytes, job_id: str, frame: bytes, now_s: int, window_s: int = REPLAY_WINDOW_S
+    secret: bytes,
+    job_id: str,
+    frame: bytes,
+    now_s: int,
+    window_s: int = REPLAY_WINDOW_S,
+    path: str = HEARTBEAT_STREAM_PATH,
 ) -> bytes:
-    """The heartbeat body of a frame :func:`sign_frame` made for ``job_id``; else raise.
+    """The body of a frame :func:`sign_frame` made for ``job_id`` on ``path``; else raise.
 
     Raises :class:`AuthError` (a missing or malformed signing line, a stale
     timestamp, a bad signature), as :func:`verify` does for a request.
@@ -161,7 +170,7 @@ def open_frame(
         )
     body = frame[end + 1 :]
     timestamp_s = int(match[1])
-    verify(secret, METHOD, HEARTBEAT_STREAM_PATH, job_id, timestamp_s, body,
+    verify(secret, METHOD, path, job_id, timestamp_s, body,
            match[2].decode("ascii"), now_s=now_s, window_s=window_s)  # fmt: skip
     return body
 

@@ -10,6 +10,7 @@ from tests.unit.api_world import (
     NOW,
     OTHER_JOB,
     OTHER_SECRET,
+    SECRET,
     Api,
     assert_refused,
     run,
@@ -58,5 +59,27 @@ def test_a_jobs_heartbeats_about_other_nodes_other_jobs_or_malformed_are_refused
         assert_refused(await api.send(PATH, twice), 400, "malformed")
         assert_refused(await api.send(PATH, b'{"protocol":1}'), 400, "malformed")
         assert api.directory._jobs[JOB].job_heartbeats == []
+
+    run(scenario(test))
+
+
+def test_a_jobs_heartbeats_stream_takes_frames_signed_for_it_and_no_others() -> None:
+    async def test(api: Api) -> None:
+        path = protocol.JOB_HEARTBEATS_STREAM_PATH
+        headers = protocol.signed_headers(SECRET, "GET", path, JOB, NOW, b"")
+        async with api.session.ws_connect(api.url + path, headers=headers) as stream:
+            body = batch("node1", "node2")
+            await stream.send_bytes(protocol.sign_frame(SECRET, JOB, NOW, body, path))
+            answer = protocol.decode_job_stream_answer((await stream.receive(timeout=10)).data)
+            assert answer == ()
+            # A frame signed for the agents' heartbeat stream is not one of this stream's.
+            await stream.send_bytes(protocol.sign_frame(SECRET, JOB, NOW, body))
+            refused = protocol.decode_job_stream_answer((await stream.receive(timeout=10)).data)
+            assert isinstance(refused, protocol.Refusal) and refused.status == 401
+            # Nor is a frame of another job's stream.
+            await stream.send_bytes(protocol.sign_frame(SECRET, JOB, NOW, batch("node7"), path))
+            refused = protocol.decode_job_stream_answer((await stream.receive(timeout=10)).data)
+            assert isinstance(refused, protocol.Refusal) and refused.cause == "foreign_node"
+        assert len(api.directory._jobs[JOB].job_heartbeats) == 1
 
     run(scenario(test))
