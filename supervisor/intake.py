@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
@@ -393,6 +394,11 @@ class Intake:
             job_id, ALERT_KIND, {"severity": "critical", "message": message}, now
         )
         log.error("ALERT %s", message, extra={"job_id": job_id, "alert": "nondeterministic_resume"})
+
+    def durably(self) -> AbstractContextManager[Any]:
+        """One durable store transaction around several event batches (the API's group
+        commit, :mod:`supervisor.api.groupcommit`)."""
+        return self.store.transaction(durable=True)
 
     def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
         """Renew the agent's lease; note the job's progress (its slowest rank's step)."""

@@ -33,6 +33,10 @@ after 100 reports is answered while they are still being taken, not after
 all of them (bench/RESULTS.md, "Hostile API traffic"; uvloop accepts one
 connection per loop pass).
 
+The events' store writes then go through :class:`~supervisor.api.groupcommit.GroupCommit`:
+the batches checked by the time the loop gets to them share one durable
+commit, each in a savepoint of its own, and each is answered only after it.
+
 Every error answer to a request whose body was not read to its end closes
 the connection. Every refusal and every internal error is logged at most N
 times per cause per minute (:class:`~supervisor.api.refusals.RefusalLog`).
@@ -81,6 +85,7 @@ from agent.wire import protocol
 from agent.wire.protocol import (
     AuthError,
     Command,
+    Event,
     EventKind,
     ProtocolError,
     Refusal,
@@ -89,6 +94,7 @@ from agent.wire.protocol import (
 )
 from supervisor.api.bodies import BodyReader, ClientGone
 from supervisor.api.directory import JobDirectory
+from supervisor.api.groupcommit import GroupCommit
 from supervisor.api.ratelimit import PER_RANK_PER_MINUTE, RETRY_AFTER_S, EventBudget
 from supervisor.api.refusals import Cause, RefusalLog
 from supervisor.errors import RequestRefused
@@ -253,6 +259,7 @@ class _Api:
         self.refusals = refusals
         self.streams: set[web.WebSocketResponse] = set()
         self._intake = asyncio.Semaphore(INTAKE_AT_ONCE)
+        self._commits = GroupCommit(directory.durably)
 
     @web.middleware
     async def guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -318,20 +325,26 @@ class _Api:
             # Yield once: the loop goes on accepting and answering (``/healthz``
             # among them) while a burst of reports waits here, authenticated.
             await asyncio.sleep(0)
-            return await self._take_events(job_id, body)
+            events = await self._checked_events(job_id, body)
+        return await self._commits.run(lambda: self._take_events(job_id, events))
 
-    async def _take_events(self, job_id: str, body: bytes) -> web.Response:
-        """Decode an authenticated batch, check it (steps 4-5), record it and answer."""
+    def _take_events(self, job_id: str, events: Sequence[Event]) -> web.Response:
+        """Record a checked batch (inside a group's durable commit); the answer."""
+        accepted = self._directory.accept_events(job_id, events)
+        senders = {(event.node, event.incarnation) for event in events}
+        # Commands are for one agent: a batch mixing agents (which the Reporter
+        # never sends) gets none rather than another agent's.
+        commands = self._directory.commands_for(job_id, *senders.pop()) if len(senders) == 1 else ()
+        return _reply(accepted, commands)
+
+    async def _checked_events(self, job_id: str, body: bytes) -> tuple[Event, ...]:
+        """Decode an authenticated batch and check it (steps 4-5)."""
         try:
             events = protocol.decode_events(body)
         except ProtocolError as error:
             raise Cause.MALFORMED.refuse(str(error)) from None
         for event in events:
-            if event.job_id != job_id:
-                raise Cause.CROSS_JOB.refuse(
-                    f"event {event.event_id[:200]!r} is about job {event.job_id!r}, but the "
-                    f"request is signed for job {job_id!r}: a job reports only about itself"
-                )
+            _own_job(job_id, event.job_id, f"event {event.event_id[:200]!r}")
         self._check_nodes(job_id, [event.node for event in events])
         self._check_ranks(
             job_id,
@@ -353,12 +366,7 @@ class _Api:
         why = await self._directory.refuse_events(job_id, events)
         if why is not None:
             raise Cause.OUTSIDE_ROOT.refuse(why)
-        accepted = self._directory.accept_events(job_id, events)
-        senders = {(event.node, event.incarnation) for event in events}
-        # Commands are for one agent: a batch mixing agents (which the Reporter
-        # never sends) gets none rather than another agent's.
-        commands = self._directory.commands_for(job_id, *senders.pop()) if len(senders) == 1 else ()
-        return _reply(accepted, commands)
+        return events
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         """``POST /v1/heartbeat``: take a node's heartbeat; return its pending commands."""
@@ -468,11 +476,7 @@ class _Api:
             report = protocol.decode_heartbeat(body)
         except ProtocolError as error:
             raise Cause.MALFORMED.refuse(str(error)) from None
-        if report.job_id != job_id:
-            raise Cause.CROSS_JOB.refuse(
-                f"heartbeat is about job {report.job_id!r}, but the request is signed for job "
-                f"{job_id!r}: a job reports only about itself"
-            )
+        _own_job(job_id, report.job_id, "heartbeat")
         self._check_nodes(job_id, [report.node])
         self._directory.accept_heartbeat(job_id, report)
         return _encoded_reply(
@@ -491,11 +495,7 @@ class _Api:
             batch = protocol.decode_job_heartbeats(body)
         except ProtocolError as error:
             raise Cause.MALFORMED.refuse(str(error)) from None
-        if batch.job_id != job_id:
-            raise Cause.CROSS_JOB.refuse(
-                f"job heartbeats are about job {batch.job_id!r}, but the request is signed for "
-                f"job {job_id!r}: a job reports only about itself"
-            )
+        _own_job(job_id, batch.job_id, "job heartbeats")
         self._check_nodes(
             job_id, [beat.node for beat in batch.beats] + [r.node for r in batch.reports]
         )
@@ -626,6 +626,15 @@ class _Api:
 
 
 _API = web.AppKey("api", _Api)
+
+
+def _own_job(job_id: str, about: str, what: str) -> None:
+    """Refuse (403) a report signed for ``job_id`` that is about another job."""
+    if about != job_id:
+        raise Cause.CROSS_JOB.refuse(
+            f"{what} is about job {about!r}, but the request is signed for job {job_id!r}: "
+            "a job reports only about itself"
+        )
 
 
 def _closing(answer: web.Response) -> web.Response:

@@ -12,8 +12,10 @@ call).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,6 +64,11 @@ class JobDirectory(Protocol):
 
     def accept_heartbeat(self, job_id: str, report: HeartbeatReport) -> None:
         """Take a node's heartbeat; one older than that node's newest may be ignored."""
+        ...
+
+    def durably(self) -> AbstractContextManager[Any]:
+        """One durable transaction around several :meth:`accept_events` (nested: a
+        savepoint, whose writes an exception undoes alone)."""
         ...
 
     def accept_job_heartbeats(self, job_id: str, batch: JobHeartbeats) -> None:
@@ -209,6 +216,10 @@ class MemoryDirectory:
             # A replay inside the window must not roll a node's view back.
             if newest is None or report.time_unix_s >= newest.time_unix_s:
                 heartbeats[report.node] = report
+
+    def durably(self) -> AbstractContextManager[Any]:
+        """See :meth:`JobDirectory.durably`: memory is as durable as it gets."""
+        return contextlib.nullcontext()
 
     def accept_job_heartbeats(self, job_id: str, batch: JobHeartbeats) -> None:
         """See :meth:`JobDirectory.accept_job_heartbeats`: kept as they came."""
