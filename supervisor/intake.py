@@ -475,12 +475,17 @@ class Intake:
             return current
         job.last_report_s = now
         self.store.touch_leases(job_id, [(b.node, b.agent_incarnation) for b in current], now)
-        heard, attempt_of = job.heard, job.attempt_of
+        heard, busy, attempt_of = job.heard, job.busy, job.attempt_of
         for beat in current:
             attempt = attempt_of(beat.agent_incarnation)
             before = heard.get(beat.node)
             gap = now - before.seen_s if before is not None and before.attempt == attempt else None
             heard[beat.node] = Heard(attempt, now, gap)
+            # A beat says its node's ranks are as its last whole report had them (an
+            # aggregator sends the whole report when a phase changes): still busy.
+            saving = busy.get(beat.node)
+            if saving is not None and saving.attempt == attempt:
+                busy[beat.node] = saving._replace(seen_s=now)
         if job.unconfirmed:
             for beat in current:
                 self._confirm_hangs(job_id, job, beat.node, now)

@@ -15,9 +15,9 @@ stream; :mod:`agent.wire.protocol.jobbeats`):
 
 - a beat for every node heard since the last forward (its lease and step);
 - the whole report of each node whose ranks changed in anything but their
-  counters (pid, phase, whether a step is known), and of each node whose
-  whole report went out ``refresh_s`` ago or more (compute times are
-  counters that move every step), at most
+  counters (pid, phase, whether a step is known, the compute time by 10% or
+  more, the steps behind it past a power of two: :func:`shape_of`), and of
+  each node whose whole report went out ``refresh_s`` ago or more, at most
   :data:`~agent.wire.protocol.MAX_JOB_REPORTS` a request, changes first.
 
 The supervisor's answer lists each agent's commands; each goes back with the
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable, Collection
@@ -54,6 +55,7 @@ from agent.wire.protocol import (
     HeartbeatReport,
     JobHeartbeats,
     ProtocolError,
+    RankStatus,
     Refusal,
     Reply,
 )
@@ -72,19 +74,36 @@ _LOG_AGAIN_S = 60.0
 # A stream whose agent went away without closing it is noticed by an unanswered ping.
 _STREAM_PING_S = 60.0
 
-_Shape = tuple[str, int | None, tuple[tuple[int, int, int, str | None, bool], ...]]
+# Compute times differing by less than this factor are the same for the shape.
+_COMPUTE_RESOLUTION = math.log(1.1)
+
+_Rank = tuple[int, int, int, str | None, bool, int, int | None]
+_Shape = tuple[str, int | None, tuple[_Rank, ...]]
 
 
 def shape_of(report: HeartbeatReport) -> _Shape:
     """What of a node's report the supervisor must hear at once when it changes: the
-    agent, its launch, and each rank's identity, phase and whether it has a step."""
+    agent, its launch, and each rank's identity, phase, whether it has a step, and its
+    compute time to 10% (a straggler's rise) with the steps behind it in powers of two
+    (a median of 2 steps, then of 4, 8, ...: the supervisor compares ranks once enough
+    steps are behind their medians)."""
     return (
         report.agent_incarnation,
         report.attempt,
-        tuple(
-            (rank.global_rank, rank.local_rank, rank.pid, rank.phase, rank.step is None)
-            for rank in report.ranks
-        ),
+        tuple(_rank_shape(rank) for rank in report.ranks),
+    )
+
+
+def _rank_shape(rank: RankStatus) -> _Rank:
+    compute = rank.compute_p50_s
+    return (
+        rank.global_rank,
+        rank.local_rank,
+        rank.pid,
+        rank.phase,
+        rank.step is None,
+        rank.compute_observed.bit_length(),
+        None if not compute else round(math.log(compute) / _COMPUTE_RESOLUTION),
     )
 
 

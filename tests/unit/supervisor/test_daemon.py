@@ -18,6 +18,7 @@ import pytest
 
 from agent.wire import protocol
 from agent.wire.protocol import CommandKind, EventKind
+from supervisor.core import hang_hold
 from supervisor.core.intents import ValidationLevel
 from supervisor.core.model import JobState
 from supervisor.core.observations import RelaunchFinished
@@ -1034,6 +1035,16 @@ def test_a_jobs_heartbeats_from_its_aggregator_renew_every_lease_and_move_the_pr
         assert leases == {node: clock[0] for node in NODES}
         assert [row.step for row in supervisor.store.progress_for(JOB)][-1] == 11  # the slowest
         assert set(job.busy) == {NODES[0]}
+        # Beats alone for longer than a lease: the saving rank is still busy (an
+        # aggregator sends a node's whole report again when its phase changes).
+        lease_s = supervisor.config.lease_s
+        for _ in range(int(lease_s // 5) + 2):
+            clock[0] += 5
+            supervisor.intake.accept_job_heartbeats(
+                JOB, protocol.JobHeartbeats(JOB, NOW, tuple(moved))
+            )
+        busy = hang_hold.busy_now(job.busy, job.record, clock[0], lease_s)
+        assert set(busy) == {NODES[0]}
         # A node whose ranks are all loading again: its lease renewed, no progress from it.
         clock[0] += 5
         loading = msgspec.structs.replace(moved[1], step=None)

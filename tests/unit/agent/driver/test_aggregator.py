@@ -186,3 +186,13 @@ def test_whole_reports_go_again_when_due_changes_first_and_at_most_the_limit() -
     due = due_reports(reports, sent, 100.0, refresh_s=10.0, limit=3)
     # n3 changed: first; then the oldest due (n0, n1); n4 was sent a second ago.
     assert [r.node for r in due] == ["n3", "n0", "n1"]
+
+
+def test_a_rank_turning_straggler_or_its_compute_median_firming_up_is_a_change() -> None:
+    def node(p50: float, observed: int) -> HeartbeatReport:
+        rank = RankStatus(0, 0, 7, 5, "train", 1.0, 0.1, 0.1, 0.1, 5, p50, observed)
+        return HeartbeatReport(JOB, "n0", 100.0, (rank,), "9f2c1ab04d7e3310")
+
+    assert shape_of(node(0.40, 40)) == shape_of(node(0.402, 41))  # jitter, a step more
+    assert shape_of(node(0.40, 40)) != shape_of(node(0.60, 41))  # 1.5 times slower
+    assert shape_of(node(0.40, 60)) != shape_of(node(0.40, 70))  # past 64 steps
