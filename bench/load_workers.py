@@ -14,6 +14,7 @@ import random
 import secrets
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,11 @@ class SimulatedAgent:
                 "node_rank": plan.node_rank, "attempt": 1,
             })  # fmt: skip
 
+    def maybe_event(self, now: float, events_per_s: float) -> None:
+        """One random event with the chance of ``events_per_s`` in a period, while emitting."""
+        if self.emitting and self.rng.random() < events_per_s * HEARTBEAT_PERIOD_S:
+            self.random_event(now)
+
     def in_window(self, started: float) -> bool:
         return self.window[0] <= started < self.window[1]
 
@@ -234,18 +240,9 @@ class SimulatedAgent:
             first = start_at + self.rng.random() * HEARTBEAT_PERIOD_S
             await asyncio.sleep(max(0.0, first - time.time()))
             self.started()
-            beat = 0
-            while True:
-                due = first + beat * HEARTBEAT_PERIOD_S
-                if due >= stop_at:
-                    break
-                await asyncio.sleep(max(0.0, due - time.time()))
-                now = time.time()
-                if self.emitting and self.rng.random() < events_per_s * HEARTBEAT_PERIOD_S:
-                    self.random_event(now)
+            async for now, _ in every_period(first, stop_at):
+                self.maybe_event(now, events_per_s)
                 await self.heartbeat(now)
-                # A heartbeat that took longer than a period skips the missed beats.
-                beat = max(beat + 1, math.ceil((time.time() - first) / HEARTBEAT_PERIOD_S))
         finally:
             # The worker lets the sender drain before it ends this task.
             sender.cancel()
@@ -428,18 +425,10 @@ class SimulatedAggregator:
             await asyncio.sleep(max(0.0, first - time.time()))
             for agent in self.agents:
                 agent.started()
-            period = 0
-            while True:
-                due = first + period * HEARTBEAT_PERIOD_S
-                if due >= stop_at:
-                    break
-                await asyncio.sleep(max(0.0, due - time.time()))
-                now = time.time()
+            async for now, period in every_period(first, stop_at):
                 for agent in self.agents:
-                    if agent.emitting and agent.rng.random() < events_per_s * HEARTBEAT_PERIOD_S:
-                        agent.random_event(now)
+                    agent.maybe_event(now, events_per_s)
                 await self.forward(now, period)
-                period = max(period + 1, math.ceil((time.time() - first) / HEARTBEAT_PERIOD_S))
         finally:
             for sender in senders:
                 sender.cancel()
@@ -477,6 +466,19 @@ class SimulatedAggregator:
     @property
     def streams_opened(self) -> int:
         return self.stream.opened
+
+
+async def every_period(first: float, stop_at: float) -> AsyncIterator[tuple[float, int]]:
+    """``(now, period)`` once a :data:`HEARTBEAT_PERIOD_S` from ``first`` until ``stop_at``;
+    a period whose work took longer than a period skips the periods it missed."""
+    period = 0
+    while True:
+        due = first + period * HEARTBEAT_PERIOD_S
+        if due >= stop_at:
+            return
+        await asyncio.sleep(max(0.0, due - time.time()))
+        yield time.time(), period
+        period = max(period + 1, math.ceil((time.time() - first) / HEARTBEAT_PERIOD_S))
 
 
 def failed_ms(clock: float, timeout_s: float) -> float:

@@ -1003,16 +1003,24 @@ def test_a_commit_has_its_checkpoint_validated_ahead_of_any_fault(tmp_path: Path
     run(body, tmp_path, validation_level=ValidationLevel.LOAD)
 
 
+async def _four_agents_training(
+    supervisor: Supervisor,
+) -> tuple[dict[str, str], list[protocol.HeartbeatReport]]:
+    """Four agents started (one rank each); each node's report of its rank at step 10."""
+    await registered_and_running(supervisor)
+    agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
+    for node in NODES:
+        supervisor.intake.accept_events(JOB, [started(node, agents[node], 1)])
+    await supervisor.deciding.settle()
+    whole = [_report(node, agents[node], rank, 10, "train") for rank, node in enumerate(NODES)]
+    return agents, whole
+
+
 def test_a_jobs_heartbeats_from_its_aggregator_renew_every_lease_and_move_the_progress(
     tmp_path: Path,
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        await registered_and_running(supervisor)
-        agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
-        for node in NODES:
-            supervisor.intake.accept_events(JOB, [started(node, agents[node], 1)])
-        await supervisor.deciding.settle()
-        whole = [_report(node, agents[node], rank, 10, "train") for rank, node in enumerate(NODES)]
+        agents, whole = await _four_agents_training(supervisor)
         beats = [protocol.beat_of(report) for report in whole]
         clock[0] += 5
         supervisor.intake.accept_job_heartbeats(
@@ -1060,11 +1068,7 @@ def test_a_node_reporting_directly_after_its_jobs_aggregator_is_logged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
-        await registered_and_running(supervisor)
-        agents = {node: f"00000000000000a{i}" for i, node in enumerate(NODES)}
-        for node in NODES:
-            supervisor.intake.accept_events(JOB, [started(node, agents[node], 1)])
-        whole = [_report(node, agents[node], rank, 10, "train") for rank, node in enumerate(NODES)]
+        _, whole = await _four_agents_training(supervisor)
         batch = protocol.JobHeartbeats(JOB, NOW, tuple(map(protocol.beat_of, whole)))
         with caplog.at_level(logging.INFO, logger="resurgo.supervisor"):
             supervisor.intake.accept_job_heartbeats(JOB, batch)
