@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -177,6 +178,16 @@ class NodeAgent:
             # an allocation held idle while the supervisor is away.
             drain_s = self.config.drain_timeout_s
             await self.events.close(min(drain_s, CLEAN_DRAIN_S) if clean else drain_s)
+            self._remove_run_dir()
+
+    def _remove_run_dir(self) -> None:
+        """Remove the default run directory once every event is delivered: one is made
+        per job, node and launch under the node's ``/tmp``, and a cluster's nodes would
+        gather them by the thousand. Undelivered events keep it (an agent started again
+        for this launch sends them); so does an explicit ``--run-dir`` (the operator's)."""
+        if self.config.run_dir or self.events.undelivered:
+            return
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     async def _launch_and_watch(self) -> int:
         self._plan = self._build_plan()

@@ -25,9 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class EventOut:
-    """Emits events with ids, to the reporter and/or the events log."""
-
-    """Where events go: the supervisor's spooling reporter and/or a local JSON-lines log."""
+    """Emits events with ids: to the supervisor's spooling reporter and/or a local
+    JSON-lines log."""
 
     def __init__(self, config: AgentConfig, run_dir: Path, on_command: Callable[[Any], None]):
         self._config = config
@@ -81,6 +80,11 @@ class EventOut:
             with open(self._log_path, "ab") as handle:
                 handle.write(protocol.encode_event(event) + b"\n")
                 handle.flush()
+
+    @property
+    def undelivered(self) -> int:
+        """Events spooled and not yet acknowledged by the supervisor (none without one)."""
+        return self._reporter.pending if self._reporter is not None else 0
 
     async def heartbeat(self, report: protocol.HeartbeatReport) -> None:
         """Best-effort heartbeat report (nothing without a supervisor)."""

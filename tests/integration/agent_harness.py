@@ -33,7 +33,9 @@ class RunningAgent:
         worker_args: list[str],
         worker: Path = WORKER,
         command: list[str] | None = None,
+        run_dir: bool = True,
     ):
+        """``run_dir`` False: the agent makes its default one under /tmp."""
         self.out = tmp_path / "out"
         self.out.mkdir()
         self.log = tmp_path / "events.jsonl"
@@ -43,7 +45,8 @@ class RunningAgent:
                        *worker_args]  # fmt: skip
         argv = [
             *AGENT, "--job-id", "77", "--node", "node1", "--master-port", str(free_port()),
-            "--run-dir", str(tmp_path / "run"), "--events-log", str(self.log),
+            *(["--run-dir", str(tmp_path / "run")] if run_dir else []),
+            "--events-log", str(self.log),
             "--watch-interval-s", "0.2", *agent_args, "--", *command,
         ]  # fmt: skip
         self.process = subprocess.Popen(

@@ -7,8 +7,11 @@ tests/recording_server.py acting as the supervisor).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
+import shutil
 import signal
 import sys
 import time
@@ -36,8 +39,9 @@ def agent_factory(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
         worker_args: list[str],
         worker: Path = WORKER,
         command: list[str] | None = None,
+        run_dir: bool = True,
     ) -> RunningAgent:
-        running = RunningAgent(tmp_path, agent_args, worker_args, worker, command)
+        running = RunningAgent(tmp_path, agent_args, worker_args, worker, command, run_dir)
         started.append(running)
         return running
 
@@ -245,6 +249,37 @@ def test_signed_reports_and_commands_round_trip_through_the_supervisor_api(
         assert stopped.payload["command_id"] == "c2"
         assert [event.seq for event in server.events] == list(range(1, len(kinds) + 1))
         assert server.rejections == []
+
+
+@pytest.mark.parametrize("delivered", [True, False], ids=["delivered", "undelivered"])
+def test_the_default_run_directory_goes_with_its_launch_unless_events_wait_in_it(
+    agent_factory: Callable[..., RunningAgent], tmp_path: Path, delivered: bool
+) -> None:
+    """One run directory a job, node and launch under /tmp: removed at the agent's end
+    once every event was delivered, kept while its spool holds any."""
+    secret_file = tmp_path / "secret"
+    secret = secrets.token_bytes(32)  # a fresh tag: this test's directory alone
+    write_secret(secret_file, secret)
+    with RecordingServer({"77": secret}) as server:
+        url = server.url if delivered else f"http://127.0.0.1:{free_port()}"
+        agent = agent_factory(
+            ["--supervisor-url", url, "--secret-file", str(secret_file),
+             "--drain-timeout-s", "1"],
+            ["--steps", "3"], run_dir=False,
+        )  # fmt: skip
+        tag = hashlib.sha256(secret_file.read_bytes()).hexdigest()[:12]
+        run_dir = Path(f"/tmp/resurgo-agent-77-node1-0-{tag}")
+        try:
+            agent.wait_file("step.1")
+            assert run_dir.is_dir(), agent.tail()
+            assert agent.process.wait(timeout=60) == 0, agent.tail()
+            if delivered:
+                assert server.events[-1].kind is EventKind.AGENT_STOPPED
+                assert not run_dir.exists(), agent.tail()
+            else:
+                assert [p.name for p in (run_dir / "spool").glob("events-*")], agent.tail()
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.mark.slurm
