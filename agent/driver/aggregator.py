@@ -31,7 +31,10 @@ the job's secret inside the replay window (else 401), every frame is
 verified, and a heartbeat about another job or a node outside the job's
 allocation is refused, so nobody without the secret makes a node look alive.
 If the aggregator dies (its batch host lost), the agents' heartbeats go
-straight to the supervisor again (:class:`agent.node.client.Reporter`).
+straight to the supervisor again (:class:`agent.node.client.Reporter`). So
+they do when it lives but cannot reach the supervisor: after
+:data:`CUT_OFF_S` of failed forwards it refuses their heartbeats (503,
+``aggregator_cut_off``), and they come back once it reaches it again.
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ PERIOD_S = 1.0
 REFRESH_S = 30.0
 # How long one forward may take before the next period's goes instead.
 FORWARD_TIMEOUT_S = 5.0
+# Forwards failing for this long cut the aggregator off: it refuses its agents'
+# heartbeats, and they report straight to the supervisor until it takes them again
+# (a batch host cut off from the supervisor must not make the job's nodes look lost;
+# a supervisor slow within the forward timeout does not cut it off).
+CUT_OFF_S = FORWARD_TIMEOUT_S
 # A failing forward is logged again after this long.
 _LOG_AGAIN_S = 60.0
 # A stream whose agent went away without closing it is noticed by an unanswered ping.
@@ -259,7 +267,16 @@ class Aggregator:
             )
         newest = self._newest.get(report.node)
         if newest is None or report.time_unix_s >= newest.time_unix_s:
+            # Kept even when refused below: the next forward tries the supervisor again.
             self._newest[report.node] = report
+        failing_s = self.failing_s()
+        if failing_s > CUT_OFF_S:
+            return _refusal(
+                503,
+                "aggregator_cut_off",
+                f"the job's aggregator has not reached the supervisor for {failing_s:.0f} s: "
+                "report to the supervisor",
+            )
         self.heartbeats_taken += 1
         commands = self._commands.pop((report.node, report.agent_incarnation), ())
         return protocol.encode_reply(Reply(commands=tuple(commands)))
@@ -297,6 +314,11 @@ class Aggregator:
             held.extend(agent.commands)
             del held[: -protocol.MAX_COMMANDS]
         self._forget_old_agents(newest)
+
+    def failing_s(self) -> float:
+        """How long every forward has failed (0 while they succeed)."""
+        since = self._failing_since
+        return 0.0 if since is None else max(0.0, self._clock() - since)
 
     def _forget_old_agents(self, newest: dict[str, HeartbeatReport]) -> None:
         """Drop commands held for an agent its node's newer agent replaced."""

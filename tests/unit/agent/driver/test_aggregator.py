@@ -16,11 +16,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent.driver.aggregator import Aggregator, due_reports, shape_of
-from agent.node.client import Reporter
+from agent.driver.aggregator import CUT_OFF_S, Aggregator, due_reports, shape_of
+from agent.node.client import AGGREGATOR_RETRY_S, Reporter
 from agent.wire import protocol
 from agent.wire.auth import new_secret
 from agent.wire.protocol import Command, CommandKind, HeartbeatReport, RankStatus
+from supervisor.api.refusals import Cause
 from tests.unit.api_world import JOB, NODES, NOW, SECRET, Api, run, scenario
 
 
@@ -137,6 +138,65 @@ def test_an_agent_whose_aggregator_is_gone_reports_straight_to_the_supervisor(
             assert "heartbeats go straight to the supervisor" in caplog.text
             assert await one.heartbeat(report(one, 3))  # and so do the next ones
             assert api.directory._jobs[JOB].heartbeats["node1"].ranks[0].step == 3
+
+    run(scenario(test))
+
+
+def test_an_aggregator_cut_off_from_the_supervisor_sends_its_agents_straight_to_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Alive but failing every forward (its batch host cut off, say), the aggregator
+    refuses its agents' heartbeats after CUT_OFF_S, so that the supervisor hears them
+    directly; once it reaches the supervisor again, they come back to it."""
+    now = [NOW]
+    cut_off = [False]
+
+    def clock() -> float:
+        return now[0]
+
+    async def test(api: Api) -> None:
+        taken = api.directory.accept_job_heartbeats
+
+        def accept(job_id: str, batch: protocol.JobHeartbeats) -> None:
+            if cut_off[0]:
+                raise Cause.UNKNOWN_JOB.refuse("as if the batch host could not reach it")
+            taken(job_id, batch)
+
+        api.directory.accept_job_heartbeats = accept  # type: ignore[method-assign]
+        aggregator = Aggregator(JOB, SECRET, api.url, NODES, clock=clock, period_s=3600.0)
+        await aggregator.start(api.session, "127.0.0.1")
+        try:
+            async with Reporter(
+                api.url, JOB, "node1", SECRET, tmp_path / "node1", clock=clock,
+                aggregator_url=aggregator.url,
+            ) as one:  # fmt: skip
+                assert await one.heartbeat(report(one, 1))
+                cut_off[0] = True
+                await aggregator.forward()
+                now[0] += CUT_OFF_S / 2
+                assert await one.heartbeat(report(one, 2))  # a passing failure: still taken
+                await aggregator.forward()
+                assert api.directory._jobs[JOB].heartbeats == {}  # nothing got through
+                now[0] += CUT_OFF_S
+                with caplog.at_level(logging.WARNING):
+                    assert await one.heartbeat(report(one, 3))
+                # Refused by the aggregator, this very heartbeat reached the supervisor.
+                assert api.directory._jobs[JOB].heartbeats["node1"].ranks[0].step == 3
+                assert "heartbeats go straight to the supervisor" in caplog.text
+                # The supervisor takes the aggregator's requests again: so it does the
+                # agent's heartbeats, once the agent tries it again.
+                cut_off[0] = False
+                await aggregator.forward()
+                assert aggregator.failing_s() == 0.0
+                now[0] += AGGREGATOR_RETRY_S
+                batches = len(api.directory._jobs[JOB].job_heartbeats)
+                assert await one.heartbeat(report(one, 4))
+                assert api.directory._jobs[JOB].heartbeats["node1"].ranks[0].step == 3
+                await aggregator.forward()
+                assert len(api.directory._jobs[JOB].job_heartbeats) == batches + 1
+                assert api.directory._jobs[JOB].job_heartbeats[-1].beats[0].step == 4
+        finally:
+            await aggregator.close()
 
     run(scenario(test))
 
