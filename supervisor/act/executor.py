@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint import layouts
+from agent.checkpoint import catalog, layouts
 from agent.checkpoint.report import Level
 from supervisor.act import storage
 from supervisor.act.ahead import AheadValidation
@@ -118,6 +118,8 @@ REQUEUE_ATTEMPTS = 5
 # which learns of the stop at its next question (every few seconds) and ends
 # the job with exit code 93, "do not requeue"; only then is it cancelled.
 DRIVER_STOP_GRACE_S = 30.0
+# How often a save still being written is looked at again while a validation awaits it.
+SETTLE_POLL_S = 0.25
 ALERT_KIND = "alert"
 REQUEUE_BASELINE_KIND = "requeue_baseline"
 # In observe-only mode: what the supervisor would have done, recorded in the job's events.
@@ -588,6 +590,8 @@ class Executor:
         root = self._checkpoint_root_of(intent.job_id)
         if root is None:
             return [CheckpointValidated(None, None, False, "no checkpoint directory is known")], []
+        if intent.settle_until_s is not None:
+            await self._settle(intent.job_id, root, intent.settle_until_s)
         checked: list[CheckpointValidated] = []
         past: list[dict[str, Any]] = []
         for entry in await asyncio.to_thread(layouts.find_all, root):
@@ -614,6 +618,24 @@ class Executor:
             CheckpointValidated(None, None, False, f"no valid checkpoint{before} left under {root}")
         )
         return checked, past
+
+    async def _settle(self, job_id: str, root: Path, until_s: float) -> None:
+        """Wait until ``until_s`` while the newest step directory under ``root`` is a save
+        still being written (no commit marker yet): a planned stop's final checkpoint."""
+        entries = await asyncio.to_thread(catalog.list_checkpoints, root)
+        if not entries or entries[0].committed or self._clock() >= until_s:
+            return
+        writing = entries[0]
+        log.info(
+            "job %s: %s is still being written; waiting up to %.1f s for its commit",
+            job_id, writing.path, until_s - self._clock(),
+        )  # fmt: skip
+        while self._clock() < until_s:
+            await asyncio.sleep(min(SETTLE_POLL_S, max(0.0, until_s - self._clock())))
+            entries = await asyncio.to_thread(catalog.list_checkpoints, root)
+            if not entries or entries[0].committed:
+                return
+        log.info("job %s: %s was not committed in time", job_id, writing.path)
 
     def note_checkpoint(self, job_id: str, path: str, level: ValidationLevel) -> None:
         """``path`` is ``job_id``'s newest checkpoint: validate it ahead of any fault."""

@@ -178,13 +178,17 @@ class ValidateCheckpoints(_Action):
     later step. ``storage_probe`` (after a storage failure, the how-manieth
     look): first check that the checkpoint root takes a checkpoint again, and
     report :class:`~supervisor.core.observations.StorageUnavailable` instead of
-    validating if it does not (0: no check).
+    validating if it does not (0: no check). ``settle_until_s`` (wall clock): a
+    save still being written (the newest step directory has no commit marker
+    yet) is awaited until then, so that a planned stop's final checkpoint,
+    committed moments after the requeue was decided, is the one chosen.
     """
 
     level: ValidationLevel
     skip: tuple[str, ...] = ()
     before_step: int | None = None
     storage_probe: int = 0
+    settle_until_s: float | None = None
 
     KIND: ClassVar[str] = "validate"
 

@@ -13,6 +13,11 @@ requeue by the driver. The core's part:
   metadata), because a full read of a large checkpoint takes longer than the
   time left and the ranks that wrote it were healthy. A save cut short by the
   limit has no commit marker, so the previous committed checkpoint is chosen.
+  When the end drew near with no stop reported, the ranks may still be
+  writing their final checkpoint: it is awaited until
+  :data:`SETTLE_BEFORE_END_S` before the end (a loaded node's ranks can
+  overrun their stop by seconds; taking the previous checkpoint would train
+  every step since again).
 
 A notice during a fault's recovery only turns it to the requeue path: the
 allocation is about to end, so the fast path inside it is pointless.
@@ -28,9 +33,13 @@ from supervisor.core.decision import LIVE, Context, Decision, decision
 from supervisor.core.model import Cause, JobRecord, JobState
 
 # Requeue no later than this long before Slurm ends the job when the ranks'
-# stop was never reported: requeuehold, resize and release take about 2 s
-# (a requeue just after the end still works while slurmctld holds the job).
-REQUEUE_MARGIN_S = 5.0
+# stop was never reported (their stop ends 10 s before it: agent.timelimit).
+REQUEUE_MARGIN_S = 8.0
+# A final save still being written then is awaited until this long before the end:
+# the requeue (requeuehold, resize and release, about 2 s) must end the batch script
+# before its driver requeues the job itself, 5 s before the end
+# (agent.driver.plannedstop.SELF_REQUEUE_BEFORE_END_S).
+SETTLE_BEFORE_END_S = 6.0
 # Without a time left from the notice, the end is assumed this far off.
 UNKNOWN_END_S = 60.0
 
@@ -74,10 +83,16 @@ def on_tick(record: JobRecord, ctx: Context) -> Decision | None:
     end_s = record.time_limit_end_s
     if end_s is None or record.state not in LIVE or ctx.now_s < end_s - REQUEUE_MARGIN_S:
         return None
-    return requeue(record, ctx, f"{max(0.0, end_s - ctx.now_s):.0f} s left of the time limit")
+    why = f"{max(0.0, end_s - ctx.now_s):.0f} s left of the time limit"
+    return requeue(record, ctx, why, settle_until_s=end_s - SETTLE_BEFORE_END_S)
 
 
-def requeue(record: JobRecord, ctx: Context, why: str) -> Decision:
-    """Requeue at the job's size from the newest committed checkpoint; no fault."""
+def requeue(
+    record: JobRecord, ctx: Context, why: str, settle_until_s: float | None = None
+) -> Decision:
+    """Requeue at the job's size from the newest committed checkpoint; no fault.
+    ``settle_until_s``: a final save still being written is awaited until then."""
     verdict = Blame(None, Cause.TIME_LIMIT, 0.0, (why,))
-    return recovery.start(record, ctx, verdict, requeue=True, stop_ranks=False)
+    return recovery.start(
+        record, ctx, verdict, requeue=True, stop_ranks=False, settle_until_s=settle_until_s
+    )

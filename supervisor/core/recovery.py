@@ -177,11 +177,14 @@ def start(
     slurm_took_it: bool = False,
     stop_ranks: bool = True,
     resume_before: int | None = None,
+    settle_until_s: float | None = None,
 ) -> Decision:
     """Begin a recovery for ``blame.cause``: budget, drain, stop ranks, validate checkpoints.
 
     ``resume_before``: only checkpoints of that step or earlier are candidates
-    (a rollback past a training anomaly).
+    (a rollback past a training anomaly). ``settle_until_s``: a save still being
+    written is awaited until then before the checkpoints are validated
+    (:class:`~supervisor.core.intents.ValidateCheckpoints`).
 
     During a planned stop for the time limit the allocation is about to end:
     whatever the cause, the job is requeued, never relaunched inside it.
@@ -233,7 +236,11 @@ def start(
     # Before the time limit, a full read of a large checkpoint takes longer than the
     # time left, and healthy ranks just wrote it (supervisor.core.planned_stop).
     level = ValidationLevel.QUICK if cause is Cause.TIME_LIMIT else ctx.policy.validation_level
-    intents.append(ValidateCheckpoints(record.job_id, record.attempt, level, (), resume_before))
+    intents.append(
+        ValidateCheckpoints(
+            record.job_id, record.attempt, level, (), resume_before, settle_until_s=settle_until_s
+        )
+    )
     return decision(record, tuple(intents), cause, f"{cause.value}: {drained}")
 
 

@@ -8,6 +8,7 @@ right after Slurm took the effect, before the executor could record it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
@@ -36,7 +37,12 @@ from supervisor.core.intents import (
     ValidationLevel,
 )
 from supervisor.core.model import JobState
-from supervisor.core.observations import CheckpointValidated, RelaunchFinished, StorageUnavailable
+from supervisor.core.observations import (
+    CheckpointValidated,
+    Observation,
+    RelaunchFinished,
+    StorageUnavailable,
+)
 from supervisor.errors import (
     SlurmCommandFailed,
     SlurmNotSettled,
@@ -416,6 +422,51 @@ def test_validation_walks_newest_first_and_stops_at_the_first_valid(
 
     skipping = ValidateCheckpoints(JOB, 2, ValidationLevel.FULL, (str(paths[300]),))
     assert [s.step for s in run_execute(ex, [skipping])] == [200]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("commits", [True, False], ids=["committed-meanwhile", "never"])
+def test_a_validation_told_to_settle_awaits_the_save_still_being_written(
+    store: Store, slurm: FakeSlurm, tmp_path: Path, commits: bool
+) -> None:
+    """A planned stop's requeue decided while the ranks still write their final
+    checkpoint chooses it once committed; a save that never commits is awaited only
+    until the deadline, then the newest committed checkpoint is chosen."""
+    from agent.checkpoint.format import MARKER_NAME
+    from tests.ckpt_helpers import make_committed_checkpoint
+
+    root = tmp_path / "ckpt"
+    older = make_committed_checkpoint(root, 200)
+    writing = make_committed_checkpoint(root, 300)
+    marker = (writing / MARKER_NAME).read_bytes()
+    (writing / MARKER_NAME).unlink()  # still being written
+    ex = Executor(
+        store, slurm, checkpoint_root_of=lambda job_id: root, clock=time.time,
+        validate_fn=validate_checkpoint,
+    )  # fmt: skip
+
+    async def scenario() -> list[Observation]:
+        async def commit_later() -> None:
+            await asyncio.sleep(0.3)
+            (writing / MARKER_NAME).write_bytes(marker)
+
+        committer = asyncio.create_task(commit_later()) if commits else None
+        settle = time.time() + (60.0 if commits else 0.5)
+        intent = ValidateCheckpoints(JOB, 2, ValidationLevel.QUICK, settle_until_s=settle)
+        seen = await ex.execute(JOB, [intent], NOW)
+        if committer is not None:
+            await committer
+        return seen
+
+    started = time.monotonic()
+    seen = asyncio.run(scenario())
+    took = time.monotonic() - started
+    chosen = seen[-1]
+    assert isinstance(chosen, CheckpointValidated) and chosen.valid
+    if commits:
+        assert chosen.path == str(writing) and took < 30.0  # not the whole minute
+    else:
+        assert chosen.path == str(older) and took >= 0.4
+        assert [(s.step, s.valid) for s in seen] == [(300, False), (200, True)]  # type: ignore[attr-defined]
 
 
 def test_when_no_checkpoint_is_valid_the_last_report_has_no_path(

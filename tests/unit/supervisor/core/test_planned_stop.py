@@ -33,7 +33,7 @@ from supervisor.core.observations import (
     TimeLimitNear,
     TimeLimitNoticed,
 )
-from supervisor.core.planned_stop import REQUEUE_MARGIN_S
+from supervisor.core.planned_stop import REQUEUE_MARGIN_S, SETTLE_BEFORE_END_S
 from supervisor.core.policy import Decision, decide
 from tests.unit.policy_world import CLUSTER, NODES, NOW, POLICY, rank_exit, running
 
@@ -107,6 +107,17 @@ def test_the_end_drawing_near_requeues_even_when_no_stop_was_reported() -> None:
     late = step(record, Tick(), at=NOW + 120.0 - REQUEUE_MARGIN_S)
     assert late.record.state is JobState.RECOVERING
     assert late.cause is Cause.TIME_LIMIT
+    # The ranks may still be writing their final checkpoint: awaited, but not so long
+    # that the driver requeues the job itself first (5 s before the end).
+    (validate,) = [i for i in late.intents if isinstance(i, ValidateCheckpoints)]
+    assert validate.settle_until_s == NOW + 120.0 - SETTLE_BEFORE_END_S
+    assert NOW + 120.0 - REQUEUE_MARGIN_S < validate.settle_until_s <= NOW + 120.0 - 5.0
+
+
+def test_ranks_reported_stopped_leave_no_save_to_await() -> None:
+    stopped = step(noticed(), TimeLimitNear(60.0, stopped=True))
+    (validate,) = [i for i in stopped.intents if isinstance(i, ValidateCheckpoints)]
+    assert validate.settle_until_s is None
 
 
 def test_a_requeue_by_the_driver_itself_is_adopted_as_the_time_limit() -> None:
