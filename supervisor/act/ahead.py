@@ -12,7 +12,9 @@ rewritten, added or gone) is validated again then, as before.
 
 The background has a validation child of its own (niced): the fault's
 validation never waits for it, and takes the verdict of a background
-validation of the same checkpoint still running. Only the newest
+validation of the same checkpoint still running, once that one reads: a
+background child still starting (importing torch, niced, on a loaded head
+node: a minute and more) is not waited for, the fault's own child reads it. Only the newest
 checkpoint of a job waits to be validated (a newer one replaces it), and
 verdicts are kept for the newest :data:`KEEP` checkpoints. A restarted supervisor keeps none:
 its first recovery validates as before.
@@ -91,9 +93,13 @@ class Verdict:
 class AheadValidation:
     """Each job's newest checkpoint validated in the background; :meth:`run` is the task."""
 
-    def __init__(self, check: Check, *, keep: int = KEEP) -> None:
-        """``check(path, level)`` validates one checkpoint: ``(valid, reason)``."""
+    def __init__(
+        self, check: Check, *, keep: int = KEEP, reading: Callable[[], bool] = lambda: True
+    ) -> None:
+        """``check(path, level)`` validates one checkpoint: ``(valid, reason)``;
+        ``reading()``: whether a check under way reads now (its process has started)."""
         self._check = check
+        self._reading = reading
         self._keep = keep
         self._verdicts: OrderedDict[str, Verdict] = OrderedDict()
         self._waiting: OrderedDict[str, tuple[str, str]] = OrderedDict()  # job -> (path, level)
@@ -114,6 +120,10 @@ class AheadValidation:
         path = os.path.normpath(path)
         current = self._current
         if current is not None and current[0] == path and _covers(current[1], level):
+            if not self._reading():
+                log.info("checkpoint %s: its background validation is still starting; "
+                         "read at the fault instead", path)  # fmt: skip
+                return None
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(current[2])
         known = self._verdicts.get(path)

@@ -203,7 +203,10 @@ class Executor:
         # The background's own child, niced: a recovery's validation never waits for it.
         self.background = ValidationProcess(self.validation.limits, nice=BACKGROUND_NICE)
         self.ahead = (
-            AheadValidation(lambda path, level: self._read(path, level, self.background))
+            AheadValidation(
+                lambda path, level: self._read(path, level, self.background),
+                reading=lambda: validate_fn is not None or self.background.running,
+            )
             if validate_ahead
             else None
         )

@@ -49,10 +49,13 @@ def checkpoint(where: Path, name: str = "step-100") -> Path:
     return folder
 
 
-def scenario(body: Callable[[AheadValidation, Checks], Coroutine[Any, Any, None]]) -> None:
+def scenario(
+    body: Callable[[AheadValidation, Checks], Coroutine[Any, Any, None]],
+    reading: Callable[[], bool] = lambda: True,
+) -> None:
     async def main() -> None:
         checks = Checks()
-        ahead = AheadValidation(checks)
+        ahead = AheadValidation(checks, reading=reading)
         runner = asyncio.create_task(ahead.run())
         try:
             await body(ahead, checks)
@@ -168,6 +171,25 @@ def test_a_recovery_waits_for_the_background_read_of_the_same_checkpoint(
         assert await ahead.verdict(newer, "load") is None
 
     scenario(body)
+
+
+def test_a_recovery_does_not_wait_for_a_background_validation_still_starting(
+    tmp_path: Path,
+) -> None:
+    """The background's niced child importing torch on a loaded head node took 74 s;
+    a time-limit requeue waited for it while the recovery's own child was ready."""
+    newer = str(checkpoint(tmp_path, "step-2"))
+
+    async def body(ahead: AheadValidation, checks: Checks) -> None:
+        checks.gate = asyncio.Event()
+        ahead.note("12", newer, "full")
+        await checks.started.wait()
+        asked = asyncio.create_task(ahead.verdict(newer, "quick"))
+        await asyncio.sleep(0.2)
+        assert asked.done() and asked.result() is None  # read at the fault instead
+        checks.gate.set()
+
+    scenario(body, reading=lambda: False)
 
 
 def test_the_background_keeps_only_a_jobs_newest_checkpoint_waiting(tmp_path: Path) -> None:
