@@ -32,14 +32,15 @@ from supervisor.core.blame import Blame
 from supervisor.core.decision import LIVE, Context, Decision, decision
 from supervisor.core.model import Cause, JobRecord, JobState
 
-# Requeue no later than this long before Slurm ends the job when the ranks'
-# stop was never reported (their stop ends 10 s before it: agent.timelimit).
-REQUEUE_MARGIN_S = 8.0
-# A final save still being written then is awaited until this long before the end:
-# the requeue (requeuehold, resize and release, about 2 s) must end the batch script
-# before its driver requeues the job itself, 5 s before the end
-# (agent.driver.plannedstop.SELF_REQUEUE_BEFORE_END_S).
-SETTLE_BEFORE_END_S = 6.0
+# Requeue no later than this long before Slurm ends the job when the ranks' stop
+# was never reported: requeuehold, resize and release take about 2 s (a requeue
+# just after the end still works while slurmctld holds the job). Not earlier: with
+# the shortest leads the ranks may save until 5 to 7.5 s before the end.
+REQUEUE_MARGIN_S = 5.0
+# A final save still being written then is awaited until this long before the end
+# (at most 2 s of the decision task's time). Should the driver requeue the job
+# itself meanwhile (5 s before the end), that requeue is adopted as this one.
+SETTLE_BEFORE_END_S = 3.0
 # Without a time left from the notice, the end is assumed this far off.
 UNKNOWN_END_S = 60.0
 
