@@ -66,17 +66,34 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:
 def newest_committed_step(root: str | os.PathLike[str]) -> int | None:
     """The newest step under ``root`` with a commit marker (not validated), cheaply: one
     directory listing and a stat per step directory, newest first; None when none."""
+    for step in _steps_newest_first(root):
+        if _marked(root, step):
+            return step
+    return None
+
+
+def step_being_written(root: str | os.PathLike[str]) -> Path | None:
+    """The newest step directory under ``root`` when it has no commit marker yet (a save
+    under way, or one cut short); None when the newest is committed or there is none.
+    As cheap as :func:`newest_committed_step`."""
+    steps = _steps_newest_first(root)
+    if not steps or _marked(root, steps[0]):
+        return None
+    return Path(root) / fmt.step_dir_name(steps[0])
+
+
+def _steps_newest_first(root: str | os.PathLike[str]) -> list[int]:
     try:
         names = os.listdir(root)
     except OSError:
-        return None
-    steps = sorted(
+        return []
+    return sorted(
         (step for step in map(fmt.parse_step_dir_name, names) if step is not None), reverse=True
     )
-    for step in steps:
-        if (Path(root) / fmt.step_dir_name(step) / fmt.MARKER_NAME).is_file():
-            return step
-    return None
+
+
+def _marked(root: str | os.PathLike[str], step: int) -> bool:
+    return (Path(root) / fmt.step_dir_name(step) / fmt.MARKER_NAME).is_file()
 
 
 def newest_valid(

@@ -625,20 +625,18 @@ class Executor:
     async def _settle(self, job_id: str, root: Path, until_s: float) -> None:
         """Wait until ``until_s`` while the newest step directory under ``root`` is a save
         still being written (no commit marker yet): a planned stop's final checkpoint."""
-        entries = await asyncio.to_thread(catalog.list_checkpoints, root)
-        if not entries or entries[0].committed or self._clock() >= until_s:
-            return
-        writing = entries[0]
-        log.info(
-            "job %s: %s is still being written; waiting up to %.1f s for its commit",
-            job_id, writing.path, until_s - self._clock(),
-        )  # fmt: skip
-        while self._clock() < until_s:
-            await asyncio.sleep(min(SETTLE_POLL_S, max(0.0, until_s - self._clock())))
-            entries = await asyncio.to_thread(catalog.list_checkpoints, root)
-            if not entries or entries[0].committed:
+        waited = False
+        while (writing := await asyncio.to_thread(catalog.step_being_written, root)) is not None:
+            left_s = until_s - self._clock()
+            if left_s <= 0:
+                if waited:
+                    log.info("job %s: %s was not committed in time", job_id, writing)
                 return
-        log.info("job %s: %s was not committed in time", job_id, writing.path)
+            if not waited:
+                log.info("job %s: %s is still being written; waiting up to %.1f s for its "
+                         "commit", job_id, writing, left_s)  # fmt: skip
+                waited = True
+            await asyncio.sleep(min(SETTLE_POLL_S, left_s))
 
     def note_checkpoint(self, job_id: str, path: str, level: ValidationLevel) -> None:
         """``path`` is ``job_id``'s newest checkpoint: validate it ahead of any fault."""

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from agent.checkpoint import format as fmt
-from agent.checkpoint.catalog import list_checkpoints, newest_valid, supersede_newer
+from agent.checkpoint.catalog import (
+    list_checkpoints,
+    newest_committed_step,
+    newest_valid,
+    step_being_written,
+    supersede_newer,
+)
 from agent.checkpoint.retention import (
     Candidate,
     DeleteReason,
@@ -212,3 +218,18 @@ def test_resuming_moves_newer_checkpoints_aside_and_keeps_older_ones(tmp_path: P
     make_committed_checkpoint(tmp_path, 16)
     moved = supersede_newer(tmp_path, 12, now_unix_s=1_700_000_000)
     assert [path.name for path in moved] == ["step-16.superseded-1700000000-1"]
+
+
+def test_the_newest_step_being_written_is_told_from_the_newest_committed(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    assert step_being_written(root) is None and newest_committed_step(root) is None
+    make_committed_checkpoint(root, 100)
+    assert step_being_written(root) is None and newest_committed_step(root) == 100
+    (root / "step-200").mkdir()  # a save under way: no marker yet
+    (root / "step-150.aborted-123").mkdir()  # set aside: no step directory
+    assert step_being_written(root) == root / "step-200"
+    assert newest_committed_step(root) == 100
+    committed = make_committed_checkpoint(tmp_path / "other", 200)
+    (root / "step-200").rmdir()
+    shutil.copytree(committed, root / "step-200")
+    assert step_being_written(root) is None and newest_committed_step(root) == 200
