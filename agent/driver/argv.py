@@ -46,6 +46,8 @@ def agent_argv(
         "--secret-file", str(settings.job_dir / "secret"),
         "--master-addr", master_addr,
         "--master-port", str(master_port),
+        # The first node hosts the rendezvous store, wherever the address resolves.
+        "--master-node", nodes[0],
         "--launch-nonce", str(attempt),
         "--attempt", str(attempt),
         "--ckpt-root", settings.ckpt_root,

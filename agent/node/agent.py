@@ -271,6 +271,7 @@ class NodeAgent:
             master_port=config.master_port,
             restart_count=config.restart_count,
             launch_nonce=config.launch_nonce,
+            rdzv_host=(config.node == config.master_node) if config.master_node else None,
         )
         options_dir = self._torchrun_options_dir()
         settings = LaunchSettings(

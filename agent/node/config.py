@@ -42,6 +42,8 @@ class AgentConfig:
       ``python train.py``) runs on each node; srun's own ``--ntasks-per-node`` wins.
     - ``master_addr``: the host whose rendezvous store the launch's ranks meet at.
     - ``master_port``: the TCP port of that rendezvous store.
+    - ``master_node``: the node whose torchrun hosts that store (empty: each torchrun
+      guesses from the address, which any node takes for its own when it is a loopback).
     - ``restart_count``: Slurm's requeue count of the job (SLURM_RESTART_COUNT).
     - ``launch_nonce``: tells this launch's agents from an earlier one's on the same node.
     - ``attempt``: the supervisor's attempt number this launch belongs to (0: the first,
@@ -98,6 +100,7 @@ class AgentConfig:
     procs_per_node: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    master_node: str = ""
     restart_count: int = 0
     launch_nonce: str = "0"
     attempt: int = 0

@@ -82,6 +82,8 @@ _CONTROLLED = {
     "--rdzv_endpoint",
     "--rdzv-id",
     "--rdzv_id",
+    "--rdzv-conf",
+    "--rdzv_conf",
     "--master-addr",
     "--master_addr",
     "--master-port",
@@ -143,6 +145,8 @@ class Allocation:
     restart_count: int = 0
     # Distinguishes launches within one restart count (a fast-path relaunch).
     launch_nonce: str = "0"
+    # Whether this node's torchrun hosts the rendezvous store (None: torchrun guesses).
+    rdzv_host: bool | None = None
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -339,7 +343,7 @@ def plan_launch(
     env["PYTHONPATH"] = with_bootstrap(environ.get("PYTHONPATH"))
     shape = launch_shape(command)
     if shape is Shape.WRAPPER:
-        env.update(torchrun_env(allocation))
+        env.update(torchrun_env(allocation, environ.get("PET_RDZV_CONF", "")))
         env[ENV_ALLOCATION] = json.dumps(asdict(allocation), sort_keys=True)
         if settings.shim_dir:
             rest = [entry for entry in environ.get("PATH", "").split(_PATHSEP) if entry]
@@ -385,6 +389,7 @@ def fit_torchrun(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={allocation.master_addr}:{allocation.master_port}",
         f"--rdzv-id={allocation.rdzv_id}",
+        *_flag("--rdzv-conf", rdzv_conf(parsed.rdzv_conf, allocation.rdzv_host)),
         "--max-restarts=0",
         "--no-python",
         python,
@@ -396,15 +401,33 @@ def fit_torchrun(
     return argv, nproc
 
 
-def torchrun_env(allocation: Allocation) -> dict[str, str]:
+def rdzv_conf(user_conf: str, rdzv_host: bool | None) -> str:
+    """The rendezvous settings: the user's, with ``is_host`` the agent's own.
+
+    Told nothing, torchrun hosts the store on whichever node takes the endpoint's
+    address for its own, and every node does when it is a loopback address or a
+    name that several resolve alike; the store then lives on the node that bound
+    first, and that node's loss ends the whole world.
+    """
+    settings = [part for part in user_conf.split(",") if part.strip()]
+    if rdzv_host is not None:
+        settings = [part for part in settings if part.split("=", 1)[0].strip() != "is_host"]
+        settings.append(f"is_host={str(rdzv_host).lower()}")
+    return ",".join(settings)
+
+
+def torchrun_env(allocation: Allocation, user_rdzv_conf: str = "") -> dict[str, str]:
     """``PET_*`` defaults that fit any torchrun below a wrapper to the job (its flags win)."""
-    return {
+    env = {
         "PET_NNODES": str(allocation.nnodes),
         "PET_RDZV_BACKEND": "c10d",
         "PET_RDZV_ENDPOINT": f"{allocation.master_addr}:{allocation.master_port}",
         "PET_RDZV_ID": allocation.rdzv_id,
         "PET_MAX_RESTARTS": "0",
     }
+    if conf := rdzv_conf(user_rdzv_conf, allocation.rdzv_host):
+        env["PET_RDZV_CONF"] = conf
+    return env
 
 
 def allocation_from_env(environ: Mapping[str, str]) -> Allocation:
@@ -437,6 +460,11 @@ def slurm_task_env(environ: Mapping[str, str]) -> dict[str, str]:
         "SLURM_NTASKS_PER_NODE": local_world,
         "SLURM_TASKS_PER_NODE": f"{local_world}(x{environ.get('GROUP_WORLD_SIZE', '1')})",
     }
+
+
+def _flag(name: str, value: str) -> list[str]:
+    """``name=value`` as one token, or nothing for an empty value."""
+    return [f"{name}={value}"] if value else []
 
 
 def _torchrun_options(command: Sequence[str]) -> list[str]:

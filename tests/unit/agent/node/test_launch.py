@@ -18,6 +18,7 @@ from agent.node.launch import (
     plan_launch,
     refusal,
     slurm_task_env,
+    torchrun_env,
     torchrun_shim,
 )
 from agent.wire.errors import ConfigError
@@ -60,6 +61,33 @@ def test_user_rendezvous_and_restart_options_are_replaced_not_duplicated() -> No
     assert "--standalone" not in options and "1234" not in options and "static" not in options
     assert options[:4] == ("--nproc_per_node", "2", "--log-dir", "/logs")
     assert options.count("--max-restarts=0") == 1
+
+
+@pytest.mark.parametrize(("node", "is_host"), [("node1", "true"), ("node2", "false")])
+def test_the_named_first_node_alone_hosts_the_rendezvous_store(node: str, is_host: str) -> None:
+    """Told nothing, every torchrun whose host matches the endpoint (any of them, for a
+    loopback address) tries to host the store; the agent names the one that does, and a
+    user's own ``is_host`` gives way while the rest of their settings stay."""
+    allocation = replace(ALLOC, node=node, rdzv_host=node == "node1")
+    command = ["torchrun", "--nproc-per-node=2", "--rdzv-conf", "join_timeout=90,is_host=1", "t.py"]
+    result = plan_launch(command, allocation, SETTINGS, {}, PY, get_args_parser())
+    confs = [token for token in result.argv if token.startswith("--rdzv-conf")]
+    assert confs == [f"--rdzv-conf=join_timeout=90,is_host={is_host}"]
+    assert "join_timeout=90,is_host=1" not in result.argv
+    assert torchrun_env(allocation)["PET_RDZV_CONF"] == f"is_host={is_host}"
+    wrapper_env = torchrun_env(allocation, "join_timeout=90,is_host=1")
+    assert wrapper_env["PET_RDZV_CONF"] == f"join_timeout=90,is_host={is_host}"
+
+
+def test_without_a_named_host_torchrun_keeps_its_own_guess_and_the_users_settings() -> None:
+    result = plan(["torchrun", "--nproc-per-node=2", "--rdzv_conf=join_timeout=90", "t.py"])
+    assert [t for t in result.argv if "rdzv-conf" in t or "rdzv_conf" in t] == [
+        "--rdzv-conf=join_timeout=90"
+    ]
+    assert not any(
+        "rdzv" in t and "conf" in t for t in plan(["torchrun", "--nproc-per-node=2", "t.py"]).argv
+    )
+    assert "PET_RDZV_CONF" not in torchrun_env(ALLOC)
 
 
 def test_script_arguments_that_look_like_torchrun_options_pass_through() -> None:
