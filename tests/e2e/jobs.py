@@ -103,8 +103,33 @@ def finish(cluster: LiveCluster, supervisor: SupervisorProcess, run: Run) -> dic
 
 
 def story(supervisor: SupervisorProcess, run: Run) -> str:
-    """The job's decisions and its output's tail: what a failed assertion should show."""
-    return story_of(supervisor, run.job_id, run.text())
+    """The job's decisions, its output's tail and its checkpoints: what a failed
+    assertion should show."""
+    return "\n".join([story_of(supervisor, run.job_id, run.text()), checkpoints_story(run)])
+
+
+# What the job's own output says of its checkpoints: which one each attempt chose,
+# and what was moved aside, quarantined, deleted or refused.
+_CHECKPOINT_LINES = re.compile(
+    r"resum|moved aside|quarantin|retention|leftover|passing over|checkpoint root|"
+    r"attempt \d+:|starting at step|CheckpointError|CheckpointInvalid"
+)
+
+
+def checkpoints_story(run: Run) -> str:
+    """The checkpoint root as it is now (quarantine included) and the job's output lines
+    about its checkpoints: where a resume that found no checkpoint went wrong."""
+    listing = []
+    if run.ckpt.is_dir():
+        for path in sorted(run.ckpt.rglob("*")):
+            if path.is_dir() or path.parent == run.ckpt:
+                listing.append(str(path.relative_to(run.ckpt)))
+            elif path.name.startswith("resurgo."):
+                listing.append(f"{path.relative_to(run.ckpt)} ({path.stat().st_size} bytes)")
+    said = [line[:400] for line in run.text().splitlines() if _CHECKPOINT_LINES.search(line)]
+    return "\n".join(
+        ["--- checkpoint root now ---", *listing, "--- the job on its checkpoints ---", *said[-40:]]
+    )
 
 
 def story_of(supervisor: SupervisorProcess, job_id: int, text: str) -> str:
