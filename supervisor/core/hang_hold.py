@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import msgspec
+
 from agent.wire.datagram import Phase
 from agent.wire.protocol import Event
 from supervisor.core.model import JobRecord
@@ -47,8 +49,13 @@ class BusyRank(NamedTuple):
     phase: Phase
 
 
-class Heard(NamedTuple):
-    """A node's newest heartbeat report: its attempt, when, and the gap since the one before."""
+class Heard(msgspec.Struct, frozen=True, gc=False):
+    """A node's newest heartbeat report: its attempt, when, and the gap since the one before.
+
+    One per node each beat: untracked by the garbage collector (``gc=False``;
+    it holds no container), which at 16,384 nodes otherwise traversed every
+    new one, a 40-55 ms stop of the event loop every few seconds.
+    """
 
     attempt: int
     seen_s: float

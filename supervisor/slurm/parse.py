@@ -441,7 +441,7 @@ def parse_squeue_json(text: str | bytes) -> dict[int, SlurmJob]:
     return {job.job_id: job for job in jobs}
 
 
-class _SinfoNode(msgspec.Struct):
+class _SinfoNode(msgspec.Struct, gc=False):
     """The fields of a `sinfo --json` node record that are read, with their types."""
 
     name: str

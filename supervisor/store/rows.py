@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from agent.wire.protocol import Event, EventKind
 
 
@@ -341,9 +343,12 @@ class Lemon:
     users: int = 1  # distinct users whose jobs blamed it (a job of unknown user: one)
 
 
-@dataclass(frozen=True)
-class LeaseRow:
-    """The newest sign of life of one job's agent on one node."""
+class LeaseRow(msgspec.Struct, frozen=True, gc=False):
+    """The newest sign of life of one job's agent on one node.
+
+    Renewed by every beat of every node: untracked by the garbage collector
+    (``gc=False``; it holds no container), as :class:`~supervisor.core.hang_hold.Heard`.
+    """
 
     job_id: str
     node: str
