@@ -356,7 +356,7 @@ class _Api:
             ],
         )
         bounds = self._directory.ranks(job_id)
-        if not self._budget.admit(job_id, len(events), bounds[0] if bounds else None):
+        if not await self._budget.admit(job_id, len(events), bounds[0] if bounds else None):
             limit = self._budget.limit_for(bounds[0] if bounds else None)
             raise Cause.RATE_LIMITED.refuse(
                 f"job {job_id!r} sent more than {limit} events in a minute (the supervisor's "
