@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -367,13 +367,42 @@ class History(StoreCore):
         )
 
     @locked
-    def decisions_for(self, job_id: str) -> list[DecisionRow]:
-        """The job's decisions, oldest first."""
+    def recoveries_opened(self, job_id: str, live: Collection[str]) -> list[tuple[float, str]]:
+        """When each of the job's recoveries opened (a decision from a state in ``live`` to
+        ``recovering``), with its cause: the first one named (not ``none``) from that
+        decision on, ``unknown`` if none is. Read by SQL alone: a long job's thousands
+        of other decisions (straggler alerts) are never decoded."""
+        marks = ", ".join("?" * len(live))
         rows = self._db.execute(
-            "SELECT decision_id, job_id, event_id, from_state, to_state, cause, detail,"
-            " decided_s FROM decisions WHERE job_id = ? ORDER BY decision_id",
-            (job_id,),
+            "SELECT o.decided_s, (SELECT d.cause FROM decisions d WHERE d.job_id = o.job_id"
+            " AND d.decision_id >= o.decision_id AND d.cause NOT IN ('none', '')"
+            " ORDER BY d.decision_id LIMIT 1) FROM decisions o WHERE o.job_id = ?"
+            f" AND o.to_state = 'recovering' AND o.from_state IN ({marks})"
+            " ORDER BY o.decision_id",
+            (job_id, *sorted(live)),
         )
+        return [(float(t), cause if cause is not None else "unknown") for t, cause in rows]
+
+    @locked
+    def decisions_for(self, job_id: str, after_s: float | None = None) -> list[DecisionRow]:
+        """The job's decisions, oldest first; with ``after_s``, those from the first one
+        decided after ``after_s`` on (every later one, whatever its time).
+
+        A scrape reads what came since its last window, not a long job's whole
+        history (a straggler alert is a decision: thousands an hour on a large job).
+        """
+        columns = (
+            "SELECT decision_id, job_id, event_id, from_state, to_state, cause, detail,"
+            " decided_s FROM decisions WHERE job_id = ?"
+        )
+        if after_s is None:
+            rows = self._db.execute(f"{columns} ORDER BY decision_id", (job_id,))
+        else:
+            rows = self._db.execute(
+                f"{columns} AND decision_id >= (SELECT min(decision_id) FROM decisions"
+                " WHERE job_id = ? AND decided_s > ?) ORDER BY decision_id",
+                (job_id, job_id, after_s),
+            )
         return [_decision(row) for row in rows]
 
 

@@ -91,8 +91,8 @@ def _facts_in(
         return window.after_s < t <= window.upto_s
 
     facts = [Fact(created_s, FactKind.QUEUED)] if inside(created_s) else []
-    decisions = store.decisions_for(job_id)
     since = None if math.isinf(window.after_s) else window.after_s
+    decisions = store.decisions_for(job_id, after_s=since)
     read = [p for p in store.progress_for(job_id, since_s=since) if p.time_s > window.after_s]
     progress = [p for p in read if p.time_s <= window.upto_s]
     ended = window.ended
@@ -305,14 +305,12 @@ def goodput_of(store: Store, job_id: str, now_s: float) -> Goodput:
 def node_faults(store: Store, jobs: Sequence[JobRow] | None = None) -> list[float]:
     """When Resurgo decided a node was at fault, across all jobs (or ``jobs``, the
     store's job rows as the caller read them), for the MTBF."""
-    times = []
-    for job in store.list_jobs() if jobs is None else jobs:
-        decisions = store.decisions_for(job.job_id)
-        for index, decision in enumerate(decisions):
-            opened = decision.from_state in _LIVE and decision.to_state == "recovering"
-            if opened and _cause_from(decisions[index:]) in _NODE_FAULTS:
-                times.append(decision.decided_s)
-    return times
+    return [
+        opened_s
+        for job in (store.list_jobs() if jobs is None else jobs)
+        for opened_s, cause in store.recoveries_opened(job.job_id, _LIVE)
+        if cause in _NODE_FAULTS
+    ]
 
 
 def _ends_completed(later: list[DecisionRow]) -> bool:

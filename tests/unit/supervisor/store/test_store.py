@@ -369,3 +369,14 @@ def test_one_pruning_deletes_at_most_what_it_is_allowed(store: Store) -> None:
     store.record_events(JOB, [event(seq) for seq in range(1, 101)], now_s=NOW)
     assert store.prune_events(JOB, 10, 1 << 20, 25)[0] == 25
     assert store.event_usage(JOB)[0] == 75
+
+
+def test_decisions_after_a_time_start_at_the_first_one_past_it(store: Store) -> None:
+    """A scrape's window reads from its start on: every later decision, in order, even
+    one dated earlier (a clock stepped back), and none before."""
+    for t, cause in ((NOW, "a"), (NOW + 10, "b"), (NOW + 5, "c"), (NOW + 20, "d")):
+        store.record_decision(JOB, None, "running", "running", cause, {}, t)
+    assert [d.cause for d in store.decisions_for(JOB)] == ["a", "b", "c", "d"]
+    assert [d.cause for d in store.decisions_for(JOB, after_s=NOW + 1)] == ["b", "c", "d"]
+    assert [d.cause for d in store.decisions_for(JOB, after_s=NOW + 15)] == ["d"]
+    assert store.decisions_for(JOB, after_s=NOW + 20) == []

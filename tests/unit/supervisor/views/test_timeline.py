@@ -254,3 +254,17 @@ def test_a_resume_whose_step_its_first_report_gives_waits_for_that_report(store:
     timeline.advance(store, 100.0)
     lost = timeline.goodput(100.0).badput_s[Badput.LOST_WORK]
     assert lost == goodput_of(store, JOB, 100.0).badput_s[Badput.LOST_WORK] == 10.0
+
+
+def test_node_faults_count_recoveries_a_node_caused_among_many_other_decisions(
+    store: Store,
+) -> None:
+    _decide(store, 10, "submitted", "starting")
+    for at in range(11, 40):
+        _decide(store, at, "running", "running", "straggler")  # alerts: no recovery
+    _decide(store, 45, "running", "recovering")  # named by the next decision with a cause
+    _decide(store, 46, "recovering", "recovering", "hang")
+    _decide(store, 60, "relaunching", "running")
+    _decide(store, 70, "running", "recovering", "user_exception")  # not a node's fault
+    _decide(store, 80, "running", "recovering", "node_lost")
+    assert node_faults(store) == [45, 80]
