@@ -155,9 +155,13 @@ class SlurmWatch:
         if nodes is not None and self.rights is None:
             self.rights = await self._detect_rights()
         now = self.clock()
+        # Nodes Slurm reports lost: a handful among thousands, looked at once per poll.
+        lost = (
+            {} if nodes is None else {n: x for n, x in nodes.items() if x.down or x.not_responding}
+        )
         if nodes is not None and self.rights is not None:
             self._note_lifted_drains(nodes, nodes_read_s, now)
-            self.cluster.view = self._cluster_view(nodes, now)
+            self.cluster.view = self._cluster_view(nodes, frozenset(lost), now)
             self.cluster.known.set()
             self._say_policy()
         if slurm_jobs is not None and self.rights is not None:
@@ -169,7 +173,7 @@ class SlurmWatch:
                 if seen is not None:
                     self._observe_slurm_job(job_id, job, seen, read_s)
             if nodes is not None:
-                self._observe_nodes(job_id, job, nodes)
+                self._observe_nodes(job_id, job, lost)
 
     def _check_ended(self, ended: Ended) -> None:
         """Record a node check's end in its job's events and act on its verdict: a pass
@@ -280,9 +284,10 @@ class SlurmWatch:
                     node,
                 )
 
-    def _cluster_view(self, nodes: dict[str, SlurmNode], now: float) -> ClusterView:
+    def _cluster_view(
+        self, nodes: dict[str, SlurmNode], down: frozenset[str], now: float
+    ) -> ClusterView:
         drained = frozenset(n for n, node in nodes.items() if node.drained)
-        down = frozenset(n for n, node in nodes.items() if node.down or node.not_responding)
         policy = self.policy
         lemons = self.store.lemons(
             policy.lemon_blames, policy.lemon_window_s, now, policy.lemon_users
@@ -323,17 +328,20 @@ class SlurmWatch:
         )
         self.decisions.sighted(job_id, observation, read_s)
 
-    def _observe_nodes(self, job_id: str, job: TrackedJob, nodes: dict[str, SlurmNode]) -> None:
-        """Hand the core the job's nodes Slurm reports lost (see
-        :func:`supervisor.core.leases.judge_nodes`)."""
+    def _observe_nodes(self, job_id: str, job: TrackedJob, lost: dict[str, SlurmNode]) -> None:
+        """Hand the core the job's nodes Slurm reports lost (``lost``: down or not
+        responding; see :func:`supervisor.core.leases.judge_nodes`, to which a node
+        not listed is a node Slurm has nothing against)."""
         names = (*job.record.nodes, *job.record.spare_nodes)
         seen = {
             name: SlurmNodeSeen(
                 name, down=node.down, not_responding=node.not_responding, drained=node.drained
             )
             for name in names
-            if (node := nodes.get(name)) is not None
+            if (node := lost.get(name)) is not None
         }
+        if not seen and not job.nodes_flagged and not job.nodes_excused:
+            return  # nothing to flag, nothing flagged to clear: the verdicts stay empty
         calling_in = {lease.node for lease in self.store.leases_for(job_id)}
         verdicts = judge_nodes(names, seen, calling_in, job.nodes_flagged, job.nodes_excused)
         job.nodes_flagged, job.nodes_excused = set(verdicts.flagged), set(verdicts.excused)
