@@ -57,9 +57,15 @@ class Supervisor:
     With ``floor``, :func:`floor_main` instead: no supervisor, only HTTP.
     """
 
-    def __init__(self, where: Path, bin_dir: Path, port: int, floor: bool = False) -> None:
+    def __init__(
+        self, where: Path, bin_dir: Path, port: int, floor: bool = False, metrics_port: int = 0
+    ) -> None:
+        """``metrics_port``: ``/metrics`` on a listener of its own (``metrics_listen``), as
+        an operator of thousands of agents sets it: a scrape then never waits behind the
+        agents' connections for the API listener's accept queue (0: the API's listener)."""
         self.where = where
         self.url = f"http://127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}" if metrics_port else self.url
         self.log_path = where / "supervisor.log"
         env = {
             **os.environ,
@@ -71,6 +77,8 @@ class Supervisor:
             "RESURGO_SUPERVISOR_URL": self.url,
             "RESURGO_SUPERVISOR_LOG_JSON": "no",
         }
+        if metrics_port:
+            env["RESURGO_SUPERVISOR_METRICS_LISTEN"] = f"127.0.0.1:{metrics_port}"
         argv = [sys.executable, "-m", "supervisor.daemon"]
         if floor:
             argv = [sys.executable, "-m", "bench.supervisor_load", "--floor-server", str(port)]

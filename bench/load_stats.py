@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import math
 import os
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -42,6 +43,47 @@ def percentile(values: list[float], share: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
+
+
+class Scraper:
+    """A Prometheus-style scrape of ``/metrics`` every ``every_s`` in a thread of its own,
+    with Prometheus' default 10 s timeout: each scrape's seconds, and how many failed."""
+
+    def __init__(self, url: str, every_s: float = 15.0, timeout_s: float = 10.0) -> None:
+        self.url, self.every_s, self.timeout_s = url, every_s, timeout_s
+        self.seconds: list[float] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the scrapes (a scrape under way first ends or times out)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            started = time.perf_counter()
+            try:
+                urllib.request.urlopen(self.url + "/metrics", timeout=self.timeout_s).read()
+            except OSError:
+                self.failed += 1
+            else:
+                self.seconds.append(time.perf_counter() - started)
+            if self._stop.wait(max(0.0, self.every_s - (time.perf_counter() - started))):
+                return
+
+    def figures(self) -> dict[str, Any]:
+        """The scrapes' count, slowest and failures, for the run's JSON line."""
+        return {
+            "scrapes": len(self.seconds) + self.failed,
+            "scrape_max_s": round(max(self.seconds), 3) if self.seconds else None,
+            "scrapes_failed": self.failed,
+        }
 
 
 def loop_lag_buckets(url: str) -> dict[float, float]:

@@ -44,7 +44,11 @@ the wall time, i.e. the cores it used, and per request; the generators' CPU
 the same way; the machine's busy cores (what neither used is other work);
 and the share of the window the supervisor was runnable but waited for a
 CPU (``/proc/<pid>/task/*/schedstat``): above a few percent it was starved.
-RSS is read at the end of the window. The supervisor's own
+RSS is read at the end of the window. From the start to the drain's end, a
+Prometheus-style scrape of ``/metrics`` every 15 s (10 s timeout,
+Prometheus' default) goes to a listener of its own (``metrics_listen``, as
+an operator of thousands of agents sets it): ``scrapes``, ``scrape_max_s``
+and ``scrapes_failed``. The supervisor's own
 ``resurgo_supervisor_loop_lag_seconds`` histogram, scraped at both ends of
 the window, bounds how late its event loop ran (``supervisor_loop_lag_*``,
 bucket upper bounds): the supervisor's share of the latencies, which on a
@@ -127,6 +131,7 @@ from bench.load_cluster import (
 )
 from bench.load_harness import Supervisor, floor_main, free_port, wait_listening, wait_registered
 from bench.load_stats import (
+    Scraper,
     lag_quantile_ms,
     loop_lag_buckets,
     read_store,
@@ -160,8 +165,9 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
         url = f"http://127.0.0.1:{port}"
         plans = write_jobs(where / "state" / "jobs", jobs, args.ranks_per_node, url, where, rng)
         secrets_by_job = {plan.job_id: bytes.fromhex(plan.secret_hex) for plan in plans}
-        supervisor = Supervisor(where, bin_dir, port, floor=args.floor)
+        supervisor = Supervisor(where, bin_dir, port, floor=args.floor, metrics_port=free_port())
         workers: list[subprocess.Popen[str]] = []
+        scraper = Scraper(supervisor.metrics_url)
         try:
             if args.floor:
                 asyncio.run(wait_listening(url, timeout_s=60))
@@ -199,6 +205,8 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
                 assert worker.stdin is not None
                 worker.stdin.write(json.dumps(go) + "\n")
                 worker.stdin.flush()
+            if not args.floor:
+                scraper.start()
             generators = [psutil.Process(worker.pid) for worker in workers]
             cpus = sorted(os.sched_getaffinity(0))
             if args.pin and len(cpus) >= 2:
@@ -210,10 +218,10 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
             time.sleep(max(0.0, go["measure_from"] - time.time()))
             profiler = _start_profiler(args.profile, agents, supervisor.process.pid, args)
             before = sample_usage(supervisor, generators)
-            lag_before = {} if args.floor else loop_lag_buckets(url)
+            lag_before = {} if args.floor else loop_lag_buckets(supervisor.metrics_url)
             time.sleep(max(0.0, go["measure_until"] - time.time()))
             after = sample_usage(supervisor, generators)
-            lag_after = {} if args.floor else loop_lag_buckets(url)
+            lag_after = {} if args.floor else loop_lag_buckets(supervisor.metrics_url)
             rss_mib = supervisor.ps.memory_info().rss / (1 << 20)
             if profiler is not None:
                 profiler.wait(timeout=60)
@@ -227,6 +235,7 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
             print(f"bench: supervisor log tail:\n{supervisor.log_tail()}", file=sys.stderr)
             raise
         finally:
+            scraper.stop()
             for worker in workers:
                 if worker.poll() is None:
                     worker.kill()
@@ -241,6 +250,8 @@ def run_one(agents: int, args: argparse.Namespace, aggregated: bool = False) -> 
     figures = run_figures(agents, len(jobs), args, before, after, rss_mib, results, stored,
                           job_states, logs)  # fmt: skip
     figures["path"] = "aggregated" if aggregated else "direct"
+    if not args.floor:
+        figures.update(scraper.figures())
     if aggregated:
         figures["heartbeats"] = "job"
         figures["job_sizes"] = sorted({len(nodes) for nodes in jobs.values()})

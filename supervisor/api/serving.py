@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 
 # A request head not whole this long after the connection opened (or its last answer).
 HEADER_TIMEOUT_S = 30.0
+# Connections the kernel holds for the loop to accept (capped by net.core.somaxconn,
+# 4096 on current kernels). aiohttp's default of 128 overflowed whenever thousands
+# of agents opened connections at once (an agent's event connection idles longer
+# than the keep-alive): each dropped SYN is sent again 1, 3, 7 s later, which held
+# events for seconds and kept a /metrics scrape from connecting for 30 s.
+LISTEN_BACKLOG = 4096
 
 
 async def serve(
@@ -58,7 +64,7 @@ async def serve(
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
     except BaseException:
         await runner.cleanup()
         raise
