@@ -45,6 +45,7 @@ from agent.checkpoint.catalog import newest_committed_step
 from agent.node.ckptscan import SCAN_S, CheckpointScan
 from agent.node.commands import (
     await_final_checkpoint,
+    await_save_settled,
     notice_is_ours,
     queued,
     ranks_stopped,
@@ -529,15 +530,17 @@ class NodeAgent:
     async def _stop_for_time_limit(self, notice: Notice) -> None:
         """Final checkpoint, then a graceful stop (agent.timelimit): ask the ranks to save at
         their next step boundary, wait for a checkpoint newer than the notice (or the
-        notice's ``save_by``), then stop them with the usual grace."""
+        notice's ``save_by``), then stop them with the usual grace. Ranks that take no
+        request are stopped once a save they have under way has ended."""
         await self._watch_tick()  # the exits of ranks that just ended, first
         assert self._watcher is not None
         finished = bool(self._exits) and not self._watcher.live_ranks
         root = self.config.ckpt_root
         before = newest_committed_step(root) if root else None
         # Only ranks of the in-rank library can take a save request: a script seen through
-        # the bootstrap alone (its optimizer steps) saves when it saves, and waiting for it
-        # would eat the time a short limit leaves.
+        # the bootstrap alone (its optimizer steps) saves when it saves, and waiting for its
+        # next save would eat the time a short limit leaves. A save it has under way is
+        # let end first: cut short, a first checkpoint leaves nothing to resume from.
         asked = bool(root) and self._library_beats and not finished
         if asked:
             write_save_request(self._save_request_path(), int(notice.warned_unix_s * 1000))
@@ -557,6 +560,11 @@ class NodeAgent:
             log.info("time limit near: the ranks have already exited; nothing to stop")
             return
         outcome = "the ranks do not use Resurgo's library, no save request reaches them"
+        if root and not asked:
+            settled = await await_save_settled(
+                root, self._saves.saving, notice.save_by_unix_s, self._clocks.wall
+            )
+            outcome = f"{outcome}; {settled}" if settled else outcome
         if asked:
             assert root
             log.info("time limit near: final checkpoint requested (newest committed: %s)", before)

@@ -6,7 +6,9 @@ steps it takes. A supervisor command becomes an item of the agent's queue
 for the ranks (:func:`write_interval`), a stop runs :func:`terminate` and
 reports :func:`ranks_stopped`. A time-limit notice that is this launch's
 (:func:`notice_is_ours`) asks the ranks for a final checkpoint and waits for
-it (:func:`await_final_checkpoint`) before the same stop.
+it (:func:`await_final_checkpoint`) before the same stop; a script that saves
+when it saves is stopped once a save it has under way has ended
+(:func:`await_save_settled`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint import files
+from agent.checkpoint import files, layouts
 from agent.checkpoint.catalog import newest_committed_step
 from agent.node.procs import RankExit, RankProcess, pid_alive
 from agent.stopfiles import held_ranks
@@ -29,6 +31,11 @@ from agent.train.schedule import CheckpointInterval, format_override
 from agent.wire import protocol
 
 log = logging.getLogger(__name__)
+
+# A checkpoint modified this recently is still being written: the files of one save
+# (weights, optimizer, each rank's RNG state, the Trainer's state) follow each other
+# within milliseconds on an idle machine and within a second on a loaded one.
+SAVE_QUIET_S = 2.0
 
 
 def queued(command: protocol.Command) -> tuple[str, dict[str, Any]] | None:
@@ -142,3 +149,31 @@ async def await_final_checkpoint(
         await asyncio.sleep(0.25)
     since = "" if before is None else f" newer than step {before}"
     return f"no checkpoint{since} committed by the deadline"
+
+
+def newest_checkpoint_write(root: str) -> float | None:
+    """The newest modification (Unix seconds) in any checkpoint under ``root``, of any
+    layout; None when there is none."""
+    return max((found.mtime_s for found in layouts.find_all(root)), default=None)
+
+
+async def await_save_settled(
+    root: str,
+    saving: Callable[[], bool],
+    until_unix_s: float,
+    wall: Callable[[], float],
+    quiet_s: float = SAVE_QUIET_S,
+) -> str | None:
+    """Wait, until ``until_unix_s``, while a script that saves when it saves has a save
+    under way: a local rank in its checkpoint phase (``saving``), or a checkpoint under
+    ``root`` modified less than ``quiet_s`` ago. A SIGTERM then would cut the save short,
+    and a run's first checkpoint cut short leaves it nothing to resume from. None when no
+    save was under way; else the outcome, in words."""
+    waited = False
+    while wall() < until_unix_s:
+        newest = await asyncio.to_thread(newest_checkpoint_write, root)
+        if not saving() and (newest is None or wall() - newest >= quiet_s):
+            return "the script's save under way has ended" if waited else None
+        waited = True
+        await asyncio.sleep(0.25)
+    return "the script's save under way had not ended by the deadline" if waited else None

@@ -42,6 +42,10 @@ class SaveNotes:
         elif (since := self._saving_since.pop(beat.rank, None)) is not None:
             self._save_seconds[beat.rank] = now - since
 
+    def saving(self) -> bool:
+        """Whether a local rank is in its checkpoint phase now."""
+        return bool(self._saving_since)
+
     def event(self, message: CheckpointNote) -> tuple[protocol.EventKind, dict[str, Any]] | None:
         """The event a checkpoint note becomes; None (logged) for a path that is not UTF-8."""
         if not protocol.is_unicode(message.path):

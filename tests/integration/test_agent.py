@@ -14,6 +14,7 @@ import secrets
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -384,6 +385,38 @@ def test_a_time_limit_notice_stops_a_script_seen_only_through_the_bootstrap_at_o
     assert near.payload["final_checkpoint_requested"] is False
     assert "Resurgo's library" in stopped.payload["reason"]
     assert stopped.time_unix_s - near.time_unix_s < 5.0
+
+
+def test_a_time_limit_notice_lets_an_uninstrumented_scripts_save_under_way_end_first(
+    agent_factory, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A Trainer writing its checkpoint-20 when the notice comes: SIGTERM then would cut
+    the save short, and a run's first checkpoint cut short leaves nothing to resume from.
+    The agent stops the ranks once the checkpoint has stayed unmodified for a while."""
+    agent = _time_limit_agent(agent_factory, tmp_path, [])
+    agent.wait_file("step.1")
+    saving = tmp_path / "ckpt" / "checkpoint-20"
+    saving.mkdir(parents=True)
+    writes_until = time.time() + 4.0
+
+    def write() -> None:  # a slow save: a file more every 0.3 s
+        shard = 0
+        while time.time() < writes_until:
+            (saving / f"rng_state_{shard}.pth").write_bytes(b"x" * 64)
+            shard += 1
+            time.sleep(0.3)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    _notice(tmp_path, save_in_s=30.0, end_in_s=60.0)
+    near = agent.wait_event(EventKind.TIME_LIMIT_NEAR, 10)
+    stopped = agent.wait_event(EventKind.RANKS_STOPPED, 20)
+    writer.join()
+    assert near.payload["final_checkpoint_requested"] is False
+    assert "save under way has ended" in stopped.payload["reason"], stopped.payload
+    # Not before the last write and the quiet after it, and not at the deadline either.
+    assert stopped.time_unix_s >= writes_until + 1.5, stopped.time_unix_s - writes_until
+    assert stopped.time_unix_s - near.time_unix_s < 15.0
 
 
 def test_a_time_limit_notice_asks_instrumented_ranks_for_a_checkpoint_until_its_deadline(
