@@ -106,6 +106,8 @@ class SimulatedAgent:
         # Only the first node's agent reports its job's checkpoints (as global rank 0's
         # does): set for aggregated runs, whose jobs reach 2,048 nodes.
         self.commits_on_rank_0_only = False
+        # In an aggregated run: the job's aggregator relays this agent's batches.
+        self.relay: SimulatedAggregator | None = None
 
     def step(self, now: float) -> int:
         """The job's current step: every rank of a synchronous job is at the same one."""
@@ -326,7 +328,10 @@ class SimulatedAgent:
             started = time.time()
             clock = time.perf_counter()
             try:
-                reply = await self.post(protocol.EVENTS_PATH, body, EVENT_TIMEOUT_S)
+                if self.relay is not None:
+                    reply = await self.relay.relay(batch)
+                else:
+                    reply = await self.post(protocol.EVENTS_PATH, body, EVENT_TIMEOUT_S)
             except (aiohttp.ClientError, OSError, TimeoutError, Rejected, ValueError,
                     asyncio.IncompleteReadError, protocol.ProtocolError) as error:  # fmt: skip
                 self.stats.event_failures += 1
@@ -358,8 +363,12 @@ class SimulatedAggregator:
     heartbeats the real aggregator would send: every node's at its first forward
     and then each node's every :data:`REFRESH_PERIODS` periods (its compute times
     move), at most :data:`~agent.wire.protocol.MAX_JOB_REPORTS` a request. The
-    job's agents send their events themselves, straight to the supervisor, as the
-    real agents do; only the first node's reports the job's checkpoints.
+    job's agents' event batches (all of kinds the real relay takes) go through it
+    as through :class:`agent.driver.eventrelay.EventRelay`: the batches that came
+    while its previous request was answered go in one signed ``POST /v1/events``,
+    and each agent gets its own acknowledgements; an agent's batch timed is from
+    its handing to the relay to its answer. Only the first node's agent reports
+    the job's checkpoints.
     """
 
     def __init__(
@@ -387,6 +396,60 @@ class SimulatedAggregator:
         )
         self.checked_encoding = False
         self.beats_sent = 0
+        self.relay_connection = Connection(address.hostname, address.port)
+        self.relay_waiting: list[tuple[list[protocol.Event], asyncio.Future[protocol.Reply]]] = []
+        self.relay_wake = asyncio.Event()
+        for agent in agents:
+            agent.relay = self
+
+    async def relay(self, batch: list[protocol.Event]) -> protocol.Reply:
+        """An agent's batch, answered once the supervisor answered the request it went in."""
+        assert all(event.kind in protocol.RELAYED_KINDS for event in batch)
+        answer: asyncio.Future[protocol.Reply] = asyncio.get_running_loop().create_future()
+        self.relay_waiting.append((batch, answer))
+        self.relay_wake.set()
+        return await answer
+
+    async def relay_forever(self) -> None:
+        while True:
+            await self.relay_wake.wait()
+            self.relay_wake.clear()
+            while self.relay_waiting:
+                group, count = [], 0
+                for batch, answer in self.relay_waiting:
+                    if group and count + len(batch) > protocol.MAX_EVENTS_PER_BATCH:
+                        break
+                    group.append((batch, answer))
+                    count += len(batch)
+                del self.relay_waiting[: len(group)]
+                await self.relay_group(group)
+
+    async def relay_group(
+        self, group: list[tuple[list[protocol.Event], asyncio.Future[protocol.Reply]]]
+    ) -> None:
+        body = protocol.encode_events([event for batch, _ in group for event in batch])
+        path = protocol.EVENTS_PATH
+        headers = protocol.signed_headers(self.secret, protocol.METHOD, path,
+                                          self.plan.job_id, int(time.time()), body)  # fmt: skip
+        try:
+            async with asyncio.timeout(EVENT_TIMEOUT_S):
+                status, data = await self.relay_connection.post(path, headers, body)
+            if status != 200:
+                raise Rejected(status, data.decode("utf-8", "replace")[:2000])
+            reply = protocol.decode_reply(data)
+        except (aiohttp.ClientError, OSError, TimeoutError, Rejected, ValueError,
+                asyncio.IncompleteReadError, protocol.ProtocolError) as error:  # fmt: skip
+            # The real relay answers 503 and the agent sends straight to the supervisor;
+            # here the agent sends its batch to the relay again after its backoff.
+            for _, answer in group:
+                if not answer.done():
+                    answer.set_exception(error)
+            return
+        accepted = set(reply.accepted_event_ids)
+        for batch, answer in group:
+            own = tuple(event.event_id for event in batch if event.event_id in accepted)
+            if not answer.done():
+                answer.set_result(protocol.Reply(accepted_event_ids=own))
 
     def body(self, now: float, period: int) -> bytes:
         """The request's body, as :func:`agent.wire.protocol.encode_job_heartbeats` makes it."""
@@ -418,6 +481,7 @@ class SimulatedAggregator:
         """Forward every second from ``start_at`` (jittered) until ``stop_at``; each agent
         draws its events in the same ticks."""
         senders = [asyncio.create_task(agent.send_events()) for agent in self.agents]
+        senders.append(asyncio.create_task(self.relay_forever()))
         try:
             # Jobs start one after another, not all in one second: each job's agents
             # announce themselves at its start (agent_started), then it forwards.
@@ -434,6 +498,7 @@ class SimulatedAggregator:
                 sender.cancel()
             await asyncio.gather(*senders, return_exceptions=True)
             self.stream.close()
+            self.relay_connection.close()
             for agent in self.agents:
                 for connection in agent.connections.values():
                     connection.close()

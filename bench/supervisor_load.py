@@ -68,13 +68,16 @@ to 2,048 nodes (``bench.load_cluster.plan_aggregated_jobs``), each job one
 simulated aggregator that sends one frame a second on its own stream
 (``/v1/job/heartbeats/stream``): a beat for every node at the job's step, and
 the whole heartbeats the real aggregator sends (every node's at its first
-forward, then each node's every 30 s, at most 64 a frame). The agents still
-send their events themselves as POSTs (``agent_started`` at their job's
-start, the jobs starting one after another over 80% of the warm-up, then the
-same random mix, with only a job's first node reporting its checkpoints). A
-direct run of ``--direct-beside`` agents (4,096 by default) goes first, and
-the last line holds both side by side. The latencies are the job frames'
-and the events'.
+forward, then each node's every 30 s, at most 64 a frame). The agents' events
+(``agent_started`` at their job's start, the jobs starting one after another
+over 80% of the warm-up, then the same random mix, with only a job's first
+node reporting its checkpoints; all kinds the real aggregator relays) go
+through the job's aggregator as through ``agent/driver/eventrelay.py``: the
+batches that came while its previous request was answered in one signed
+POST. A direct run of ``--direct-beside`` agents (4,096 by default) goes
+first, and the last line holds both side by side. The latencies are the job
+frames' and the events' (an agent's batch from its handing to the relay to
+its answer).
 
 ``--pin`` keeps the supervisor on the first CPU and the generators on the
 others. ``--profile PREFIX`` records the supervisor with py-spy.

@@ -21,10 +21,10 @@ stream; :mod:`agent.wire.protocol.jobbeats`):
   :data:`~agent.wire.protocol.MAX_JOB_REPORTS` a request, changes first.
 
 The supervisor's answer lists each agent's commands; each goes back with the
-answer to that agent's next heartbeat. Events never pass through here: they
-go straight from each agent to the supervisor (spooled, acknowledged end to
-end), so a rank's death or a hang report is as fast as without an
-aggregator.
+answer to that agent's next heartbeat (or to its next event batch). The same
+listener relays the agents' routine event batches (:mod:`agent.driver.eventrelay`);
+a rank's death or a hang report goes straight from its agent to the
+supervisor, as fast as without an aggregator.
 
 The stream is as guarded as the supervisor's: an upgrade must be signed with
 the job's secret inside the replay window (else 401), every frame is
@@ -49,6 +49,7 @@ from collections.abc import Callable, Collection
 import aiohttp
 from aiohttp import WSMsgType, web
 
+from agent.driver.eventrelay import EventRelay, check_signed
 from agent.wire import protocol
 from agent.wire.auth import Rejected
 from agent.wire.periodic import every
@@ -169,6 +170,10 @@ class Aggregator:
         self._session: aiohttp.ClientSession | None = None
         self._failing_since: float | None = None
         self._logged_failure_s = 0.0
+        self.relay = EventRelay(
+            job_id, secret, supervisor_url, self._nodes, self._commands_held,
+            clock=clock, window_s=window_s, cut_off=self._cut_off,
+        )  # fmt: skip
         self.url = ""
         self.forwarded = 0  # requests the supervisor took
         self.heartbeats_taken = 0
@@ -177,6 +182,7 @@ class Aggregator:
         """Listen on ``host`` (a port the OS picks), start forwarding; the agents' URL."""
         app = web.Application(client_max_size=protocol.MAX_BODY_BYTES)
         app.router.add_get(protocol.HEARTBEAT_STREAM_PATH, self._stream)
+        self.relay.attach(app)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         listener = socket.create_server((host, 0), family=_family(host), reuse_port=False)
@@ -193,6 +199,7 @@ class Aggregator:
         self._forwarder = asyncio.create_task(
             every(self._period_s, self.forward, log, "aggregator")
         )
+        self.relay.start(session)
         return self.url
 
     async def close(self) -> None:
@@ -200,6 +207,7 @@ class Aggregator:
         if self._forwarder is not None:
             self._forwarder.cancel()
             await asyncio.gather(self._forwarder, return_exceptions=True)
+        await self.relay.close()
         await asyncio.gather(
             *(stream.close(message=b"the job's aggregator stopped") for stream in self._streams),
             return_exceptions=True,
@@ -232,21 +240,7 @@ class Aggregator:
 
     def _check_upgrade(self, request: web.Request) -> None:
         """Refuse an upgrade not signed with the job's secret inside the replay window."""
-        headers = request.headers
-        if headers.get(protocol.HEADER_JOB) != self.job_id:
-            raise _refused(web.HTTPForbidden, f"this aggregator is job {self.job_id}'s only")
-        if headers.get(protocol.HEADER_PROTOCOL) != str(protocol.PROTOCOL_VERSION):
-            raise _refused(web.HTTPBadRequest, "unsupported protocol version")
-        timestamp = headers.get(protocol.HEADER_TIMESTAMP, "")
-        if not timestamp.isascii() or not timestamp.isdigit() or len(timestamp) > 12:
-            raise _refused(web.HTTPUnauthorized, "missing or malformed timestamp")
-        try:
-            protocol.verify(
-                self._secret, "GET", request.raw_path, self.job_id, int(timestamp), b"",
-                headers.get(protocol.HEADER_SIGNATURE, ""), int(self._clock()), self._window_s,
-            )  # fmt: skip
-        except AuthError as error:
-            raise _refused(web.HTTPUnauthorized, str(error)) from None
+        check_signed(request, b"", self.job_id, self._secret, self._clock, self._window_s)
 
     def answer(self, frame: bytes) -> bytes:
         """One frame's answer: the agent's commands, or the refusal that says why not."""
@@ -269,17 +263,23 @@ class Aggregator:
         if newest is None or report.time_unix_s >= newest.time_unix_s:
             # Kept even when refused below: the next forward tries the supervisor again.
             self._newest[report.node] = report
+        why = self._cut_off()
+        if why is not None:
+            return _refusal(503, "aggregator_cut_off", f"{why}: report to the supervisor")
+        self.heartbeats_taken += 1
+        commands = self._commands_held(report.node, report.agent_incarnation)
+        return protocol.encode_reply(Reply(commands=tuple(commands)))
+
+    def _commands_held(self, node: str, incarnation: str) -> list[Command]:
+        """The commands held for an agent, handed over once."""
+        return self._commands.pop((node, incarnation), [])
+
+    def _cut_off(self) -> str | None:
+        """Why the agents must report to the supervisor themselves now; None: they need not."""
         failing_s = self.failing_s()
         if failing_s > CUT_OFF_S:
-            return _refusal(
-                503,
-                "aggregator_cut_off",
-                f"the job's aggregator has not reached the supervisor for {failing_s:.0f} s: "
-                "report to the supervisor",
-            )
-        self.heartbeats_taken += 1
-        commands = self._commands.pop((report.node, report.agent_incarnation), ())
-        return protocol.encode_reply(Reply(commands=tuple(commands)))
+            return f"the job's aggregator has not reached the supervisor for {failing_s:.0f} s"
+        return None
 
     async def forward(self) -> None:
         """Send what was heard since the last forward: beats, and the whole reports due."""
@@ -343,10 +343,6 @@ class Aggregator:
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _refused(kind: type[web.HTTPException], reason: str) -> web.HTTPException:
-    return kind(text=reason, content_type="text/plain")
 
 
 def _refusal(status: int, cause: str, reason: str) -> bytes:

@@ -15,6 +15,12 @@ supervisor outage loses nothing:
    earlier incarnation's unacknowledged events first, with their original
    ids, so the supervisor records each exactly once.
 
+In a job with an aggregator (the in-job driver's, ``aggregator_url``), routine
+events (:data:`~agent.wire.protocol.RELAYED_KINDS`) go to it instead, which
+sends many agents' batches to the supervisor in one request and answers each
+agent with its own acknowledgements (:mod:`agent.driver.eventrelay`); a batch
+holding a rank's exit, a hang or a stop goes straight to the supervisor.
+
 Heartbeats are best effort and never spooled: only the newest matters. They
 go over one WebSocket to the supervisor's heartbeat stream, opened with a
 signed upgrade request and kept open (a request per heartbeat costs the
@@ -317,9 +323,10 @@ class Reporter:
 
     async def _post_batch(self) -> None:
         events = self._spool.batch(self._max_batch, protocol.MAX_BODY_BYTES - 4096)
-        reply = await self._post(
-            protocol.EVENTS_PATH, protocol.encode_events(events), self._timeout_s
-        )
+        body = protocol.encode_events(events)
+        reply = await self._relayed(events, body)
+        if reply is None:
+            reply = await self._post(self._base_url, protocol.EVENTS_PATH, body, self._timeout_s)
         accepted = set(reply.accepted_event_ids)
         # Only a prefix can leave the spool: the cursor is a position, and
         # anything after a gap is resent (the supervisor dedups it).
@@ -332,11 +339,38 @@ class Reporter:
         if count == 0:
             raise Rejected(200, f"reply did not list {events[0].event_id}")
 
-    async def _post(self, path: str, body: bytes, timeout_s: float) -> Reply:
+    async def _relayed(self, events: list[Event], body: bytes) -> Reply | None:
+        """The reply to ``events`` through the job's aggregator (routine events only); None
+        when they must go straight to the supervisor: one starts or ends a recovery, there
+        is no aggregator, or it failed (then all go straight to the supervisor for
+        :data:`AGGREGATOR_RETRY_S`, as heartbeats do)."""
+        aggregator = self._aggregator
+        if (
+            aggregator is None
+            or self._clock() < self._direct_until
+            or any(event.kind not in protocol.RELAYED_KINDS for event in events)
+        ):
+            return None
+        try:
+            return await self._post(
+                aggregator.base_url, protocol.EVENTS_PATH, body, self._timeout_s
+            )
+        except (*_UNDELIVERED, Rejected) as error:
+            self._direct_until = self._clock() + AGGREGATOR_RETRY_S
+            logger.warning(
+                "the job's aggregator did not take %d event(s) (%s); events and heartbeats go "
+                "straight to the supervisor for %.0f s",
+                len(events),
+                _describe(error),
+                AGGREGATOR_RETRY_S,
+            )
+            return None
+
+    async def _post(self, base_url: str, path: str, body: bytes, timeout_s: float) -> Reply:
         if self._session is None:
             raise RuntimeError("Reporter.start() was not called")
         data = await signed_post(
-            self._session, self._base_url + path, self.job_id, self._secret, body,
+            self._session, base_url + path, self.job_id, self._secret, body,
             timeout_s=timeout_s, clock=self._clock,
         )  # fmt: skip
         return protocol.decode_reply(data)

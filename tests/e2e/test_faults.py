@@ -207,8 +207,9 @@ def test_agents_whose_aggregator_stops_answering_report_straight_and_training_go
 ) -> None:
     """The job's heartbeat aggregator lives in the in-job driver on the batch host. When
     it stops answering (the driver wedged, its host unreachable) while the ranks train
-    on, every agent sends its heartbeats straight to the supervisor: no agent goes
-    silent, nothing is recovered, and the run is the unfaulted one."""
+    on, every agent sends its heartbeats and its routine events (the step reports, the
+    checkpoints it relayed) straight to the supervisor: no agent goes silent, no event
+    waits, nothing is recovered, and the run is the unfaulted one."""
     run = submit(supervisor, tmp_path, "--step-s", "3")  # 16 steps: 48 s of training
     aggregated = f"job {run.job_id}: heartbeats arrive through the job's aggregator"
     slurm_cluster.wait_for("aggregated heartbeats", lambda: aggregated in supervisor.log(), 120)
@@ -217,12 +218,27 @@ def test_agents_whose_aggregator_stops_answering_report_straight_and_training_go
     )
     driver = process_of(run.job_id, "agent.driver")
     straight = rf"job {run.job_id}: node (\S+)'s agent reports straight to the supervisor"
+
+    def step_reports_since(since_s: float) -> int:
+        """Step reports (rank 0's node sends them) the supervisor stored after ``since_s``."""
+        with supervisor.store() as store:
+            rows = store.events_for(str(run.job_id), kinds=["step_losses"])
+        return sum(row.received_s > since_s for row in rows)
+
+    slurm_cluster.wait_for(
+        "step reports relayed", lambda: step_reports_since(time.time() - 10), timeout_s=60
+    )
     driver.send_signal(signal.SIGSTOP)
+    stopped_s = time.time()
     try:
         slurm_cluster.wait_for(
             "every agent reporting straight",
             lambda: len({*re.findall(straight, supervisor.log())}) == 4,
             timeout_s=30,
+        )
+        # The step reports go on reaching the supervisor without the aggregator.
+        slurm_cluster.wait_for(
+            "step reports sent straight", lambda: step_reports_since(stopped_s + 1.0) >= 2, 30
         )
         time.sleep(5)
         silent = [line for line in supervisor.log().splitlines()

@@ -103,6 +103,7 @@ from agent.wire.protocol.jobbeats import (
     slowest_loaded_step,
 )
 from agent.wire.protocol.messages import (
+    RELAYED_KINDS,
     AgentCommands,
     Command,
     CommandKind,
@@ -160,6 +161,7 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "METHOD",
     "PROTOCOL_VERSION",
+    "RELAYED_KINDS",
     "REPLAY_WINDOW_S",
     "RETRY_MAX_S",
     "AgentCommands",

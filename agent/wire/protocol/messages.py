@@ -33,6 +33,18 @@ class EventKind(enum.Enum):
     WORLD_MISMATCH = "world_mismatch"
 
 
+# What a job's aggregator may carry to the supervisor for its agents (agent.driver.eventrelay):
+# nothing that starts or ends a recovery, which goes straight to the supervisor.
+RELAYED_KINDS = frozenset({
+    EventKind.STRAGGLER,
+    EventKind.CHECKPOINT_COMMITTED,
+    EventKind.CHECKPOINT_WRITTEN,
+    EventKind.AGENT_STARTED,
+    EventKind.STEP_LOSSES,
+    EventKind.TIME_LIMIT_NEAR,
+})  # fmt: skip
+
+
 class HangDetector(enum.Enum):
     """Which detector declared a rank hung (``hung[].detector`` of a HANG event)."""
 
