@@ -287,6 +287,7 @@ class NodeAgent:
             procs_per_node=config.procs_per_node,
             shim_dir=str(self._shim_dir()),
             torchrun_options_dir=None if options_dir is None else str(options_dir),
+            torchrun_log_dir=str(self.run_dir / "torchrun"),
         )
         parser = torchrun_parser(options_dir)
         return plan_launch(

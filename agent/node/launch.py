@@ -61,6 +61,8 @@ from agent.wire.environ import (
 from agent.wire.errors import ConfigError
 
 ENV_TORCHRUN_OPTIONS_DIR = "RESURGO_TORCHRUN_OPTIONS_DIR"
+# torchrun's --log-dir, read from the environment when the option is not given.
+ENV_TORCHRUN_LOG_DIR = "PET_LOG_DIR"
 # The allocation as JSON, for the torchrun that a wrapper script starts (agent.node.torchrunshim).
 ENV_ALLOCATION = "RESURGO_ALLOCATION"
 # Set for per-rank launches: the rank shim gives the command Slurm's task variables.
@@ -183,6 +185,10 @@ class LaunchSettings:
     # Where torchrun's parser is described (agent.node.torchrun_options), for the
     # ``torchrun`` a wrapper starts.
     torchrun_options_dir: str | None = None
+    # torchrun's --log-dir unless the user gave one: in the agent's run directory, which
+    # goes with the launch. Without one torchrun makes a /tmp/torchelastic_* directory
+    # at every start and never removes it: a cluster's nodes gather them by the thousand.
+    torchrun_log_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -341,6 +347,8 @@ def plan_launch(
     env = {name: value for name, value in environ.items() if name != ENV_SKIP_SAMPLES}
     env.update(_resurgo_env(allocation, settings))
     env["PYTHONPATH"] = with_bootstrap(environ.get("PYTHONPATH"))
+    if settings.torchrun_log_dir and ENV_TORCHRUN_LOG_DIR not in environ:
+        env[ENV_TORCHRUN_LOG_DIR] = settings.torchrun_log_dir  # a --log-dir given still wins
     shape = launch_shape(command)
     if shape is Shape.WRAPPER:
         env.update(torchrun_env(allocation, environ.get("PET_RDZV_CONF", "")))

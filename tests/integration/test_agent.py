@@ -274,6 +274,8 @@ def test_the_default_run_directory_goes_with_its_launch_unless_events_wait_in_it
         try:
             agent.wait_file("step.1")
             assert run_dir.is_dir(), agent.tail()
+            # torchrun's own log directory is in it, not a /tmp/torchelastic_* of its own.
+            assert [p.name for p in (run_dir / "torchrun").iterdir()], agent.tail()
             assert agent.process.wait(timeout=60) == 0, agent.tail()
             if delivered:
                 assert server.events[-1].kind is EventKind.AGENT_STOPPED

@@ -265,3 +265,15 @@ def test_the_bootstrap_directory_put_first_on_the_ranks_path_holds_the_sitecusto
     from agent.node.launch import BOOTSTRAP_DIR
 
     assert (Path(BOOTSTRAP_DIR) / "sitecustomize.py").is_file(), BOOTSTRAP_DIR
+
+
+@pytest.mark.parametrize("command", [["torchrun", "--nproc-per-node=1", "t.py"], ["bash", "r.sh"]])
+def test_torchrun_logs_in_the_run_directory_unless_the_user_said_where(command: list[str]) -> None:
+    """Without a log directory torchrun makes a /tmp/torchelastic_* one at every start and
+    leaves it; in the agent's run directory it goes with the launch."""
+    settings = replace(SETTINGS, torchrun_log_dir="/run/torchrun")
+    env = plan_launch(command, ALLOC, settings, {"PATH": "/bin"}, PY, get_args_parser()).env
+    assert env["PET_LOG_DIR"] == "/run/torchrun"
+    own = {"PATH": "/bin", "PET_LOG_DIR": "/var/log/elastic"}
+    env = plan_launch(command, ALLOC, settings, own, PY, get_args_parser()).env
+    assert env["PET_LOG_DIR"] == "/var/log/elastic"
