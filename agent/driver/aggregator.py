@@ -52,6 +52,7 @@ from aiohttp import WSMsgType, web
 from agent.driver.eventrelay import EventRelay, check_signed
 from agent.wire import protocol
 from agent.wire.auth import Rejected
+from agent.wire.errors import describe
 from agent.wire.periodic import every
 from agent.wire.protocol import (
     AuthError,
@@ -335,7 +336,7 @@ class Aggregator:
         log.warning(
             "the supervisor did not take the job's heartbeats (%s) for %.0f s; "
             "retrying every %.0f s",
-            _describe(error),
+            describe(error),
             now - self._failing_since,
             self._period_s,
         )
@@ -347,9 +348,3 @@ def _family(host: str) -> socket.AddressFamily:
 
 def _refusal(status: int, cause: str, reason: str) -> bytes:
     return protocol.encode_refusal(Refusal(status, cause, protocol.clip_text(reason, 500)))
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, TimeoutError):
-        return "timed out"
-    return str(error) or type(error).__name__

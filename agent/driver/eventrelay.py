@@ -39,6 +39,7 @@ from aiohttp import web
 
 from agent.wire import protocol
 from agent.wire.auth import Rejected, signed_post
+from agent.wire.errors import describe
 from agent.wire.protocol import AuthError, Command, Event, ProtocolError, Reply
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ class EventRelay:
             return
         except (aiohttp.ClientError, TimeoutError, ConnectionError, ProtocolError) as error:
             log.warning("the supervisor did not take %d agent(s)' events (%s): they send "
-                        "them straight to it", len(group), _describe(error))  # fmt: skip
+                        "them straight to it", len(group), describe(error))  # fmt: skip
             self._answer_all(group, _unreachable(f"the supervisor did not answer ({error!r})"))
             return
         self.requests_sent += 1
@@ -253,9 +254,3 @@ def _unreachable(why: str) -> web.Response:
 
 def _passed_on(error: Rejected) -> web.Response:
     return web.Response(status=error.status, text=error.reason, content_type="text/plain")
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, TimeoutError):
-        return "timed out"
-    return str(error) or type(error).__name__

@@ -51,7 +51,7 @@ import tenacity
 from agent.node.spool import Spool
 from agent.wire import protocol
 from agent.wire.auth import Rejected, signed_post
-from agent.wire.errors import ConfigError
+from agent.wire.errors import ConfigError, describe
 from agent.wire.protocol import Command, Event, EventKind, HeartbeatReport, Reply
 from agent.wire.streamline import HEARTBEATS, StreamLine
 
@@ -254,12 +254,12 @@ class Reporter:
                 reply = await line.send(self._session, body, self._heartbeat_timeout_s)
         except Rejected as error:
             self.heartbeat_failures += 1
-            logger.debug("heartbeat refused by %s: %s", line.name, _describe(error))
+            logger.debug("heartbeat refused by %s: %s", line.name, describe(error))
             return False
         except _UNDELIVERED as error:
             await line.drop()
             self.heartbeat_failures += 1
-            logger.debug("heartbeat not delivered to %s: %s", line.name, _describe(error))
+            logger.debug("heartbeat not delivered to %s: %s", line.name, describe(error))
             return False
         self.heartbeats_sent += 1
         self._dispatch(reply.commands)
@@ -361,7 +361,7 @@ class Reporter:
                 "the job's aggregator did not take %d event(s) (%s); events and heartbeats go "
                 "straight to the supervisor for %.0f s",
                 len(events),
-                _describe(error),
+                describe(error),
                 AGGREGATOR_RETRY_S,
             )
             return None
@@ -436,13 +436,7 @@ class Reporter:
         elif isinstance(error, aiohttp.ClientError | TimeoutError | Rejected):
             logger.warning(
                 "supervisor unreachable (%s): no answer for %.0f s (retried without limit); %s",
-                _describe(error), state.seconds_since_start, where,
+                describe(error), state.seconds_since_start, where,
             )  # fmt: skip
         else:
             logger.error("sending events failed unexpectedly; %s", where, exc_info=error)
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, TimeoutError):
-        return "timed out"
-    return str(error) or type(error).__name__

@@ -15,3 +15,11 @@ class CheckpointInvalid(CheckpointError):
 
 class ConfigError(ResurgoError):
     """A setting is missing, unknown or out of range; the message names it."""
+
+
+def describe(error: BaseException) -> str:
+    """A failed request's error in a few words, for a log line ("timed out" for a timeout,
+    whose message is empty)."""
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    return str(error) or type(error).__name__
