@@ -447,8 +447,7 @@ class NodeAgent:
     async def _watch_tick(self) -> None:
         assert self._watcher is not None
         self._check_world(self._watcher.discover())
-        for rank_exit in self._watcher.poll_exits(self._clocks.wall()):
-            await self._emit_exit(rank_exit)
+        await self._emit_exits(self._watcher.poll_exits(self._clocks.wall()))
 
     def _check_world(self, ranks: Sequence[RankProcess]) -> None:
         """Report, once, a rank whose world is not the job's: ``nnodes`` nodes of
@@ -483,15 +482,22 @@ class NodeAgent:
         """After the launcher ended: every rank's exit, reported once, before the launcher's."""
         assert self._watcher is not None
         now = self._clocks.wall()
-        for rank_exit in self._watcher.launcher_exit(returncode, now):
-            await self._emit_exit(rank_exit)
+        await self._emit_exits(self._watcher.launcher_exit(returncode, now))
         deadline = self._clocks.monotonic() + 2.0
         while self._watcher.live_ranks and self._clocks.monotonic() < deadline:
-            for rank_exit in self._watcher.poll_exits(self._clocks.wall()):
-                await self._emit_exit(rank_exit)
+            await self._emit_exits(self._watcher.poll_exits(self._clocks.wall()))
             await asyncio.sleep(0.1)
 
-    async def _emit_exit(self, rank_exit: RankExit) -> None:
+    async def _emit_exits(self, exits: Sequence[RankExit]) -> None:
+        """Report exits found together, each with the node's ranks left after it (the
+        watcher counts them all as exited already)."""
+        assert self._watcher is not None
+        left = self._watcher.ranks_left()
+        for index, rank_exit in enumerate(exits):
+            after = None if left is None else left + len(exits) - 1 - index
+            await self._emit_exit(rank_exit, after)
+
+    async def _emit_exit(self, rank_exit: RankExit, ranks_left: int | None = None) -> None:
         # What the rank sent before it died may still wait in the socket: read it
         # first, or its last step depends on which the loop happened to take
         # first, and the same crash reads as two (a crash loop seen one attempt late).
@@ -512,6 +518,7 @@ class NodeAgent:
                 "exit_time_unix_s": rank_exit.time_unix_s,
                 **_raised_fields(rank_exit),
                 **({"script_ended": True} if rank_exit.script_ended else {}),
+                **({"ranks_left": ranks_left} if ranks_left is not None else {}),
                 **({"stderr_tail": rank_exit.stderr_tail} if rank_exit.stderr_tail else {}),
                 **(await kernel_evidence(rank_exit, self._kernel_log)),
             },
@@ -627,8 +634,7 @@ class NodeAgent:
         ranks = self._watcher.live_ranks
         log.info("stopping %d rank(s): %s (grace %.0f s)", len(ranks), reason, grace)
         killed = await terminate(ranks, self._process.pid, grace, self._clocks.monotonic)
-        for rank_exit in self._watcher.poll_exits(self._clocks.wall()):
-            await self._emit_exit(rank_exit)
+        await self._emit_exits(self._watcher.poll_exits(self._clocks.wall()))
         await self.events.emit(
             protocol.EventKind.RANKS_STOPPED,
             ranks_stopped(reason, command_id, grace, ranks, killed, self._exits),

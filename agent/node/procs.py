@@ -132,6 +132,12 @@ class RankWatcher:
         """Ranks not yet reported as exited."""
         return [rank for key, rank in self._ranks.items() if key not in self._reported]
 
+    def ranks_left(self) -> int | None:
+        """Ranks not yet reported as exited, once every expected rank was seen; else None."""
+        if self._expected is None or len(self._ranks) < self._expected:
+            return None
+        return len(self._ranks) - len(self._reported)
+
     def discover(self) -> list[RankProcess]:
         """Find ranks not seen before; return them."""
         found: list[RankProcess] = []

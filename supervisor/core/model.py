@@ -278,8 +278,9 @@ class Recovery:
       :data:`MAX_EXITS`), so the root cause is the first to die and not the
       first reported; ``cause`` is the cause of the earliest so far.
       ``settled``: the job's nodes whose launcher ended in this exit window
-      (the agent reports every rank's exit before its launcher's): once all
-      have, no exit is still on its way and the window closes early.
+      (the agent reports every rank's exit before its launcher's), or whose
+      last rank's exit said none was left: once all have, no exit is still on
+      its way and the window closes early.
     - ``exclude``: nodes the relaunch must not use (blamed, lost, lemons).
     - ``requeue``: the allocation cannot be reused (batch host died, Slurm
       ended the allocation, the fast path failed) or is given up to grow.

@@ -58,6 +58,8 @@ class RankExited(AgentReport):
     "" or None when not sent: ``message`` and ``errno`` of the exception,
     ``stderr_tail`` (its last lines on standard error), ``oom_kill`` and ``xid``
     (the kernel's lines), as :mod:`supervisor.core.failure_rules` reads them.
+    ``ranks_left``: the node's ranks still running after this one (None: the agent
+    did not know them all), 0 when this was the node's last.
     """
 
     KIND: ClassVar[EventKind] = EventKind.RANK_EXITED
@@ -76,6 +78,7 @@ class RankExited(AgentReport):
     stderr_tail: str = ""
     oom_kill: str | None = None
     xid: str | None = None
+    ranks_left: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,6 +420,7 @@ def _rank_exited(event: Event) -> RankExited:
         raised=raised if isinstance(raised, str) else None,
         raised_time_s=_opt_float(payload, "raised_time_unix_s"),
         script_ended=payload.get("script_ended") is True,
+        ranks_left=_opt_int(payload, "ranks_left"),
         message=_opt_str(payload, "raised_message") or "",
         errno=_opt_int(payload, "errno"),
         stderr_tail=_opt_str(payload, "stderr_tail") or "",

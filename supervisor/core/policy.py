@@ -304,7 +304,13 @@ def _on_rank_exit(record: JobRecord, event: RankExited, ctx: Context) -> Decisio
             return _nothing(finished, f"{rank} was stopped after its script ran to its end")
         return _nothing(record, "; ".join(blame(event, record, ctx.cluster).evidence))
     if record.state in LIVE:
-        return _open_exit_window(record, seen, ctx)
+        opened = _open_exit_window(record, seen, ctx)
+        pending = opened.record.recovery
+        if event.ranks_left == 0 and pending is not None and pending.collecting_exits:
+            # The node's every rank has exited: its evidence is in (one rank a node).
+            record = _settled(opened.record, event.node)
+            return replace(opened, record=record) if _due(record) else _decide_exits(record, ctx)
+        return opened
     pending = record.recovery
     if record.state is not JobState.RECOVERING or pending is None:
         return _nothing(record, f"{rank} exited while {record.state.value}")
@@ -319,7 +325,26 @@ def _on_rank_exit(record: JobRecord, event: RankExited, ctx: Context) -> Decisio
     exits = tuple(sorted((*pending.exits, seen), key=lambda e: e.died_at_s))[:MAX_EXITS]
     cause = blame_exits(exits, record)[1].cause
     record = replace(record, recovery=replace(pending, cause=cause, exits=exits))
+    if event.ranks_left == 0:  # this node's every rank has exited: its evidence is in
+        record = _settled(record, event.node)
+        if not _due(record):
+            return _decide_exits(record, ctx)
     return Decision(record, (), cause, f"{rank} failed too: evidence for the root cause")
+
+
+def _settled(record: JobRecord, node: str) -> JobRecord:
+    """``record`` with ``node``'s exits all in: its launcher ended, or its last rank exited."""
+    pending = record.recovery
+    if pending is None or node not in record.nodes or node in pending.settled:
+        return record
+    settled = tuple(sorted({*pending.settled, node}))
+    return replace(record, recovery=replace(pending, settled=settled))
+
+
+def _due(record: JobRecord) -> list[str]:
+    """The nodes whose exits are still due in the open exit window."""
+    settled = record.recovery.settled if record.recovery is not None else ()
+    return [node for node in record.nodes if node not in settled]
 
 
 def _open_exit_window(record: JobRecord, seen: ExitSeen, ctx: Context) -> Decision:
@@ -355,9 +380,8 @@ def _on_launcher_end(
         return _nothing(record, idle)
     if event.node not in record.nodes or event.node in pending.settled:
         return _nothing(record, idle)
-    settled = tuple(sorted({*pending.settled, event.node}))
-    record = replace(record, recovery=replace(pending, settled=settled))
-    waiting = [node for node in record.nodes if node not in settled]
+    record = _settled(record, event.node)
+    waiting = _due(record)
     if not waiting:
         return _decide_exits(record, ctx)
     return _nothing(record, f"launcher on {event.node} ended; exits still due from {waiting}")

@@ -63,7 +63,11 @@ def test_sigkilled_rank_is_reported_with_signal_9_within_2_s(agent_factory) -> N
     assert event.payload["signal"] == 9 and event.payload["signal_name"] == "SIGKILL"
     assert event.payload["last_step"] >= 1
     assert event.time_unix_s - killed_at < 2.0
+    assert event.payload["ranks_left"] == 1  # rank 0 still runs: the node's exits are not in
     assert agent.wait_event(EventKind.LAUNCHER_EXITED, 30).payload["exit_code"] != 0
+    # torchrun stopped rank 0: the node's last exit says so, before the launcher's.
+    exits = [e.payload for e in agent.events() if e.kind is EventKind.RANK_EXITED]
+    assert [(e["global_rank"], e["ranks_left"]) for e in exits] == [(1, 1), (0, 0)]
 
 
 def test_sigstopped_instrumented_rank_is_reported_hung_with_every_stack(agent_factory) -> None:  # type: ignore[no-untyped-def]

@@ -1,8 +1,9 @@
 """The decision core's exit evidence window: peers of a dead rank fail moments later.
 
 Exits are collected, in any report order, until the window closes or every node's
-launcher has ended; the earliest death is then the root cause (a node signal wins a
-tie), and one restart is counted. Hang reports inside the window are evidence only.
+exits are in (its launcher ended, or its last rank's exit said none was left); the
+earliest death is then the root cause (a node signal wins a tie), and one restart is
+counted. Hang reports inside the window are evidence only.
 """
 
 from __future__ import annotations
@@ -239,6 +240,35 @@ def test_the_exit_window_closes_once_every_nodes_launcher_ended():
     assert isinstance(decided.intents[0], DrainNode) and decided.intents[0].node == "node3"
     (after,) = run(decided.record, launcher_ended("node3"), policy=WINDOW, cluster=FOUR)
     assert after.record == decided.record and after.intents == ()
+
+
+def test_the_exit_window_closes_once_every_nodes_last_rank_exited_without_their_launchers():
+    """A node whose last rank's exit says none is left (``ranks_left`` 0) has reported all
+    its exits: the window closes once every node has, without waiting for the launchers'
+    teardown. A node with a rank still running (``ranks_left`` 1) is waited for."""
+    killed = replace(rank_exit("node3", sig=KILL, exit_time=NOW - 3.0), ranks_left=0)
+    peers = [
+        replace(rank_exit(n, code=1, digest="gloo", exit_time=NOW - 2.0), ranks_left=0)
+        for n in ("node1", "node2")
+    ]
+    one_left = replace(rank_exit("node4", code=1, exit_time=NOW - 2.0), ranks_left=1)
+    opened, *collecting = run(running(), killed, *peers, one_left, policy=WINDOW, cluster=FOUR)
+    assert opened.record.recovery is not None and opened.record.recovery.settled == ("node3",)
+    assert all(d.intents == () for d in (opened, *collecting))
+    last = collecting[-1].record
+    assert last.recovery is not None and last.recovery.settled == ("node1", "node2", "node3")
+    node4_done = replace(
+        rank_exit("node4", code=1, exit_time=NOW - 1.9), global_rank=7, ranks_left=0
+    )
+    (decided,) = run(last, node4_done, policy=WINDOW, cluster=FOUR)
+    assert decided.cause is Cause.RANK_SIGNAL  # at NOW: well before the window's end
+    assert kinds(decided) == [DrainNode, StopRanks, ValidateCheckpoints]
+    assert isinstance(decided.intents[0], DrainNode) and decided.intents[0].node == "node3"
+    # Without the count (an agent that did not know its ranks), the launchers decide.
+    unknown = [replace(exit_seen, ranks_left=None) for exit_seen in (killed, *peers)]
+    *_, waiting = run(running(), *unknown, policy=WINDOW, cluster=FOUR)
+    assert waiting.intents == () and waiting.record.recovery is not None
+    assert waiting.record.recovery.settled == ()
 
 
 def test_a_launcher_end_outside_an_exit_window_changes_nothing():
