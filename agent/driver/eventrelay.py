@@ -88,6 +88,7 @@ class EventRelay:
         self._waiting: list[_Waiting] = []
         self._wake = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
+        self._closed = False
         self.batches_relayed = 0  # agents' batches the supervisor answered
         self.requests_sent = 0
 
@@ -101,7 +102,9 @@ class EventRelay:
         self._sender = asyncio.create_task(self._send_forever(), name="resurgo-event-relay")
 
     async def close(self) -> None:
-        """Stop sending; waiting agents are told to send to the supervisor."""
+        """Stop sending; waiting agents (and any that come now) are told to send to the
+        supervisor, so no request waits on the listener's shutdown."""
+        self._closed = True
         if self._sender is not None:
             self._sender.cancel()
             await asyncio.gather(self._sender, return_exceptions=True)
@@ -126,7 +129,7 @@ class EventRelay:
                     web.HTTPBadRequest,
                     f"a {event.kind.value} event goes straight to the supervisor",
                 )
-        why = self._cut_off()
+        why = "the job's aggregator stopped" if self._closed else self._cut_off()
         if why is not None:
             return _unreachable(why)
         waiting = _Waiting(events, len(body))

@@ -206,3 +206,30 @@ def test_the_relay_refuses_what_the_job_did_not_sign_other_nodes_and_urgent_kind
             await aggregator.close()
 
     run(scenario(test))
+
+
+def test_a_batch_that_comes_while_the_relay_stops_is_sent_back_at_once(tmp_path: Path) -> None:
+    """Nothing is left waiting on the listener's shutdown (which would hold the driver's
+    exit for aiohttp's shutdown timeout): the agent is told to send to the supervisor."""
+
+    async def test(api: Api) -> None:
+        aggregator = await started(api, ("node1",))
+        try:
+            await aggregator.relay.close()
+            made = protocol.make_event(
+                EventKind.STEP_LOSSES, JOB, "node1", "9f2c1ab04d7e3310", 1, NOW, step_losses(1)
+            )
+            body = protocol.encode_events([made])
+            headers = protocol.signed_headers(SECRET, "POST", protocol.EVENTS_PATH, JOB, NOW, body)
+            async with (
+                asyncio.timeout(2.0),
+                api.session.post(
+                    aggregator.url + protocol.EVENTS_PATH, data=body, headers=headers
+                ) as response,
+            ):
+                assert response.status == 503
+                assert "send the events to the supervisor" in await response.text()
+        finally:
+            await aggregator.close()
+
+    run(scenario(test))
