@@ -153,8 +153,14 @@ async def await_final_checkpoint(
 
 def newest_checkpoint_write(root: str) -> float | None:
     """The newest modification (Unix seconds) in any checkpoint under ``root``, of any
-    layout; None when there is none."""
-    return max((found.mtime_s for found in layouts.find_all(root)), default=None)
+    layout; None when there is none, or the root cannot be listed (logged: the stop for
+    the time limit must go on whatever the file system does)."""
+    try:
+        found = layouts.find_all(root)
+    except OSError as error:
+        log.warning("could not list checkpoints under %s: %s", root, error)
+        return None
+    return max((checkpoint.mtime_s for checkpoint in found), default=None)
 
 
 async def await_save_settled(
