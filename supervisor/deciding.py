@@ -20,7 +20,6 @@ finished is dropped and read again.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -42,7 +41,7 @@ from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.failures import storage_wait_of
 from supervisor.core.faults import REPLAYED_KINDS
 from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
-from supervisor.core.model import JobRecord, JobState, record_to_json
+from supervisor.core.model import JobRecord, JobState, record_to_doc
 from supervisor.core.observations import Observation, SlurmJobSeen, StorageUnavailable, Tick
 from supervisor.core.periodic import next_deadline
 from supervisor.core.policy import decide
@@ -259,7 +258,7 @@ class Deciding:
             and decision.cause is None
         )
         with self.store.transaction(durable=not routine):
-            self.store.upsert_job(
+            self.store.update_record(
                 job_id,
                 state=after.state.value,
                 record=record_document(after),
@@ -384,8 +383,7 @@ _Item = tuple[str, Observation, str | None] | _Reconcile | _Act | _Sighting
 
 def record_document(record: JobRecord) -> dict[str, Any]:
     """The record as the store keeps it (its JSON document)."""
-    document: dict[str, Any] = json.loads(record_to_json(record))
-    return document
+    return record_to_doc(record)
 
 
 def _log_decision(job_id: str, before: JobRecord, decision: Decision) -> None:

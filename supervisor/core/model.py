@@ -537,9 +537,14 @@ def _to_doc(value: Any) -> Any:
     return value
 
 
+def record_to_doc(record: JobRecord) -> dict[str, Any]:
+    """The record as a document of JSON types with a ``version`` field."""
+    return {"version": RECORD_VERSION, **_to_doc(record)}
+
+
 def record_to_json(record: JobRecord) -> str:
     """The record as a JSON document with a ``version`` field; keys sorted, so stable."""
-    return json.dumps({"version": RECORD_VERSION, **_to_doc(record)}, sort_keys=True)
+    return json.dumps(record_to_doc(record), sort_keys=True)
 
 
 def _get(doc: Mapping[str, Any], name: str) -> Any:
@@ -698,5 +703,6 @@ __all__ = [
     "check_transition",
     "new_record",
     "record_from_json",
+    "record_to_doc",
     "record_to_json",
 ]

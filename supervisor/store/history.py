@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.wire.protocol import Event
-from supervisor.errors import StoreError
+from supervisor.errors import StoreError, UnknownJob
 from supervisor.store.core import StoreCore, in_clause, locked, rowid
 from supervisor.store.rows import (
     AttemptRow,
@@ -108,6 +108,32 @@ class History(StoreCore):
             row = self.get_job(job_id)
         assert row is not None
         return row
+
+    @locked
+    def update_record(
+        self,
+        job_id: str,
+        *,
+        state: Label,
+        record: dict[str, Any],
+        now_s: float,
+        world_size: int | None = None,
+    ) -> None:
+        """Replace a known job's state and record (and its world size, when given).
+
+        The decision task's write after each decision: one statement, the old row
+        not read back (:meth:`upsert_job` reads it twice, and a record names every
+        node of the job). :class:`UnknownJob` for a job not in the store.
+        """
+        record_text = dumps(record, f"job {job_id} record")
+        with self._tx(durable=True):
+            cursor = self._db.execute(
+                "UPDATE jobs SET state = ?, record = ?, record_version = 1, updated_s = ?,"
+                " world_size = COALESCE(?, world_size) WHERE job_id = ?",
+                (label(state), record_text, now_s, world_size, job_id),
+            )
+            if cursor.rowcount != 1:
+                raise UnknownJob(f"job {job_id} is not in the store; upsert_job() it first")
 
     @locked
     def get_job(self, job_id: str) -> JobRow | None:

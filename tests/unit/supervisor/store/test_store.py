@@ -216,6 +216,22 @@ def test_upsert_replaces_state_and_record_and_keeps_fields_left_unset(store: Sto
     assert stored == ('{"a":null,"b":[1,2]}',)
 
 
+def test_update_record_replaces_state_and_record_only_and_knows_no_new_job(
+    store: Store,
+) -> None:
+    store.update_record(JOB, state=JobState.RECOVERING, record={"b": 1}, now_s=NOW + 5)
+    row = store.get_job(JOB)
+    assert row is not None
+    assert (row.state, row.record, row.updated_s) == ("recovering", {"b": 1}, NOW + 5)
+    assert (row.name, row.original_nodes, row.world_size, row.min_nodes) == ("train", 4, 4, 2)
+    assert (row.created_s, row.secret_path) == (NOW, "/state/1234/secret")
+    store.update_record(JOB, state="running", record={}, now_s=NOW + 6, world_size=3)
+    assert store.get_job(JOB).world_size == 3  # type: ignore[union-attr]
+    with pytest.raises(UnknownJob, match="upsert_job"):
+        store.update_record("99", state="running", record={}, now_s=NOW)
+    assert store.get_job("99") is None
+
+
 def test_a_record_that_is_not_json_is_refused_with_a_hint(store: Store) -> None:
     with pytest.raises(ValueError, match=r"enums by \.value"):
         store.upsert_job(JOB, state="running", record={"state": JobState.RUNNING}, now_s=NOW)
