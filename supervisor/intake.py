@@ -356,11 +356,14 @@ class Intake:
             return
         attempts = {row.attempt: row for row in self.store.attempts_for(job_id)}
         current = attempts.get(attempt)
-        if current is None or current.resumed_from is None:
-            return
-        resume_step = step_in_path(current.resumed_from)
+        if current is None:
+            return  # its row comes with the launch's decision
+        resume_step = step_in_path(current.resumed_from or "")
         earlier = [row for number, row in attempts.items() if number < attempt]
         if resume_step is None or not earlier:
+            # A launch that resumed from nothing (or from no step) has nothing to compare,
+            # and never will: its step reports need not read the attempts again.
+            job.verified.add(attempt)
             return
         same_size = len(earlier[-1].nodes) == len(current.nodes)
         # A rollback's launch is meant to differ from its onset on (the data is skipped).

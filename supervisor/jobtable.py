@@ -91,7 +91,8 @@ class TrackedJob:
     # since this supervisor started), and the driver's "the step ended".
     last_report_s: float | None = None
     step_ended: StepEndNote | None = None
-    # attempts whose resume verification has a result (checked once each)
+    # attempts whose resume verification has a result, or that resumed from nothing
+    # to compare (checked once each)
     verified: set[int] = field(default_factory=set)
     # the most ranks one agent of the job listed in a heartbeat (bounds its ranks)
     local_ranks_seen: int = 0
