@@ -143,17 +143,23 @@ class _Series:
         del self.steps[end:], self.values[end:]
 
 
-def robust_excess(value: float, history: list[float]) -> tuple[float, float]:
-    """``(score, ratio)`` of ``value`` against ``history``: the robust z-score
+def robust_excess(
+    value: float, history: list[float], min_ratio: float = -math.inf
+) -> tuple[float, float, float] | None:
+    """``(score, ratio, median)`` of ``value`` against ``history``: the robust z-score
     ``(value - median) / (1.4826 * MAD)`` (infinite for a flat history that
-    ``value`` exceeds) and ``value / median`` (infinite for a median <= 0)."""
+    ``value`` exceeds), ``value / median`` (infinite for a median <= 0) and the
+    median; None when the ratio is under ``min_ratio``. The score's second median
+    is then not taken: most steps' values are under the median of those before."""
     median = statistics.median(history)
+    ratio = value / median if median > 0 else math.inf
+    if ratio < min_ratio:
+        return None
     mad = statistics.median(abs(v - median) for v in history)
     excess = value - median
     flat = math.inf if excess > 0 else 0.0
     score = excess / (MAD_TO_SIGMA * mad) if mad > 0 else flat
-    ratio = value / median if median > 0 else math.inf
-    return score, ratio
+    return score, ratio, median
 
 
 class LossWatch:
@@ -210,16 +216,16 @@ class LossWatch:
         if len(history) < policy.warmup_steps:
             over.clear()
             return None
-        score, ratio = robust_excess(signal.loss, history)
-        if score < policy.spike_score or ratio < policy.spike_min_ratio:
+        excess = robust_excess(signal.loss, history, policy.spike_min_ratio)
+        if excess is None or excess[0] < policy.spike_score:
             over.clear()
             return None
+        score, ratio, median = excess
         if over and over[-1] != signal.step - 1:
             over.clear()
         over.append(signal.step)
         if len(over) < policy.spike_steps:
             return None
-        median = statistics.median(history)
         return Anomaly(
             AnomalyKind.LOSS_SPIKE, signal.rank, over[0], signal.loss, median,
             f"rank {signal.rank}'s loss {signal.loss:.4g} at step {signal.step} is {ratio:.2f}x "
@@ -234,10 +240,10 @@ class LossWatch:
         history = self._grad.get(signal.rank, _Series()).before(signal.step, policy.window)
         if len(history) < policy.warmup_steps:
             return None
-        score, ratio = robust_excess(signal.grad_norm, history)
-        if score < policy.grad_score or ratio < policy.grad_min_ratio:
+        excess = robust_excess(signal.grad_norm, history, policy.grad_min_ratio)
+        if excess is None or excess[0] < policy.grad_score:
             return None
-        median = statistics.median(history)
+        _, ratio, median = excess
         return Anomaly(
             AnomalyKind.GRAD_EXPLOSION, signal.rank, signal.step, signal.grad_norm, median,
             f"rank {signal.rank}'s grad norm {signal.grad_norm:.4g} at step {signal.step} is "

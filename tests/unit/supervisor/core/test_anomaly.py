@@ -14,7 +14,13 @@ import math
 import numpy as np
 import pytest
 
-from supervisor.core.anomaly import AnomalyKind, LossWatch, StepSignal, WatchPolicy
+from supervisor.core.anomaly import (
+    AnomalyKind,
+    LossWatch,
+    StepSignal,
+    WatchPolicy,
+    robust_excess,
+)
 
 STEPS = 3000
 RANKS = 4
@@ -180,3 +186,16 @@ def test_the_same_spike_again_after_a_resume_is_found_again_at_the_same_onset() 
     # meets the same data again: the replay supersedes the old steps after 1400.
     again = feed(watch, bad[1400:1700], first_step=1401)
     assert again is not None and again.onset_step == 1501
+
+
+def test_the_robust_excess_is_the_same_whether_a_minimum_ratio_is_asked_or_not() -> None:
+    history = [2.0, 2.1, 1.9, 2.05, 1.95, 2.2, 1.8]
+    score, ratio, median = robust_excess(4.0, history)  # type: ignore[misc]
+    assert (ratio, median) == (2.0, 2.0)
+    assert score == pytest.approx(2.0 / (1.4826 * 0.1))
+    assert robust_excess(4.0, history, min_ratio=1.5) == (score, ratio, median)
+    # Under the minimum ratio: no score (its second median is not taken).
+    assert robust_excess(2.5, history, min_ratio=1.5) is None
+    assert robust_excess(2.5, history)[1] == 1.25  # type: ignore[index]
+    # A history whose median is not positive: every value is infinitely over it.
+    assert robust_excess(0.1, [0.0, 0.0, 0.0], min_ratio=1.5) == (math.inf, math.inf, 0.0)
