@@ -222,6 +222,11 @@ class Executor:
         """Plan every intent (idempotent by action id); call inside the decision's transaction."""
         if not intents:
             return []  # no transaction: an empty one still costs a fsynced commit's locks
+        # Planned already (in the decision's own transaction, as nearly always when
+        # execute() plans them): read back, without a commit that writes nothing.
+        planned = [self._store.get_action(intent.action_id) for intent in intents]
+        if all(row is not None and row.job_id == job_id for row in planned):
+            return [row for row in planned if row is not None]
         with self._store.transaction():
             return [self._plan_one(job_id, intent, now_s) for intent in intents]
 
@@ -356,6 +361,8 @@ class Executor:
         return await self._run(intent, row, now_s)
 
     async def _run(self, intent: Intent, row: ActionRow, now_s: float) -> _Outcome:
+        if isinstance(intent, Alert):
+            return self._raise_alert(intent, row, now_s)
         try:
             if isinstance(intent, RequeueSmaller):
                 await self._record_requeue_baseline(intent, now_s)
@@ -414,7 +421,7 @@ class Executor:
             ValidateCheckpoints: self._validation,
             ShrinkAllocation: self._shrink,
             RequeueSmaller: self._requeue,
-            Alert: self._alert,
+            Alert: self._alert_at_once,
             StopJob: self._stop_job,
             RelaunchStep: self._by_the_driver,
         }
@@ -467,10 +474,23 @@ class Executor:
         )
         return {"n_nodes": intent.n_nodes, "exclude": list(intent.exclude)}, []
 
-    async def _alert(self, intent: Alert) -> _Result:
-        level = logging.ERROR if intent.severity is Severity.CRITICAL else logging.WARNING
-        log.log(level, "ALERT job=%s: %s", intent.job_id, intent.message)
-        return {"severity": intent.severity.value}, []
+    async def _alert_at_once(self, intent: Alert) -> _Result:
+        # _run raises an alert (_raise_alert) before it reaches the table.
+        raise TypeError(f"the executor raises {intent!r} in one commit, not through the table")
+
+    def _raise_alert(self, intent: Alert, row: ActionRow, now_s: float) -> _Outcome:
+        """An alert's whole effect is its log line and its stored row: started and done
+        in one commit, not two, and that commit not fsynced. A straggler report raises
+        one, and across thousands of nodes they come by the dozen a second. A
+        supervisor that dies before the commit (or a power loss after it) leaves the
+        alert planned, as its decision's durable commit stored it, and its reconcile
+        raises it again."""
+        result = _log_alert(intent)
+        with self._store.transaction(durable=False):
+            self._store.mark_started(intent.action_id, now_s)
+            self._finish(intent, result, [])
+        _log_transition(intent, row.state.value, "done", _brief(result))
+        return _Outcome()
 
     async def _stop_job(self, intent: StopJob) -> _Result:
         if intent.status is JobState.COMPLETED:
@@ -699,6 +719,12 @@ def _retryable(error: SlurmError) -> bool:
 
 def _brief(result: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value}" for key, value in sorted(result.items()))[:300]
+
+
+def _log_alert(intent: Alert) -> dict[str, Any]:
+    level = logging.ERROR if intent.severity is Severity.CRITICAL else logging.WARNING
+    log.log(level, "ALERT job=%s: %s", intent.job_id, intent.message)
+    return {"severity": intent.severity.value}
 
 
 def _log_transition(intent: Intent, before: str, after: str, detail: str) -> None:

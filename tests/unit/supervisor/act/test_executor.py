@@ -128,6 +128,28 @@ def test_executing_the_same_intents_twice_runs_each_slurm_call_once(
     assert len(store.events_for(JOB, kinds=(ALERT_KIND,))) == 1
 
 
+def test_an_alert_is_started_and_done_in_one_commit(
+    store: Store, slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A straggler report raises an alert: its start and its end are one commit, so a
+    supervisor that dies in between leaves it planned (raised again), never started."""
+    alert = Alert(JOB, 2, Severity.WARNING, "straggler on node3")
+    ex = executor(store, slurm)
+
+    def dies(*args: object, **kwargs: object) -> None:
+        raise Crash("killed between the alert's start and its end")
+
+    monkeypatch.setattr(store, "mark_done", dies)
+    with pytest.raises(Crash):
+        run_execute(ex, [alert])
+    assert state_of(store, alert) is ActionState.PLANNED
+    assert store.events_for(JOB, kinds=(ALERT_KIND,)) == []
+    monkeypatch.undo()
+    asyncio.run(executor(store, slurm).reconcile(NOW + 5))
+    assert state_of(store, alert) is ActionState.DONE
+    assert len(store.events_for(JOB, kinds=(ALERT_KIND,))) == 1
+
+
 def test_queued_commands_carry_ids_the_agent_protocol_accepts(
     store: Store, slurm: FakeSlurm
 ) -> None:
