@@ -163,6 +163,10 @@ class Deciding:
                 log.exception("%s at start failed; continuing", start_step.__name__)
         while True:
             await self._handle(await self.queue.get())
+            # A queue that is not empty hands its next item over without a pause: let
+            # the frames and batches that came meanwhile in between two decisions
+            # (each persists its job's record; dozens queue behind a burst of reports).
+            await asyncio.sleep(0)
 
     async def settle(self) -> None:
         """Handle everything queued so far (the decision task's work, run to empty)."""

@@ -6,7 +6,8 @@ second the supervisor can take by the disk's fsync rate, whatever the CPU:
 16,384 nodes sending an event a minute each are 270 batches a second. The
 batches whose checks are done by the time the loop runs :meth:`GroupCommit._commit`
 (those that arrived while one was being stored, under load) are stored in
-one transaction instead, each in a savepoint of its own, so that one that
+one transaction instead (up to :data:`MOST_AT_ONCE` of them, for at most
+:data:`HOLD_S`), each in a savepoint of its own, so that one that
 fails undoes only its own writes; each gets its answer after the commit,
 never before.
 """
@@ -14,6 +15,7 @@ never before.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -22,6 +24,10 @@ _T = TypeVar("_T")
 
 # Batches one commit takes at most: the loop is held while they are stored.
 MOST_AT_ONCE = 64
+# And the longest one commit stores batches before it commits and lets the loop go
+# on (the rest wait for the next): a relayed batch holds a whole job's events, and
+# 64 of them held the loop, and every heartbeat frame behind it, for 100 ms and more.
+HOLD_S = 0.02
 
 
 class GroupCommit:
@@ -29,10 +35,16 @@ class GroupCommit:
     transaction; nested, a savepoint)."""
 
     def __init__(
-        self, durably: Callable[[], AbstractContextManager[Any]], most: int = MOST_AT_ONCE
+        self,
+        durably: Callable[[], AbstractContextManager[Any]],
+        most: int = MOST_AT_ONCE,
+        hold_s: float = HOLD_S,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._durably = durably
         self._most = most
+        self._hold_s = hold_s
+        self._clock = clock
         self._waiting: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
         self.commits = 0
         self.taken = 0
@@ -47,13 +59,18 @@ class GroupCommit:
         return await future
 
     def _commit(self) -> None:
-        group, self._waiting = self._waiting[: self._most], self._waiting[self._most :]
-        if self._waiting:
-            asyncio.get_running_loop().call_soon(self._commit)
+        waiting, self._waiting = self._waiting, []
+        group: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
         outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        started = self._clock()
         try:
             with self._durably():
-                for take, future in group:
+                for take, future in waiting:
+                    if group and (
+                        len(group) >= self._most or self._clock() - started >= self._hold_s
+                    ):
+                        break
+                    group.append((take, future))
                     try:
                         with self._durably():
                             outcomes.append((future, take(), None))
@@ -64,6 +81,11 @@ class GroupCommit:
                 if not future.done():
                     future.set_exception(error)
             return
+        finally:
+            # What this commit had no room or time for goes first in the next.
+            self._waiting[:0] = waiting[len(group) :]
+            if self._waiting:
+                asyncio.get_running_loop().call_soon(self._commit)
         self.commits += 1
         self.taken += len(group)
         for future, value, raised in outcomes:
