@@ -355,6 +355,8 @@ WAL_CHECKPOINT_S = 2.0
 # How often the validation child is started for a job, or stopped without one
 # (supervisor.act.validation.WarmWhileNeeded).
 VALIDATION_CHECK_S = 5.0
+# How long a thread holds the GIL while another waits for it (main() says why).
+SWITCH_INTERVAL_S = 0.0005
 
 
 # glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD (malloc.h).
@@ -397,6 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # 25-120 ms stop of the event loop (bench/RESULTS.md: p99 at 1,024 agents
     # 39 -> 11 ms). Young collections every 50,000 allocations, full ones rare.
     gc.set_threshold(50_000, 50, 1000)
+    # The scrape, the Slurm answers' decoding and the WAL checkpoint run in threads
+    # (each a second of CPU at 16,384 nodes). The event loop gives the GIL up at each
+    # socket call and waits for it back: up to a switch interval each time, CPython's
+    # 5 ms by default, so a frame of a few calls waited tens of ms behind a scrape.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     _return_freed_buffers()
     try:
         supervisor = Supervisor(config, policy, rules=settings.rules)
