@@ -40,8 +40,15 @@ from supervisor.core.drains import (
 from supervisor.core.failure_rules import DEFAULT_RULES, Rule
 from supervisor.core.failures import storage_wait_of
 from supervisor.core.faults import REPLAYED_KINDS
-from supervisor.core.intents import CheckNode, DrainNode, DrainTicket, Intent, RequeueSmaller
-from supervisor.core.model import JobRecord, JobState, record_to_doc
+from supervisor.core.intents import (
+    Alert,
+    CheckNode,
+    DrainNode,
+    DrainTicket,
+    Intent,
+    RequeueSmaller,
+)
+from supervisor.core.model import Cause, JobRecord, JobState, record_to_doc
 from supervisor.core.observations import Observation, SlurmJobSeen, StorageUnavailable, Tick
 from supervisor.core.periodic import next_deadline
 from supervisor.core.policy import decide
@@ -251,15 +258,24 @@ class Deciding:
         self, job_id: str, before: JobRecord, decision: Decision, ref: str | None, now: float
     ) -> None:
         after = decision.record
-        # A record that only took news in (a newer checkpoint, a straggler
-        # measured) decides nothing and starts nothing: committed without the
-        # fsync, which on a busy head node held the event loop up to 0.1 s.
-        # Whatever moves the job, plans an action or records a decision is fsynced.
+        # A record that only took news in (a newer checkpoint) or counted a
+        # straggler report (and alerted on it) moves nothing: committed without
+        # the fsync, which on a busy head node held the event loop up to 0.1 s,
+        # and at 16,384 nodes came dozens of times a second with the straggler
+        # reports. A power loss may take such a decision back; a straggler is
+        # measured and reported again while it lasts (its reports are not
+        # replayed), and its alert raised then. Whatever moves the job, blames a
+        # node, plans an action beyond an alert or decides on any other cause is
+        # fsynced.
+        news = decision.cause is None and not decision.intents
+        straggler = decision.cause is Cause.STRAGGLER and all(
+            isinstance(intent, Alert) for intent in decision.intents
+        )
         routine = (
             after.state is before.state
             and after.attempt == before.attempt
-            and not decision.intents
-            and decision.cause is None
+            and set(after.blamed_nodes) <= set(before.blamed_nodes)
+            and (news or straggler)
         )
         with self.store.transaction(durable=not routine):
             self.store.update_record(

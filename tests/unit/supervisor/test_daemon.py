@@ -27,7 +27,7 @@ from supervisor.errors import SlurmUnavailable
 from supervisor.jobs import write_job_dir
 from supervisor.jobtable import TrackedJob
 from supervisor.slurm.parse import NodeFlag, NodeState
-from supervisor.store import Actor
+from supervisor.store import Actor, Store
 from supervisor.store.core import BACKGROUND_FALLBACK_PAGES
 from tests.fakes.slurm import JOB, NODES
 from tests.fakes.slurm import DaemonFakeSlurm as Slurm
@@ -162,6 +162,22 @@ def test_an_exit_window_closes_when_every_launcher_ended_not_when_the_clock_says
     run(body, tmp_path, exit_evidence_window_s=60)
 
 
+def trace_commits(store: Store) -> list[str]:
+    """Each COMMIT of ``store`` from now on, under the synchronous mode set last: FULL
+    fsyncs, NORMAL does not (``set_trace_callback(None)`` ends the trace)."""
+    commits: list[str] = []
+    mode = [store._synchronous or "FULL"]
+
+    def trace(statement: str) -> None:
+        if statement.startswith("PRAGMA synchronous = "):
+            mode[0] = statement.rsplit(" ", 1)[1]
+        elif statement == "COMMIT":
+            commits.append(mode[0])
+
+    store._db.set_trace_callback(trace)
+    return commits
+
+
 def test_a_rank_that_computes_slower_than_the_others_is_reported_while_it_lasts(
     tmp_path: Path,
 ) -> None:
@@ -177,10 +193,14 @@ def test_a_rank_that_computes_slower_than_the_others_is_reported_while_it_lasts(
             supervisor.intake.accept_heartbeat(JOB, report(node, rank, 0.9 if rank == 2 else 0.2))
         await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running"
+        commits = trace_commits(supervisor.store)
         await supervisor.timers.check_stragglers()
         await supervisor.deciding.settle()
         await supervisor.timers.check_stragglers()  # still slow: reported again, counted
         await supervisor.deciding.settle()
+        supervisor.store._db.set_trace_callback(None)
+        # A straggler's reports and its alert move nothing: none of their commits is fsynced.
+        assert commits and set(commits) == {"NORMAL"}
         seen = supervisor.store.events_for(JOB, kinds=[EventKind.STRAGGLER])
         assert [(e.node, e.payload["global_rank"], e.payload["ratio"]) for e in seen] == [
             ("node3", 2, 4.5),
@@ -204,18 +224,7 @@ def test_only_records_that_move_the_job_are_fsynced_and_the_wal_is_left_to_a_thr
 
     async def body(supervisor: Supervisor, slurm: Slurm, clock: list[float]) -> None:
         await registered_and_running(supervisor)
-        # Each COMMIT under the synchronous mode set last: FULL fsyncs, NORMAL does not.
-        commits: list[str] = []
-        mode = ["FULL"]
-
-        def trace(statement: str) -> None:
-            if statement.startswith("PRAGMA synchronous = "):
-                mode[0] = statement.rsplit(" ", 1)[1]
-            elif statement == "COMMIT":
-                commits.append(mode[0])
-
-        mode[0] = supervisor.store._synchronous or "FULL"
-        supervisor.store._db.set_trace_callback(trace)
+        commits = trace_commits(supervisor.store)
         supervisor.intake.accept_events(JOB, [committed(1, 10)])  # starting -> running
         await supervisor.deciding.settle()
         assert supervisor.jobs[JOB].record.state.value == "running" and "FULL" in commits
