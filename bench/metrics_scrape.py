@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry
 from supervisor import metrics
 from supervisor.core.goodput import Goodput
 from supervisor.metrics import SUMMARY_EVERY_S, StoreCollector, build_registry, exposition
-from supervisor.store import Store
+from supervisor.store import JobRow, Store
 from supervisor.views.timeline import CHECKPOINT_STATS_KIND, JobTimeline
 
 STEP_EVERY_S = 5.0
@@ -53,10 +53,10 @@ class TimedTimeline(JobTimeline):
 
     spent_s = 0.0
 
-    def advance(self, store: Store, now_s: float) -> None:
+    def advance(self, store: Store, now_s: float, row: JobRow | None = None) -> None:
         started = time.perf_counter()
         try:
-            super().advance(store, now_s)
+            super().advance(store, now_s, row)
         finally:
             TimedTimeline.spent_s += time.perf_counter() - started
 

@@ -149,7 +149,7 @@ class StoreCollector(Collector):
         with self._lock:
             now = self._clock()
             for row in self._exported(self._store.list_jobs(), now):
-                self._timelines[row.job_id].advance(self._store, now)
+                self._timelines[row.job_id].advance(self._store, now, row)
             return self._keep(now, every_s=0.0)
 
     def _exported(self, rows: list[JobRow], now: float) -> list[JobRow]:
@@ -305,7 +305,7 @@ class StoreCollector(Collector):
         for state in STATES:
             families["state"].add_metric([job_id, state], 1.0 if row.state == state else 0.0)
         timeline = self._timelines[job_id]
-        timeline.advance(self._store, now)
+        timeline.advance(self._store, now, row)
         goodput = timeline.goodput(now)
         families["goodput"].add_metric([job_id], goodput.ratio)
         families["productive"].add_metric([job_id], goodput.productive_s)

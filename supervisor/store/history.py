@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import uuid
 from collections.abc import Collection, Iterable, Sequence
@@ -187,6 +188,22 @@ class History(StoreCore):
         rows = self._db.execute(
             f"SELECT {_ATTEMPT_COLUMNS} FROM attempts WHERE job_id = ? ORDER BY attempt",
             (job_id,),
+        )
+        return [_attempt_row(row) for row in rows]
+
+    @locked
+    def relaunches_for(
+        self, job_id: str, *, started_after_s: float | None = None
+    ) -> list[AttemptRow]:
+        """The job's attempts after its first (those started after ``started_after_s``),
+        in attempt order: what a timeline reads at each scrape, which for nearly every
+        job is none, without decoding the first attempt's nodes."""
+        after = -math.inf if started_after_s is None else started_after_s
+        rows = self._db.execute(
+            f"SELECT {_ATTEMPT_COLUMNS} FROM attempts WHERE job_id = ? AND started_s > ?"
+            " AND attempt > (SELECT MIN(attempt) FROM attempts WHERE job_id = ?)"
+            " ORDER BY attempt",
+            (job_id, after, job_id),
         )
         return [_attempt_row(row) for row in rows]
 

@@ -279,7 +279,14 @@ CREATE TABLE timeline_summaries (
 CREATE INDEX progress_by_time ON progress (job_id, time_s);
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
+# A job's events of one kind: its newest save statistics, its count of
+# nondeterministic resumes and its alerts are read at every metrics scrape, and
+# through events_by_job each read went over the job's whole history.
+_V8 = """
+CREATE INDEX events_by_kind ON events (job_id, kind, seq);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
 SCHEMA_VERSION = len(MIGRATIONS)
 # Tables every version has: a file holding them is a Resurgo store, damaged if
 # it lacks its schema_version.

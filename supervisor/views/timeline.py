@@ -121,7 +121,7 @@ def _facts_in(
         if target in _TERMINAL and not ended:
             facts.append(Fact(t, FactKind.ENDED))
             ended = True
-    for attempt in store.attempts_for(job_id)[1:]:
+    for attempt in store.relaunches_for(job_id, started_after_s=since):
         if not inside(attempt.started_s):
             continue
         step = None if attempt.resumed_from is None else step_in_path(attempt.resumed_from)
@@ -227,9 +227,10 @@ class JobTimeline:
             "durations": self.durations.summary(),
         }
 
-    def advance(self, store: Store, now_s: float) -> None:
-        """Feed the facts dated up to ``now_s - settle_s`` that were not fed yet."""
-        row = store.get_job(self.job_id)
+    def advance(self, store: Store, now_s: float, row: JobRow | None = None) -> None:
+        """Feed the facts dated up to ``now_s - settle_s`` that were not fed yet
+        (``row``: the job's row, when the caller has just read it)."""
+        row = store.get_job(self.job_id) if row is None else row
         if row is None:
             return
         upto_s = self._until_resume_known(store, row, now_s - self.settle_s)
@@ -263,8 +264,10 @@ class JobTimeline:
         resume step is its first step report's while none came yet (and the job goes on)."""
         if row.state in _TERMINAL:
             return upto_s
-        for attempt in store.attempts_for(self.job_id)[1:]:
-            if not self._window.after_s < attempt.started_s <= upto_s:
+        after_s = self._window.after_s
+        since = None if math.isinf(after_s) else after_s
+        for attempt in store.relaunches_for(self.job_id, started_after_s=since):
+            if not after_s < attempt.started_s <= upto_s:
                 continue
             if attempt.resumed_from is not None and step_in_path(attempt.resumed_from) is not None:
                 continue

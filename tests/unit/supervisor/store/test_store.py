@@ -260,6 +260,17 @@ def test_an_attempt_started_twice_keeps_the_first_and_ends_once(store: Store) ->
     assert [a.attempt for a in store.attempts_for(JOB)] == [0, 1]
 
 
+def test_relaunches_are_the_attempts_after_the_first_started_after_a_time(store: Store) -> None:
+    assert store.relaunches_for(JOB) == []
+    store.start_attempt(JOB, 1, nodes=["n1", "n2"], resumed_from=None, now_s=NOW)
+    assert store.relaunches_for(JOB) == []  # the first launch is no relaunch
+    for attempt in (2, 3):
+        store.start_attempt(JOB, attempt, nodes=["n1"], resumed_from=None, now_s=NOW + attempt)
+    assert store.relaunches_for(JOB) == store.attempts_for(JOB)[1:]
+    assert [a.attempt for a in store.relaunches_for(JOB, started_after_s=NOW + 2)] == [3]
+    assert store.relaunches_for(JOB, started_after_s=NOW + 3) == []
+
+
 def test_an_attempt_of_an_unknown_job_raises_unknown_job(store: Store) -> None:
     with pytest.raises(UnknownJob, match="upsert_job"):
         store.start_attempt("404", 0, nodes=[], resumed_from=None, now_s=NOW)
