@@ -86,7 +86,7 @@ def test_a_rank_sleeping_in_ddp_backward_is_blamed_and_the_script_resumes_itself
 
 
 @pytest.mark.long
-def test_a_60_s_evaluation_a_30_s_rank_0_save_and_a_60_s_loader_stall_are_no_hang(
+def test_a_60_s_evaluation_a_60_s_rank_0_save_and_a_60_s_loader_stall_are_no_hang(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path
 ) -> None:
     """Ranks 1-3 wait in a barrier through rank 0's save, far past the 8 s floor: their
@@ -94,7 +94,7 @@ def test_a_60_s_evaluation_a_30_s_rank_0_save_and_a_60_s_loader_stall_are_no_han
     goes on. Later rank 2's data loader stalls 60 s while the others wait in DDP's
     backward: the bootstrap tells phase data, and the same holds."""
     job_id, output = submit_plain(
-        supervisor, tmp_path, "--eval-pause-s", "60", "--save-pause-s", "30",
+        supervisor, tmp_path, "--eval-pause-s", "60", "--save-pause-s", "60",
         "--data-stall-at", "15", "--data-stall-s", "60", "--fault-rank", "2",
     )  # fmt: skip
     job, text = ended(slurm_cluster, supervisor, job_id, output, timeout_s=420)
