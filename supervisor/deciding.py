@@ -23,7 +23,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from agent.wire.protocol import Event, EventKind
 from supervisor.act.executor import Executor
@@ -281,7 +280,7 @@ class Deciding:
             self.store.update_record(
                 job_id,
                 state=after.state.value,
-                record=record_document(after),
+                record=record_to_doc(after),
                 now_s=now,
                 world_size=len(after.nodes) or None,
             )
@@ -399,11 +398,6 @@ _RECONCILE = _Reconcile()
 # A requeue touched the job once it started: started, done or failed.
 _REQUEUE_TOUCHED = (ActionState.STARTED, ActionState.DONE, ActionState.FAILED)
 _Item = tuple[str, Observation, str | None] | _Reconcile | _Act | _Sighting
-
-
-def record_document(record: JobRecord) -> dict[str, Any]:
-    """The record as the store keeps it (its JSON document)."""
-    return record_to_doc(record)
 
 
 def _log_decision(job_id: str, before: JobRecord, decision: Decision) -> None:

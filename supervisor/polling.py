@@ -29,11 +29,10 @@ from supervisor.core.decision import Policy
 from supervisor.core.drains import after_check, drain_limit
 from supervisor.core.intents import ResumeNode
 from supervisor.core.leases import judge_nodes
-from supervisor.core.model import ClusterView, new_record
+from supervisor.core.model import ClusterView, new_record, record_to_doc
 from supervisor.core.observations import SlurmJobSeen, SlurmNodeSeen
 from supervisor.core.policy import permits
 from supervisor.core.probation import avoid_list, held_by_checks, lifted_outside, ticketed
-from supervisor.deciding import record_document
 from supervisor.errors import SlurmError
 from supervisor.jobtable import DecisionQueue, JobTable, SlurmSighting, TrackedJob
 from supervisor.slurm import Slurm, rights
@@ -122,7 +121,7 @@ class SlurmWatch:
             self.store.upsert_job(
                 job_id,
                 state=record.state.value,
-                record=record_document(record),
+                record=record_to_doc(record),
                 now_s=now,
                 name=spec.name,
                 original_nodes=spec.nodes,

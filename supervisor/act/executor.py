@@ -362,7 +362,7 @@ class Executor:
 
     async def _run(self, intent: Intent, row: ActionRow, now_s: float) -> _Outcome:
         if isinstance(intent, Alert):
-            return self._raise_alert(intent, row, now_s)
+            return await self._raise_alert(intent, row, now_s)
         try:
             if isinstance(intent, RequeueSmaller):
                 await self._record_requeue_baseline(intent, now_s)
@@ -421,7 +421,7 @@ class Executor:
             ValidateCheckpoints: self._validation,
             ShrinkAllocation: self._shrink,
             RequeueSmaller: self._requeue,
-            Alert: self._alert_at_once,
+            Alert: self._alert,
             StopJob: self._stop_job,
             RelaunchStep: self._by_the_driver,
         }
@@ -474,23 +474,24 @@ class Executor:
         )
         return {"n_nodes": intent.n_nodes, "exclude": list(intent.exclude)}, []
 
-    async def _alert_at_once(self, intent: Alert) -> _Result:
-        # _run raises an alert (_raise_alert) before it reaches the table.
-        raise TypeError(f"the executor raises {intent!r} in one commit, not through the table")
+    async def _alert(self, intent: Alert) -> _Result:
+        level = logging.ERROR if intent.severity is Severity.CRITICAL else logging.WARNING
+        log.log(level, "ALERT job=%s: %s", intent.job_id, intent.message)
+        return {"severity": intent.severity.value}, []
 
-    def _raise_alert(self, intent: Alert, row: ActionRow, now_s: float) -> _Outcome:
+    async def _raise_alert(self, intent: Alert, row: ActionRow, now_s: float) -> _Outcome:
         """An alert's whole effect is its log line and its stored row: started and done
         in one commit, not two, and that commit not fsynced. A straggler report raises
         one, and across thousands of nodes they come by the dozen a second. A
         supervisor that dies before the commit (or a power loss after it) leaves the
         alert planned, as its decision's durable commit stored it, and its reconcile
         raises it again."""
-        result = _log_alert(intent)
+        result, observations = await self._carry_out(intent)
         with self._store.transaction(durable=False):
             self._store.mark_started(intent.action_id, now_s)
-            self._finish(intent, result, [])
+            self._finish(intent, result, observations)
         _log_transition(intent, row.state.value, "done", _brief(result))
-        return _Outcome()
+        return _Outcome(observations)
 
     async def _stop_job(self, intent: StopJob) -> _Result:
         if intent.status is JobState.COMPLETED:
@@ -719,12 +720,6 @@ def _retryable(error: SlurmError) -> bool:
 
 def _brief(result: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value}" for key, value in sorted(result.items()))[:300]
-
-
-def _log_alert(intent: Alert) -> dict[str, Any]:
-    level = logging.ERROR if intent.severity is Severity.CRITICAL else logging.WARNING
-    log.log(level, "ALERT job=%s: %s", intent.job_id, intent.message)
-    return {"severity": intent.severity.value}
 
 
 def _log_transition(intent: Intent, before: str, after: str, detail: str) -> None:

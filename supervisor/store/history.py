@@ -193,17 +193,16 @@ class History(StoreCore):
 
     @locked
     def relaunches_for(
-        self, job_id: str, *, started_after_s: float | None = None
+        self, job_id: str, *, started_after_s: float = -math.inf
     ) -> list[AttemptRow]:
         """The job's attempts after its first (those started after ``started_after_s``),
         in attempt order: what a timeline reads at each scrape, which for nearly every
         job is none, without decoding the first attempt's nodes."""
-        after = -math.inf if started_after_s is None else started_after_s
         rows = self._db.execute(
             f"SELECT {_ATTEMPT_COLUMNS} FROM attempts WHERE job_id = ? AND started_s > ?"
             " AND attempt > (SELECT MIN(attempt) FROM attempts WHERE job_id = ?)"
             " ORDER BY attempt",
-            (job_id, after, job_id),
+            (job_id, started_after_s, job_id),
         )
         return [_attempt_row(row) for row in rows]
 

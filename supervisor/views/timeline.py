@@ -121,7 +121,7 @@ def _facts_in(
         if target in _TERMINAL and not ended:
             facts.append(Fact(t, FactKind.ENDED))
             ended = True
-    for attempt in store.relaunches_for(job_id, started_after_s=since):
+    for attempt in store.relaunches_for(job_id, started_after_s=window.after_s):
         if not inside(attempt.started_s):
             continue
         step = None if attempt.resumed_from is None else step_in_path(attempt.resumed_from)
@@ -265,8 +265,7 @@ class JobTimeline:
         if row.state in _TERMINAL:
             return upto_s
         after_s = self._window.after_s
-        since = None if math.isinf(after_s) else after_s
-        for attempt in store.relaunches_for(self.job_id, started_after_s=since):
+        for attempt in store.relaunches_for(self.job_id, started_after_s=after_s):
             if not after_s < attempt.started_s <= upto_s:
                 continue
             if attempt.resumed_from is not None and step_in_path(attempt.resumed_from) is not None:
