@@ -141,6 +141,12 @@ SHIPPED_POLICY: dict[str, str] = {}
 SHIPPED_AGENTS = {"OMP_NUM_THREADS": "1"}
 # What the Resurgo runs use: POLICY and AGENTS, or the shipped ones with --defaults.
 SETTINGS = {"policy": POLICY, "agents": AGENTS}
+# --warm-vs-cold: the fault strikes late (the demo trainer's step LATE_STEP of LATE_STEPS,
+# the unchanged script's iteration LATE_ITER of LATE_ITERS, 25-35 s into training), as
+# in a long run: the warm pools, started 10 s into a launch, are up by then. Each run
+# twice: with the pools ("warm") and without (RESURGO_WARM_POOL=0, "cold").
+LATE = {"on": False}
+LATE_STEP, LATE_STEPS, LATE_ITER, LATE_ITERS = 100, 110, 60, 70
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
 _INJECTED = re.compile(r"toy: injecting \w+ at step (\d+) on \S+ at ([\d.]+)")
 _STARTED = re.compile(r"toy: world \d+, starting at step (\d+).* at ([\d.]+)")
@@ -183,7 +189,7 @@ def _measure(
     steps = [json.loads(line) for line in (record / "steps.jsonl").read_text().splitlines()] if (
         record / "steps.jsonl").exists() else []  # fmt: skip
     result = _result(state)
-    if state == "COMPLETED" and not any(s["step"] == STEPS for s in steps):
+    if state == "COMPLETED" and not any(s["step"] == _steps() for s in steps):
         result["outcome"] = "failed"
     if injected is None:
         return result
@@ -249,8 +255,11 @@ def run_resurgo(
     shape: tuple[str, ...] = ("-N", "4"),
 ) -> dict[str, Any]:
     output, record = where / "job.out", where / "record"
+    if LATE["on"]:
+        what, _, at = fault.partition("@")
+        fault = f"{what}@{LATE_STEP}:{at.partition(':')[2]}"
     command = [
-        *TORCHRUN, str(TOY), "--steps", str(STEPS), "--save-every", "4",
+        *TORCHRUN, str(TOY), "--steps", str(_steps()), "--save-every", "4",
         "--record", str(record), "--fault", fault,
     ]  # fmt: skip
     state, stored = _under_resurgo(
@@ -281,13 +290,15 @@ def plain_command(name: str, where: Path, out_dir: Path) -> list[str]:
     """The unmodified script's command for scenario ``name``: its fault and launch shape."""
     what, _, at = SCENARIOS[name].partition("@")
     iteration, _, rank = at.partition(":")
+    iterations = str(LATE_ITERS if LATE["on"] else 40)
+    iteration = str(LATE_ITER) if LATE["on"] else iteration
     fault = (
         ["--sleep-at", iteration, "--sleep-rank", rank, "--sleep-s", "600"]
         if what == "sleep"
         else ["--kill-at", iteration, "--fault-rank", rank]
     )
-    script = [str(PLAIN), "--out-dir", str(out_dir), "--max-iters", "40", "--iter-s", "0.5",
-              *fault]  # fmt: skip
+    script = [str(PLAIN), "--out-dir", str(out_dir), "--max-iters", iterations, "--iter-s",
+              "0.5", *fault]  # fmt: skip
     if name == "plain_srun_sigkill":
         return ["srun", sys.executable, *script, "--init", "slurm"]
     if name == "plain_wrapper_sigkill":
@@ -377,8 +388,29 @@ def _restore(cluster: LiveCluster) -> None:
     time.sleep(1)
 
 
+def _steps() -> int:
+    return LATE_STEPS if LATE["on"] else STEPS
+
+
+def _cold(
+    runner: Runner, cluster: LiveCluster, where: Path, fault: str, timeout_s: float
+) -> dict[str, Any]:
+    """``runner`` with the warm pools turned off in the job's environment."""
+    agents = SETTINGS["agents"]
+    SETTINGS["agents"] = {**agents, "RESURGO_WARM_POOL": "0"}
+    try:
+        return runner(cluster, where, fault, timeout_s)
+    finally:
+        SETTINGS["agents"] = agents
+
+
 def _stacks(name: str, resurgo_only: bool) -> tuple[tuple[str, Runner], ...]:
     """The stacks scenario ``name`` runs under, in order."""
+    if name.startswith("plain_") and LATE["on"]:
+        plain = functools.partial(_plain_runner, name)
+        return (("warm", plain), ("cold", functools.partial(_cold, plain)))
+    if LATE["on"]:
+        return (("warm", run_resurgo), ("cold", functools.partial(_cold, run_resurgo)))
     if name.startswith("plain_"):
         return (("resurgo", functools.partial(_plain_runner, name)),)
     if name.startswith("spare_"):
@@ -450,7 +482,14 @@ def main() -> int:
         help="Resurgo with the policy and agent settings it ships (default: the benchmark's "
         "short windows: a 1 s exit window and backoff, an 8 s hang floor)",
     )
+    parser.add_argument(
+        "--warm-vs-cold",
+        action="store_true",
+        help="Resurgo alone, each run with and without the warm pools, the fault 25-35 s "
+        "into training (the pools up, as in a long run)",
+    )
     args = parser.parse_args()
+    LATE["on"] = args.warm_vs_cold
     if args.defaults:
         SETTINGS.update(policy=SHIPPED_POLICY, agents=SHIPPED_AGENTS)
     names = list(args.scenario or ([] if args.spares else list(SCENARIOS)))

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
+
+from agent.node.procs import shim_worker
 from supervisor.jobs import JobSpec, submit
 from supervisor.slurm import SlurmClient
 from supervisor.store import Store
@@ -203,27 +206,30 @@ def toy_spec(
 def rank_pids(node: str, marker: str = "train_toy.py", conf: Path | None = None) -> list[int]:
     """Pids of training ranks (not their shims or torchrun) running as Slurm node ``node``
     of the cluster whose slurm.conf is ``conf`` (default: this test process's cluster):
-    every local cluster has a node1, so the node name alone would take another's ranks."""
-    cluster = f"SLURM_CONF={conf or cluster_conf()}".encode()
+    every local cluster has a node1, so the node name alone would take another's ranks.
+
+    Found through their shims (``python -m agent.node.rankexec`` with the script's name),
+    as the agent finds them: a rank forked by the node's warm pool shows the pool's
+    command line and environment, not its own (agent.node.warmpool)."""
+    cluster = str(conf or cluster_conf())
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "agent.node.rankexec" not in cmdline or not any(
+            part.endswith(marker) for part in cmdline
+        ):
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
+            environ = process.environ()
+            if (
+                environ.get("SLURMD_NODENAME") == node
+                and environ.get("SLURM_CONF") == cluster
+                and "RANK" in environ
+                and (worker := shim_worker(process)) is not None
+            ):
+                found.append(worker)
+        except psutil.Error:
             continue
-        if not any(part.endswith(marker.encode()) for part in cmdline):
-            continue
-        if b"agent.node.rankexec" in cmdline or b"torch.distributed.run" in cmdline:
-            continue
-        if (
-            f"SLURMD_NODENAME={node}".encode() in environ
-            and cluster in environ
-            and any(item.startswith(b"RANK=") for item in environ)
-        ):
-            found.append(int(entry.name))
     return found
 
 

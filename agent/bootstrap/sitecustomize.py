@@ -27,15 +27,9 @@ def _arm() -> None:
     except Exception:  # never stop a rank from starting
         pass
     try:
-        from agent.train.autohooks import install
+        from agent.bootstrap import arm_rank
 
-        install()
-    except Exception:  # never stop a rank from starting
-        pass
-    try:
-        from agent.wire import raised
-
-        raised.install()
+        arm_rank()
     except Exception:  # never stop a rank from starting
         pass
 

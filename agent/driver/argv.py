@@ -57,6 +57,7 @@ def agent_argv(
         *(["--resume-from", resume_from] if resume_from else []),
         *(["--skip-samples", format_skip_samples(skip_samples)] if skip_samples else []),
         *(["--aggregator-url", aggregator_url] if aggregator_url else []),
+        *(["--warm-pool", "true"] if settings.warm_pool else []),
         "--", *settings.command,
     ]  # fmt: skip
 
@@ -82,4 +83,26 @@ def spare_check_argv(
         "--master-port", str(master_port),
         "--ckpt-root", settings.ckpt_root,
         "--", *settings.command,
+    ]  # fmt: skip
+
+
+def warm_pool_argv(settings: DriverSettings, nodes: Sequence[str]) -> list[str]:
+    """``srun`` running :mod:`agent.node.warmpool` on every node of ``nodes`` for as long
+    as the job runs (:mod:`agent.driver.warm`). ``--overlap``: the pools hold nothing a
+    training step waits for; ``--no-kill``: a lost node ends its own pool, not the
+    others'."""
+    count = str(len(nodes))
+    return [
+        "srun",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        "--overlap",
+        "--no-kill",
+        "--kill-on-bad-exit=0",
+        "--export=ALL",
+        settings.python, "-m", "agent.node.warmpool",
+        "--job-id", settings.job_id,
+        "--secret-file", str(settings.job_dir / "secret"),
     ]  # fmt: skip

@@ -25,6 +25,7 @@ from agent.driver.plannedstop import PlannedStop
 from agent.driver.settings import DriverSettings, settings_from
 from agent.driver.slurm import current_nodes, node_address
 from agent.driver.sparechecks import SpareChecks
+from agent.driver.warm import WarmPools
 from agent.ports import rendezvous_port
 from agent.skips import ENV_SKIP_SAMPLES, format_skip_samples
 from agent.stopfiles import clear_notice
@@ -70,6 +71,7 @@ class Driver:
         # Checkpoints moved into quarantine for the last launch, not yet reported.
         self._quarantined: tuple[tuple[str, str], ...] = ()
         self._aggregator: Aggregator | None = None
+        self._warm = WarmPools(settings, environ)
 
     async def run(self) -> int:
         """Launch, watch, relaunch as told; see the module docstring."""
@@ -86,6 +88,7 @@ class Driver:
             try:
                 return await self._drive()
             finally:
+                await self._warm.close()
                 if self._aggregator is not None:
                     await self._aggregator.close()
 
@@ -188,11 +191,13 @@ class Driver:
             return returncode, None
         assert self._step is not None
         ended = asyncio.ensure_future(self._step.wait())
+        started_s = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait({ended}, timeout=self.settings.watch_s)
                 if done:
                     return ended.result(), None
+                self._warm.keep_warm(time.monotonic() - started_s)
                 told = await self._ask(
                     DriverRequest(
                         self.settings.job_id, DriverPhase.RUNNING, attempt=answer.attempt

@@ -48,6 +48,10 @@ class DriverSettings:
     world_nodes: int | None = None
     # Whether the agents' heartbeats go through the driver's aggregator.
     aggregate: bool = True
+    # Whether relaunched ranks fork from warm pools (agent.driver.warm), started once a
+    # launch has run this long.
+    warm_pool: bool = True
+    warm_delay_s: float = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the agents send their heartbeats straight to the supervisor, not through the "
         "driver's aggregator (also RESURGO_AGGREGATE=0 in the job's environment)",
     )
+    parser.add_argument(
+        "--no-warm-pool",
+        action="store_true",
+        help="relaunched ranks start as fresh interpreters, not forked from a pool that "
+        "imported torch before the fault (also RESURGO_WARM_POOL=0 in the job's environment)",
+    )
+    parser.add_argument(
+        "--warm-delay-s",
+        type=float,
+        default=10.0,
+        help="how long a launch runs before the warm pools start beside it",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser
 
@@ -136,4 +152,6 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         procs_per_node=args.procs_per_node,
         world_nodes=args.world_nodes,
         aggregate=not args.no_aggregate and environ.get("RESURGO_AGGREGATE", "1") != "0",
+        warm_pool=not args.no_warm_pool and environ.get("RESURGO_WARM_POOL", "1") != "0",
+        warm_delay_s=args.warm_delay_s,
     )

@@ -58,6 +58,7 @@ from agent.node.evidence import KernelLog, kernel_evidence
 from agent.node.health import GateReport, command_report, run_gate
 from agent.node.healthchecks import GateInputs, gpus_needed
 from agent.node.launch import (
+    ENV_WARM_SOCKET,
     Allocation,
     LaunchPlan,
     LaunchSettings,
@@ -70,6 +71,7 @@ from agent.node.rundir import default_run_dir, private_dir
 from agent.node.savenotes import SaveNotes
 from agent.node.steps import StepBuffer
 from agent.node.torchrun_options import torchrun_parser
+from agent.node.warmpool import Forked, WarmProcess, fork_from_pool, socket_path
 from agent.node.watch import RankMonitor
 from agent.stopfiles import clear_save_request, read_notice, write_save_request
 from agent.timelimit import Notice, stop_grace_s
@@ -87,6 +89,8 @@ STACK_SAMPLES_KEPT = 32
 EXIT_STATUS_UNHEALTHY = 3
 # After a clean end, how long unsent reports are still tried before the agent exits.
 CLEAN_DRAIN_S = 10.0
+# The module a fitted torchrun command runs (agent.node.launch.fit_torchrun).
+TORCHRUN = "torch.distributed.run"
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ class NodeAgent:
         self._clocks = clocks or Clocks()
         self.run_dir = private_dir(Path(config.run_dir or default_run_dir(config)))
         self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-        self._process: asyncio.subprocess.Process | None = None
+        self._process: asyncio.subprocess.Process | WarmProcess | None = None
         self._watcher: RankWatcher | None = None
         self._kernel_log = KernelLog()
         self._plan: LaunchPlan | None = None
@@ -194,12 +198,7 @@ class NodeAgent:
         self._plan = self._build_plan()
         if self._plan.shape is Shape.WRAPPER:
             self._write_torchrun_shim()
-        self._process = await asyncio.create_subprocess_exec(
-            *self._plan.argv,
-            env=self._plan.env,
-            # Its own process group, so a stop reaches torchrun and not the agent.
-            start_new_session=True,
-        )
+        self._process = await self._start_launcher(self._plan)
         self._watcher = RankWatcher(
             self._process.pid,
             shape=self._plan.shape,
@@ -261,6 +260,26 @@ class NodeAgent:
         )
         return returncode if returncode >= 0 else 128 - returncode
 
+    async def _start_launcher(self, plan: LaunchPlan) -> asyncio.subprocess.Process | WarmProcess:
+        """torchrun forked by the node's warm pool when one serves it (no import of torch
+        to wait for: :mod:`agent.node.warmpool`), else started as a fresh process."""
+        path = plan.env.get(ENV_WARM_SOCKET)
+        torchrun = plan.shape is not Shape.WRAPPER and plan.argv[1:3] == ("-m", TORCHRUN)
+        if path and torchrun:  # the pool refuses another interpreter than its own
+            forked = await asyncio.to_thread(
+                fork_from_pool, path, plan.argv[1:], plan.env, (0, 1, 2)
+            )
+            if isinstance(forked, Forked):
+                return WarmProcess(forked)
+            if forked:
+                log.info("torchrun started as a fresh process: %s", forked)
+        return await asyncio.create_subprocess_exec(
+            *plan.argv,
+            env=plan.env,
+            # Its own process group, so a stop reaches torchrun and not the agent.
+            start_new_session=True,
+        )
+
     def _build_plan(self) -> LaunchPlan:
         config = self.config
         allocation = Allocation(
@@ -288,6 +307,9 @@ class NodeAgent:
             shim_dir=str(self._shim_dir()),
             torchrun_options_dir=None if options_dir is None else str(options_dir),
             torchrun_log_dir=str(self.run_dir / "torchrun"),
+            warm_pool=socket_path(config.job_id, config.node, config.secret_file or None)
+            if config.warm_pool
+            else None,
         )
         parser = torchrun_parser(options_dir)
         return plan_launch(

@@ -55,6 +55,9 @@ class AgentConfig:
     - ``secret_file``: the job's signing secret, needed with ``supervisor_url`` (0600).
     - ``aggregator_url``: the job's aggregator (in the in-job driver) that heartbeats go
       to instead of the supervisor (empty: none; events always go to the supervisor).
+    - ``warm_pool``: ask this node's warm pool (run by the in-job driver:
+      :mod:`agent.node.warmpool`) to fork each rank from an interpreter that has imported
+      torch; a rank it cannot serve starts as a fresh interpreter.
     - ``events_log``: also append every event to this file as JSON lines (empty: no file).
     - ``resume_from``: the checkpoint the ranks resume from (empty: a fresh start).
     - ``skip_samples``: windows of the global sample cursor the ranks do not train on,
@@ -108,6 +111,7 @@ class AgentConfig:
     supervisor_url: str = ""
     secret_file: str = ""
     aggregator_url: str = ""
+    warm_pool: bool = False
     events_log: str = ""
     resume_from: str = ""
     skip_samples: str = ""

@@ -61,6 +61,8 @@ from agent.wire.environ import (
 from agent.wire.errors import ConfigError
 
 ENV_TORCHRUN_OPTIONS_DIR = "RESURGO_TORCHRUN_OPTIONS_DIR"
+# The socket of the node's warm pool (agent.node.warmpool) in the ranks' environment.
+ENV_WARM_SOCKET = "RESURGO_WARM_SOCKET"
 # torchrun's --log-dir, read from the environment when the option is not given.
 ENV_TORCHRUN_LOG_DIR = "PET_LOG_DIR"
 # The allocation as JSON, for the torchrun that a wrapper script starts (agent.node.torchrunshim).
@@ -189,6 +191,8 @@ class LaunchSettings:
     # goes with the launch. Without one torchrun makes a /tmp/torchelastic_* directory
     # at every start and never removes it: a cluster's nodes gather them by the thousand.
     torchrun_log_dir: str | None = None
+    # The socket of this node's warm pool (agent.node.warmpool), for the rank shims.
+    warm_pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -503,6 +507,7 @@ def _resurgo_env(allocation: Allocation, settings: LaunchSettings) -> dict[str, 
         ENV_CKPT_INTERVAL_FILE: settings.ckpt_interval_file,
         ENV_SAVE_REQUEST_FILE: settings.save_request_file,
         ENV_TORCHRUN_OPTIONS_DIR: settings.torchrun_options_dir,
+        ENV_WARM_SOCKET: settings.warm_pool,
     }
     env.update({name: value for name, value in optional.items() if value is not None})
     return env

@@ -31,7 +31,9 @@ import psutil
 
 from agent.node import kernlog
 from agent.node.launch import Shape
+from agent.node.rankexec import worker_file
 from agent.wire import raised
+from agent.wire.environ import ENV_EXIT_DIR
 
 log = logging.getLogger(__name__)
 
@@ -270,12 +272,13 @@ class RankWatcher:
             children = process.children()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return None
-        if not children or "RANK" not in environ:
+        pid = _worker_pid(children, environ, self._exit_dir)
+        if pid is None or "RANK" not in environ:
             return None  # the worker is not started yet; found on a later pass
         return RankProcess(
             global_rank=int(environ["RANK"]),
             local_rank=int(environ.get("LOCAL_RANK", "0")),
-            pid=children[0].pid,
+            pid=pid,
             shim_pid=process.pid,
             world_size=_int_or_none(environ.get("WORLD_SIZE")),
             local_world_size=_int_or_none(environ.get("LOCAL_WORLD_SIZE")),
@@ -291,6 +294,34 @@ class RankWatcher:
             log.warning("unreadable exit record %s: %s", path, error)
             return None
         return record
+
+
+def shim_worker(shim: psutil.Process) -> int | None:
+    """The pid of the worker under rank shim ``shim`` (None: not started, or gone): its
+    child, or the warm pool's child it recorded. Raises psutil's errors."""
+    environ = shim.environ()
+    exit_dir = environ.get(ENV_EXIT_DIR)
+    return _worker_pid(shim.children(), environ, Path(exit_dir) if exit_dir else None)
+
+
+def _worker_pid(
+    children: list[psutil.Process], environ: dict[str, str], exit_dir: Path | None
+) -> int | None:
+    if children:
+        return children[0].pid
+    if exit_dir is None or "RANK" not in environ:
+        return None
+    return warm_worker(exit_dir, environ["RANK"])
+
+
+def warm_worker(exit_dir: Path, rank: str) -> int | None:
+    """The pid of the rank's worker when the warm pool forked it (its shim's record:
+    :mod:`agent.node.rankexec`); None when there is none."""
+    try:
+        text = worker_file(exit_dir, rank).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _with_oom_counter(rank: RankProcess) -> RankProcess:

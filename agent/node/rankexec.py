@@ -37,9 +37,10 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
-from agent.node.launch import ENV_SLURM_TASKS, slurm_task_env
+from agent.node.launch import ENV_SLURM_TASKS, ENV_WARM_SOCKET, slurm_task_env
+from agent.node.warmpool import MAX_MESSAGE, Forked, exit_status, fork_from_pool
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
@@ -52,6 +53,67 @@ TAIL_CHARS = 2000
 # (it is there already; the wait is for the copying thread). The pipe's end is not
 # awaited: a process the worker started (a data loader worker) may hold it open.
 DRAIN_S = 0.2
+
+
+class Worker(Protocol):
+    """The worker as the shim sees it: a subprocess it started, or a warm pool's child."""
+
+    pid: int
+    stderr: IO[bytes] | None
+
+    def send_signal(self, signum: int) -> None: ...
+
+    def wait(self) -> int: ...
+
+
+class WarmWorker:
+    """A worker the node's warm pool forked (:mod:`agent.node.warmpool`): signalled by its
+    pid, its exit status told by the pool over the connection."""
+
+    def __init__(self, forked: Forked, stderr: IO[bytes]) -> None:
+        self._conn = forked.conn
+        self.pid = forked.pid
+        self.stderr: IO[bytes] | None = stderr
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def wait(self) -> int:
+        try:
+            code = exit_status(self._conn.recv(MAX_MESSAGE))
+        except OSError:
+            code = None
+        self._conn.close()
+        if code is not None:
+            return code
+        # The pool died: its children die with it (PR_SET_PDEATHSIG, SIGKILL).
+        print("resurgo rankexec: the warm pool ended before the rank did", file=sys.stderr)
+        return -signal.SIGKILL
+
+
+def start_warm(args: list[str], env: dict[str, str]) -> WarmWorker | None:
+    """The worker forked by the node's warm pool; None when there is none, or it refused
+    (said on standard error) or did not answer: the worker is then started cold."""
+    path = env.get(ENV_WARM_SOCKET)
+    if not path or not args or args[0] == "--no-python":
+        return None
+    argv = ["-m", *args[1:]] if args[0] == "--module" else list(args)
+    read_end, write_end = os.pipe()
+    try:
+        forked = fork_from_pool(path, argv, env, [0, 1, write_end])
+    finally:
+        os.close(write_end)
+    if isinstance(forked, str):
+        if forked:
+            print(f"resurgo rankexec: started cold: {forked}", file=sys.stderr)
+        os.close(read_end)
+        return None
+    return WarmWorker(forked, os.fdopen(read_end, "rb"))
+
+
+def worker_file(exit_dir: Path, rank: str | int) -> Path:
+    """Where a warm worker's pid is written for the agent (a cold one is the shim's child)."""
+    return exit_dir / f"rank-{rank}.worker"
 
 
 class Tail:
@@ -136,7 +198,16 @@ def main(args: list[str]) -> None:
     env = dict(os.environ)
     if env.get(ENV_SLURM_TASKS):
         env.update(slurm_task_env(env))
-    child = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
+    exit_dir = os.environ.get("RESURGO_EXIT_DIR")
+    child: Worker | None = start_warm(args, env)
+    if child is not None and exit_dir:
+        with contextlib.suppress(OSError):
+            path = worker_file(Path(exit_dir), os.environ.get("RANK", "0"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text(str(child.pid))
+            os.replace(path.with_suffix(".tmp"), path)
+    if child is None:
+        child = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
     assert child.stderr is not None
     tail = Tail(child.stderr, sys.stderr.buffer)
 
@@ -148,7 +219,6 @@ def main(args: list[str]) -> None:
     for signum in FORWARDED:
         signal.signal(signum, forward)
     returncode = child.wait()
-    exit_dir = os.environ.get("RESURGO_EXIT_DIR")
     if exit_dir:
         try:
             record_exit(

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agent.node.procs import shim_worker
 from tests.conftest import LiveCluster
 from tests.e2e.jobs import Run, drained, finish, story, submit
 from tests.supervisor_harness import SupervisorProcess
@@ -31,17 +32,15 @@ pytestmark = [
 
 
 def rank_pid(run: Run) -> int | None:
-    """The pid of ``run``'s training rank: the child of the rank's launcher shim
-    (``python -m agent.node.rankexec`` with the job's record path); None while there is
-    none. Killing the shim instead leaves the rank orphaned: a different fault."""
-    for process in psutil.process_iter(["pid"]):
+    """The pid of ``run``'s training rank: the worker of the rank's launcher shim
+    (``python -m agent.node.rankexec`` with the job's record path: its child, or the warm
+    pool's child it recorded); None while there is none. Killing the shim instead leaves
+    the rank orphaned: a different fault."""
+    for process in psutil.process_iter(["cmdline"]):
         try:
-            parent = process.parent()
-            if parent is None:
-                continue
-            shim = parent.cmdline()
+            shim = process.info["cmdline"] or []
             if shim[1:3] == ["-m", "agent.node.rankexec"] and str(run.record) in shim:
-                return int(process.info["pid"])
+                return shim_worker(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return None

@@ -1,0 +1,105 @@
+"""The job's warm pools (:mod:`agent.node.warmpool`): one ``srun`` step with a pool on
+every node of the allocation, spares included, kept beside the training steps so that
+a relaunch's ranks fork from interpreters that imported torch before the fault.
+
+The step starts once a launch has run :attr:`DriverSettings.warm_delay_s`, so that
+the pools' own imports do not slow the ranks' first start; it outlives the
+training steps (each relaunch is a step of its own) and is started again on the
+allocation as it is then should it end (a node lost, the job shrunk), unless it
+ended within :data:`SHORT_LIVED_S` of its start: a pool that cannot start is not
+retried, and the ranks start cold as they would without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from agent.driver.argv import warm_pool_argv
+from agent.driver.settings import DriverSettings
+from agent.driver.slurm import current_nodes
+from agent.node.launch import with_bootstrap
+
+log = logging.getLogger("resurgo.driver")
+
+# A pool step that ended sooner than this after its start is not started again.
+SHORT_LIVED_S = 60.0
+# SIGTERM to SIGKILL of the pool step when the driver ends.
+STOP_GRACE_S = 5.0
+
+
+class WarmPools:
+    """Starts, restarts and stops the pool step; every call returns at once."""
+
+    def __init__(
+        self,
+        settings: DriverSettings,
+        environ: Mapping[str, str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self._environ = environ
+        self._clock = clock
+        self._step: asyncio.subprocess.Process | None = None
+        self._started_at = 0.0
+        self._given_up = not settings.warm_pool
+        self._starting: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._step is not None and self._step.returncode is None
+
+    def keep_warm(self, launch_running_s: float) -> None:
+        """Start the pool step if none runs and the launch has run long enough."""
+        if self._given_up or self.running or launch_running_s < self.settings.warm_delay_s:
+            return
+        if self._starting is not None and not self._starting.done():
+            return
+        if self._step is not None:  # it ran, and ended
+            lived = self._clock() - self._started_at
+            if lived < SHORT_LIVED_S:
+                log.warning(
+                    "the warm pools ended %.0f s after their start (exit %s): relaunched "
+                    "ranks start as fresh interpreters",
+                    lived,
+                    self._step.returncode,
+                )
+                self._given_up = True
+                return
+        self._starting = asyncio.ensure_future(self._start())
+
+    async def _start(self) -> None:
+        try:
+            nodes = await current_nodes(self._environ)
+            argv = warm_pool_argv(self.settings, nodes)
+            env = {
+                **self._environ,
+                "PYTHONPATH": with_bootstrap(self._environ.get("PYTHONPATH")),
+            }
+            self._step = await asyncio.create_subprocess_exec(*argv, env=env)
+        except Exception as error:  # the pools are a speed-up; the job goes on without
+            log.warning("the warm pools did not start (%s): ranks start cold", error)
+            self._given_up = True
+            return
+        self._started_at = self._clock()
+        log.info("warm pools starting on %d node(s)", len(nodes))
+
+    async def close(self) -> None:
+        """Stop the pool step (SIGTERM, SIGKILL after a grace)."""
+        if self._starting is not None:
+            self._starting.cancel()
+            await asyncio.gather(self._starting, return_exceptions=True)
+        step, self._step = self._step, None
+        if step is None or step.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            step.terminate()
+        try:
+            await asyncio.wait_for(step.wait(), STOP_GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                step.kill()
+            await step.wait()
