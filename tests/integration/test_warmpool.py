@@ -19,8 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agent.node.launch import with_bootstrap
 from agent.node.procs import warm_worker
 from agent.node.warmpool import socket_path
+from agent.wire.protocol import EventKind
+from tests.integration.agent_harness import RunningAgent
 from tests.paths import REPO
 
 PROBE = """\
@@ -271,3 +274,60 @@ def refused_to_nobody(path: str) -> None:
     os.chmod(path, 0o777)
     done = subprocess.run(run, **nobody, check=True)  # type: ignore[call-overload]
     assert done.stdout in (b"closed\n", b"answer b''\n")  # closed unanswered
+
+
+def test_an_agents_torchrun_and_ranks_fork_from_the_pool_and_a_killed_rank_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent asks the pool for its torchrun and the shims for their workers: every
+    process of the launch but the shims is the pool's child, and a rank killed there is
+    reported as a fresh one is (its pid, SIGKILL, within 2 s)."""
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="resurgo-warm-agent-"))
+    monkeypatch.setenv("TMPDIR", str(base))  # the agent's socket path and the pool's agree
+    try:
+        with full_pool(base, "77") as pool_process:
+            agent = RunningAgent(tmp_path, ["--warm-pool", "true"], ["--instrumented"])
+            try:
+                pids = [int(agent.wait_file(f"pid.{rank}", 120)) for rank in (0, 1)]
+                agent.wait_file("step.1")
+                assert [psutil.Process(pid).ppid() for pid in pids] == [pool_process.pid] * 2
+                torchrun = [child for child in psutil.Process(pool_process.pid).children()
+                            if child.pid not in pids]  # fmt: skip
+                assert len(torchrun) == 1  # the launch's one other process: its torchrun,
+                shims = [child.cmdline()[1:3] for child in torchrun[0].children()]
+                assert shims == [["-m", "agent.node.rankexec"]] * 2  # parent of the shims
+                killed_at = time.time()
+                os.kill(pids[1], signal.SIGKILL)
+                event = agent.wait_event(EventKind.RANK_EXITED, 10)
+                assert (event.payload["global_rank"], event.payload["pid"]) == (1, pids[1])
+                assert event.payload["signal_name"] == "SIGKILL"
+                assert event.time_unix_s - killed_at < 2.0
+                assert agent.wait_event(EventKind.LAUNCHER_EXITED, 30).payload["exit_code"] != 0
+            finally:
+                agent.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def full_pool(tmp: Path, job: str) -> Iterator[subprocess.Popen[bytes]]:
+    """The pool as the driver starts it (torch preloaded, the bootstrap first on
+    ``PYTHONPATH`` as in the ranks), for job ``job`` on node1."""
+    log = (tmp / "pool.log").open("wb")
+    pythonpath = with_bootstrap(os.environ.get("PYTHONPATH"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent.node.warmpool", "--job-id", job, "--node", "node1"],
+        cwd=REPO, env={**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": pythonpath},
+        stdout=log, stderr=log,
+    )  # fmt: skip
+    path = socket_path(job, "node1", None, tmp=str(tmp))
+    deadline = time.monotonic() + 120
+    try:
+        while not os.path.exists(path):
+            assert process.poll() is None, (tmp / "pool.log").read_text()
+            assert time.monotonic() < deadline, "the pool did not start serving within 120 s"
+            time.sleep(0.1)
+        yield process
+    finally:
+        process.kill()
+        process.wait()

@@ -36,6 +36,13 @@ FAKE_SRUN = """#!/usr/bin/env python3
 import json, os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 log = os.environ["FAKE_LOG"]
+if "agent.node.warmpool" in sys.argv:  # the warm pools: logged apart, run until ended
+    with open(log + ".warm", "a") as f:
+        f.write(json.dumps(sys.argv[1:]) + "\\n")
+    signal.signal(signal.SIGTERM, lambda *_: (open(log + ".warm", "a").write("ended\\n"),
+                                              sys.exit(143)))
+    time.sleep(float(os.environ.get("FAKE_WARM_S", "300")))
+    sys.exit(1)
 if "agent.node.sparecheck" in sys.argv:  # the idle spares' health check: its own log
     with open(log + ".checks", "a") as f:
         f.write(json.dumps(sys.argv[1:]) + "\\n")
@@ -602,3 +609,51 @@ codes = json.loads(""",
     assert status == 0
     assert seen.read_text().split() == ["False", "False"]  # gone before the relaunch
     assert all(r.phase is not DriverPhase.SPARE_CHECK for r in directory.driver_requests(JOB))
+
+
+def warm_log(tmp_path: Path) -> list[str]:
+    log = tmp_path / "srun.log.warm"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_launch_that_runs_past_the_delay_gets_warm_pools_on_every_node_until_the_end(
+    tmp_path: Path,
+) -> None:
+    status, _ = drive(tmp_path, [0], [], warm_delay_s=0.5, watch_s=0.2, environ={"FAKE_RUN_S": "2"})
+    assert status == 0
+    started, ended = warm_log(tmp_path)  # one pool step, ended with the driver
+    argv = json.loads(started)
+    assert argv[:5] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
+                        "--nodelist=node1,node2,node3", "--overlap"]  # fmt: skip
+    assert "--no-kill" in argv and argv[argv.index("--job-id") + 1] == JOB
+    assert ended == "ended"
+    (launch,) = srun_calls(tmp_path)
+    assert launch[launch.index("--warm-pool") + 1] == "true"  # the agents ask the pools
+
+
+def test_warm_pools_that_end_soon_after_their_start_are_not_started_again(
+    tmp_path: Path,
+) -> None:
+    status, _ = drive(
+        tmp_path, [0], [], warm_delay_s=0.2, watch_s=0.2,
+        environ={"FAKE_RUN_S": "3", "FAKE_WARM_S": "0.5"},
+    )  # fmt: skip
+    assert status == 0
+    assert len(warm_log(tmp_path)) == 1
+
+
+def test_turned_off_in_the_jobs_environment_no_pool_starts_and_the_agents_ask_none(
+    tmp_path: Path,
+) -> None:
+    environ = {**os.environ, "SLURM_JOB_ID": JOB, "RESURGO_WARM_POOL": "0"}
+    settings = settings_from(["--jobs-dir", str(tmp_path), "--supervisor-url", "http://x",
+                              "--ckpt-root", "/c", "--", "torchrun", "t.py"], environ)  # fmt: skip
+    assert settings.warm_pool is False
+    status, _ = drive(
+        tmp_path, [0], [], warm_delay_s=0.2, watch_s=0.2, warm_pool=False,
+        environ={"FAKE_RUN_S": "1.5"},
+    )  # fmt: skip
+    assert status == 0
+    assert warm_log(tmp_path) == []
+    (launch,) = srun_calls(tmp_path)
+    assert "--warm-pool" not in launch
