@@ -17,11 +17,13 @@ def agent_argv(
     master_port: int,
     skip_samples: Sequence[SampleRange] = (),
     aggregator_url: str = "",
+    warm_pool: bool = False,
 ) -> list[str]:
     """``srun`` running one node agent per node of ``nodes``, each launching the command
     (``master_port``: from :func:`agent.ports.rendezvous_port`; ``skip_samples``: the
     windows of the global sample cursor the ranks leave out; ``aggregator_url``: where
-    the agents send their heartbeats, when the driver aggregates them).
+    the agents send their heartbeats, when the driver aggregates them; ``warm_pool``: the
+    nodes' warm pools run, the agents fork torchrun and the ranks from them).
 
     ``--overlap``: a step with a task on a dead node stays "completing" until Slurm
     marks that node DOWN (``SlurmdTimeout``, 300 s by default), even after the job
@@ -57,7 +59,7 @@ def agent_argv(
         *(["--resume-from", resume_from] if resume_from else []),
         *(["--skip-samples", format_skip_samples(skip_samples)] if skip_samples else []),
         *(["--aggregator-url", aggregator_url] if aggregator_url else []),
-        *(["--warm-pool", "true"] if settings.warm_pool else []),
+        *(["--warm-pool", "true"] if warm_pool else []),
         "--", *settings.command,
     ]  # fmt: skip
 

@@ -191,13 +191,11 @@ class Driver:
             return returncode, None
         assert self._step is not None
         ended = asyncio.ensure_future(self._step.wait())
-        started_s = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait({ended}, timeout=self.settings.watch_s)
                 if done:
                     return ended.result(), None
-                self._warm.keep_warm(time.monotonic() - started_s)
                 told = await self._ask(
                     DriverRequest(
                         self.settings.job_id, DriverPhase.RUNNING, attempt=answer.attempt
@@ -243,9 +241,11 @@ class Driver:
             job_id=self.settings.job_id, attempt=answer.attempt,
         )  # fmt: skip
         self._rendezvous = (master, port)
+        await self._warm.ensure()  # before the agents, which fork torchrun from the pools
         argv = agent_argv(
             self.settings, nodes, master, answer.attempt, answer.resume_from, port,
             answer.skip_samples, self._aggregator.url if self._aggregator is not None else "",
+            self._warm.running,
         )  # fmt: skip
         log.info(
             "attempt %d: %d node(s) %s, resume from %s, skipping samples %s",

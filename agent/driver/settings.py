@@ -48,10 +48,8 @@ class DriverSettings:
     world_nodes: int | None = None
     # Whether the agents' heartbeats go through the driver's aggregator.
     aggregate: bool = True
-    # Whether relaunched ranks fork from warm pools (agent.driver.warm), started once a
-    # launch has run this long.
+    # Whether torchrun and the ranks fork from the nodes' warm pools (agent.driver.warm).
     warm_pool: bool = True
-    warm_delay_s: float = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,14 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-warm-pool",
         action="store_true",
-        help="relaunched ranks start as fresh interpreters, not forked from a pool that "
-        "imported torch before the fault (also RESURGO_WARM_POOL=0 in the job's environment)",
-    )
-    parser.add_argument(
-        "--warm-delay-s",
-        type=float,
-        default=10.0,
-        help="how long a launch runs before the warm pools start beside it",
+        help="torchrun and the ranks start as fresh interpreters, not forked from each "
+        "node's pool that imported torch (also RESURGO_WARM_POOL=0 in the job's environment)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser
@@ -153,5 +145,4 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         world_nodes=args.world_nodes,
         aggregate=not args.no_aggregate and environ.get("RESURGO_AGGREGATE", "1") != "0",
         warm_pool=not args.no_warm_pool and environ.get("RESURGO_WARM_POOL", "1") != "0",
-        warm_delay_s=args.warm_delay_s,
     )

@@ -1,13 +1,14 @@
 """The job's warm pools (:mod:`agent.node.warmpool`): one ``srun`` step with a pool on
-every node of the allocation, spares included, kept beside the training steps so that
-a relaunch's ranks fork from interpreters that imported torch before the fault.
+every node of the allocation, spares included, kept beside the training steps.
 
-The step starts once a launch has run :attr:`DriverSettings.warm_delay_s`, so that
-the pools' own imports do not slow the ranks' first start; it outlives the
-training steps (each relaunch is a step of its own) and is started again on the
-allocation as it is then should it end (a node lost, the job shrunk), unless it
+The step starts just before the first launch's agents, which wait for their node's
+pool and fork torchrun and the ranks from it: each node imports torch once, in its
+pool, instead of once in torchrun and again in every rank. It outlives the training
+steps (each relaunch is a step of its own), so a relaunch's processes start without
+importing anything; should it end (a node lost, the job shrunk off a node) it is
+started again on the allocation as it is then, before the next launch, unless it
 ended within :data:`SHORT_LIVED_S` of its start: a pool that cannot start is not
-retried, and the ranks start cold as they would without it.
+retried, and the ranks start as fresh interpreters, as they would without it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ STOP_GRACE_S = 5.0
 
 
 class WarmPools:
-    """Starts, restarts and stops the pool step; every call returns at once."""
+    """Starts, restarts and stops the pool step."""
 
     def __init__(
         self,
@@ -46,32 +47,26 @@ class WarmPools:
         self._step: asyncio.subprocess.Process | None = None
         self._started_at = 0.0
         self._given_up = not settings.warm_pool
-        self._starting: asyncio.Task[None] | None = None
 
     @property
     def running(self) -> bool:
         return self._step is not None and self._step.returncode is None
 
-    def keep_warm(self, launch_running_s: float) -> None:
-        """Start the pool step if none runs and the launch has run long enough."""
-        if self._given_up or self.running or launch_running_s < self.settings.warm_delay_s:
-            return
-        if self._starting is not None and not self._starting.done():
+    async def ensure(self) -> None:
+        """Start the pool step unless it runs (or was given up); called before a launch."""
+        if self._given_up or self.running:
             return
         if self._step is not None:  # it ran, and ended
             lived = self._clock() - self._started_at
             if lived < SHORT_LIVED_S:
                 log.warning(
-                    "the warm pools ended %.0f s after their start (exit %s): relaunched "
-                    "ranks start as fresh interpreters",
+                    "the warm pools ended %.0f s after their start (exit %s): ranks start "
+                    "as fresh interpreters",
                     lived,
                     self._step.returncode,
                 )
                 self._given_up = True
                 return
-        self._starting = asyncio.ensure_future(self._start())
-
-    async def _start(self) -> None:
         try:
             nodes = await current_nodes(self._environ)
             argv = warm_pool_argv(self.settings, nodes)
@@ -89,9 +84,6 @@ class WarmPools:
 
     async def close(self) -> None:
         """Stop the pool step (SIGTERM, SIGKILL after a grace)."""
-        if self._starting is not None:
-            self._starting.cancel()
-            await asyncio.gather(self._starting, return_exceptions=True)
         step, self._step = self._step, None
         if step is None or step.returncode is not None:
             return

@@ -91,6 +91,9 @@ EXIT_STATUS_UNHEALTHY = 3
 CLEAN_DRAIN_S = 10.0
 # The module a fitted torchrun command runs (agent.node.launch.fit_torchrun).
 TORCHRUN = "torch.distributed.run"
+# How long the node's warm pool, started by the driver beside this agent's step, may take
+# to listen (it listens before it imports).
+POOL_APPEARS_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,8 @@ class NodeAgent:
         to wait for: :mod:`agent.node.warmpool`), else started as a fresh process."""
         path = plan.env.get(ENV_WARM_SOCKET)
         torchrun = plan.shape is not Shape.WRAPPER and plan.argv[1:3] == ("-m", TORCHRUN)
-        if path and torchrun:  # the pool refuses another interpreter than its own
+        if path and torchrun and await _appears(path, POOL_APPEARS_S):
+            # The pool refuses another interpreter than its own.
             forked = await asyncio.to_thread(
                 fork_from_pool, path, plan.argv[1:], plan.env, (0, 1, 2)
             )
@@ -540,6 +544,7 @@ class NodeAgent:
                 "exit_time_unix_s": rank_exit.time_unix_s,
                 **_raised_fields(rank_exit),
                 **({"script_ended": True} if rank_exit.script_ended else {}),
+                **({"warm": True} if rank_exit.warm else {}),
                 **({"ranks_left": ranks_left} if ranks_left is not None else {}),
                 **({"stderr_tail": rank_exit.stderr_tail} if rank_exit.stderr_tail else {}),
                 **(await kernel_evidence(rank_exit, self._kernel_log)),
@@ -699,6 +704,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ResurgoError as error:
         print(f"resurgo-agent: {error}", file=sys.stderr)
         return 2
+
+
+async def _appears(path: str, within_s: float) -> bool:
+    """Whether ``path`` exists, waiting up to ``within_s`` for it."""
+    deadline = time.monotonic() + within_s
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            log.info("no warm pool at %s after %.0f s: torchrun starts fresh", path, within_s)
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 if __name__ == "__main__":

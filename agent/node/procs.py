@@ -72,6 +72,8 @@ class RankExit:
     script_ended: bool = False
     # The last lines it wrote to standard error (agent.node.rankexec; "": none known).
     stderr_tail: str = ""
+    # Whether the node's warm pool forked it (agent.node.warmpool), not a fresh interpreter.
+    warm: bool = False
 
     @property
     def oom_kills_while_running(self) -> int | None:
@@ -244,6 +246,7 @@ class RankWatcher:
             raised.read_note(self._exit_dir, rank.global_rank),
             raised.ended(self._exit_dir, rank.global_rank),
             tail if isinstance(tail, str) else "",
+            record.get("warm") is True,
         )
 
     def launcher_exit(self, returncode: int, now_unix_s: float) -> list[RankExit]:

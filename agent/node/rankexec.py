@@ -175,7 +175,13 @@ def child_argv(args: list[str]) -> list[str]:
 
 
 def record_exit(
-    exit_dir: Path, rank: str, local_rank: str, pid: int, returncode: int, stderr_tail: str = ""
+    exit_dir: Path,
+    rank: str,
+    local_rank: str,
+    pid: int,
+    returncode: int,
+    stderr_tail: str = "",
+    warm: bool = False,
 ) -> None:
     """Write ``rank-<rank>.json`` atomically: the agent may read it at any moment."""
     document = {
@@ -186,6 +192,7 @@ def record_exit(
         "signal": -returncode if returncode < 0 else None,
         "time_unix_s": time.time(),
         "stderr_tail": stderr_tail,
+        "warm": warm,
     }
     exit_dir.mkdir(parents=True, exist_ok=True)
     temporary = exit_dir / f".rank-{rank}.json.tmp"
@@ -228,6 +235,7 @@ def main(args: list[str]) -> None:
                 child.pid,
                 returncode,
                 tail.text(),
+                warm=isinstance(child, WarmWorker),
             )
         except OSError as error:
             print(f"resurgo rankexec: could not record the exit: {error}", file=sys.stderr)

@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 # torchrun sets it for its workers; applied here (torch.set_num_threads), since the pool's
 # OpenMP runtime read its own at torch's import.
@@ -36,8 +36,11 @@ ENV_THREADS = "OMP_NUM_THREADS"
 _OURS = frozenset({__file__, runpy.__file__, "<frozen runpy>"})
 
 
-def become_rank(request: dict[str, object], fds: Sequence[int]) -> None:
-    """Set this process up as the worker of ``request`` and run it; never returns."""
+def become_rank(
+    request: dict[str, object], fds: Sequence[int], set_by_imports: Mapping[str, str]
+) -> None:
+    """Set this process up as the worker of ``request`` and run it; never returns.
+    ``set_by_imports``: what the pool's imports put in its environment."""
     argv = [str(word) for word in request["argv"]]  # type: ignore[attr-defined]
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -48,7 +51,7 @@ def become_rank(request: dict[str, object], fds: Sequence[int]) -> None:
     env = request["env"]
     assert isinstance(env, dict)
     os.environ.clear()
-    os.environ.update({str(name): str(value) for name, value in env.items()})
+    os.environ.update({**set_by_imports, **{str(name): str(value) for name, value in env.items()}})
     _reseed()
     _threads()
     from agent.bootstrap import arm_rank

@@ -74,8 +74,9 @@ PRELOAD = (
 # sets one differently from the pool could not be forked from it faithfully.
 FIXED_AT_START = ("PYTHON", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_LOGS")
 MAX_MESSAGE = 1 << 20
-# How long the pool may take to answer before the process is started cold.
-ANSWER_S = 5.0
+# How long the pool may take to answer before the process is started cold: its imports
+# at the job's start (a launch's first requests wait in its backlog until it is warm).
+ANSWER_S = 120.0
 # The longest path a Unix socket's address holds (108 bytes with its terminating NUL).
 MAX_SOCKET_PATH = 108
 STREAMS = 3
@@ -215,6 +216,24 @@ class Pool:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._set_by_imports: dict[str, str] = {}
+
+    def preload(self, modules: Sequence[str]) -> list[str]:
+        """Import ``modules`` (those missing skipped); the ones imported. What the imports
+        put in the environment (torch's ``CUDA_MODULE_LOADING``, say) a child gets unless
+        its own environment sets it, as its own import of them would have done."""
+        done = []
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as error:  # a module the user's environment lacks, or broken
+                log.info("not preloaded: %s (%s)", name, error)
+                continue
+            done.append(name)
+        self._set_by_imports = {
+            name: value for name, value in os.environ.items() if self._env.get(name) != value
+        }
+        return done
 
     def listen(self) -> None:
         """Bind the socket (a stale one of a dead pool replaced) and start accepting."""
@@ -328,7 +347,7 @@ class Pool:
             log.propagate, log.level = True, logging.NOTSET
             from agent.node import warmchild
 
-            warmchild.become_rank(request, fds)
+            warmchild.become_rank(request, fds, self._set_by_imports)
         finally:
             os._exit(70)  # become_rank never returns; should anything above fail
 
@@ -381,19 +400,6 @@ def _die_with_parent() -> None:
         os._exit(70)
 
 
-def preload(modules: Sequence[str]) -> list[str]:
-    """Import ``modules`` (those missing skipped); the ones imported."""
-    done = []
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as error:  # a module the user's environment lacks, or broken
-            log.info("not preloaded: %s (%s)", name, error)
-            continue
-        done.append(name)
-    return done
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m agent.node.warmpool``: preload, then serve on this node's socket."""
     # Its own handler, not the root logger's: a rank forked from here configures logging as
@@ -413,9 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     node = args.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     started = time.monotonic()
-    loaded = preload(args.preload or PRELOAD)
     pool = Pool(socket_path(args.job_id, node, args.secret_file))
     try:
+        # Listening before the imports: a launch's first requests wait in the backlog
+        # for the pool to be warm instead of finding no pool and starting fresh.
         pool.listen()
     except OSError as error:
         if error.errno == errno.EADDRINUSE:
@@ -423,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             log.error("the pool cannot listen: %s", error)
         return 1
+    loaded = pool.preload(args.preload or PRELOAD)
     log.info(
         "%s: warm in %.1f s (%s), serving ranks", node, time.monotonic() - started,
         ", ".join(loaded) or "nothing preloaded",

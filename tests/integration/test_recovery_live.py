@@ -77,11 +77,14 @@ def _leave_cluster_clean(cluster: LiveCluster) -> None:
             cluster.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"])
 
 
-def _wait_output(path: Path, text: str, timeout_s: float, supervisor: SupervisorProcess) -> str:
+def _wait_output(
+    path: Path, text: str, timeout_s: float, supervisor: SupervisorProcess, count: int = 1
+) -> str:
+    """The job's output once ``text`` is in it ``count`` times."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         content = path.read_text(errors="replace") if path.exists() else ""
-        if text in content:
+        if content.count(text) >= count:
             return content
         time.sleep(0.5)
     tail = path.read_text(errors="replace")[-3000:] if path.exists() else "(no output)"
@@ -182,6 +185,11 @@ def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nod
             if "step-8 invalid" in d.detail["explanation"]
         ]
         assert rejected, "the corrupted step-8 was never rejected"
+        # Every rank forked from its node's warm pool: the first launch's, and the
+        # relaunch's from the pools that outlived the shrink.
+        exits = [e.payload for e in store.events_for(str(job_id), kinds=["rank_exited"])]
+        assert [e["exit_code"] for e in exits].count(0) == 3, exits  # the relaunch's ends
+        assert all(e.get("warm") is True for e in exits), exits
         # Resized: the first sample after the resume is the checkpoint's cursor.
         checks = store.events_for(str(job_id), kinds=["resume_verification"])
         assert [e.payload["verified"] for e in checks] == [True], checks

@@ -102,7 +102,7 @@ def test_a_warm_worker_sees_what_a_cold_one_sees_and_torch_was_imported_before_i
         assert warm[key] == cold[key], key
     assert warm_err == cold_err == b"probe on stderr\nprobe's own format: logged\n"
     record = json.loads((tmp_path / "exits" / "rank-2.json").read_text())
-    assert (record["exit_code"], record["pid"]) == (3, warm["pid"])
+    assert (record["exit_code"], record["pid"], record["warm"]) == (3, warm["pid"], True)
     assert record["stderr_tail"] == "probe on stderr\nprobe's own format: logged"
     assert warm_worker(tmp_path / "exits", "2") == warm["pid"]
 
@@ -301,6 +301,7 @@ def test_an_agents_torchrun_and_ranks_fork_from_the_pool_and_a_killed_rank_is_re
                 event = agent.wait_event(EventKind.RANK_EXITED, 10)
                 assert (event.payload["global_rank"], event.payload["pid"]) == (1, pids[1])
                 assert event.payload["signal_name"] == "SIGKILL"
+                assert event.payload["warm"] is True  # said in its exit, for the operator
                 assert event.time_unix_s - killed_at < 2.0
                 assert agent.wait_event(EventKind.LAUNCHER_EXITED, 30).payload["exit_code"] != 0
             finally:

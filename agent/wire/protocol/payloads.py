@@ -87,6 +87,9 @@ _PAYLOADS: dict[EventKind, tuple[_Spec, ...]] = {
         _Spec("raised_time_unix_s", _nullable(_float), required=False),
         # The rank's script ran to its end before the rank exited (agent.wire.raised).
         _Spec("script_ended", _bool, required=False),
+        # The node's warm pool forked the rank (agent.node.warmpool): it started without
+        # importing torch.
+        _Spec("warm", _bool, required=False),
         # The node's ranks still running after this one, when the agent knows them all:
         # 0 says the node's exits are all in (the exit window need not wait for its launcher).
         _Spec("ranks_left", lambda d, k, w: _int(d, k, w, minimum=0), required=False),

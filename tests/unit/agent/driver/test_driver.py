@@ -616,10 +616,10 @@ def warm_log(tmp_path: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def test_a_launch_that_runs_past_the_delay_gets_warm_pools_on_every_node_until_the_end(
+def test_the_warm_pools_start_on_every_node_before_the_first_launch_and_end_with_the_driver(
     tmp_path: Path,
 ) -> None:
-    status, _ = drive(tmp_path, [0], [], warm_delay_s=0.5, watch_s=0.2, environ={"FAKE_RUN_S": "2"})
+    status, _ = drive(tmp_path, [0], [])
     assert status == 0
     started, ended = warm_log(tmp_path)  # one pool step, ended with the driver
     argv = json.loads(started)
@@ -631,15 +631,16 @@ def test_a_launch_that_runs_past_the_delay_gets_warm_pools_on_every_node_until_t
     assert launch[launch.index("--warm-pool") + 1] == "true"  # the agents ask the pools
 
 
-def test_warm_pools_that_end_soon_after_their_start_are_not_started_again(
+def test_pools_that_end_soon_after_their_start_are_not_started_again_nor_asked(
     tmp_path: Path,
 ) -> None:
-    status, _ = drive(
-        tmp_path, [0], [], warm_delay_s=0.2, watch_s=0.2,
-        environ={"FAKE_RUN_S": "3", "FAKE_WARM_S": "0.5"},
-    )  # fmt: skip
+    relaunch = DriverAnswer(DriverAction.RELAUNCH, 2, ("node1", "node3"), None, "4711/2/r/2")
+    answers = [DriverAnswer(DriverAction.LAUNCH, 1), relaunch]
+    status, _ = drive(tmp_path, [1, 0], answers, start_check_s=0.0, environ={"FAKE_WARM_S": "0"})
     assert status == 0
-    assert len(warm_log(tmp_path)) == 1
+    assert len(warm_log(tmp_path)) == 1  # started once, ended at once, not again
+    _, relaunch = srun_calls(tmp_path)
+    assert "--warm-pool" not in relaunch  # the relaunch's agents wait for no pool
 
 
 def test_turned_off_in_the_jobs_environment_no_pool_starts_and_the_agents_ask_none(
@@ -649,10 +650,7 @@ def test_turned_off_in_the_jobs_environment_no_pool_starts_and_the_agents_ask_no
     settings = settings_from(["--jobs-dir", str(tmp_path), "--supervisor-url", "http://x",
                               "--ckpt-root", "/c", "--", "torchrun", "t.py"], environ)  # fmt: skip
     assert settings.warm_pool is False
-    status, _ = drive(
-        tmp_path, [0], [], warm_delay_s=0.2, watch_s=0.2, warm_pool=False,
-        environ={"FAKE_RUN_S": "1.5"},
-    )  # fmt: skip
+    status, _ = drive(tmp_path, [0], [], warm_pool=False)
     assert status == 0
     assert warm_log(tmp_path) == []
     (launch,) = srun_calls(tmp_path)
