@@ -33,16 +33,8 @@ def agent_argv(
     ended first, so sharing its resources in Slurm's books takes nothing from
     anyone.
     """
-    count = str(len(nodes))
     return [
-        "srun",
-        f"--nodes={count}",
-        f"--ntasks={count}",
-        "--ntasks-per-node=1",
-        f"--nodelist={','.join(nodes)}",
-        "--overlap",
-        "--kill-on-bad-exit=0",
-        "--export=ALL",
+        *_one_task_per_node(nodes),
         settings.python, "-m", "agent.node.agent",
         "--supervisor-url", settings.supervisor_url,
         "--secret-file", str(settings.job_dir / "secret"),
@@ -70,16 +62,8 @@ def spare_check_argv(
     """``srun`` running :mod:`agent.node.sparecheck` once on each idle spare of ``spares``,
     with the rendezvous address of the world it would join. ``--overlap``: the check
     holds no resources a relaunch onto the spare would wait for."""
-    count = str(len(spares))
     return [
-        "srun",
-        f"--nodes={count}",
-        f"--ntasks={count}",
-        "--ntasks-per-node=1",
-        f"--nodelist={','.join(spares)}",
-        "--overlap",
-        "--kill-on-bad-exit=0",
-        "--export=ALL",
+        *_one_task_per_node(spares),
         settings.python, "-m", "agent.node.sparecheck",
         "--master-addr", master_addr,
         "--master-port", str(master_port),
@@ -93,18 +77,20 @@ def warm_pool_argv(settings: DriverSettings, nodes: Sequence[str]) -> list[str]:
     as the job runs (:mod:`agent.driver.warm`). ``--overlap``: the pools hold nothing a
     training step waits for; ``--no-kill``: a lost node ends its own pool, not the
     others'."""
-    count = str(len(nodes))
     return [
-        "srun",
-        f"--nodes={count}",
-        f"--ntasks={count}",
-        "--ntasks-per-node=1",
-        f"--nodelist={','.join(nodes)}",
-        "--overlap",
-        "--no-kill",
-        "--kill-on-bad-exit=0",
-        "--export=ALL",
+        *_one_task_per_node(nodes, "--no-kill"),
         settings.python, "-m", "agent.node.warmpool",
         "--job-id", settings.job_id,
         "--secret-file", str(settings.job_dir / "secret"),
+    ]  # fmt: skip
+
+
+def _one_task_per_node(nodes: Sequence[str], *options: str) -> list[str]:
+    """``srun`` with one task on each of ``nodes``, sharing their resources with the job's
+    other steps (``--overlap``), each task's exit its own (``--kill-on-bad-exit=0``)."""
+    count = str(len(nodes))
+    return [
+        "srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}", "--overlap", *options, "--kill-on-bad-exit=0",
+        "--export=ALL",
     ]  # fmt: skip

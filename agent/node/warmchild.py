@@ -39,7 +39,8 @@ _OURS = frozenset({__file__, runpy.__file__, "<frozen runpy>"})
 def become_rank(
     request: dict[str, object], fds: Sequence[int], set_by_imports: Mapping[str, str]
 ) -> None:
-    """Set this process up as the worker of ``request`` and run it; never returns.
+    """Set this process up as the worker of ``request`` and run it; raises the SystemExit
+    the process ends with.
     ``set_by_imports``: what the pool's imports put in its environment."""
     argv = [str(word) for word in request["argv"]]  # type: ignore[attr-defined]
     for target, fd in enumerate(fds):
@@ -70,7 +71,10 @@ def become_rank(
         run = lambda: _run_script(script)  # noqa: E731
     sys.orig_argv = [sys.executable, *argv]
     arm_rank()
-    os._exit(_run_as_main(run))
+    # Out through the pool's frames (which let go of nothing in a child) to the
+    # interpreter's own exit: threads joined, atexit run, modules torn down (an unclosed
+    # file flushed, a __del__ run), as at the end of a fresh interpreter.
+    raise SystemExit(_run_as_main(run))
 
 
 def _run_script(path: str) -> None:
@@ -106,30 +110,29 @@ def _threads() -> None:
 
 
 def _run_as_main(run: Callable[[], object]) -> int:
-    """Run ``run`` as the interpreter runs a script; the exit status it would end with."""
-    interrupted = False
+    """Run ``run`` as the interpreter runs a script; the exit status it would end with
+    (its uncaught exception printed). A ``KeyboardInterrupt`` ends the process as the
+    interpreter ends it: threads joined, ``atexit`` run, then SIGINT."""
     try:
         run()
-        code = 0
     except SystemExit as exiting:
-        code = _exit_code(exiting.code)
+        return _exit_code(exiting.code)
     except KeyboardInterrupt as error:
         _print_uncaught(error)
-        interrupted, code = True, 1
-    except BaseException as error:
-        _print_uncaught(error)
-        code = 1
-    with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(BaseException):
-            stream.flush()
-    if interrupted:
+            threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    return code
+        return 1
+    except BaseException as error:
+        _print_uncaught(error)
+        return 1
+    return 0
 
 
 def _print_uncaught(error: BaseException) -> None:

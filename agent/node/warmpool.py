@@ -217,6 +217,7 @@ class Pool:
         os.set_blocking(self._wake_w, False)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._set_by_imports: dict[str, str] = {}
+        self._forked = False  # True in a child on its way to become a rank
 
     def preload(self, modules: Sequence[str]) -> list[str]:
         """Import ``modules`` (those missing skipped); the ones imported. What the imports
@@ -261,11 +262,12 @@ class Pool:
                     key.data(key.fileobj)
                 self._reap()
         finally:
-            for child in self._children.values():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.unlink(self._path)
+            if not self._forked:  # a child leaving for its exit owns none of this
+                for child in self._children.values():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(child.pid, signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.unlink(self._path)
 
     def _on_stop(self, _signum: int, _frame: object) -> None:
         self._stopping = True
@@ -345,11 +347,14 @@ class Pool:
             for handler in list(log.handlers):
                 log.removeHandler(handler)
             log.propagate, log.level = True, logging.NOTSET
+            self._forked = True
             from agent.node import warmchild
 
             warmchild.become_rank(request, fds, self._set_by_imports)
-        finally:
-            os._exit(70)  # become_rank never returns; should anything above fail
+        except SystemExit:
+            raise  # the rank's end, out through serve() to the interpreter's exit
+        except BaseException:
+            os._exit(70)
 
     def _shim_gone(self, conn: socket.socket) -> None:
         """The shim's end closed while its child runs (the shim died): kill the child."""

@@ -332,3 +332,21 @@ def full_pool(tmp: Path, job: str) -> Iterator[subprocess.Popen[bytes]]:
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_warm_worker_is_torn_down_as_a_fresh_interpreter_is(
+    pool: tuple[subprocess.Popen[bytes], str], tmp_path: Path
+) -> None:
+    """A file the script never closed is flushed and a module-level object's __del__ runs
+    at its end, as the interpreter's teardown does them."""
+    (tmp_path / "end.py").write_text(
+        "f = open('unclosed.txt', 'w')\nf.write('kept')\n"
+        "class Noisy:\n    def __del__(self):\n        print('del ran', flush=True)\n"
+        "noisy = Noisy()\n"
+    )
+    results = []
+    for pool_path in (None, pool[1]):
+        done = shim(["end.py"], tmp_path, pool_path=pool_path)
+        results.append((done.returncode, done.stdout, (tmp_path / "unclosed.txt").read_text()))
+        (tmp_path / "unclosed.txt").unlink()
+    assert results[0] == results[1] == (0, b"del ran\n", "kept")

@@ -54,6 +54,10 @@ with open(log + ".skips", "a") as f:
     f.write(json.dumps(os.environ.get("RESURGO_SKIP_SAMPLES")) + "\\n")
 codes = json.loads(open(os.environ["FAKE_CODES"]).read())
 calls = sum(1 for _ in open(log))
+for _ in range(600 if os.environ.get("FAKE_AWAIT_WARM") else 0):  # the pools' step logged
+    if os.path.exists(log + ".warm"):
+        break
+    time.sleep(0.05)
 runs = os.environ.get("FAKE_RUN_S", "0").split(",")  # seconds, per call
 time.sleep(float(runs[min(calls, len(runs)) - 1]))
 sys.exit(codes[min(calls, len(codes)) - 1])
@@ -619,7 +623,8 @@ def warm_log(tmp_path: Path) -> list[str]:
 def test_the_warm_pools_start_on_every_node_before_the_first_launch_and_end_with_the_driver(
     tmp_path: Path,
 ) -> None:
-    status, _ = drive(tmp_path, [0], [])
+    # The step runs until the fake pool has started (logged), then the driver ends it.
+    status, _ = drive(tmp_path, [0], [], environ={"FAKE_AWAIT_WARM": "1", "FAKE_RUN_S": "0.5"})
     assert status == 0
     started, ended = warm_log(tmp_path)  # one pool step, ended with the driver
     argv = json.loads(started)
@@ -636,7 +641,11 @@ def test_pools_that_end_soon_after_their_start_are_not_started_again_nor_asked(
 ) -> None:
     relaunch = DriverAnswer(DriverAction.RELAUNCH, 2, ("node1", "node3"), None, "4711/2/r/2")
     answers = [DriverAnswer(DriverAction.LAUNCH, 1), relaunch]
-    status, _ = drive(tmp_path, [1, 0], answers, start_check_s=0.0, environ={"FAKE_WARM_S": "0"})
+    # The first step runs 3 s after the pool step started: it has ended by the relaunch.
+    status, _ = drive(
+        tmp_path, [1, 0], answers, start_check_s=0.0,
+        environ={"FAKE_WARM_S": "0", "FAKE_AWAIT_WARM": "1", "FAKE_RUN_S": "3,0"},
+    )  # fmt: skip
     assert status == 0
     assert len(warm_log(tmp_path)) == 1  # started once, ended at once, not again
     _, relaunch = srun_calls(tmp_path)
