@@ -172,8 +172,11 @@ def fixed_at_start(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name.startswith(FIXED_AT_START)}
 
 
-def why_not_warm(request: Mapping[str, object], pool_env: Mapping[str, str]) -> str | None:
-    """Why the pool cannot fork the worker of ``request`` (None: it can)."""
+def why_not_warm(
+    request: Mapping[str, object], pool_env: Mapping[str, str], python_threads: int | None = None
+) -> str | None:
+    """Why the pool cannot fork the worker of ``request`` (None: it can); ``python_threads``:
+    how many the pool runs (default: counted)."""
     argv, env = request.get("argv"), request.get("env")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         return "no script to run"
@@ -191,7 +194,7 @@ def why_not_warm(request: Mapping[str, object], pool_env: Mapping[str, str]) -> 
     wanted, have = fixed_at_start(env), fixed_at_start(pool_env)
     if differ := sorted(set(wanted.items()) ^ set(have.items())):
         return f"{differ[0][0]} is set differently from the pool's"
-    if threading.active_count() > 1:
+    if (threading.active_count() if python_threads is None else python_threads) > 1:
         return "the pool has Python threads (a fork would inherit their locks)"
     return None
 

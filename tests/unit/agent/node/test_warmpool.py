@@ -42,11 +42,13 @@ def request(**changes: object) -> dict[str, object]:
 
 
 def test_the_pool_serves_a_script_or_a_module_under_its_own_interpreter_and_settings() -> None:
-    assert why_not_warm(request(), dict(os.environ)) is None
-    assert why_not_warm(request(argv=["-m", "pkg.train", "--x"]), dict(os.environ)) is None
+    # A pool runs one Python thread (this test process may run more: xdist's, others').
+    assert why_not_warm(request(), dict(os.environ), python_threads=1) is None
+    module = request(argv=["-m", "pkg.train", "--x"])
+    assert why_not_warm(module, dict(os.environ), python_threads=1) is None
     # torchrun's own variables differ from the pool's: nothing read at the start
     extra = {**os.environ, "RANK": "3", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "j"}
-    assert why_not_warm(request(env=extra), dict(os.environ)) is None
+    assert why_not_warm(request(env=extra), dict(os.environ), python_threads=1) is None
 
 
 def test_the_pool_refuses_what_a_fork_would_not_start_faithfully() -> None:
@@ -61,7 +63,7 @@ def test_the_pool_refuses_what_a_fork_would_not_start_faithfully() -> None:
         "no environment": request(env=None),
     }
     for expected, refused in cases.items():
-        why = why_not_warm(refused, pool)
+        why = why_not_warm(refused, pool, python_threads=1)
         assert why is not None and expected in why, (expected, why)
 
 
