@@ -80,6 +80,12 @@ ANSWER_S = 120.0
 # The longest path a Unix socket's address holds (108 bytes with its terminating NUL).
 MAX_SOCKET_PATH = 108
 STREAMS = 3
+# Signals that stop the pool: it takes no more requests and ends once its children have
+# (Slurm signals every process of a step alike: the ranks choose what SIGTERM means).
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# Signals a job may have Slurm send its steps for the ranks (``--signal=USR1@90``, say):
+# ignored by the pool, whose death would take its children with it.
+IGNORED = (signal.SIGUSR1, signal.SIGUSR2)
 PR_SET_PDEATHSIG = 1
 
 
@@ -254,13 +260,19 @@ class Pool:
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._woken)
         signal.set_wakeup_fd(self._wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for signum in STOPPING:
             signal.signal(signum, self._on_stop)
+        for signum in IGNORED:
+            signal.signal(signum, signal.SIG_IGN)
 
     def serve(self) -> None:
-        """Serve until SIGTERM; then kill every child's group and remove the socket."""
+        """Serve until told to stop (SIGTERM, ...); then take no more requests and wait for
+        the children, which got the same signal from Slurm and end as they choose (a
+        checkpoint on SIGTERM); should serving fail, kill every child's group."""
         try:
-            while not self._stopping:
+            while not self._stopping or self._children:
+                if self._stopping and self._path:
+                    self._stop_listening()
                 for key, _ in self._selector.select(timeout=1.0):
                     key.data(key.fileobj)
                 self._reap()
@@ -269,11 +281,20 @@ class Pool:
                 for child in self._children.values():
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.pid, signal.SIGKILL)
-                with contextlib.suppress(OSError):
-                    os.unlink(self._path)
+                if self._path:
+                    with contextlib.suppress(OSError):
+                        os.unlink(self._path)
 
     def _on_stop(self, _signum: int, _frame: object) -> None:
         self._stopping = True
+
+    def _stop_listening(self) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self._listener)
+        self._listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._path)
+        self._path = ""
 
     def _woken(self, _fd: object) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -305,6 +326,8 @@ class Pool:
         why = "an unreadable request" if not isinstance(request, dict) else None
         if why is None and len(fds) != STREAMS:
             why = "not given the three standard streams"
+        if why is None and self._stopping:
+            why = "the pool is stopping"
         if why is None:
             assert isinstance(request, dict)
             why = why_not_warm(request, self._env)
@@ -337,7 +360,7 @@ class Pool:
             os.setsid()  # as torchrun and the agent start theirs: a session of its own
             _die_with_parent()
             signal.set_wakeup_fd(-1)
-            for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            for signum in (signal.SIGCHLD, *STOPPING, *IGNORED):
                 signal.signal(signum, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             for held in (self._listener, conn, *self._waiting.values()):

@@ -350,3 +350,27 @@ def test_a_warm_worker_is_torn_down_as_a_fresh_interpreter_is(
         results.append((done.returncode, done.stdout, (tmp_path / "unclosed.txt").read_text()))
         (tmp_path / "unclosed.txt").unlink()
     assert results[0] == results[1] == (0, b"del ran\n", "kept")
+
+
+def test_a_signal_slurm_sends_the_step_leaves_the_ranks_their_own_way_to_end(
+    tmp_path: Path,
+) -> None:
+    """SIGUSR1 (a job's ``--signal=USR1@90``) leaves the pool serving; SIGTERM (a cancel, a
+    time limit) stops its serving, but its running rank is not killed: it ends as it
+    chooses, and the pool after it."""
+    with light_pool(tmp_path, f"s{os.getpid()}") as (process, path):
+        shim_process, worker = start_sleeper(tmp_path, path)
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert process.poll() is None and psutil.Process(worker).is_running()
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(path)  # no more requests taken
+        time.sleep(0.5)
+        assert psutil.Process(worker).status() != psutil.STATUS_ZOMBIE  # not killed
+        assert process.poll() is None  # waits for its child
+        os.kill(worker, signal.SIGTERM)  # the rank's own signal from Slurm
+        assert shim_process.wait(timeout=30) == -signal.SIGTERM
+        assert process.wait(timeout=30) == 0
