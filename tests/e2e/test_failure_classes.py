@@ -238,6 +238,12 @@ def explanations(supervisor: SupervisorProcess, job_id: int) -> str:
     return "\n".join(d[2] for d in decisions(supervisor, job_id))
 
 
+# The full-disk jobs' length: both must still train when the disk fills, right after the
+# later one's first checkpoint (80 s at 0.2 s an iteration: on a loaded machine one job's
+# start, its node's warm pool importing torch, has lagged the other's by 34 s).
+DISK_ITERS = 400
+
+
 @pytest.mark.long  # over a minute in CI: started before the short tests
 def test_a_full_checkpoint_disk_blames_no_node_and_its_jobs_wait_in_one_incident_then_resume(
     slurm_cluster: LiveCluster, supervisor: SupervisorProcess, tmp_path: Path, small_disk: Path
@@ -251,7 +257,7 @@ def test_a_full_checkpoint_disk_blames_no_node_and_its_jobs_wait_in_one_incident
         done = supervisor.resurgo(
             "submit", "-N", "2", "--min-nodes", "1", f"--output={output}", "--parsable",
             "--ckpt-root", str(root), "--", *TORCHRUN, str(PLAIN), "--out-dir", str(root),
-            "--max-iters", "100", "--eval-interval", "5", *extra,
+            "--max-iters", str(DISK_ITERS), "--eval-interval", "5", *extra,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         jobs[int(done.stdout.strip())] = (root, output)
@@ -295,7 +301,7 @@ def test_a_full_checkpoint_disk_blames_no_node_and_its_jobs_wait_in_one_incident
         assert job["job_state"] == "COMPLETED", told()
         assert drained(supervisor, job_id) == [], told()
         assert re.search(rf"resuming training from {root}/ckpt.pt at iter [1-9]\d* ", text), told()
-        assert "done at iter 100 with world 2" in text, told()
+        assert f"done at iter {DISK_ITERS} with world 2" in text, told()
         assert status(supervisor, job_id)["restarts"] == {"storage": 1}, told()
         tries = attempts(supervisor, job_id)
         assert len(tries) == 2 and tries[0].nodes == tries[1].nodes, tries
