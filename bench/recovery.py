@@ -143,8 +143,8 @@ SHIPPED_AGENTS = {"OMP_NUM_THREADS": "1"}
 SETTINGS = {"policy": POLICY, "agents": AGENTS}
 # --warm-vs-cold: the fault strikes late (the demo trainer's step LATE_STEP of LATE_STEPS,
 # the unchanged script's iteration LATE_ITER of LATE_ITERS, 25-35 s into training), as
-# in a long run: the warm pools, started 10 s into a launch, are up by then. Each run
-# twice: with the pools ("warm") and without (RESURGO_WARM_POOL=0, "cold").
+# in a long run. Each run twice: with the nodes' warm pools (RESURGO_WARM_POOL=1, "warm")
+# and without them ("cold").
 LATE = {"on": False}
 LATE_STEP, LATE_STEPS, LATE_ITER, LATE_ITERS = 100, 110, 60, 70
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
@@ -392,12 +392,13 @@ def _steps() -> int:
     return LATE_STEPS if LATE["on"] else STEPS
 
 
-def _cold(
-    runner: Runner, cluster: LiveCluster, where: Path, fault: str, timeout_s: float
+def _pools(
+    on: str, runner: Runner, cluster: LiveCluster, where: Path, fault: str, timeout_s: float
 ) -> dict[str, Any]:
-    """``runner`` with the warm pools turned off in the job's environment."""
+    """``runner`` with the warm pools asked for (``on`` "1") or not ("0") in the job's
+    environment."""
     agents = SETTINGS["agents"]
-    SETTINGS["agents"] = {**agents, "RESURGO_WARM_POOL": "0"}
+    SETTINGS["agents"] = {**agents, "RESURGO_WARM_POOL": on}
     try:
         return runner(cluster, where, fault, timeout_s)
     finally:
@@ -408,9 +409,11 @@ def _stacks(name: str, resurgo_only: bool) -> tuple[tuple[str, Runner], ...]:
     """The stacks scenario ``name`` runs under, in order."""
     if name.startswith("plain_") and LATE["on"]:
         plain = functools.partial(_plain_runner, name)
-        return (("warm", plain), ("cold", functools.partial(_cold, plain)))
+        return (("warm", functools.partial(_pools, "1", plain)),
+                ("cold", functools.partial(_pools, "0", plain)))  # fmt: skip
     if LATE["on"]:
-        return (("warm", run_resurgo), ("cold", functools.partial(_cold, run_resurgo)))
+        return (("warm", functools.partial(_pools, "1", run_resurgo)),
+                ("cold", functools.partial(_pools, "0", run_resurgo)))  # fmt: skip
     if name.startswith("plain_"):
         return (("resurgo", functools.partial(_plain_runner, name)),)
     if name.startswith("spare_"):

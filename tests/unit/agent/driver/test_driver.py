@@ -624,7 +624,9 @@ def test_the_warm_pools_start_on_every_node_before_the_first_launch_and_end_with
     tmp_path: Path,
 ) -> None:
     # The step runs until the fake pool has started (logged), then the driver ends it.
-    status, _ = drive(tmp_path, [0], [], environ={"FAKE_AWAIT_WARM": "1", "FAKE_RUN_S": "0.5"})
+    status, _ = drive(
+        tmp_path, [0], [], warm_pool=True, environ={"FAKE_AWAIT_WARM": "1", "FAKE_RUN_S": "0.5"}
+    )
     assert status == 0
     started, ended = warm_log(tmp_path)  # one pool step, ended with the driver
     argv = json.loads(started)
@@ -643,7 +645,7 @@ def test_pools_that_end_soon_after_their_start_are_not_started_again_nor_asked(
     answers = [DriverAnswer(DriverAction.LAUNCH, 1), relaunch]
     # The first step runs 3 s after the pool step started: it has ended by the relaunch.
     status, _ = drive(
-        tmp_path, [1, 0], answers, start_check_s=0.0,
+        tmp_path, [1, 0], answers, start_check_s=0.0, warm_pool=True,
         environ={"FAKE_WARM_S": "0", "FAKE_AWAIT_WARM": "1", "FAKE_RUN_S": "3,0"},
     )  # fmt: skip
     assert status == 0
@@ -652,13 +654,17 @@ def test_pools_that_end_soon_after_their_start_are_not_started_again_nor_asked(
     assert "--warm-pool" not in relaunch  # the relaunch's agents wait for no pool
 
 
-def test_turned_off_in_the_jobs_environment_no_pool_starts_and_the_agents_ask_none(
+def test_unless_the_jobs_environment_asks_no_pool_starts_and_the_agents_ask_none(
     tmp_path: Path,
 ) -> None:
-    environ = {**os.environ, "SLURM_JOB_ID": JOB, "RESURGO_WARM_POOL": "0"}
-    settings = settings_from(["--jobs-dir", str(tmp_path), "--supervisor-url", "http://x",
-                              "--ckpt-root", "/c", "--", "torchrun", "t.py"], environ)  # fmt: skip
-    assert settings.warm_pool is False
+    argv = ["--jobs-dir", str(tmp_path), "--supervisor-url", "http://x", "--ckpt-root", "/c",
+            "--", "torchrun", "t.py"]  # fmt: skip
+    environ = {**os.environ, "SLURM_JOB_ID": JOB}
+    environ.pop("RESURGO_WARM_POOL", None)
+    assert settings_from(argv, environ).warm_pool is False  # off unless asked for
+    assert settings_from(argv, {**environ, "RESURGO_WARM_POOL": "1"}).warm_pool is True
+    assert settings_from(["--no-warm-pool", *argv], {**environ, "RESURGO_WARM_POOL": "1"}
+                         ).warm_pool is False  # fmt: skip
     status, _ = drive(tmp_path, [0], [], warm_pool=False)
     assert status == 0
     assert warm_log(tmp_path) == []
