@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from agent.node.launch import ENV_SLURM_TASKS, ENV_WARM_SOCKET, slurm_task_env
-from agent.node.warmpool import MAX_MESSAGE, Forked, exit_status, fork_from_pool
+from agent.node.warmpool import MAX_MESSAGE, Forked, die_with_parent, exit_status, fork_from_pool
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
@@ -98,6 +98,10 @@ def start_warm(args: list[str], env: dict[str, str]) -> WarmWorker | None:
     if not path or not args or args[0] == "--no-python":
         return None
     argv = ["-m", *args[1:]] if args[0] == "--module" else list(args)
+    # The worker is the pool's child, outside the step Slurm ends and outside torchrun's
+    # tree: tied to this shim (the pool kills it when this end closes), and this shim to
+    # its torchrun, which starts it in a session of its own and, killed, would leave it.
+    die_with_parent()
     read_end, write_end = os.pipe()
     try:
         forked = fork_from_pool(path, argv, env, [0, 1, write_end])

@@ -24,8 +24,11 @@ here shows the pool's command line and its initial environment in ``ps`` and
 The socket is a node-local path private to the job's user
 (:func:`socket_path`, a 0700 directory) and the pool serves only its own user
 (``SO_PEERCRED``). A child dies with the pool (``PR_SET_PDEATHSIG``), and the
-pool kills a child's process group when its shim goes away (the shim killed, or
-its step ended), so no rank outlives the launch it belongs to.
+pool kills a child, its process group and every process descended from it when
+the process that asked for it goes away (a shim or an agent killed, or its step
+ended): torchrun starts each shim in a session of its own, and the shim's end
+closing takes its rank along, so no rank outlives the launch it belongs to, as
+Slurm's end of a step takes a cold launch's processes.
 
 One message each way per request on a ``SOCK_SEQPACKET`` socket, JSON: the
 request carries the worker's ``argv`` (a script and its arguments, or
@@ -279,8 +282,7 @@ class Pool:
         finally:
             if not self._forked:  # a child leaving for its exit owns none of this
                 for child in self._children.values():
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(child.pid, signal.SIGKILL)
+                    kill_launch(child.pid)
                 if self._path:
                     with contextlib.suppress(OSError):
                         os.unlink(self._path)
@@ -358,7 +360,7 @@ class Pool:
         """The forked child: let go of the pool's descriptors and become the rank."""
         try:
             os.setsid()  # as torchrun and the agent start theirs: a session of its own
-            _die_with_parent()
+            die_with_parent()
             signal.set_wakeup_fd(-1)
             for signum in (signal.SIGCHLD, *STOPPING, *IGNORED):
                 signal.signal(signum, signal.SIG_DFL)
@@ -383,12 +385,12 @@ class Pool:
             os._exit(70)
 
     def _shim_gone(self, conn: socket.socket) -> None:
-        """The shim's end closed while its child runs (the shim died): kill the child."""
+        """The asker's end closed while its child runs (the shim or agent died): kill the
+        child and what it started."""
         self._selector.unregister(conn)
         for child in self._children.values():
             if child.conn is conn:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.pid, signal.SIGKILL)
+                kill_launch(child.pid)
 
     def _reap(self) -> None:
         while self._children:
@@ -407,6 +409,22 @@ class Pool:
             child.conn.close()
 
 
+def kill_launch(pid: int) -> None:
+    """SIGKILL the pool's child ``pid``, its process group and its descendants in other
+    sessions (torchrun's shims), the group first so that nothing in it starts more."""
+    import psutil  # here: the shims import this module, and a shim's start is a rank's
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for process in descendants:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
 def _closed(conn: socket.socket) -> bool:
     try:
         return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
@@ -421,13 +439,14 @@ def _send(conn: socket.socket, message: dict[str, object]) -> None:
         conn.send(json.dumps(message).encode())
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when the pool dies (``prctl(PR_SET_PDEATHSIG)``)."""
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``): a
+    pool's child with the pool, a shim with its torchrun."""
     parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the pool died before the call
+    if os.getppid() != parent:  # the parent died before the call
         os._exit(70)
 
 

@@ -310,6 +310,33 @@ def test_an_agents_torchrun_and_ranks_fork_from_the_pool_and_a_killed_rank_is_re
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_an_agent_killed_with_its_step_takes_its_torchrun_shims_and_ranks_along(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slurm ends a launch's step by killing what runs in it: the agent, not the pool's
+    children. torchrun starts each shim in a session of its own, so the shims outlive a
+    torchrun killed mid-stop; the pool kills a child's descendants with it, the shims'
+    ends close and their ranks go too, as a cold launch's ranks go with its step."""
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="resurgo-warm-agent-"))
+    monkeypatch.setenv("TMPDIR", str(base))
+    try:
+        with full_pool(base, "77") as pool_process:  # the harness agent's job
+            agent = RunningAgent(tmp_path, ["--warm-pool", "true"], ["--instrumented"])
+            try:
+                pids = [int(agent.wait_file(f"pid.{rank}", 120)) for rank in (0, 1)]
+                agent.wait_file("step.1")
+                launch = psutil.Process(pool_process.pid).children(recursive=True)
+                assert len(launch) == 5  # torchrun, its two shims, the two ranks
+                agent.process.kill()  # as Slurm kills the step's processes
+                agent.process.wait()
+                left = [p.pid for p in launch if not gone_within(p.pid, 10)]
+                assert left == [], f"outlived the agent: {left} (ranks {pids})"
+            finally:
+                agent.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def full_pool(tmp: Path, job: str) -> Iterator[subprocess.Popen[bytes]]:
     """The pool as the driver starts it (torch preloaded, the bootstrap first on
