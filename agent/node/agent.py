@@ -63,6 +63,7 @@ from agent.node.launch import (
     LaunchPlan,
     LaunchSettings,
     Shape,
+    launch_shape,
     plan_launch,
     torchrun_shim,
 )
@@ -70,8 +71,8 @@ from agent.node.procs import RankExit, RankProcess, RankWatcher
 from agent.node.rundir import default_run_dir, private_dir
 from agent.node.savenotes import SaveNotes
 from agent.node.steps import StepBuffer
-from agent.node.torchrun_options import torchrun_parser
-from agent.node.warmpool import Forked, WarmProcess, fork_from_pool, socket_path
+from agent.node.torchrun_options import description_path, torchrun_parser
+from agent.node.warmpool import ANSWER_S, Forked, WarmProcess, fork_from_pool, socket_path
 from agent.node.watch import RankMonitor
 from agent.stopfiles import clear_save_request, read_notice, write_save_request
 from agent.timelimit import Notice, stop_grace_s
@@ -162,6 +163,7 @@ class NodeAgent:
         await self.events.start()
         clean = False
         try:
+            await self._torchrun_described_by_pool()  # the gate plans the launch already
             if not await self._healthy_before_launch():
                 await self.events.emit(
                     protocol.EventKind.AGENT_STOPPED, {"reason": "health check failed"}
@@ -268,7 +270,9 @@ class NodeAgent:
         to wait for: :mod:`agent.node.warmpool`), else started as a fresh process."""
         path = plan.env.get(ENV_WARM_SOCKET)
         torchrun = plan.shape is not Shape.WRAPPER and plan.argv[1:3] == ("-m", TORCHRUN)
-        if path and torchrun and await _appears(path, POOL_APPEARS_S):
+        if path and torchrun and not await _appears(path, POOL_APPEARS_S):
+            log.info("no warm pool at %s after %.0f s: torchrun starts fresh", path, POOL_APPEARS_S)
+        elif path and torchrun:
             # The pool refuses another interpreter than its own.
             forked = await asyncio.to_thread(
                 fork_from_pool, path, plan.argv[1:], plan.env, (0, 1, 2)
@@ -319,6 +323,24 @@ class NodeAgent:
         return plan_launch(
             self.command, allocation, settings, self._environ, sys.executable, parser
         )
+
+    async def _torchrun_described_by_pool(self) -> None:
+        """On a job's first launch, wait for the node's warm pool to describe torchrun's
+        parser (it does once it imported torch) instead of importing torch for it: two
+        seconds of CPU on every node, and no wait, since the launch's torchrun is the
+        pool's to start once it is warm anyway. Bounded as a request to the pool is; the
+        agent then describes it itself."""
+        options_dir = self._torchrun_options_dir()
+        described = None if options_dir is None else description_path(options_dir)
+        if not self.config.warm_pool or described is None or described.exists():
+            return
+        if launch_shape(self.command) is Shape.WRAPPER:
+            return  # its plan takes no parser
+        pool = socket_path(self.config.job_id, self.config.node, self.config.secret_file or None)
+        if not await _appears(pool, POOL_APPEARS_S):
+            return
+        if not await _appears(str(described), ANSWER_S):
+            log.info("the warm pool described no torchrun options: the agent imports torch")
 
     def _torchrun_options_dir(self) -> Path | None:
         """Beside the job's secret (shared by every node): torchrun's parser described once
@@ -711,7 +733,6 @@ async def _appears(path: str, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while not os.path.exists(path):
         if time.monotonic() >= deadline:
-            log.info("no warm pool at %s after %.0f s: torchrun starts fresh", path, within_s)
             return False
         await asyncio.sleep(0.05)
     return True

@@ -11,7 +11,9 @@ and whether it reads ``PET_*``), and stores the description beside the job's
 secret; every later launch on any node rebuilds an equivalent parser from it
 without importing torch. The description is keyed by torch's version and
 location (read without importing it): a job whose torch changed describes it
-again.
+again. With warm pools the first launch does not import it either: each node's
+pool, which imported torch anyway, describes it as soon as it is warm, and the
+agents wait for that (:mod:`agent.node.warmpool`).
 
 Anything the description cannot hold exactly (an action or type it does not
 know, a ``PET_*`` variable set while describing, which would hide the default)
@@ -178,11 +180,16 @@ def torch_key() -> str | None:
     return f"{version}-{where}-f{FORMAT}".replace(os.sep, "_")
 
 
+def description_path(cache_dir: Path) -> Path | None:
+    """Where ``cache_dir`` holds the description for this torch (None: no torch)."""
+    key = torch_key()
+    return None if key is None else cache_dir / f"{_PREFIX}{key}.json"
+
+
 def torchrun_parser(cache_dir: Path | None = None) -> argparse.ArgumentParser:
     """torchrun's parser: rebuilt from ``cache_dir``'s description when there is one for
     this torch, else torch's own (described into ``cache_dir`` for the next launch)."""
-    key = torch_key() if cache_dir is not None else None
-    path = None if cache_dir is None or key is None else cache_dir / f"{_PREFIX}{key}.json"
+    path = None if cache_dir is None else description_path(cache_dir)
     if path is not None:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             return rebuild(json.loads(path.read_text()))

@@ -450,6 +450,18 @@ def die_with_parent() -> None:
         os._exit(70)
 
 
+def describe_torchrun(job_dir: Path) -> None:
+    """torchrun's parser described beside the job's secret, where the first launch's agents
+    wait for it instead of importing torch for it (:mod:`agent.node.torchrun_options`);
+    torch is imported here already."""
+    from agent.node.torchrun_options import torchrun_parser
+
+    try:
+        torchrun_parser(job_dir)
+    except Exception as error:  # the agents describe it themselves after their wait
+        log.warning("torchrun's options not described: %s", error)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m agent.node.warmpool``: preload, then serve on this node's socket."""
     # Its own handler, not the root logger's: a rank forked from here configures logging as
@@ -485,6 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "%s: warm in %.1f s (%s), serving ranks", node, time.monotonic() - started,
         ", ".join(loaded) or "nothing preloaded",
     )  # fmt: skip
+    if args.secret_file and "torch" in loaded:
+        describe_torchrun(Path(args.secret_file).parent)
     pool.serve()
     return 0
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -22,6 +22,7 @@ import pytest
 from agent.node.launch import with_bootstrap
 from agent.node.procs import warm_worker
 from agent.node.warmpool import socket_path
+from agent.wire.auth import write_secret
 from agent.wire.protocol import EventKind
 from tests.integration.agent_harness import RunningAgent
 from tests.paths import REPO
@@ -337,18 +338,46 @@ def test_an_agent_killed_with_its_step_takes_its_torchrun_shims_and_ranks_along(
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_the_first_launchs_agent_imports_no_torch_its_pool_describes_torchrun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's parser (to fit the command to the job) is described by the pool, which
+    imported torch anyway, beside the job's secret; the agent waits for it and never
+    loads libtorch (two seconds of CPU on every node of a first launch)."""
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="resurgo-warm-agent-"))
+    monkeypatch.setenv("TMPDIR", str(base))
+    job_dir = base / "job"
+    job_dir.mkdir()
+    write_secret(job_dir / "secret", b"s" * 32)
+    secret = ["--secret-file", str(job_dir / "secret")]
+    try:
+        with full_pool(base, "77", secret):
+            agent = RunningAgent(tmp_path, ["--warm-pool", "true", *secret], ["--instrumented"])
+            try:
+                agent.wait_file("step.1", 120)
+                maps = Path(f"/proc/{agent.process.pid}/maps").read_text()
+                assert "libtorch" not in maps, "the agent imported torch"
+                assert list(job_dir.glob("torchrun-options-*.json")), "nothing described"
+            finally:
+                agent.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def full_pool(tmp: Path, job: str) -> Iterator[subprocess.Popen[bytes]]:
+def full_pool(tmp: Path, job: str, extra: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
     """The pool as the driver starts it (torch preloaded, the bootstrap first on
-    ``PYTHONPATH`` as in the ranks), for job ``job`` on node1."""
+    ``PYTHONPATH`` as in the ranks), for job ``job`` on node1; ``extra``: its options."""
     log = (tmp / "pool.log").open("wb")
     pythonpath = with_bootstrap(os.environ.get("PYTHONPATH"))
     process = subprocess.Popen(
-        [sys.executable, "-m", "agent.node.warmpool", "--job-id", job, "--node", "node1"],
+        [sys.executable, "-m", "agent.node.warmpool", "--job-id", job, "--node", "node1",
+         *extra],
         cwd=REPO, env={**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": pythonpath},
         stdout=log, stderr=log,
     )  # fmt: skip
-    path = socket_path(job, "node1", None, tmp=str(tmp))
+    secret = extra[list(extra).index("--secret-file") + 1] if "--secret-file" in extra else None
+    path = socket_path(job, "node1", secret, tmp=str(tmp))
     deadline = time.monotonic() + 120
     try:
         while not os.path.exists(path):
