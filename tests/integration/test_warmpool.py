@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -277,38 +278,58 @@ def refused_to_nobody(path: str) -> None:
     assert done.stdout in (b"closed\n", b"answer b''\n")  # closed unanswered
 
 
+@dataclass
+class WarmAgent:
+    pool: subprocess.Popen[bytes]
+    agent: RunningAgent
+    job_dir: Path  # the job's secret, and what the pool describes beside it
+
+
+@contextlib.contextmanager
+def warm_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[WarmAgent]:
+    """A full pool and a real agent (the harness's job 77, two instrumented ranks under
+    torchrun) asking it, with a job secret both know, as the driver starts them."""
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="resurgo-warm-agent-"))
+    monkeypatch.setenv("TMPDIR", str(base))  # the agent's socket path and the pool's agree
+    job_dir = base / "job"
+    job_dir.mkdir()
+    write_secret(job_dir / "secret", b"s" * 32)
+    secret = ["--secret-file", str(job_dir / "secret")]
+    try:
+        with full_pool(base, "77", secret) as pool_process:
+            agent = RunningAgent(tmp_path, ["--warm-pool", "true", *secret], ["--instrumented"])
+            try:
+                yield WarmAgent(pool_process, agent, job_dir)
+            finally:
+                agent.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_an_agents_torchrun_and_ranks_fork_from_the_pool_and_a_killed_rank_is_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The agent asks the pool for its torchrun and the shims for their workers: every
     process of the launch but the shims is the pool's child, and a rank killed there is
     reported as a fresh one is (its pid, SIGKILL, within 2 s)."""
-    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="resurgo-warm-agent-"))
-    monkeypatch.setenv("TMPDIR", str(base))  # the agent's socket path and the pool's agree
-    try:
-        with full_pool(base, "77") as pool_process:
-            agent = RunningAgent(tmp_path, ["--warm-pool", "true"], ["--instrumented"])
-            try:
-                pids = [int(agent.wait_file(f"pid.{rank}", 120)) for rank in (0, 1)]
-                agent.wait_file("step.1")
-                assert [psutil.Process(pid).ppid() for pid in pids] == [pool_process.pid] * 2
-                torchrun = [child for child in psutil.Process(pool_process.pid).children()
-                            if child.pid not in pids]  # fmt: skip
-                assert len(torchrun) == 1  # the launch's one other process: its torchrun,
-                shims = [child.cmdline()[1:3] for child in torchrun[0].children()]
-                assert shims == [["-m", "agent.node.rankexec"]] * 2  # parent of the shims
-                killed_at = time.time()
-                os.kill(pids[1], signal.SIGKILL)
-                event = agent.wait_event(EventKind.RANK_EXITED, 10)
-                assert (event.payload["global_rank"], event.payload["pid"]) == (1, pids[1])
-                assert event.payload["signal_name"] == "SIGKILL"
-                assert event.payload["warm"] is True  # said in its exit, for the operator
-                assert event.time_unix_s - killed_at < 2.0
-                assert agent.wait_event(EventKind.LAUNCHER_EXITED, 30).payload["exit_code"] != 0
-            finally:
-                agent.stop()
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with warm_agent(tmp_path, monkeypatch) as warm:
+        agent = warm.agent
+        pids = [int(agent.wait_file(f"pid.{rank}", 120)) for rank in (0, 1)]
+        agent.wait_file("step.1")
+        assert [psutil.Process(pid).ppid() for pid in pids] == [warm.pool.pid] * 2
+        torchrun = [child for child in psutil.Process(warm.pool.pid).children()
+                    if child.pid not in pids]  # fmt: skip
+        assert len(torchrun) == 1  # the launch's one other process: its torchrun,
+        shims = [child.cmdline()[1:3] for child in torchrun[0].children()]
+        assert shims == [["-m", "agent.node.rankexec"]] * 2  # parent of the shims
+        killed_at = time.time()
+        os.kill(pids[1], signal.SIGKILL)
+        event = agent.wait_event(EventKind.RANK_EXITED, 10)
+        assert (event.payload["global_rank"], event.payload["pid"]) == (1, pids[1])
+        assert event.payload["signal_name"] == "SIGKILL"
+        assert event.payload["warm"] is True  # said in its exit, for the operator
+        assert event.time_unix_s - killed_at < 2.0
+        assert agent.wait_event(EventKind.LAUNCHER_EXITED, 30).payload["exit_code"] != 0
 
 
 def test_an_agent_killed_with_its_step_takes_its_torchrun_shims_and_ranks_along(
@@ -318,24 +339,15 @@ def test_an_agent_killed_with_its_step_takes_its_torchrun_shims_and_ranks_along(
     children. torchrun starts each shim in a session of its own, so the shims outlive a
     torchrun killed mid-stop; the pool kills a child's descendants with it, the shims'
     ends close and their ranks go too, as a cold launch's ranks go with its step."""
-    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="resurgo-warm-agent-"))
-    monkeypatch.setenv("TMPDIR", str(base))
-    try:
-        with full_pool(base, "77") as pool_process:  # the harness agent's job
-            agent = RunningAgent(tmp_path, ["--warm-pool", "true"], ["--instrumented"])
-            try:
-                pids = [int(agent.wait_file(f"pid.{rank}", 120)) for rank in (0, 1)]
-                agent.wait_file("step.1")
-                launch = psutil.Process(pool_process.pid).children(recursive=True)
-                assert len(launch) == 5  # torchrun, its two shims, the two ranks
-                agent.process.kill()  # as Slurm kills the step's processes
-                agent.process.wait()
-                left = [p.pid for p in launch if not gone_within(p.pid, 10)]
-                assert left == [], f"outlived the agent: {left} (ranks {pids})"
-            finally:
-                agent.stop()
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with warm_agent(tmp_path, monkeypatch) as warm:
+        pids = [int(warm.agent.wait_file(f"pid.{rank}", 120)) for rank in (0, 1)]
+        warm.agent.wait_file("step.1")
+        launch = psutil.Process(warm.pool.pid).children(recursive=True)
+        assert len(launch) == 5  # torchrun, its two shims, the two ranks
+        warm.agent.process.kill()  # as Slurm kills the step's processes
+        warm.agent.process.wait()
+        left = [p.pid for p in launch if not gone_within(p.pid, 10)]
+        assert left == [], f"outlived the agent: {left} (ranks {pids})"
 
 
 def test_the_first_launchs_agent_imports_no_torch_its_pool_describes_torchrun(
@@ -344,24 +356,11 @@ def test_the_first_launchs_agent_imports_no_torch_its_pool_describes_torchrun(
     """torchrun's parser (to fit the command to the job) is described by the pool, which
     imported torch anyway, beside the job's secret; the agent waits for it and never
     loads libtorch (two seconds of CPU on every node of a first launch)."""
-    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="resurgo-warm-agent-"))
-    monkeypatch.setenv("TMPDIR", str(base))
-    job_dir = base / "job"
-    job_dir.mkdir()
-    write_secret(job_dir / "secret", b"s" * 32)
-    secret = ["--secret-file", str(job_dir / "secret")]
-    try:
-        with full_pool(base, "77", secret):
-            agent = RunningAgent(tmp_path, ["--warm-pool", "true", *secret], ["--instrumented"])
-            try:
-                agent.wait_file("step.1", 120)
-                maps = Path(f"/proc/{agent.process.pid}/maps").read_text()
-                assert "libtorch" not in maps, "the agent imported torch"
-                assert list(job_dir.glob("torchrun-options-*.json")), "nothing described"
-            finally:
-                agent.stop()
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with warm_agent(tmp_path, monkeypatch) as warm:
+        warm.agent.wait_file("step.1", 120)
+        maps = Path(f"/proc/{warm.agent.process.pid}/maps").read_text()
+        assert "libtorch" not in maps, "the agent imported torch"
+        assert list(warm.job_dir.glob("torchrun-options-*.json")), "nothing described"
 
 
 @contextlib.contextmanager
