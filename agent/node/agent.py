@@ -270,17 +270,20 @@ class NodeAgent:
         to wait for: :mod:`agent.node.warmpool`), else started as a fresh process."""
         path = plan.env.get(ENV_WARM_SOCKET)
         torchrun = plan.shape is not Shape.WRAPPER and plan.argv[1:3] == ("-m", TORCHRUN)
-        if path and torchrun and not await _appears(path, POOL_APPEARS_S):
-            log.info("no warm pool at %s after %.0f s: torchrun starts fresh", path, POOL_APPEARS_S)
-        elif path and torchrun:
-            # The pool refuses another interpreter than its own.
-            forked = await asyncio.to_thread(
-                fork_from_pool, path, plan.argv[1:], plan.env, (0, 1, 2)
-            )
-            if isinstance(forked, Forked):
-                return WarmProcess(forked)
-            if forked:
-                log.info("torchrun started as a fresh process: %s", forked)
+        if path and torchrun:
+            if await _appears(path, POOL_APPEARS_S):
+                # The pool refuses another interpreter than its own.
+                forked = await asyncio.to_thread(
+                    fork_from_pool, path, plan.argv[1:], plan.env, (0, 1, 2)
+                )
+                if isinstance(forked, Forked):
+                    return WarmProcess(forked)
+                if forked:
+                    log.info("torchrun started as a fresh process: %s", forked)
+            else:
+                log.info(
+                    "no warm pool at %s after %.0f s: torchrun starts fresh", path, POOL_APPEARS_S
+                )
         return await asyncio.create_subprocess_exec(
             *plan.argv,
             env=plan.env,
@@ -315,9 +318,7 @@ class NodeAgent:
             shim_dir=str(self._shim_dir()),
             torchrun_options_dir=None if options_dir is None else str(options_dir),
             torchrun_log_dir=str(self.run_dir / "torchrun"),
-            warm_pool=socket_path(config.job_id, config.node, config.secret_file or None)
-            if config.warm_pool
-            else None,
+            warm_pool=self._pool_socket() if config.warm_pool else None,
         )
         parser = torchrun_parser(options_dir)
         return plan_launch(
@@ -336,11 +337,14 @@ class NodeAgent:
             return
         if launch_shape(self.command) is Shape.WRAPPER:
             return  # its plan takes no parser
-        pool = socket_path(self.config.job_id, self.config.node, self.config.secret_file or None)
-        if not await _appears(pool, POOL_APPEARS_S):
+        if not await _appears(self._pool_socket(), POOL_APPEARS_S):
             return
         if not await _appears(str(described), ANSWER_S):
             log.info("the warm pool described no torchrun options: the agent imports torch")
+
+    def _pool_socket(self) -> str:
+        """Where this node's warm pool for the job listens."""
+        return socket_path(self.config.job_id, self.config.node, self.config.secret_file or None)
 
     def _torchrun_options_dir(self) -> Path | None:
         """Beside the job's secret (shared by every node): torchrun's parser described once
