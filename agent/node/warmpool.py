@@ -90,6 +90,9 @@ STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 # ignored by the pool, whose death would take its children with it.
 IGNORED = (signal.SIGUSR1, signal.SIGUSR2)
 PR_SET_PDEATHSIG = 1
+# The line a pool prints on its standard output once it listens, its node after it: the
+# driver starts a launch's step once every node's pool has (:mod:`agent.driver.warm`).
+LISTENING = b"resurgo-warmpool: listening on"
 
 
 def socket_path(job_id: str, node: str, secret_file: str | None, tmp: str | None = None) -> str:
@@ -492,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             log.error("the pool cannot listen: %s", error)
         return 1
+    # The driver asks for the launch's step once every node's pool has said this.
+    sys.stdout.buffer.write(LISTENING + b" " + node.encode() + b"\n")
+    sys.stdout.flush()
     loaded = pool.preload(args.preload or PRELOAD)
     log.info(
         "%s: warm in %.1f s (%s), serving ranks", node, time.monotonic() - started,

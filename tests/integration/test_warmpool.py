@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 
 from agent.node.launch import with_bootstrap
 from agent.node.procs import warm_worker
-from agent.node.warmpool import socket_path
+from agent.node.warmpool import LISTENING, socket_path
 from agent.wire.auth import write_secret
 from agent.wire.protocol import EventKind
 from tests.integration.agent_harness import RunningAgent
@@ -226,6 +227,33 @@ def light_pool(tmp: Path, job: str) -> Iterator[tuple[subprocess.Popen[bytes], s
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.1)
         yield process, path
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_pool_says_on_its_output_that_it_listens_before_it_imports(tmp_path: Path) -> None:
+    # The driver starts a launch's step only after this line from every node's pool. The
+    # pool's one import waits for a file the test writes only once it has read the line.
+    (tmp_path / "gate.py").write_text(
+        "import os, time\n"
+        f"while not os.path.exists({str(tmp_path / 'open')!r}):\n    time.sleep(0.05)\n"
+    )
+    job = f"l{os.getpid()}"
+    environ = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": f"{tmp_path}:{REPO}"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent.node.warmpool", "--job-id", job, "--node", "n1",
+         "--preload", "gate"],
+        cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        said, _, _ = select.select([process.stdout], [], [], 60)
+        assert said, "the pool said nothing while its imports waited"
+        assert process.stdout.readline() == LISTENING + b" n1\n"
+        assert os.path.exists(socket_path(job, "n1", None, tmp=str(tmp_path)))  # it listens
+        (tmp_path / "open").touch()
+        assert b"warm in" in process.stderr.readline()  # and imports after
     finally:
         process.kill()
         process.wait()

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from agent.driver import warm
 from agent.driver.argv import agent_argv
 from agent.driver.loop import Driver
 from agent.driver.settings import DriverSettings, settings_from
@@ -41,6 +42,13 @@ if "agent.node.warmpool" in sys.argv:  # the warm pools: logged apart, run until
         f.write(json.dumps(sys.argv[1:]) + "\\n")
     signal.signal(signal.SIGTERM, lambda *_: (open(log + ".warm", "a").write("ended\\n"),
                                               sys.exit(143)))
+    time.sleep(float(os.environ.get("FAKE_WARM_LISTEN_S", "0")))
+    nodes = int(next(a for a in sys.argv if a.startswith("--nodes=")).split("=")[1])
+    if not os.environ.get("FAKE_WARM_SILENT"):  # each node's pool says it listens
+        with open(log + ".order", "a") as f:
+            f.write("pools listen\\n")
+        print("\\n".join(f"resurgo-warmpool: listening on node{n + 1}" for n in range(nodes)))
+    print("a pool's own output", flush=True)
     time.sleep(float(os.environ.get("FAKE_WARM_S", "300")))
     sys.exit(1)
 if "agent.node.sparecheck" in sys.argv:  # the idle spares' health check: its own log
@@ -52,12 +60,10 @@ with open(log, "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 with open(log + ".skips", "a") as f:
     f.write(json.dumps(os.environ.get("RESURGO_SKIP_SAMPLES")) + "\\n")
+with open(log + ".order", "a") as f:
+    f.write("launch\\n")
 codes = json.loads(open(os.environ["FAKE_CODES"]).read())
 calls = sum(1 for _ in open(log))
-for _ in range(600 if os.environ.get("FAKE_AWAIT_WARM") else 0):  # the pools' step logged
-    if os.path.exists(log + ".warm"):
-        break
-    time.sleep(0.05)
 runs = os.environ.get("FAKE_RUN_S", "0").split(",")  # seconds, per call
 time.sleep(float(runs[min(calls, len(runs)) - 1]))
 sys.exit(codes[min(calls, len(codes)) - 1])
@@ -620,14 +626,23 @@ def warm_log(tmp_path: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
+def launch_order(tmp_path: Path) -> list[str]:
+    return (tmp_path / "srun.log.order").read_text().splitlines()
+
+
 def test_the_warm_pools_start_on_every_node_before_the_first_launch_and_end_with_the_driver(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    # The step runs until the fake pool has started (logged), then the driver ends it.
+    # The pools take a second to say they listen: the launch's step waits for them.
     status, _ = drive(
-        tmp_path, [0], [], warm_pool=True, environ={"FAKE_AWAIT_WARM": "1", "FAKE_RUN_S": "0.5"}
-    )
+        tmp_path, [0], [], warm_pool=True,
+        environ={"FAKE_WARM_LISTEN_S": "1", "FAKE_RUN_S": "0.5"},
+    )  # fmt: skip
     assert status == 0
+    assert launch_order(tmp_path) == ["pools listen", "launch"]
+    out = capfd.readouterr().out
+    assert "a pool's own output" in out  # what the pools print reaches the job's output
+    assert "listening on" not in out  # but not the lines the driver waits for
     started, ended = warm_log(tmp_path)  # one pool step, ended with the driver
     argv = json.loads(started)
     assert argv[:5] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
@@ -646,12 +661,39 @@ def test_pools_that_end_soon_after_their_start_are_not_started_again_nor_asked(
     # The first step runs 3 s after the pool step started: it has ended by the relaunch.
     status, _ = drive(
         tmp_path, [1, 0], answers, start_check_s=0.0, warm_pool=True,
-        environ={"FAKE_WARM_S": "0", "FAKE_AWAIT_WARM": "1", "FAKE_RUN_S": "3,0"},
+        environ={"FAKE_WARM_S": "0", "FAKE_RUN_S": "3,0"},
     )  # fmt: skip
     assert status == 0
     assert len(warm_log(tmp_path)) == 1  # started once, ended at once, not again
     _, relaunch = srun_calls(tmp_path)
     assert "--warm-pool" not in relaunch  # the relaunch's agents wait for no pool
+
+
+def test_pools_that_never_say_they_listen_hold_the_launch_back_only_so_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(warm, "LISTENING_S", 1.0)
+    began = time.monotonic()
+    status, _ = drive(
+        tmp_path, [0], [], warm_pool=True, environ={"FAKE_WARM_SILENT": "1", "FAKE_RUN_S": "0"}
+    )
+    assert status == 0
+    assert launch_order(tmp_path) == ["launch"]
+    assert time.monotonic() - began < 10  # not held until the pools' step ends (300 s)
+
+
+def test_pools_whose_step_ends_unheard_hold_the_launch_back_no_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(warm, "LISTENING_S", 60.0)
+    began = time.monotonic()
+    status, _ = drive(
+        tmp_path, [0], [], warm_pool=True,
+        environ={"FAKE_WARM_SILENT": "1", "FAKE_WARM_S": "0", "FAKE_RUN_S": "0"},
+    )  # fmt: skip
+    assert status == 0
+    assert launch_order(tmp_path) == ["launch"]
+    assert time.monotonic() - began < 30  # the step's end, not the wait's, let it go
 
 
 def test_unless_the_jobs_environment_asks_no_pool_starts_and_the_agents_ask_none(
