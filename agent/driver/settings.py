@@ -49,7 +49,7 @@ class DriverSettings:
     # Whether the agents' heartbeats go through the driver's aggregator.
     aggregate: bool = True
     # Whether torchrun and the ranks fork from the nodes' warm pools (agent.driver.warm).
-    warm_pool: bool = False
+    warm_pool: bool = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-warm-pool",
         action="store_true",
-        help="torchrun and the ranks start as fresh interpreters even when the job's "
-        "environment asks for the nodes' warm pools (RESURGO_WARM_POOL=1; off by default)",
+        help="torchrun and the ranks start as fresh interpreters, not forked from each "
+        "node's pool that imported torch (also RESURGO_WARM_POOL=0 in the job's environment)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser
@@ -144,5 +144,5 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> DriverSett
         procs_per_node=args.procs_per_node,
         world_nodes=args.world_nodes,
         aggregate=not args.no_aggregate and environ.get("RESURGO_AGGREGATE", "1") != "0",
-        warm_pool=not args.no_warm_pool and environ.get("RESURGO_WARM_POOL", "0") == "1",
+        warm_pool=not args.no_warm_pool and environ.get("RESURGO_WARM_POOL", "1") != "0",
     )

@@ -147,7 +147,6 @@ def test_a_rank_sigkilled_on_node3_drains_node3_and_the_job_resumes_on_three_nod
         "submit", "-N", "4", "--min-nodes", "2", f"--output={output}", "--comment", "live test",
         "--ckpt-root", str(ckpt), "--parsable", "--",
         *TORCHRUN, str(TOY), "--steps", "16", "--save-every", "4", "--fault", "idle@8:*",
-        env={"RESURGO_WARM_POOL": "1"},  # the nodes' warm pools, asked for
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     job_id = int(submitted.stdout.strip())

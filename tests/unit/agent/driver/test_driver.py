@@ -696,17 +696,16 @@ def test_pools_whose_step_ends_unheard_hold_the_launch_back_no_longer(
     assert time.monotonic() - began < 30  # the step's end, not the wait's, let it go
 
 
-def test_unless_the_jobs_environment_asks_no_pool_starts_and_the_agents_ask_none(
+def test_turned_off_in_the_jobs_environment_no_pool_starts_and_the_agents_ask_none(
     tmp_path: Path,
 ) -> None:
     argv = ["--jobs-dir", str(tmp_path), "--supervisor-url", "http://x", "--ckpt-root", "/c",
             "--", "torchrun", "t.py"]  # fmt: skip
     environ = {**os.environ, "SLURM_JOB_ID": JOB}
     environ.pop("RESURGO_WARM_POOL", None)
-    assert settings_from(argv, environ).warm_pool is False  # off unless asked for
-    assert settings_from(argv, {**environ, "RESURGO_WARM_POOL": "1"}).warm_pool is True
-    assert settings_from(["--no-warm-pool", *argv], {**environ, "RESURGO_WARM_POOL": "1"}
-                         ).warm_pool is False  # fmt: skip
+    assert settings_from(argv, environ).warm_pool is True  # on unless turned off
+    assert settings_from(argv, {**environ, "RESURGO_WARM_POOL": "0"}).warm_pool is False
+    assert settings_from(["--no-warm-pool", *argv], environ).warm_pool is False
     status, _ = drive(tmp_path, [0], [], warm_pool=False)
     assert status == 0
     assert warm_log(tmp_path) == []
