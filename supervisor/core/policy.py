@@ -10,7 +10,9 @@ Per cause (issue 5, items 3-4):
   launcher has ended, or for at most ``exit_evidence_window_s`` (their peers
   fail moments later and the reports arrive in any order), then act on the
   root cause alone: the earliest death, a node signal winning a tie
-  (:func:`supervisor.core.blame.blame_exits`);
+  (:func:`supervisor.core.blame.blame_exits`); once a death by a node signal
+  is in, only a death before it could still be the root cause, and the window
+  closes :data:`NODE_SIGNAL_EVIDENCE_S` later;
 - rank killed by a node signal -> blame its node, drain (within the hourly
   share, else alert), stop ranks, validate checkpoints, relaunch smaller;
 - Python exception -> no drain, ``user_exception_retries`` retries; the same
@@ -60,6 +62,7 @@ from supervisor.core import (
     skips,
 )
 from supervisor.core.blame import (
+    NODE_SIGNALS,
     Blame,
     blame,
     blame_exits,
@@ -114,6 +117,12 @@ from supervisor.core.observations import (
 )
 
 __all__ = ["ClusterView", "Decision", "Policy", "decide", "permits"]
+
+# Once a rank's death by a node signal is in, how long the exit window stays open for
+# a death before it (the root cause then): an earlier death's report is on its way
+# from its agent (which polls its ranks' exits every 0.25 s); the deaths after it,
+# the peers' tearing down, cannot change the root cause (a node signal wins a tie).
+NODE_SIGNAL_EVIDENCE_S = 0.5
 
 
 def permits(policy: Policy, cluster_size: int) -> str:
@@ -324,7 +333,12 @@ def _on_rank_exit(record: JobRecord, event: RankExited, ctx: Context) -> Decisio
         return _nothing(record, f"{rank} exit already known")
     exits = tuple(sorted((*pending.exits, seen), key=lambda e: e.died_at_s))[:MAX_EXITS]
     cause = blame_exits(exits, record)[1].cause
-    record = replace(record, recovery=replace(pending, cause=cause, exits=exits))
+    until = pending.evidence_until_s
+    if until is not None:
+        until = min(until, _evidence_until(seen, ctx.now_s))
+    record = replace(
+        record, recovery=replace(pending, cause=cause, exits=exits, evidence_until_s=until)
+    )
     if event.ranks_left == 0:  # this node's every rank has exited: its evidence is in
         record = _settled(record, event.node)
         if not _due(record):
@@ -351,12 +365,13 @@ def _open_exit_window(record: JobRecord, seen: ExitSeen, ctx: Context) -> Decisi
     """The first rank failed: its peers' exits follow; the root cause waits for them."""
     window = ctx.policy.exit_evidence_window_s
     cause = blame_exits((seen,), record)[1].cause
+    until = min(ctx.now_s + window, _evidence_until(seen, ctx.now_s))
     record = replace(
         recovery.to_state(record, JobState.RECOVERING, ctx.now_s),
         recovery=Recovery(
             cause=cause,
             started_s=ctx.now_s,
-            evidence_until_s=ctx.now_s + window,
+            evidence_until_s=until,
             exits=(seen,),
             before_first_step=failures.before_first_step(record),
         ),
@@ -365,9 +380,15 @@ def _open_exit_window(record: JobRecord, seen: ExitSeen, ctx: Context) -> Decisi
         return _decide_exits(record, ctx)
     explanation = (
         f"rank {seen.global_rank} on {seen.node} failed: "
-        f"collecting the other ranks' exits for {window:g}s"
+        f"collecting the other ranks' exits for {until - ctx.now_s:g}s"
     )
     return Decision(record, (), cause, explanation)
+
+
+def _evidence_until(seen: ExitSeen, now: float) -> float:
+    """The latest end of the exit window that ``seen``, in at ``now``, allows:
+    :data:`NODE_SIGNAL_EVIDENCE_S` on when it died of a node signal, else no bound."""
+    return now + NODE_SIGNAL_EVIDENCE_S if seen.signal in NODE_SIGNALS else math.inf
 
 
 def _on_launcher_end(

@@ -25,6 +25,7 @@ from supervisor.core.observations import (
     StepProgress,
     Tick,
 )
+from supervisor.core.policy import NODE_SIGNAL_EVIDENCE_S
 from tests.unit.policy_world import (
     CKPT,
     FOUR,
@@ -73,6 +74,37 @@ def test_a_sigkill_reported_after_its_peers_failures_is_the_root_cause_and_its_n
         decided.record, CheckpointValidated(100, CKPT, True), policy=WINDOW, now=NOW + 3
     )
     assert chosen.intents[-1] == RelaunchStep("42", 2, ("node1", "node2", "node4"), CKPT)
+
+
+def test_a_death_by_a_node_signal_closes_the_window_shortly_after_it_is_in():
+    """Only a death before it could still be the root cause: the window waits
+    NODE_SIGNAL_EVIDENCE_S for such a report, not for the peers' teardown."""
+    peer = rank_exit("node1", code=1, digest="gloo", exit_time=NOW - 2.0)
+    killed = rank_exit("node3", sig=KILL, exit_time=NOW - 2.2)
+    opened, shortened = run(running(), peer, killed, policy=WINDOW, cluster=FOUR)
+    assert opened.record.recovery is not None and shortened.record.recovery is not None
+    assert opened.record.recovery.evidence_until_s == NOW + 3.0  # an exception: the window
+    assert shortened.record.recovery.evidence_until_s == NOW + NODE_SIGNAL_EVIDENCE_S
+    assert shortened.intents == ()
+    # Opened by the death itself: the same.
+    (alone,) = run(running(), killed, policy=WINDOW, cluster=FOUR)
+    assert alone.record.recovery is not None
+    assert alone.record.recovery.evidence_until_s == NOW + NODE_SIGNAL_EVIDENCE_S
+    assert "for 0.5s" in alone.explanation
+    # An earlier death reported within it is still the root cause.
+    earlier = rank_exit("node2", sig=signal.SIGSEGV.value, exit_time=NOW - 2.5)
+    (collected,) = run(alone.record, earlier, policy=WINDOW, cluster=FOUR, now=NOW + 0.3)
+    assert collected.intents == ()
+    (decided,) = run(
+        collected.record, Tick(), policy=WINDOW, cluster=FOUR, now=NOW + NODE_SIGNAL_EVIDENCE_S
+    )
+    assert kinds(decided) == [DrainNode, StopRanks, ValidateCheckpoints]
+    assert isinstance(decided.intents[0], DrainNode) and decided.intents[0].node == "node2"
+    # A window shorter already stays as short.
+    short = replace(WINDOW, exit_evidence_window_s=0.2)
+    (brief,) = run(running(), killed, policy=short, cluster=FOUR)
+    assert brief.record.recovery is not None
+    assert brief.record.recovery.evidence_until_s == NOW + 0.2
 
 
 def _user_failure(now: float) -> tuple[RankExited, ...]:
