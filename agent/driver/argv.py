@@ -40,8 +40,10 @@ def agent_argv(
         "--secret-file", str(settings.job_dir / "secret"),
         "--master-addr", master_addr,
         "--master-port", str(master_port),
-        # The first node hosts the rendezvous store, wherever the address resolves.
+        # The first node hosts the rendezvous store, wherever the address resolves; each
+        # node's rank is its place in the order (torchrun's static rendezvous).
         "--master-node", nodes[0],
+        "--node-order", ",".join(nodes),
         "--launch-nonce", str(attempt),
         "--attempt", str(attempt),
         "--ckpt-root", settings.ckpt_root,

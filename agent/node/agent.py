@@ -303,6 +303,7 @@ class NodeAgent:
             restart_count=config.restart_count,
             launch_nonce=config.launch_nonce,
             rdzv_host=(config.node == config.master_node) if config.master_node else None,
+            static=bool(config.node_order),
         )
         options_dir = self._torchrun_options_dir()
         settings = LaunchSettings(

@@ -14,10 +14,11 @@ not the job's stale count after a resize), ``SLURM_NODEID`` and
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from agent.node.hang import HangConfig
 from agent.skips import SampleRange, parse_skip_samples
 from agent.wire.errors import ConfigError
 from agent.wire.settings import add_flags, add_version, layered, read_toml
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "RESURGO_AGENT_"
 
@@ -44,6 +47,10 @@ class AgentConfig:
     - ``master_port``: the TCP port of that rendezvous store.
     - ``master_node``: the node whose torchrun hosts that store (empty: each torchrun
       guesses from the address, which any node takes for its own when it is a loopback).
+    - ``node_order``: the launch's nodes, comma-separated, the store's host first: each
+      node's place in it is its ``node_rank``, and torchrun meets in its static
+      rendezvous, polling no store (empty, or not naming this node among ``nnodes``:
+      torchrun's c10d rendezvous, ranking the nodes as they arrive).
     - ``restart_count``: Slurm's requeue count of the job (SLURM_RESTART_COUNT).
     - ``launch_nonce``: tells this launch's agents from an earlier one's on the same node.
     - ``attempt``: the supervisor's attempt number this launch belongs to (0: the first,
@@ -104,6 +111,7 @@ class AgentConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     master_node: str = ""
+    node_order: str = ""
     restart_count: int = 0
     launch_nonce: str = "0"
     attempt: int = 0
@@ -204,6 +212,21 @@ def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     return found
 
 
+def _ranked_by_order(config: AgentConfig) -> AgentConfig:
+    """``config`` with its node rank its place in ``node_order``; without the order when
+    the order does not name this node among ``nnodes`` (c10d ranks the nodes then)."""
+    if not config.node_order:
+        return config
+    order = config.node_order.split(",")
+    if len(order) != config.nnodes or order.count(config.node) != 1:
+        log.warning(
+            "node order %s does not name %s among %d node(s): torchrun ranks the nodes "
+            "as they arrive", config.node_order, config.node, config.nnodes,
+        )  # fmt: skip
+        return replace(config, node_order="")
+    return replace(config, node_rank=order.index(config.node))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Flags for every field, plus ``--config`` and the command after ``--``."""
     parser = argparse.ArgumentParser(
@@ -239,6 +262,7 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[AgentC
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    config = _ranked_by_order(config)
     if not config.job_id:
         raise ConfigError("no job id: run under srun (SLURM_JOB_ID) or pass --job-id")
     return config, command

@@ -151,6 +151,9 @@ class Allocation:
     launch_nonce: str = "0"
     # Whether this node's torchrun hosts the rendezvous store (None: torchrun guesses).
     rdzv_host: bool | None = None
+    # torchrun's static rendezvous, each node's rank given (``node_rank``, the store's host
+    # 0): no polls of a store while the nodes arrive. False: c10d, ranked as they arrive.
+    static: bool = False
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -397,11 +400,10 @@ def fit_torchrun(
         "-m",
         "torch.distributed.run",
         *kept,
-        f"--nnodes={allocation.nnodes}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={allocation.master_addr}:{allocation.master_port}",
-        f"--rdzv-id={allocation.rdzv_id}",
-        *_flag("--rdzv-conf", rdzv_conf(parsed.rdzv_conf, allocation.rdzv_host)),
+        *(
+            f"--{name.lower().replace('_', '-')}={value}"
+            for name, value in _rendezvous(allocation, parsed.rdzv_conf).items()
+        ),
         "--max-restarts=0",
         "--no-python",
         python,
@@ -413,32 +415,47 @@ def fit_torchrun(
     return argv, nproc
 
 
-def rdzv_conf(user_conf: str, rdzv_host: bool | None) -> str:
+def rdzv_conf(user_conf: str, rdzv_host: bool | None, static: bool = False) -> str:
     """The rendezvous settings: the user's, with ``is_host`` the agent's own.
 
     Told nothing, torchrun hosts the store on whichever node takes the endpoint's
     address for its own, and every node does when it is a loopback address or a
     name that several resolve alike; the store then lives on the node that bound
-    first, and that node's loss ends the whole world.
+    first, and that node's loss ends the whole world. ``static``: the store's host
+    is node rank 0 (no ``is_host``), and its wait for the nodes is ``timeout``,
+    the user's ``join_timeout`` when that is all they set.
     """
     settings = [part for part in user_conf.split(",") if part.strip()]
-    if rdzv_host is not None:
+    keys = {part.split("=", 1)[0].strip(): part for part in settings}
+    if rdzv_host is not None or static:
         settings = [part for part in settings if part.split("=", 1)[0].strip() != "is_host"]
+    if static:
+        if "timeout" not in keys and "join_timeout" in keys:
+            settings.append("timeout=" + keys["join_timeout"].split("=", 1)[1].strip())
+    elif rdzv_host is not None:
         settings.append(f"is_host={str(rdzv_host).lower()}")
     return ",".join(settings)
 
 
+def _rendezvous(allocation: Allocation, user_conf: str) -> dict[str, str]:
+    """torchrun's rendezvous options for ``allocation``, by name (``NNODES``, ...)."""
+    options = {
+        "NNODES": str(allocation.nnodes),
+        "RDZV_BACKEND": "static" if allocation.static else "c10d",
+        "RDZV_ENDPOINT": f"{allocation.master_addr}:{allocation.master_port}",
+        "RDZV_ID": allocation.rdzv_id,
+    }
+    if allocation.static:
+        options["NODE_RANK"] = str(allocation.node_rank)
+    if conf := rdzv_conf(user_conf, allocation.rdzv_host, allocation.static):
+        options["RDZV_CONF"] = conf
+    return options
+
+
 def torchrun_env(allocation: Allocation, user_rdzv_conf: str = "") -> dict[str, str]:
     """``PET_*`` defaults that fit any torchrun below a wrapper to the job (its flags win)."""
-    env = {
-        "PET_NNODES": str(allocation.nnodes),
-        "PET_RDZV_BACKEND": "c10d",
-        "PET_RDZV_ENDPOINT": f"{allocation.master_addr}:{allocation.master_port}",
-        "PET_RDZV_ID": allocation.rdzv_id,
-        "PET_MAX_RESTARTS": "0",
-    }
-    if conf := rdzv_conf(user_rdzv_conf, allocation.rdzv_host):
-        env["PET_RDZV_CONF"] = conf
+    env = {f"PET_{name}": value for name, value in _rendezvous(allocation, user_rdzv_conf).items()}
+    env["PET_MAX_RESTARTS"] = "0"
     return env
 
 
@@ -472,11 +489,6 @@ def slurm_task_env(environ: Mapping[str, str]) -> dict[str, str]:
         "SLURM_NTASKS_PER_NODE": local_world,
         "SLURM_TASKS_PER_NODE": f"{local_world}(x{environ.get('GROUP_WORLD_SIZE', '1')})",
     }
-
-
-def _flag(name: str, value: str) -> list[str]:
-    """``name=value`` as one token, or nothing for an empty value."""
-    return [f"{name}={value}"] if value else []
 
 
 def _torchrun_options(command: Sequence[str]) -> list[str]:

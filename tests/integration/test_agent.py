@@ -338,6 +338,47 @@ def test_agents_under_srun_report_a_killed_rank_on_the_right_node(
     assert started.payload["nnodes"] == 2
 
 
+@pytest.mark.slurm
+def test_agents_given_the_node_order_rank_the_nodes_by_it_in_a_static_rendezvous(
+    slurm_cluster: LiveCluster, tmp_path: Path
+) -> None:
+    """The allocation's nodes in reverse: its last node hosts the store and holds ranks 0
+    and 1, whatever order the nodes reach the rendezvous in (c10d would rank them as
+    they arrive)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'export ORDER=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tac | paste -sd,)\n'
+        'echo "$ORDER" > ' + str(tmp_path / "order") + "\n"
+        f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c '"
+        f"exec {sys.executable} -m agent.node.agent --master-addr 127.0.0.1 "
+        f"--master-port {free_port()} --master-node ${{ORDER%%,*}} --node-order $ORDER "
+        f"--events-log {tmp_path}/events-$SLURMD_NODENAME.jsonl "
+        f"-- torchrun --nproc-per-node=2 {WORKER} --out {out} --steps 3'\n"
+    )
+    job_id = slurm_cluster.sbatch(
+        "--nodes=2", f"--output={tmp_path}/job.out", f"--chdir={REPO}", str(script)
+    )
+    try:
+        slurm_cluster.wait_job_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 120)
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)])
+    first, last = (tmp_path / "order").read_text().split()[0].split(",")
+    starts, ranks = {}, {}
+    for path in tmp_path.glob("events-*.jsonl"):
+        for line in path.read_bytes().splitlines():
+            event = protocol.decode_event(line)
+            if event.kind is EventKind.AGENT_STARTED:
+                starts[event.node] = event.payload["node_rank"]
+            elif event.kind is EventKind.RANK_EXITED:
+                assert event.payload["exit_code"] == 0, event.payload
+                ranks[event.payload["global_rank"]] = event.node
+    assert starts == {first: 0, last: 1}, (tmp_path / "job.out").read_text()
+    assert ranks == {0: first, 1: first, 2: last, 3: last}, (tmp_path / "job.out").read_text()
+
+
 def _notice(tmp_path: Path, save_in_s: float, end_in_s: float) -> Path:
     from agent.stopfiles import write_notice
     from agent.timelimit import Notice

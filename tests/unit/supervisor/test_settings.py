@@ -82,6 +82,19 @@ def test_agent_settings_take_slurm_environment_under_explicit_ones() -> None:
         load_agent_config(["--job-id", "1", "--hang-k", "x"], {})
 
 
+def test_an_agent_given_the_node_order_takes_its_place_in_it_as_its_node_rank() -> None:
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "3",
+             "SLURMD_NODENAME": "node1"}  # fmt: skip
+    order = ["--node-order", "node3,node2,node1"]
+    config, _ = load_agent_config(order, slurm)
+    assert (config.node_rank, config.node_order) == (2, "node3,node2,node1")
+    # An order that does not name this node among the step's: torchrun ranks the nodes.
+    for wrong in ("node3,node2", "node3,node2,node4", "node1,node2,node1"):
+        config, _ = load_agent_config(["--node-order", wrong], slurm)
+        assert (config.node_rank, config.node_order) == (0, ""), wrong
+    assert load_agent_config([], slurm)[0].node_order == ""
+
+
 def test_the_agent_reads_the_samples_to_skip_from_its_flag_and_refuses_a_malformed_one() -> None:
     config, _ = load_agent_config(["--job-id", "1", "--skip-samples", "0:64,128:192"], {})
     assert config.skip_ranges() == ((0, 64), (128, 192))

@@ -213,6 +213,8 @@ def test_a_step_that_succeeds_ends_the_job_successfully(tmp_path: Path) -> None:
                         "--kill-on-bad-exit=0"]  # fmt: skip
     assert argv[argv.index("--master-addr") + 1] == "10.0.0.1"
     assert argv[argv.index("--master-node") + 1] == "node1"  # hosts the rendezvous store
+    # Each node's rank is its place in the order: torchrun's static rendezvous.
+    assert argv[argv.index("--node-order") + 1] == "node1,node2,node3"
     assert argv[argv.index("--attempt") + 1] == "1"
     assert argv[-3:] == ["--", "torchrun", "train.py"]
     assert [r.phase for r in directory.driver_requests(JOB)] == [DriverPhase.START]

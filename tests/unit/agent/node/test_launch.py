@@ -79,6 +79,29 @@ def test_the_named_first_node_alone_hosts_the_rendezvous_store(node: str, is_hos
     assert wrapper_env["PET_RDZV_CONF"] == f"join_timeout=90,is_host={is_host}"
 
 
+def test_a_static_rendezvous_gives_torchrun_its_node_rank_and_polls_no_store() -> None:
+    """Where the driver knows the node order, each node's rank is its place in it (the
+    store's host 0): torchrun's static backend, with no ``is_host`` and the user's
+    ``join_timeout`` as its wait for the nodes."""
+    static = replace(ALLOC, rdzv_host=False, static=True)
+    command = ["torchrun", "--nproc-per-node=2", "--rdzv-conf", "join_timeout=90,is_host=1", "t.py"]
+    result = plan_launch(command, static, SETTINGS, {}, PY, get_args_parser())
+    options = result.argv[3 : result.argv.index("--no-python")]
+    assert options == (
+        "--nproc-per-node=2", "--nnodes=3", "--rdzv-backend=static",
+        "--rdzv-endpoint=10.0.0.1:29811", "--rdzv-id=resurgo-42-2-a1", "--node-rank=1",
+        "--rdzv-conf=join_timeout=90,timeout=90", "--max-restarts=0",
+    )  # fmt: skip
+    # torchrun itself reads them so: node rank 1 of a static world at the endpoint.
+    args = get_args_parser().parse_args([*options, "t.py"])
+    assert (args.rdzv_backend, args.node_rank, args.nnodes) == ("static", 1, "3")
+    env = torchrun_env(static, "timeout=30,is_host=0")
+    assert env["PET_RDZV_BACKEND"] == "static" and env["PET_NODE_RANK"] == "1"
+    assert env["PET_RDZV_CONF"] == "timeout=30"
+    assert allocation_from_env(plan(["bash", "run.sh"]).env) == ALLOC
+    assert "PET_NODE_RANK" not in torchrun_env(ALLOC)  # c10d ranks the nodes itself
+
+
 def test_without_a_named_host_torchrun_keeps_its_own_guess_and_the_users_settings() -> None:
     result = plan(["torchrun", "--nproc-per-node=2", "--rdzv_conf=join_timeout=90", "t.py"])
     assert [t for t in result.argv if "rdzv-conf" in t or "rdzv_conf" in t] == [
