@@ -290,23 +290,37 @@ def test_the_default_run_directory_goes_with_its_launch_unless_events_wait_in_it
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _two_node_agents(
+    cluster: LiveCluster,
+    tmp_path: Path,
+    worker_flags: str,
+    *,
+    prelude: str = "",
+    agent_flags: str = "",
+) -> int:
+    """A 2-node job whose step runs an agent per node, each logging its events to
+    ``events-NODE.jsonl`` and running torchrun with 2 workers (``--out`` made)."""
+    (tmp_path / "out").mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text(
+        f"#!/bin/bash\n{prelude}"
+        f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c '"
+        f"exec {sys.executable} -m agent.node.agent --master-addr 127.0.0.1 "
+        f"--master-port {free_port()} {agent_flags} "
+        f"--events-log {tmp_path}/events-$SLURMD_NODENAME.jsonl "
+        f"-- torchrun --nproc-per-node=2 {WORKER} {worker_flags}'\n"
+    )
+    return cluster.sbatch(
+        "--nodes=2", f"--output={tmp_path}/job.out", f"--chdir={REPO}", str(script)
+    )
+
+
 @pytest.mark.slurm
 def test_agents_under_srun_report_a_killed_rank_on_the_right_node(
     slurm_cluster: LiveCluster, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    script = tmp_path / "job.sh"
-    script.write_text(
-        "#!/bin/bash\n"
-        f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c '"
-        f"exec {sys.executable} -m agent.node.agent --master-addr 127.0.0.1 "
-        f"--master-port {free_port()} --events-log {tmp_path}/events-$SLURMD_NODENAME.jsonl "
-        f"-- torchrun --nproc-per-node=2 {WORKER} --out {out} --instrumented'\n"
-    )
-    job_id = slurm_cluster.sbatch(
-        "--nodes=2", f"--output={tmp_path}/job.out", f"--chdir={REPO}", str(script)
-    )
+    job_id = _two_node_agents(slurm_cluster, tmp_path, f"--out {out} --instrumented")
     try:
         deadline = time.monotonic() + 90
         while not all((out / f"step.{rank}").exists() for rank in range(4)):
@@ -345,22 +359,12 @@ def test_agents_given_the_node_order_rank_the_nodes_by_it_in_a_static_rendezvous
     """The allocation's nodes in reverse: its last node hosts the store and holds ranks 0
     and 1, whatever order the nodes reach the rendezvous in (c10d would rank them as
     they arrive)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    script = tmp_path / "job.sh"
-    script.write_text(
-        "#!/bin/bash\n"
-        'export ORDER=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tac | paste -sd,)\n'
-        'echo "$ORDER" > ' + str(tmp_path / "order") + "\n"
-        f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c '"
-        f"exec {sys.executable} -m agent.node.agent --master-addr 127.0.0.1 "
-        f"--master-port {free_port()} --master-node ${{ORDER%%,*}} --node-order $ORDER "
-        f"--events-log {tmp_path}/events-$SLURMD_NODENAME.jsonl "
-        f"-- torchrun --nproc-per-node=2 {WORKER} --out {out} --steps 3'\n"
-    )
-    job_id = slurm_cluster.sbatch(
-        "--nodes=2", f"--output={tmp_path}/job.out", f"--chdir={REPO}", str(script)
-    )
+    job_id = _two_node_agents(
+        slurm_cluster, tmp_path, f"--out {tmp_path / 'out'} --steps 3",
+        prelude='export ORDER=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tac | paste -sd,)\n'
+        f'echo "$ORDER" > {tmp_path / "order"}\n',
+        agent_flags="--master-node ${ORDER%%,*} --node-order $ORDER",
+    )  # fmt: skip
     try:
         slurm_cluster.wait_job_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 120)
     finally:
