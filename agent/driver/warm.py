@@ -7,12 +7,12 @@ every pool has said on its standard output that it listens (each says so before 
 imports anything), or after :data:`LISTENING_S`: a slurmd handed two step launches at
 the same moment has crashed, so the two steps never start together. Each node
 imports torch once, in its pool, instead of once in torchrun and again in every rank.
-The step outlives the training
-steps (each relaunch is a step of its own), so a relaunch's processes start without
-importing anything; should it end (a node lost, the job shrunk off a node) it is
-started again on the allocation as it is then, before the next launch, unless it
-ended within :data:`SHORT_LIVED_S` of its start: a pool that cannot start is not
-retried, and the ranks start as fresh interpreters, as they would without it.
+The step outlives the training steps (each relaunch is a step of its own), so a
+relaunch's processes start without importing anything; should it end (a node lost,
+the job shrunk off a node) it is started again on the allocation as it is then,
+before the next launch, unless it ended within :data:`SHORT_LIVED_S` of its start: a
+pool that cannot start is not retried, and the ranks start as fresh interpreters, as
+they would without it.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class WarmPools:
             return
         self._started_at = self._clock()
         log.info("warm pools starting on %d node(s)", len(nodes))
-        listening: asyncio.Event = asyncio.Event()
+        listening = asyncio.Event()
         assert self._step.stdout is not None
         self._output = asyncio.create_task(
             _forward(self._step.stdout, len(nodes), listening), name="warm pools' output"
