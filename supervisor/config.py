@@ -166,6 +166,12 @@ class SupervisorConfig:
       checkpoint past it is invalid, and the next older one is tried.
     - ``validation_timeout_s``: the wall-clock time validating one checkpoint may
       take; a checkpoint past it is invalid, and the next older one is tried.
+    - ``validation_keep_warm``: start the validation process (torch imported:
+      about 250 MiB, and seconds of CPU) as soon as a job is followed, so that a
+      recovery's validation need not wait for it (10 s on a loaded head node).
+      Off: the first validation starts it; a head node short of memory, or a
+      supervisor restarted often, saves the import. Either way it stops after
+      five minutes without a job.
     - ``validate_ahead``: validate each job's newest checkpoint as soon as it is
       reported, in the background, so that a recovery takes that verdict while
       the checkpoint is unchanged (every file's name, size, inode and times)
@@ -206,6 +212,7 @@ class SupervisorConfig:
     validation_memory_mib: int = 4096
     validation_cpu_s: float = 600.0
     validation_timeout_s: float = 900.0
+    validation_keep_warm: bool = True
     validate_ahead: bool = True
 
     def __post_init__(self) -> None:

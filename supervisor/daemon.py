@@ -259,7 +259,11 @@ class Supervisor:
         ]
         if self.executor.ahead is not None:
             tasks.append(asyncio.create_task(self.executor.ahead.run(), name="validate-ahead"))
-        keeper = WarmWhileNeeded(self.executor.validation, also_stop=(self.executor.background,))
+        keeper = WarmWhileNeeded(
+            self.executor.validation,
+            also_stop=(self.executor.background,),
+            start_early=config.validation_keep_warm,
+        )
         warm = asyncio.create_task(
             self._every(VALIDATION_CHECK_S, lambda: keeper.check(len(self.jobs.unfinished()))),
             name="warm-validation",

@@ -193,17 +193,21 @@ class WarmWhileNeeded:
     250 of 310 MiB) and, started at the first validation instead, seconds
     between a fault and the relaunch (10 s on a loaded head node). So it starts
     as soon as there is a job to recover and goes when there has been none for
-    a while; a validation asked for meanwhile starts it as before.
+    a while; a validation asked for meanwhile starts it as before. With
+    ``start_early`` off (the ``validation_keep_warm`` setting) the first
+    validation starts it, and it goes as before.
     """
 
     def __init__(
-        self, process: Process, *, also_stop: Sequence[Process] = (),
+        self, process: Process, *, also_stop: Sequence[Process] = (), start_early: bool = True,
         idle_stop_s: float = IDLE_STOP_S, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         """``also_stop``: processes started on demand (the background validator), stopped
-        with ``process``."""
+        with ``process``; ``start_early``: start ``process`` for a job before its first
+        validation."""
         self._process = process
         self._also_stop = tuple(also_stop)
+        self._start_early = start_early
         self._idle_stop_s = idle_stop_s
         self._clock = clock
         self._no_job_since: float | None = None
@@ -212,7 +216,7 @@ class WarmWhileNeeded:
         """Start or stop the child for ``jobs`` unfinished jobs followed now."""
         if jobs:
             self._no_job_since = None
-            if not self._process.running:
+            if self._start_early and not self._process.running:
                 started = self._clock()
                 try:
                     await self._process.start()

@@ -79,3 +79,19 @@ def test_the_background_validator_started_on_demand_is_stopped_with_it() -> None
         assert not child.running and not background.running
 
     asyncio.run(life())
+
+
+def test_kept_cold_it_is_left_to_the_first_validation_and_still_stopped_when_idle() -> None:
+    child, clock = Child(), [0.0]
+    keeper = WarmWhileNeeded(child, start_early=False, clock=lambda: clock[0])
+
+    async def life() -> None:
+        await keeper.check(1)
+        assert child.log == [] and not child.running
+        await child.start()  # a recovery's validation started it
+        await keeper.check(0)
+        clock[0] += IDLE_STOP_S
+        await keeper.check(0)
+        assert child.log == ["start", "stop"]
+
+    asyncio.run(life())
