@@ -72,10 +72,17 @@ PRELOAD = (
     "torch.utils.data",
     "torch.distributed",
     "torch.distributed.checkpoint",
+    # Imported by the first optimizer a rank builds (torch.optim's compiler hooks): a
+    # second of CPU in every rank, 2.4 s of a warm relaunch's start on a loaded node.
+    "torch._dynamo",
 )
-# Variables read once, when the interpreter starts or torch is imported: a rank that
-# sets one differently from the pool could not be forked from it faithfully.
-FIXED_AT_START = ("PYTHON", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_LOGS")
+# Variables read once, when the interpreter starts or torch and its compiler are
+# imported: a rank that sets one differently from the pool could not be forked from
+# it faithfully.
+FIXED_AT_START = (
+    "PYTHON", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_LOGS",
+    "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE", "TORCH_DYNAMO", "TORCH_INDUCTOR",
+)  # fmt: skip
 MAX_MESSAGE = 1 << 20
 # How long the pool may take to answer before the process is started cold: its imports
 # at the job's start (a launch's first requests wait in its backlog until it is warm).
@@ -182,6 +189,18 @@ def exit_status(message: bytes) -> int | None:
 def fixed_at_start(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``environ`` that only a fresh interpreter would take in."""
     return {name: value for name, value in environ.items() if name.startswith(FIXED_AT_START)}
+
+
+def after_the_imports(
+    request: Mapping[str, object], pool_env: Mapping[str, str], set_by_imports: Mapping[str, str]
+) -> tuple[dict[str, object], dict[str, str]]:
+    """``request`` and ``pool_env`` as a fresh interpreter would have them after the pool's
+    preloaded imports, for :func:`why_not_warm`: what those set (torch's compiler its
+    ``TORCHINDUCTOR_CACHE_DIR``) is the child's unless its own environment sets it, and a
+    launch forked from the pool passes it on to its ranks."""
+    env = request.get("env")
+    seen = {**request, "env": {**set_by_imports, **env}} if isinstance(env, dict) else {**request}
+    return seen, {**pool_env, **set_by_imports}
 
 
 def why_not_warm(
@@ -335,7 +354,7 @@ class Pool:
             why = "the pool is stopping"
         if why is None:
             assert isinstance(request, dict)
-            why = why_not_warm(request, self._env)
+            why = why_not_warm(*after_the_imports(request, self._env, self._set_by_imports))
         if why is not None:
             _send(conn, {"refused": why})
             conn.close()

@@ -33,8 +33,11 @@ PROBE = """\
 import json, os, random, sys
 preloaded = "torch" in sys.modules
 import numpy, torch
+compiler = "torch._dynamo" in sys.modules
+torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # imports the compiler
 print(json.dumps({
-    "preloaded": preloaded, "argv": sys.argv, "name": __name__, "file": __file__,
+    "preloaded": preloaded, "compiler": compiler, "argv": sys.argv, "name": __name__,
+    "file": __file__,
     "cwd": os.getcwd(), "path0": sys.path[0], "foo": os.environ.get("FOO"),
     "stdin": sys.stdin.readline().strip(), "threads": torch.get_num_threads(),
     "random": random.random(), "numpy": float(numpy.random.random()),
@@ -100,6 +103,8 @@ def test_a_warm_worker_sees_what_a_cold_one_sees_and_torch_was_imported_before_i
     cold, cold_err = probe(tmp_path, None, "3")
     warm, warm_err = probe(tmp_path, path, "3")
     assert (cold["preloaded"], warm["preloaded"]) == (False, True)
+    # Nor does a warm rank's first optimizer import torch's compiler (a second of CPU).
+    assert (cold["compiler"], warm["compiler"]) == (False, True)
     assert warm["ppid"] == process.pid  # forked by the pool, not started by the shim
     for key in ("argv", "name", "file", "cwd", "path0", "foo", "stdin", "threads"):
         assert warm[key] == cold[key], key

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from agent.node.warmpool import MAX_SOCKET_PATH, socket_path, why_not_warm
+from agent.node.warmpool import MAX_SOCKET_PATH, after_the_imports, socket_path, why_not_warm
 
 
 def test_the_socket_path_is_the_same_for_pool_and_agent_and_differs_by_job_node_and_secret(
@@ -60,6 +60,9 @@ def test_the_pool_refuses_what_a_fork_would_not_start_faithfully() -> None:
         "no script to run": request(argv=[]),
         "PYTHONHASHSEED is set differently": request(env={**pool, "PYTHONHASHSEED": "0"}),
         "LD_PRELOAD is set differently": request(env={**pool, "LD_PRELOAD": "libx.so"}),
+        "TORCHINDUCTOR_CACHE_DIR is set differently": request(
+            env={**pool, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}
+        ),
         "no environment": request(env=None),
     }
     for expected, refused in cases.items():
@@ -77,3 +80,17 @@ def test_the_pool_refuses_while_it_runs_a_python_thread() -> None:
         stop.set()
         thread.join()
     assert why is not None and "threads" in why
+
+
+def test_what_the_pools_imports_set_is_taken_as_a_fresh_interpreters_imports_would_set_it() -> None:
+    pool = dict(os.environ)
+    pool.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    imported = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_user"}  # torch._dynamo's import
+    # A rank that does not set it, or got the pool's from a launch forked there: served.
+    for env in (pool, {**pool, **imported}):
+        seen = after_the_imports(request(env=env), pool, imported)
+        assert why_not_warm(*seen, python_threads=1) is None
+    # A rank whose own environment sets it otherwise: a fresh import would use that one.
+    elsewhere = {**pool, "TORCHINDUCTOR_CACHE_DIR": "/scratch/inductor"}
+    why = why_not_warm(*after_the_imports(request(env=elsewhere), pool, imported), python_threads=1)
+    assert why is not None and "TORCHINDUCTOR_CACHE_DIR" in why
